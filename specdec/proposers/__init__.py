@@ -1,0 +1,44 @@
+"""Drafters, one module each, all behind the :class:`Proposer` protocol, chosen by name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from specdec.backends.base import CausalLM
+from specdec.errors import UsageError
+from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
+from specdec.proposers.draft_model import DraftModelProposer
+from specdec.proposers.none import NoProposer
+from specdec.proposers.prompt_lookup import PromptLookupProposer
+
+
+def _draft_model(target: CausalLM, draft: CausalLM | None) -> Proposer:
+    if draft is None:
+        raise UsageError("--drafter draft-model needs --draft-model PATH")
+    return DraftModelProposer(draft, target_vocab_size=target.vocab_size)
+
+
+# name -> factory(target backend, draft backend or None)
+PROPOSERS: dict[str, Callable[[CausalLM, CausalLM | None], Proposer]] = {
+    "none": lambda target, draft: NoProposer(),
+    "prompt-lookup": lambda target, draft: PromptLookupProposer(),
+    "draft-model": _draft_model,
+}
+
+
+def make_proposer(name: str, target: CausalLM, draft: CausalLM | None = None) -> Proposer:
+    if name not in PROPOSERS:
+        raise UsageError(f"unknown drafter {name!r}; choose from {', '.join(PROPOSERS)}")
+    return PROPOSERS[name](target, draft)
+
+
+__all__ = [
+    "Draft",
+    "DraftModelProposer",
+    "EMPTY_DRAFT",
+    "NoProposer",
+    "PROPOSERS",
+    "PromptLookupProposer",
+    "Proposer",
+    "make_proposer",
+]

@@ -1,0 +1,17 @@
+"""The ``none`` drafter: no draft, so every round is one plain autoregressive step of the target."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.proposers.base import EMPTY_DRAFT, Draft
+from specdec.sampling import SamplingParams
+
+
+class NoProposer:
+    name = "none"
+
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Draft:
+        return EMPTY_DRAFT

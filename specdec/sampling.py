@@ -1,0 +1,78 @@
+"""Sampling settings, and the one transform from logits to the distributions the verifier compares.
+
+Exactness needs draft and target logits to pass through the same transform: every caller that turns logits
+into probabilities goes through :func:`logits_to_probs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.errors import UsageError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How logits become a distribution over the next token.
+
+    temperature == 0 means greedy decoding (argmax); top_k == 0 and top_p == 1 mean "no truncation".
+    The order is that of transformers: temperature, then top-k, then top-p.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:  # also rejects NaN
+            raise UsageError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise UsageError(f"top-k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise UsageError(f"top-p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Turn logits [..., vocab] into the sampling distribution [..., vocab] (float32 or wider).
+
+    Greedy settings give a point mass on the argmax, so that greedy decoding is the zero-temperature case of
+    the same rejection test.
+    """
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    scaled = logits / params.temperature
+    scaled = _mask_top_k(scaled, params.top_k)
+    scaled = _mask_top_p(scaled, params.top_p)
+    return torch.softmax(scaled, dim=-1)
+
+
+def _mask_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Keep the top_k largest logits of each row (ties at the threshold are kept); 0 keeps all."""
+    if top_k == 0 or top_k >= logits.shape[-1]:
+        return logits
+    threshold = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [..., 1]
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _mask_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches top_p (at least one token)."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [..., vocab]
+    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+    # drop a token when the tokens ranked above it already reach top_p
+    drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """Draw one token id from a distribution [vocab]."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -1,0 +1,110 @@
+"""The verifier: exact rejection sampling of a drafted chain against the target's distributions.
+
+Pure functions over probability tensors: no model, no cache; random numbers come from the generator passed in.
+
+Words used here and everywhere in specdec:
+
+- *draft tokens*: the k tokens a proposer drafted, with their distributions ``draft_probs`` [k, vocab], or
+  ``None`` for a proposer that has no distribution (a copy from the context): a point mass on each token.
+- *target_probs* [k+1, vocab]: the target's distribution at each drafted position, plus one after the last.
+- *accepted*: draft token x at position i survives with probability min(1, p_i(x) / q_i(x)); the longest
+  surviving prefix is kept.
+- *recovered*: after the first rejection, at position n, the next token is drawn from the residual
+  max(0, p_n - q_n), renormalised.
+- *bonus*: when all k survive, one more token is drawn from p_k, the target's distribution after the last one.
+
+Every token emitted this way is a draw from the target's distribution, whatever the draft was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.sampling import sample
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of verifying one drafted chain: ``accepted`` draft tokens, then one more ``token``."""
+
+    num_draft: int  # k, the number of draft tokens verified
+    accepted: int  # length of the accepted prefix, 0..k
+    token: int  # recovered token (accepted < k) or bonus token (accepted == k)
+
+    @property
+    def bonus(self) -> bool:
+        return self.accepted == self.num_draft
+
+    def emitted(self, draft_tokens: list[int]) -> list[int]:
+        """The tokens this round emits: the accepted prefix and the recovered or bonus token."""
+        return list(draft_tokens[: self.accepted]) + [self.token]
+
+
+def acceptance_probs(
+    draft_tokens: torch.Tensor,  # [k] long
+    draft_probs: torch.Tensor | None,  # [k, vocab] or None (point mass on each draft token)
+    target_probs: torch.Tensor,  # [k+1, vocab]
+) -> torch.Tensor:  # [k]
+    """Probability min(1, p(x)/q(x)) of accepting each draft token x, taken on its own."""
+    k = draft_tokens.shape[0]
+    p_x = target_probs[:k].gather(-1, draft_tokens[:, None]).squeeze(-1)  # [k]
+    if draft_probs is None:
+        return p_x.clamp(max=1.0)
+    q_x = draft_probs.gather(-1, draft_tokens[:, None]).squeeze(-1)  # [k]
+    # q(x) > 0 for a token the drafter drew; guard the division for hand-made inputs
+    return torch.where(q_x > 0, (p_x / q_x.clamp(min=torch.finfo(q_x.dtype).tiny)).clamp(max=1.0), 1.0)
+
+
+def residual_probs(
+    target_row: torch.Tensor,  # [vocab] p at the rejected position
+    draft_row: torch.Tensor | None,  # [vocab] q at that position, or None for a point mass
+    draft_token: int,  # the rejected draft token (defines the point mass)
+) -> torch.Tensor:  # [vocab]
+    """The residual max(0, p - q), renormalised: the distribution of the recovered token."""
+    if draft_row is None:
+        residual = target_row.clone()
+        residual[draft_token] = (target_row[draft_token] - 1.0).clamp(min=0.0)
+    else:
+        residual = (target_row - draft_row).clamp(min=0.0)
+    total = residual.sum()
+    if not total > 0:  # p == q up to rounding: a rejection had probability ~0, and p is the exact answer
+        return target_row
+    return residual / total
+
+
+def verify(
+    draft_tokens: torch.Tensor,  # [k] long
+    draft_probs: torch.Tensor | None,  # [k, vocab] or None
+    target_probs: torch.Tensor,  # [k+1, vocab]
+    generator: torch.Generator | None,
+) -> Verdict:
+    """Exact rejection sampling of a chain; the emitted tokens are distributed as the target's samples."""
+    k = draft_tokens.shape[0]
+    if k == 0:
+        return Verdict(num_draft=0, accepted=0, token=sample(target_probs[0], generator))
+    accept_p = acceptance_probs(draft_tokens, draft_probs, target_probs)  # [k]
+    uniforms = torch.rand(k, generator=generator, dtype=accept_p.dtype, device=accept_p.device)  # [k]
+    accepted = _leading_true(uniforms < accept_p)
+    if accepted == k:
+        return Verdict(num_draft=k, accepted=k, token=sample(target_probs[k], generator))
+    draft_row = None if draft_probs is None else draft_probs[accepted]
+    residual = residual_probs(target_probs[accepted], draft_row, int(draft_tokens[accepted]))
+    return Verdict(num_draft=k, accepted=accepted, token=sample(residual, generator))
+
+
+def verify_greedy(
+    draft_tokens: torch.Tensor,  # [k] long
+    target_argmax: torch.Tensor,  # [k+1] long, the target's greedy token at each position
+) -> Verdict:
+    """Greedy verification: keep draft tokens while they equal the target's argmax; the output is the
+    target's own greedy continuation, token for token."""
+    k = draft_tokens.shape[0]
+    accepted = _leading_true(draft_tokens == target_argmax[:k])
+    return Verdict(num_draft=k, accepted=accepted, token=int(target_argmax[accepted]))
+
+
+def _leading_true(mask: torch.Tensor) -> int:
+    """Number of leading True values of a 1-d bool tensor."""
+    return int(mask.long().cumprod(0).sum().item())
