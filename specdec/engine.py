@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.backends.base import CausalLM
+from specdec.backends.base import CausalLM, TokenCache
 from specdec.errors import UsageError
 from specdec.policy import FixedDraftLength, Policy
-from specdec.proposers.base import Draft, Proposer
+from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.verify import Verdict, verify, verify_greedy
 
@@ -111,7 +111,7 @@ class Engine:
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
         policy: Policy | None = None,
     ) -> None:
-        self.target = target
+        self.target = TokenCache(target)
         self.proposer = proposer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policy = policy or FixedDraftLength()
@@ -137,25 +137,27 @@ class Engine:
         return GenerationResult(token_ids=token_ids, stats=stats, kinds=kinds)
 
     def rounds(self, prompt_ids: list[int], config: GenerationConfig) -> Iterator[Round]:
-        """The step loop. The target's cache holds every context token but the last (the pending one)."""
+        """The step loop. The target's cache holds every context token but the last, which is scored next."""
         if not prompt_ids:
             raise UsageError("the prompt is empty")
         params = config.sampling
-        generator = _generator(config.seed, self.target.device)
+        generator = _generator(config.seed, self.target.model.device)
         stop_ids = self.eos_token_ids if config.stop_at_eos else frozenset()
+        max_length = self.target.model.max_length
         context = list(prompt_ids)
-        self.target.reset()
-        self.target.extend(context[:-1], num_logits=0)  # prefill
+        if len(context) >= max_length:
+            raise UsageError(f"the prompt has {len(context)} tokens; the model takes at most {max_length - 1}")
+        self.target.sync(context[:-1], num_logits=0)  # prefill, reusing a prefix cached by an earlier request
         produced = 0
         while produced < config.max_new_tokens:
             remaining = config.max_new_tokens - produced
             # 1. ask the policy how far to draft; a round emits at most k+1 tokens
             k = min(self.policy.next_k(config.num_draft_tokens), remaining - 1)
-            k = min(k, self.target.max_length - len(context) - 1)
+            k = min(k, max_length - len(context) - 1)
             # 2. draft
-            draft = self.proposer.propose(context, k, params, generator) if k > 0 else Draft(tokens=[])
+            draft = self.proposer.propose(context, k, params, generator) if k > 0 else EMPTY_DRAFT
             # 3. score the pending token and the draft in one target pass
-            cached = self.target.length
+            cached = len(self.target.tokens)
             logits = self.target.extend([context[-1]] + draft.tokens, num_logits=len(draft) + 1)  # [k+1, V]
             # 4. verify
             verdict = _verify(draft, logits, params, generator)
@@ -167,7 +169,7 @@ class Engine:
             context += round_.tokens
             produced += len(round_.tokens)
             yield round_
-            if round_.tokens[-1] in stop_ids or len(context) >= self.target.max_length:
+            if round_.tokens[-1] in stop_ids or len(context) >= max_length:
                 return
 
 

@@ -20,9 +20,6 @@ class HFCausalLM:
     def length(self) -> int:
         return self._cache.get_seq_length()
 
-    def reset(self) -> None:
-        self._cache = DynamicCache()
-
     @torch.inference_mode()
     def extend(self, token_ids: list[int], num_logits: int) -> torch.Tensor:  # [num_logits, vocab]
         if not token_ids:

@@ -1,0 +1,120 @@
+"""The command line on tiny saved models: JSON output, streaming, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from tiny import perturbed_copy, save_with_tokenizer, tiny_llama
+
+from specdec.cli import main
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    target = tiny_llama(seed=0, init_range=0.5)
+    other_words = ["<s>", "</s>", "<unk>"] + [f"v{i}" for i in range(3, 64)]
+    return {
+        "target": save_with_tokenizer(target, root / "target"),
+        "draft": save_with_tokenizer(perturbed_copy(target, noise=0.03, seed=1), root / "draft"),
+        "other_vocab": save_with_tokenizer(tiny_llama(seed=2), root / "other", words=other_words),
+    }
+
+
+PROMPT = "w5 w9 w12 w9 w12 w40"
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("drafter", ["none", "prompt-lookup", "draft-model"])
+def test_json_output(models, capsys, drafter):
+    code, out, err = run_cli(
+        capsys, "generate", PROMPT, "--model", str(models["target"]), "--draft-model", str(models["draft"]),
+        "--drafter", drafter, "--max-new-tokens", "12", "--json", "--no-chat",
+    )
+    assert code == 0, err
+    result = json.loads(out)
+    assert set(result) == {"text", "token_ids", "stats"}
+    assert set(result["stats"]) == {"rounds", "draft_tokens", "accepted_tokens", "acceptance_rate",
+                                    "mean_accepted_length", "new_tokens", "seconds", "tokens_per_second"}
+    assert len(result["token_ids"]) == result["stats"]["new_tokens"] <= 12
+    assert result["stats"]["mean_accepted_length"] == pytest.approx(
+        result["stats"]["new_tokens"] / result["stats"]["rounds"])
+    if drafter == "none":
+        assert result["stats"]["draft_tokens"] == 0
+
+
+def test_all_drafters_give_the_same_greedy_text(models, capsys):
+    texts = set()
+    for drafter in ["none", "prompt-lookup", "draft-model"]:
+        code, out, _ = run_cli(capsys, "generate", PROMPT, "--model", str(models["target"]), "--draft-model",
+                               str(models["draft"]), "--drafter", drafter, "--max-new-tokens", "20", "--json")
+        texts.add(json.loads(out)["text"])
+    assert len(texts) == 1
+
+
+def test_streams_text_then_a_summary_line(models, capsys):
+    code, out, err = run_cli(capsys, "generate", PROMPT, "--model", str(models["target"]), "--max-new-tokens", "8",
+                             "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "3")
+    assert code == 0
+    assert out.strip()
+    summary = err.strip().splitlines()[-1]
+    for words in ("new tokens", "tokens/s", "acceptance rate", "mean accepted length"):
+        assert words in summary
+
+
+def test_seed_makes_sampling_repeatable(models, capsys):
+    args = ["generate", PROMPT, "--model", str(models["target"]), "--draft-model", str(models["draft"]),
+            "--max-new-tokens", "16", "--temperature", "1", "--seed", "7", "--json"]
+    first = json.loads(run_cli(capsys, *args)[1])["token_ids"]
+    second = json.loads(run_cli(capsys, *args)[1])["token_ids"]
+    assert first == second
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", ""], "prompt is empty"),
+        (["generate", "   "], "prompt is empty"),
+        (["generate", PROMPT, "-k", "0"], "num-draft-tokens"),
+        (["generate", PROMPT, "-k", "65"], "num-draft-tokens"),
+        (["generate", PROMPT, "--temperature", "-1"], "temperature"),
+        (["generate", PROMPT, "--top-p", "0"], "top-p"),
+        (["generate", PROMPT, "--top-p", "1.01"], "top-p"),
+        (["generate", PROMPT, "--top-k", "-3"], "top-k"),
+        (["generate", PROMPT, "--max-new-tokens", "0"], "max-new-tokens"),
+        (["generate", PROMPT, "--model", "/no/such/model"], "not found"),
+        (["generate", PROMPT, "--draft-model", "/no/such/draft"], "not found"),
+        (["generate", PROMPT, "--drafter", "draft-model"], "needs --draft-model"),
+        (["generate", PROMPT, "--drafter", "nonsense"], "invalid choice"),
+        (["generate", PROMPT, "--temperature", "warm"], "invalid float"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(models, capsys, args, message):
+    code, out, err = run_cli(capsys, *args, *(["--model", str(models["target"])] if "--model" not in args
+                                              and args[0] == "generate" else []))
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("specdec: error:") and message in err, err
+    assert "Traceback" not in err
+
+
+def test_draft_model_with_another_vocabulary_is_refused(models, capsys):
+    code, _, err = run_cli(capsys, "generate", PROMPT, "--model", str(models["target"]), "--draft-model",
+                           str(models["other_vocab"]))
+    assert code == 2 and "vocabulary" in err and err.count("\n") == 1
+
+
+def test_the_installed_command_exits_2_without_traceback(tmp_path):
+    """The console script itself, as a user runs it: a missing model path."""
+    proc = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "hi", "--model", str(tmp_path / "x")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "not found" in proc.stderr and "Traceback" not in proc.stderr

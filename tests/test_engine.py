@@ -1,0 +1,211 @@
+"""The engine end to end on tiny random models: greedy identity, exact sampling, rollback, stopping."""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chi2_contingency, chisquare
+from tiny import E2E_PROMPT, e2e_models, e2e_samples, perturbed_copy, tiny_llama
+
+from specdec.backends.base import TokenCache
+from specdec.backends.hf import HFCausalLM
+from specdec.engine import Engine, GenerationConfig
+from specdec.errors import UsageError
+from specdec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer, make_proposer
+from specdec.sampling import SamplingParams, logits_to_probs
+
+PROMPTS = [[5, 9, 12, 9, 12, 40], [3, 3, 3, 3], [60, 2, 17, 33, 8, 17, 33, 21, 9], [7]]
+
+
+@pytest.fixture(scope="module")
+def target_and_draft():
+    # float64 keeps the tiny models' logits free of rounding near-ties, so greedy identity is exact
+    target = tiny_llama(seed=0, init_range=0.5).double()
+    return target, perturbed_copy(target, noise=0.03, seed=1).double()
+
+
+def greedy(engine: Engine, prompt: list[int], k: int, n: int = 24) -> list[int]:
+    config = GenerationConfig(max_new_tokens=n, num_draft_tokens=k, stop_at_eos=False)
+    return engine.generate(prompt, config).token_ids
+
+
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Plain greedy decoding with no cache at all: the full sequence re-scored at every step."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_speculation_is_token_for_token_plain_greedy(target_and_draft, k):
+    target, draft = target_and_draft
+    target_backend = HFCausalLM(target)
+    engines = {
+        "none": Engine(target_backend, NoProposer()),
+        "prompt-lookup": Engine(target_backend, PromptLookupProposer()),
+        "draft-model": Engine(target_backend, DraftModelProposer(HFCausalLM(draft), target_backend.vocab_size)),
+    }
+    for prompt in PROMPTS:
+        expected = reference_greedy(target, prompt, 24)
+        for name, engine in engines.items():
+            assert greedy(engine, prompt, k) == expected, (name, prompt)
+
+
+def test_speculation_actually_accepts_and_rejects(target_and_draft):
+    """The identity above must not hold vacuously: drafts are both accepted and rejected."""
+    target, draft = target_and_draft
+    backend = HFCausalLM(target)
+    engine = Engine(backend, DraftModelProposer(HFCausalLM(draft), backend.vocab_size))
+    stats = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=64, num_draft_tokens=4,
+                                                         stop_at_eos=False)).stats
+    assert 0 < stats.accepted_tokens < stats.draft_tokens
+    assert stats.rounds < stats.new_tokens == 64
+
+
+def test_draft_model_with_narrower_logits_is_padded():
+    """A draft whose logits are narrower than the target's (padded vocabularies differ) still verifies."""
+    target = tiny_llama(seed=0, vocab_size=64, init_range=0.5).double()
+    draft = tiny_llama(seed=2, vocab_size=60, init_range=0.5).double()
+    backend = HFCausalLM(target)
+    engine = Engine(backend, DraftModelProposer(HFCausalLM(draft), backend.vocab_size))
+    assert greedy(engine, PROMPTS[0], 3) == reference_greedy(target, PROMPTS[0], 24)
+    sampled = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=16, sampling=SamplingParams(1.0), seed=0))
+    assert len(sampled.token_ids) > 0
+    with pytest.raises(UsageError, match="wider"):
+        DraftModelProposer(HFCausalLM(target), target_vocab_size=60)
+
+
+def test_rollback_then_extend_equals_a_fresh_forward():
+    model = tiny_llama(seed=3).double()
+    cache = TokenCache(HFCausalLM(model))
+    cache.extend([1, 2, 3, 4, 5], 0)
+    cache.extend([6, 7, 8], 3)
+    cache.rollback(6)  # keep [1..6]
+    logits = cache.extend([9, 10], 2)
+    with torch.no_grad():
+        fresh = model(torch.tensor([[1, 2, 3, 4, 5, 6, 9, 10]])).logits[0, -2:]
+    assert cache.tokens == [1, 2, 3, 4, 5, 6, 9, 10]
+    assert cache.model.length == 8
+    assert torch.allclose(logits, fresh, atol=1e-10)
+
+
+def test_sync_reuses_the_shared_prefix():
+    cache = TokenCache(HFCausalLM(tiny_llama(seed=3).double()))
+    cache.sync([1, 2, 3, 4], 0)
+    calls = []
+    original = cache.model.extend
+    cache.model.extend = lambda ids, n: calls.append(list(ids)) or original(ids, n)
+    cache.sync([1, 2, 3, 7, 8], 1)
+    assert calls == [[7, 8]]
+    cache.sync([1, 2, 3, 7, 8], 1)  # all cached: the last token is re-fed for its logits
+    assert calls[-1] == [8]
+
+
+def test_same_seed_same_sample_and_seeds_differ(target_and_draft):
+    target, draft = target_and_draft
+    backend = HFCausalLM(target)
+    engine = Engine(backend, DraftModelProposer(HFCausalLM(draft), backend.vocab_size))
+
+    def sample(seed):
+        config = GenerationConfig(max_new_tokens=20, sampling=SamplingParams(1.0), seed=seed, stop_at_eos=False)
+        return engine.generate(PROMPTS[0], config).token_ids
+
+    assert sample(11) == sample(11)
+    assert len({tuple(sample(seed)) for seed in range(5)}) > 1
+
+
+def test_stops_at_eos_and_at_the_token_limit(target_and_draft):
+    target, draft = target_and_draft
+    backend = HFCausalLM(target)
+    free = greedy(Engine(backend, NoProposer()), PROMPTS[0], 4, n=24)
+    eos = free[10]
+    cut_at = free.index(eos) + 1
+    for proposer in (NoProposer(), DraftModelProposer(HFCausalLM(draft), backend.vocab_size)):
+        engine = Engine(backend, proposer, eos_token_ids={eos})
+        out = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=24, num_draft_tokens=4))
+        assert out.token_ids == free[:cut_at]
+        limited = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=3, num_draft_tokens=8,
+                                                               stop_at_eos=False))
+        assert limited.token_ids == free[:3] and limited.stats.new_tokens == 3
+
+
+def test_stats_count_rounds_and_kinds(target_and_draft):
+    target, draft = target_and_draft
+    backend = HFCausalLM(target)
+    engine = Engine(backend, DraftModelProposer(HFCausalLM(draft), backend.vocab_size))
+    out = engine.generate(PROMPTS[2], GenerationConfig(max_new_tokens=40, num_draft_tokens=3, stop_at_eos=False))
+    kinds = Counter(out.kinds)
+    assert kinds["accepted"] == out.stats.accepted_tokens
+    assert kinds["recovered"] + kinds["bonus"] == out.stats.rounds
+    assert out.stats.mean_accepted_length == pytest.approx(40 / out.stats.rounds)
+    assert out.stats.to_dict()["acceptance_rate"] == pytest.approx(kinds["accepted"] / out.stats.draft_tokens)
+    plain = Engine(backend, NoProposer()).generate(PROMPTS[2], GenerationConfig(max_new_tokens=5))
+    assert plain.kinds == ["plain"] * len(plain.token_ids) and plain.stats.draft_tokens == 0
+
+
+def test_prompt_longer_than_the_model_is_refused():
+    engine = Engine(HFCausalLM(tiny_llama(seed=0)), NoProposer())
+    with pytest.raises(UsageError, match="at most"):
+        engine.generate(list(range(3, 60)) * 10, GenerationConfig(max_new_tokens=2))
+
+
+# exact sampling, end to end ---------------------------------------------------------------------------------
+
+E2E_SAMPLING = {"temperature": 0.9, "top_p": 0.95}
+E2E_SAMPLES = 20_000
+
+
+def exact_joint_of_first_three(sampling: SamplingParams) -> dict[tuple[int, int, int], float]:
+    """P(y1, y2, y3) under plain sampling from the tiny target, by enumerating every two-token prefix."""
+    target, _ = e2e_models()
+    vocab = target.config.vocab_size
+    y1, y2 = torch.meshgrid(torch.arange(vocab), torch.arange(vocab), indexing="ij")
+    prompts = torch.tensor(E2E_PROMPT).expand(vocab * vocab, -1)
+    batch = torch.cat([prompts, y1.reshape(-1, 1), y2.reshape(-1, 1)], dim=1)  # [V*V, len+2]
+    with torch.no_grad():
+        logits = target(batch).logits[:, -3:].double()  # [V*V, 3, V]
+    probs = logits_to_probs(logits, sampling)
+    p1 = probs[0, 0]  # [V]
+    p2 = probs[::vocab, 1]  # [V(y1), V]
+    p3 = probs[:, 2].reshape(vocab, vocab, vocab)  # [V(y1), V(y2), V]
+    joint = p1[:, None, None] * p2[:, :, None] * p3
+    return {tuple(idx): float(joint[tuple(idx)]) for idx in torch.nonzero(joint > 0).tolist()}
+
+
+def bin_counts(samples: list[tuple[int, ...]], bins: list[tuple]) -> np.ndarray:
+    counts = Counter(samples)
+    binned = [counts.get(b, 0) for b in bins]
+    return np.array(binned + [len(samples) - sum(binned)], dtype=float)  # last bin: everything else
+
+
+def test_speculative_sampling_matches_plain_sampling_end_to_end():
+    """The first three tokens of speculative sampling (draft model, k=2, temperature 0.9, top-p 0.95) have the
+    joint distribution of plain sampling.
+
+    20,000 samples per arm. Bins: every 3-token outcome expected at least 5 times, plus one bin for the rest.
+    Three chi-square tests at alpha = 0.001 each (speculative vs exact, plain vs exact, speculative vs plain):
+    a correct engine fails one with probability under 0.3%; the seeds are fixed, so the outcome is repeatable.
+    """
+    sampling = SamplingParams(**E2E_SAMPLING)
+    exact = exact_joint_of_first_three(sampling)
+    bins = [outcome for outcome, p in exact.items() if p * E2E_SAMPLES >= 5]
+    expected = np.array([exact[b] for b in bins] + [1 - sum(exact[b] for b in bins)]) * E2E_SAMPLES
+
+    half = E2E_SAMPLES // 2
+    jobs = [("draft-model", 0), ("draft-model", half), ("none", 10**6), ("none", 10**6 + half)]
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        results = pool.starmap(e2e_samples, [(d, E2E_SAMPLING, half, seed) for d, seed in jobs])
+    speculative = bin_counts(results[0] + results[1], bins)
+    plain = bin_counts(results[2] + results[3], bins)
+
+    assert len(bins) > 100 and expected[-1] < 0.2 * E2E_SAMPLES  # the bins hold most of the mass
+    assert chisquare(speculative, expected).pvalue > 1e-3
+    assert chisquare(plain, expected).pvalue > 1e-3
+    seen = (speculative + plain) > 0  # a bin neither arm hit carries no information on their difference
+    assert chi2_contingency(np.stack([speculative[seen], plain[seen]])).pvalue > 1e-3
