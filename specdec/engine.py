@@ -116,6 +116,11 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policy = policy or FixedDraftLength()
 
+    def clear_cache(self) -> None:
+        """Forget cached prefixes, target's and drafter's: the next request starts from an empty cache."""
+        self.target.rollback(0)
+        self.proposer.clear_cache()
+
     def generate(
         self,
         prompt_ids: list[int],

@@ -124,3 +124,12 @@ def test_main_job_on_the_default_model():
     assert len(proc.stdout.strip()) > 10
     summary = proc.stderr.strip().splitlines()[-1]
     assert "[prompt-lookup]" in summary and "tokens/s" in summary and "mean accepted length" in summary
+
+
+def test_readme_python_example_runs(capsys):
+    """The README's Python API example, executed as written."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    example = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(example, "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "quick brown fox" in out and "mean_accepted_length" in out

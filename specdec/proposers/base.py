@@ -38,3 +38,7 @@ class Proposer(Protocol):
     ) -> Draft:
         """Return at most k draft tokens; fewer (or none) when the proposer has nothing good to offer."""
         ...
+
+    def clear_cache(self) -> None:
+        """Forget any state kept from earlier contexts (so that a benchmark run starts cold)."""
+        ...

@@ -47,6 +47,9 @@ class DraftModelProposer:
                 logits = self.cache.extend([token], num_logits=1)[0]
         return Draft(tokens=tokens, probs=self._pad(torch.stack(rows)) if rows else None)
 
+    def clear_cache(self) -> None:
+        self.cache.rollback(0)
+
     def _pad(self, probs: torch.Tensor) -> torch.Tensor:  # [k, vocab_d] -> [k, target vocab]
         """Draft probabilities over the target's logit width; ids the draft model lacks get q = 0."""
         return F.pad(probs, (0, self.target_vocab_size - probs.shape[-1]))

@@ -15,3 +15,6 @@ class NoProposer:
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
     ) -> Draft:
         return EMPTY_DRAFT
+
+    def clear_cache(self) -> None:
+        pass

@@ -32,6 +32,9 @@ class PromptLookupProposer:
                 return Draft(tokens=continuation)
         return EMPTY_DRAFT
 
+    def clear_cache(self) -> None:
+        pass
+
 
 def _continuation_of_latest_match(context: list[int], n: int, k: int) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the last n tokens, or []."""
