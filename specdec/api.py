@@ -59,7 +59,7 @@ class SpecDecoder:
         if drafter == "draft-model" and draft_model is None:
             raise UsageError("--drafter draft-model needs --draft-model PATH")
         target = load_model(model, dtype=dtype, device=device)
-        draft = load_model(draft_model, dtype=dtype, device=device) if draft_model is not None else None
+        draft = load_model(draft_model, dtype=dtype, device=device) if drafter == "draft-model" else None
         return cls(target, drafter=drafter, draft=draft)
 
     def encode(self, prompt: str, chat: bool | None = None) -> list[int]:

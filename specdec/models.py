@@ -77,7 +77,7 @@ def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str 
         try:
             tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
             model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, local_files_only=True)
-        except (OSError, ValueError, KeyError) as error:
+        except Exception as error:  # any failure to read the files is the user's input, reported in one line
             raise UsageError(f"cannot load a causal language model from {directory}: {_first_line(error)}") from None
     return LoadedModel(model=model.to(resolved_device).eval(), tokenizer=tokenizer, path=directory)
 
