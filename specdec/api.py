@@ -73,7 +73,7 @@ class SpecDecoder:
             ids = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
             )
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
         return list(self.tokenizer.encode(prompt))
 
     def generate(

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import first_mismatch
 
 from specdec.api import SpecDecoder
 from specdec.backends.hf import HFCausalLM
@@ -48,13 +49,6 @@ def bfloat16_draft(model):
     most of the time but not always, so that long accepted runs, bonus tokens and rejections all occur (the tiny
     model tests cover drafts that are mostly rejected)."""
     return copy.deepcopy(model).to(torch.bfloat16)
-
-
-def first_mismatch(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def top_two_gap(model, ids: list[int]) -> float:

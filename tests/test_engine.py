@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chi2_contingency, chisquare
-from tiny import E2E_PROMPT, e2e_models, e2e_samples, perturbed_copy, tiny_llama
+from tiny import E2E_PROMPT, e2e_models, e2e_samples, first_mismatch, perturbed_copy, tiny_llama
 
 from specdec.backends.base import TokenCache
 from specdec.backends.hf import HFCausalLM
@@ -209,3 +209,30 @@ def test_speculative_sampling_matches_plain_sampling_end_to_end():
     assert chisquare(plain, expected).pvalue > 1e-3
     seen = (speculative + plain) > 0  # a bin neither arm hit carries no information on their difference
     assert chi2_contingency(np.stack([speculative[seen], plain[seen]])).pvalue > 1e-3
+
+
+# bfloat16 keeps 8 significant bits: one rounding of a logit below 8 in magnitude moves it by up to 8 * 2**-8;
+# a near-tie is a top-two gap within four such roundings
+BF16_NEAR_TIE = 4 * 8 * 2**-8
+
+
+def test_bfloat16_speculation_is_plain_bfloat16_greedy_up_to_near_ties():
+    """In bfloat16, scoring k+1 positions rounds differently from scoring one: a mismatch with plain decoding
+    may only sit where plain decoding's top two logits are within bfloat16 rounding of each other."""
+    target = tiny_llama(seed=0, init_range=0.5)
+    draft = perturbed_copy(target, noise=0.03, seed=1).to(torch.bfloat16)
+    target = target.to(torch.bfloat16)
+    backend = HFCausalLM(target)
+    plain = Engine(backend, NoProposer())
+    speculative = Engine(backend, DraftModelProposer(HFCausalLM(draft), backend.vocab_size))
+    gaps = []
+    for prompt in PROMPTS:
+        expected = greedy(plain, prompt, 4)
+        i = first_mismatch(greedy(speculative, prompt, 4), expected)
+        if i is not None:
+            with torch.no_grad():
+                logits = target(torch.tensor([prompt + expected[:i]])).logits[0, -1].float()
+            top = torch.topk(logits, 2).values
+            gaps.append(float(top[0] - top[1]))
+            assert logits.abs().max() < 8 and gaps[-1] < BF16_NEAR_TIE, (prompt, i, gaps[-1])
+    print("bfloat16 mismatches, at top-two gaps:", gaps)
