@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.backends.base import CausalLM, TokenCache
+from specdec.backends.base import CausalLM, sync
 from specdec.errors import UsageError
 from specdec.policy import FixedDraftLength, Policy
 from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
@@ -111,7 +111,7 @@ class Engine:
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
         policy: Policy | None = None,
     ) -> None:
-        self.target = TokenCache(target)
+        self.target = target
         self.proposer = proposer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policy = policy or FixedDraftLength()
@@ -146,13 +146,13 @@ class Engine:
         if not prompt_ids:
             raise UsageError("the prompt is empty")
         params = config.sampling
-        generator = _generator(config.seed, self.target.model.device)
+        generator = _generator(config.seed, self.target.device)
         stop_ids = self.eos_token_ids if config.stop_at_eos else frozenset()
-        max_length = self.target.model.max_length
+        max_length = self.target.max_length
         context = list(prompt_ids)
         if len(context) >= max_length:
             raise UsageError(f"the prompt has {len(context)} tokens; the model takes at most {max_length - 1}")
-        self.target.sync(context[:-1], num_logits=0)  # prefill, reusing a prefix cached by an earlier request
+        sync(self.target, context[:-1], num_logits=0)  # prefill, reusing a prefix cached by an earlier request
         produced = 0
         while produced < config.max_new_tokens:
             remaining = config.max_new_tokens - produced

@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chi2_contingency, chisquare
 from tiny import E2E_PROMPT, e2e_models, e2e_samples, first_mismatch, perturbed_copy, tiny_llama
 
-from specdec.backends.base import TokenCache
+from specdec.backends.base import sync
 from specdec.backends.hf import HFCausalLM
 from specdec.engine import Engine, GenerationConfig
 from specdec.errors import UsageError
@@ -83,28 +83,39 @@ def test_draft_model_with_narrower_logits_is_padded():
 
 def test_rollback_then_extend_equals_a_fresh_forward():
     model = tiny_llama(seed=3).double()
-    cache = TokenCache(HFCausalLM(model))
-    cache.extend([1, 2, 3, 4, 5], 0)
-    cache.extend([6, 7, 8], 3)
-    cache.rollback(6)  # keep [1..6]
-    logits = cache.extend([9, 10], 2)
+    backend = HFCausalLM(model)
+    backend.extend([1, 2, 3, 4, 5], 0)
+    backend.extend([6, 7, 8], 3)
+    backend.rollback(6)  # keep [1..6]
+    logits = backend.extend([9, 10], 2)
     with torch.no_grad():
         fresh = model(torch.tensor([[1, 2, 3, 4, 5, 6, 9, 10]])).logits[0, -2:]
-    assert cache.tokens == [1, 2, 3, 4, 5, 6, 9, 10]
-    assert cache.model.length == 8
+    assert backend.tokens == [1, 2, 3, 4, 5, 6, 9, 10]
     assert torch.allclose(logits, fresh, atol=1e-10)
 
 
 def test_sync_reuses_the_shared_prefix():
-    cache = TokenCache(HFCausalLM(tiny_llama(seed=3).double()))
-    cache.sync([1, 2, 3, 4], 0)
+    backend = HFCausalLM(tiny_llama(seed=3).double())
+    sync(backend, [1, 2, 3, 4], 0)
     calls = []
-    original = cache.model.extend
-    cache.model.extend = lambda ids, n: calls.append(list(ids)) or original(ids, n)
-    cache.sync([1, 2, 3, 7, 8], 1)
+    original = backend.extend
+    backend.extend = lambda ids, n: calls.append(list(ids)) or original(ids, n)
+    sync(backend, [1, 2, 3, 7, 8], 1)
     assert calls == [[7, 8]]
-    cache.sync([1, 2, 3, 7, 8], 1)  # all cached: the last token is re-fed for its logits
+    sync(backend, [1, 2, 3, 7, 8], 1)  # all cached: the last token is re-fed for its logits
     assert calls[-1] == [8]
+
+
+def test_engines_sharing_one_backend_see_its_true_cache(target_and_draft):
+    """The backend, not the engine, knows what its cache holds: two engines taking turns on one target get
+    the same answers as each alone."""
+    target, draft = target_and_draft
+    backend = HFCausalLM(target)
+    first = Engine(backend, NoProposer())
+    second = Engine(backend, DraftModelProposer(HFCausalLM(draft), backend.vocab_size))
+    alone = greedy(first, PROMPTS[0], 4)
+    greedy(second, PROMPTS[0][:2] + [7, 7], 4)  # shares two tokens with PROMPTS[0], then overwrites the cache
+    assert greedy(first, PROMPTS[0], 4) == alone == reference_greedy(target, PROMPTS[0], 24)
 
 
 def test_same_seed_same_sample_and_seeds_differ(target_and_draft):

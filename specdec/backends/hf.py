@@ -15,10 +15,7 @@ class HFCausalLM:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_length = getattr(model.config, "max_position_embeddings", None) or 2**31
         self._cache = DynamicCache()
-
-    @property
-    def length(self) -> int:
-        return self._cache.get_seq_length()
+        self.tokens: list[int] = []
 
     @torch.inference_mode()
     def extend(self, token_ids: list[int], num_logits: int) -> torch.Tensor:  # [num_logits, vocab]
@@ -31,8 +28,10 @@ class HFCausalLM:
             use_cache=True,
             logits_to_keep=max(num_logits, 1),  # the LM head runs only where logits are needed
         )
+        self.tokens += token_ids
         return out.logits[0, out.logits.shape[1] - num_logits :]  # [num_logits, vocab]
 
     def rollback(self, length: int) -> None:
-        if length < self.length:
-            self._cache.crop(length - self.length)  # transformers 5: a negative count of tokens to remove
+        if length < len(self.tokens):
+            self._cache.crop(length - len(self.tokens))  # transformers 5: a negative count of tokens to remove
+            del self.tokens[length:]

@@ -1,7 +1,7 @@
 """The ``draft-model`` drafter: a smaller causal LM that shares the target's vocabulary drafts autoregressively.
 
 It keeps its own KV cache. Before each proposal the cache is cut back to the longest prefix it shares with the
-context (:class:`TokenCache`), so that rejected draft tokens are forgotten without the engine telling it what
+context (:func:`sync`), so that rejected draft tokens are forgotten without the engine telling it what
 happened.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdec.backends.base import CausalLM, TokenCache
+from specdec.backends.base import CausalLM, sync
 from specdec.errors import UsageError
 from specdec.proposers.base import EMPTY_DRAFT, Draft
 from specdec.sampling import SamplingParams, logits_to_probs, sample
@@ -24,15 +24,15 @@ class DraftModelProposer:
             raise UsageError(
                 f"the draft model's logits are wider ({model.vocab_size}) than the target's ({target_vocab_size})"
             )
-        self.cache = TokenCache(model)
+        self.model = model
         self.target_vocab_size = target_vocab_size
 
     def propose(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
     ) -> Draft:
-        if k == 0 or max(context) >= self.cache.model.vocab_size:  # an id the draft model cannot embed
+        if k == 0 or max(context) >= self.model.vocab_size:  # an id the draft model cannot embed
             return EMPTY_DRAFT
-        logits = self.cache.sync(context, num_logits=1)[0]  # [vocab_d]: rejected draft tokens are dropped here
+        logits = sync(self.model, context, num_logits=1)[0]  # [vocab_d]: rejected draft tokens are dropped here
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for i in range(k):
@@ -44,11 +44,11 @@ class DraftModelProposer:
                 rows.append(probs)
             tokens.append(token)
             if i < k - 1:
-                logits = self.cache.extend([token], num_logits=1)[0]
+                logits = self.model.extend([token], num_logits=1)[0]
         return Draft(tokens=tokens, probs=self._pad(torch.stack(rows)) if rows else None)
 
     def clear_cache(self) -> None:
-        self.cache.rollback(0)
+        self.model.rollback(0)
 
     def _pad(self, probs: torch.Tensor) -> torch.Tensor:  # [k, vocab_d] -> [k, target vocab]
         """Draft probabilities over the target's logit width; ids the draft model lacks get q = 0."""

@@ -1,0 +1,40 @@
+"""The arithmetic of benchmark reports: speedups, expected tokens per round, and the ideal speedup.
+
+Pure functions over measured numbers, so that they can be tested on synthetic timings.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+
+
+def expected_tokens_per_round(acceptance_rate: float, k: float) -> float:
+    """(1 - a^(k+1)) / (1 - a): tokens a round emits when each of k draft tokens survives with probability a,
+    independently, and the round ends with one recovered or bonus token."""
+    if not 0 <= acceptance_rate <= 1:
+        raise ValueError(f"acceptance rate must be in [0, 1], got {acceptance_rate}")
+    if acceptance_rate == 1:
+        return k + 1
+    return (1 - acceptance_rate ** (k + 1)) / (1 - acceptance_rate)
+
+
+def ideal_speedup(
+    acceptance_rate: float, k: float, draft_seconds_per_round: float, score_seconds_per_round: float,
+    plain_seconds_per_token: float,
+) -> float:
+    """Speedup over plain decoding implied by the acceptance and the measured costs, with no other overhead:
+    expected tokens per round, divided by the cost of a round (drafting plus one target pass over k+1
+    positions) in units of one plain decoding step."""
+    round_cost = (draft_seconds_per_round + score_seconds_per_round) / plain_seconds_per_token
+    return expected_tokens_per_round(acceptance_rate, k) / round_cost
+
+
+def median(values: Iterable[float]) -> float:
+    values = list(values)
+    return statistics.median(values) if values else float("nan")
+
+
+def per_prompt_speedups(tokens_per_second: dict[str, float], baseline: dict[str, float]) -> list[float]:
+    """Speedup on each prompt that both ran: its tokens/s over the baseline's tokens/s on the same prompt."""
+    return [tokens_per_second[p] / baseline[p] for p in tokens_per_second if p in baseline and baseline[p] > 0]
