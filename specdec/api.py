@@ -12,6 +12,7 @@ from specdec.errors import UsageError
 from specdec.models import LoadedModel, load_model
 from specdec.proposers import make_proposer
 from specdec.sampling import SamplingParams
+from specdec.view import Detokenizer
 
 
 @dataclass
@@ -99,39 +100,29 @@ class SpecDecoder:
         return self.generate_ids(self.encode(prompt, chat), config, on_text)
 
     def generate_ids(
-        self, prompt_ids: list[int], config: GenerationConfig, on_text: Callable[[str], None] | None = None
+        self,
+        prompt_ids: list[int],
+        config: GenerationConfig,
+        on_text: Callable[[str], None] | None = None,
+        on_token: Callable[[str, str], None] | None = None,
     ) -> Completion:
-        stream = TextStream(self.tokenizer, on_text) if on_text is not None else None
-        result = self.engine.generate(prompt_ids, config, on_round=stream.push if stream else None)
-        if stream is not None:
-            stream.flush()
+        """Generate from token ids. ``on_text`` receives text as it is produced; ``on_token`` receives each
+        token's piece of text and its kind ("accepted", "recovered", "bonus" or "plain")."""
+        if on_text is not None:
+            on_token = lambda piece, kind, on_text=on_text: piece and on_text(piece)  # noqa: E731
+        on_round = None
+        if on_token is not None:
+            detokenizer = Detokenizer(self.tokenizer)
+
+            def on_round(round_: Round) -> None:
+                for token, kind in zip(round_.tokens, round_.kinds):
+                    on_token(detokenizer.push(token), kind)
+
+        result = self.engine.generate(prompt_ids, config, on_round=on_round)
+        if on_token is not None and result.kinds:
+            on_token(detokenizer.flush(), result.kinds[-1])
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return Completion(text=text, token_ids=result.token_ids, stats=result.stats, kinds=result.kinds)
-
-
-class TextStream:
-    """Turns rounds of token ids into text pieces, holding back an incomplete UTF-8 character."""
-
-    def __init__(self, tokenizer, on_text: Callable[[str], None]) -> None:
-        self.tokenizer = tokenizer
-        self.on_text = on_text
-        self.ids: list[int] = []
-        self.sent = 0  # characters of the decoded text already passed on
-
-    def push(self, round_: Round) -> None:
-        self.ids += round_.tokens
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # a multi-byte character split across tokens: wait for the rest
-            return
-        self._send(text)
-
-    def flush(self) -> None:
-        self._send(self.tokenizer.decode(self.ids, skip_special_tokens=True))
-
-    def _send(self, text: str) -> None:
-        if len(text) > self.sent:
-            self.on_text(text[self.sent :])
-            self.sent = len(text)
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:

@@ -41,14 +41,49 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="apply the chat template (default: when the model has one)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument("--show-acceptance", action="store_true",
+                     help="colour each token by how it came: accepted, recovered, bonus or plain")
+    gen.add_argument("--html", metavar="FILE", default=None, help="also write the token-level view as an HTML page")
     gen.set_defaults(run=run_generate)
+    _add_bench_parser(commands)
     return parser
+
+
+def _add_bench_parser(commands) -> None:
+    bench = commands.add_parser("bench", help="compare drafters side by side on a prompt file")
+    bench.add_argument("--prompts", required=True, help="MT-bench / Spec-Bench or HumanEval JSONL (.gz too)")
+    bench.add_argument("--category", default=None)
+    bench.add_argument("--limit", type=int, default=None)
+    bench.add_argument("--drafters", default="none,prompt-lookup",
+                       help="comma-separated: none, prompt-lookup, draft-model, hf-prompt-lookup, hf-assisted")
+    bench.add_argument("--num-draft-tokens", "-k", default="4", metavar="K")
+    bench.add_argument("--temperature", type=float, default=0.0)
+    bench.add_argument("--top-k", type=int, default=0)
+    bench.add_argument("--top-p", type=float, default=1.0)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--repeats", type=int, default=1)
+    bench.add_argument("--out", default=None, help="also write the report as JSON here")
+    bench.add_argument("--model", default=None)
+    bench.add_argument("--draft-model", default=None)
+    bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    bench.add_argument("--device", default="auto")
+    bench.add_argument("--threads", type=int, default=None)
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.set_defaults(run=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from specdec.bench.run import run_bench
+
+    return run_bench(args)
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from specdec.api import SpecDecoder
     from specdec.engine import GenerationConfig
     from specdec.sampling import SamplingParams
+    from specdec.view import ansi, ansi_legend
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
@@ -63,14 +98,37 @@ def run_generate(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     decoder = SpecDecoder.load(args.model, args.draft_model, args.drafter, dtype=args.dtype, device=args.device)
     prompt_ids = decoder.encode(prompt, args.chat)
+    pieces: list[str] = []
+
+    def on_token(piece: str, kind: str) -> None:
+        pieces.append(piece)
+        if not args.json:
+            _print_now(ansi(piece, kind) if args.show_acceptance else piece)
+
+    completion = decoder.generate_ids(prompt_ids, config, on_token=on_token)
+    summary = summary_line(decoder.drafter, completion.stats)
+    if args.html:
+        _write_html(args.html, pieces, completion.kinds, prompt, summary)
     if args.json:
-        completion = decoder.generate_ids(prompt_ids, config)
         print(json.dumps(completion.to_dict(), ensure_ascii=False))
         return 0
-    completion = decoder.generate_ids(prompt_ids, config, on_text=_print_now)
     print()
-    print(summary_line(decoder.drafter, completion.stats), file=sys.stderr)
+    if args.show_acceptance:
+        print(ansi_legend(), file=sys.stderr)
+    print(summary, file=sys.stderr)
     return 0
+
+
+def _write_html(path: str, pieces: list[str], kinds: list[str], prompt: str, summary: str) -> None:
+    from specdec.view import html_page
+
+    # the last piece also carries any text flushed at the end: pieces and kinds line up one to one
+    pieces = pieces[: len(kinds) - 1] + ["".join(pieces[len(kinds) - 1 :])] if kinds else []
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(html_page(pieces, kinds, title=prompt[:80], summary=summary))
+    except OSError as error:
+        raise UsageError(f"cannot write {path}: {error.strerror}") from None
 
 
 def summary_line(drafter: str, stats) -> str:

@@ -49,6 +49,8 @@ class Round:
     accepted: int  # draft tokens accepted
     tokens: list[int]  # tokens emitted (accepted prefix + recovered/bonus), cut at EOS or the token limit
     kinds: list[str]  # per emitted token: "accepted", "recovered", "bonus" or "plain"
+    draft_seconds: float = 0.0  # time spent drafting
+    target_seconds: float = 0.0  # time spent scoring, verifying and rolling back
 
 
 @dataclass
@@ -59,13 +61,17 @@ class GenerationStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     new_tokens: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # the whole generation, prefill included
+    draft_seconds: float = 0.0  # of which drafting
+    target_seconds: float = 0.0  # of which the target's scoring passes and verification
 
     def record(self, round_: Round) -> None:
         self.rounds += 1
         self.draft_tokens += round_.draft_tokens
         self.accepted_tokens += round_.accepted
         self.new_tokens += len(round_.tokens)
+        self.draft_seconds += round_.draft_seconds
+        self.target_seconds += round_.target_seconds
 
     @property
     def acceptance_rate(self) -> float:
@@ -91,6 +97,8 @@ class GenerationStats:
             "new_tokens": self.new_tokens,
             "seconds": self.seconds,
             "tokens_per_second": self.tokens_per_second,
+            "draft_seconds": self.draft_seconds,
+            "target_seconds": self.target_seconds,
         }
 
 
@@ -160,7 +168,9 @@ class Engine:
             k = min(self.policy.next_k(config.num_draft_tokens), remaining - 1)
             k = min(k, max_length - len(context) - 1)
             # 2. draft
+            started = time.perf_counter()
             draft = self.proposer.propose(context, k, params, generator) if k > 0 else EMPTY_DRAFT
+            drafted = time.perf_counter()
             # 3. score the pending token and the draft in one target pass
             cached = len(self.target.tokens)
             logits = self.target.extend([context[-1]] + draft.tokens, num_logits=len(draft) + 1)  # [k+1, V]
@@ -168,9 +178,10 @@ class Engine:
             verdict = _verify(draft, logits, params, generator)
             # 5. keep the accepted prefix in the cache, drop the rest
             self.target.rollback(cached + 1 + verdict.accepted)
+            verified = time.perf_counter()  # verify_* read results on the host: the device has finished
             self.policy.observe(verdict)
             # 6. emit, cut at EOS and at the token limit
-            round_ = _emitted_round(draft, verdict, remaining, stop_ids)
+            round_ = _emitted_round(draft, verdict, remaining, stop_ids, drafted - started, verified - drafted)
             context += round_.tokens
             produced += len(round_.tokens)
             yield round_
@@ -190,7 +201,9 @@ def _verify(
     return verify(draft_tokens, draft.probs, logits_to_probs(logits, params), generator)
 
 
-def _emitted_round(draft: Draft, verdict: Verdict, limit: int, stop_ids: frozenset[int]) -> Round:
+def _emitted_round(
+    draft: Draft, verdict: Verdict, limit: int, stop_ids: frozenset[int], draft_seconds: float, target_seconds: float
+) -> Round:
     """The round's tokens and how each came, cut after a stop token and at ``limit`` tokens."""
     tokens = verdict.emitted(draft.tokens)
     last_kind = "plain" if verdict.num_draft == 0 else ("bonus" if verdict.bonus else "recovered")
@@ -200,7 +213,8 @@ def _emitted_round(draft: Draft, verdict: Verdict, limit: int, stop_ids: frozens
         if token in stop_ids:
             cut = i + 1
             break
-    return Round(draft_tokens=verdict.num_draft, accepted=verdict.accepted, tokens=tokens[:cut], kinds=kinds[:cut])
+    return Round(draft_tokens=verdict.num_draft, accepted=verdict.accepted, tokens=tokens[:cut], kinds=kinds[:cut],
+                 draft_seconds=draft_seconds, target_seconds=target_seconds)
 
 
 def _generator(seed: int | None, device: torch.device) -> torch.Generator:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from specdec.bench.prompts import read_prompts
 from specdec.errors import UsageError
 
-DATA = __import__("pathlib").Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def test_mt_bench_first_turns_with_the_chat_template():

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import html
 import json
+import re
 import subprocess
 import sys
 
@@ -42,7 +44,7 @@ def test_json_output(models, capsys, drafter):
     assert code == 0, err
     result = json.loads(out)
     assert set(result) == {"text", "token_ids", "stats"}
-    assert set(result["stats"]) == {"rounds", "draft_tokens", "accepted_tokens", "acceptance_rate",
+    assert set(result["stats"]) >= {"rounds", "draft_tokens", "accepted_tokens", "acceptance_rate",
                                     "mean_accepted_length", "new_tokens", "seconds", "tokens_per_second"}
     assert len(result["token_ids"]) == result["stats"]["new_tokens"] <= 12
     assert result["stats"]["mean_accepted_length"] == pytest.approx(
@@ -118,3 +120,19 @@ def test_the_installed_command_exits_2_without_traceback(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "not found" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_token_view_in_terminal_and_html(models, capsys, tmp_path):
+    page = tmp_path / "view.html"
+    code, out, err = run_cli(capsys, "generate", "w5 w9 w12 w9 w12 w9 w12 w9", "--model", str(models["target"]),
+                             "--draft-model", str(models["draft"]), "--max-new-tokens", "16", "--show-acceptance",
+                             "--html", str(page))
+    assert code == 0 and "\x1b[32m" in out  # accepted draft tokens, in green
+    assert "accepted draft token" in err  # the legend
+    page_text = page.read_text()
+    assert page_text.startswith("<!DOCTYPE html>") and 'class="accepted"' in page_text
+    plain_text = json.loads(run_cli(capsys, "generate", "w5 w9 w12 w9 w12 w9 w12 w9", "--model",
+                                    str(models["target"]), "--draft-model", str(models["draft"]),
+                                    "--max-new-tokens", "16", "--json")[1])["text"]
+    shown = "".join(re.findall(r'title="\w+">([^<]*)</span>', page_text))
+    assert html.unescape(shown) == plain_text

@@ -1,0 +1,83 @@
+"""The things a benchmark compares: specdec drafters, and transformers' own assisted generation as reference.
+
+Every contender decodes one prompt under one GenerationConfig from a cold cache and says what it did.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specdec.engine import Engine, GenerationConfig
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One contender's run on one prompt. Counters a contender cannot observe are None."""
+
+    token_ids: list[int]
+    seconds: float
+    rounds: int | None = None
+    draft_tokens: int | None = None
+    accepted_tokens: int | None = None
+    draft_seconds: float | None = None
+    target_seconds: float | None = None
+
+
+class Contender(Protocol):
+    name: str
+    num_draft_tokens: int
+
+    def run(self, prompt_ids: list[int], config: GenerationConfig) -> Outcome: ...
+
+
+class SpecdecContender:
+    """A specdec engine: a drafter over the shared target backend."""
+
+    def __init__(self, name: str, engine: Engine, num_draft_tokens: int) -> None:
+        self.name = name
+        self.engine = engine
+        self.num_draft_tokens = num_draft_tokens
+
+    def run(self, prompt_ids: list[int], config: GenerationConfig) -> Outcome:
+        self.engine.clear_cache()
+        result = self.engine.generate(prompt_ids, config)
+        s = result.stats
+        return Outcome(token_ids=result.token_ids, seconds=s.seconds, rounds=s.rounds, draft_tokens=s.draft_tokens,
+                       accepted_tokens=s.accepted_tokens, draft_seconds=s.draft_seconds,
+                       target_seconds=s.target_seconds)
+
+
+class TransformersContender:
+    """transformers' ``generate`` with its own speculation settings (prompt lookup, an assistant model)."""
+
+    def __init__(self, name: str, model, num_draft_tokens: int, eos_token_ids: set[int], **generate_kwargs) -> None:
+        self.name = name
+        self.model = model
+        self.num_draft_tokens = num_draft_tokens
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.generate_kwargs = generate_kwargs
+
+    def run(self, prompt_ids: list[int], config: GenerationConfig) -> Outcome:
+        params = config.sampling
+        sampling = (
+            {"do_sample": False}
+            if params.greedy
+            else {"do_sample": True, "temperature": params.temperature, "top_k": params.top_k or None,
+                  "top_p": params.top_p}
+        )
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        input_ids = torch.tensor([prompt_ids], device=self.model.device)
+        with torch.inference_mode():
+            start = time.perf_counter()
+            out = self.model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=config.max_new_tokens,
+                eos_token_id=self.eos_token_ids or None, pad_token_id=(self.eos_token_ids or [0])[0],
+                **sampling, **self.generate_kwargs,
+            )
+            seconds = time.perf_counter() - start
+        return Outcome(token_ids=out[0, len(prompt_ids):].tolist(), seconds=seconds)

@@ -1,0 +1,125 @@
+"""From benchmark runs to the report: per configuration and per category, as a table and as JSON."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from specdec.bench.contenders import Outcome
+from specdec.bench.stats import ideal_speedup, median, per_prompt_speedups
+
+BASELINE = "none"
+
+
+@dataclass(frozen=True)
+class Run:
+    config: str  # the contender's name
+    prompt_id: str
+    category: str
+    outcome: Outcome
+
+
+def summarise(runs: list[Run], config: str, greedy: bool) -> dict:
+    """The report fields for one configuration over the given runs (all categories, or one)."""
+    mine = [r for r in runs if r.config == config]
+    baseline = [r for r in runs if r.config == BASELINE]
+    tokens = sum(len(r.outcome.token_ids) for r in mine)
+    seconds = sum(r.outcome.seconds for r in mine)
+    fields = {
+        "tokens_per_second": tokens / seconds if seconds else 0.0,
+        "speedup": median(per_prompt_speedups(_per_prompt_rate(mine), _per_prompt_rate(baseline))),
+        "acceptance_rate": None,
+        "mean_accepted_length": None,
+        "ideal_speedup": None,
+        "fraction_of_ideal": None,
+        "greedy_mismatches": _greedy_mismatches(mine, baseline) if greedy else None,
+        "runs": len(mine),
+    }
+    if mine and all(r.outcome.rounds is not None for r in mine):
+        fields.update(_acceptance_fields(mine, baseline, fields["speedup"]))
+    return fields
+
+
+def _acceptance_fields(mine: list[Run], baseline: list[Run], speedup: float) -> dict:
+    rounds = sum(r.outcome.rounds for r in mine)
+    drafted = sum(r.outcome.draft_tokens for r in mine)
+    accepted = sum(r.outcome.accepted_tokens for r in mine)
+    emitted = sum(len(r.outcome.token_ids) for r in mine)
+    fields = {
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_accepted_length": emitted / rounds if rounds else 0.0,
+    }
+    plain_rounds = sum(r.outcome.rounds or 0 for r in baseline)
+    if rounds and plain_rounds:
+        plain_step = sum(r.outcome.target_seconds for r in baseline) / plain_rounds
+        ideal = ideal_speedup(
+            acceptance_rate=fields["acceptance_rate"],
+            k=drafted / rounds,
+            draft_seconds_per_round=sum(r.outcome.draft_seconds for r in mine) / rounds,
+            score_seconds_per_round=sum(r.outcome.target_seconds for r in mine) / rounds,
+            plain_seconds_per_token=plain_step,
+        )
+        fields["ideal_speedup"] = ideal
+        fields["fraction_of_ideal"] = speedup / ideal if ideal else None
+    return fields
+
+
+def _per_prompt_rate(runs: list[Run]) -> dict[str, float]:
+    """tokens/s on each prompt, over its repeats."""
+    tokens: dict[str, int] = defaultdict(int)
+    seconds: dict[str, float] = defaultdict(float)
+    for r in runs:
+        tokens[r.prompt_id] += len(r.outcome.token_ids)
+        seconds[r.prompt_id] += r.outcome.seconds
+    return {p: tokens[p] / seconds[p] for p in tokens if seconds[p] > 0}
+
+
+def _greedy_mismatches(mine: list[Run], baseline: list[Run]) -> int:
+    """Runs whose tokens differ from the baseline's on the same prompt (greedy decoding: there must be none)."""
+    expected = {r.prompt_id: r.outcome.token_ids for r in baseline}
+    return sum(1 for r in mine if r.prompt_id in expected and r.outcome.token_ids != expected[r.prompt_id])
+
+
+def build_report(runs: list[Run], contenders: list, settings: dict) -> dict:
+    greedy = settings["temperature"] == 0
+    categories = sorted({r.category for r in runs})
+    configs = []
+    for contender in contenders:
+        fields = summarise(runs, contender.name, greedy)
+        fields["per_category"] = {
+            c: summarise([r for r in runs if r.category == c], contender.name, greedy) for c in categories
+        }
+        configs.append({"drafter": contender.name, "num_draft_tokens": contender.num_draft_tokens,
+                        "temperature": settings["temperature"], **fields})
+    return {"settings": settings, "configs": configs}
+
+
+COLUMNS = [
+    ("drafter", "config", "{}"),
+    ("tokens_per_second", "tokens/s", "{:.2f}"),
+    ("speedup", "speedup (median)", "{:.2f}x"),
+    ("acceptance_rate", "acceptance", "{:.1%}"),
+    ("mean_accepted_length", "tokens/round", "{:.2f}"),
+    ("ideal_speedup", "ideal speedup", "{:.2f}x"),
+    ("fraction_of_ideal", "of ideal", "{:.0%}"),
+    ("greedy_mismatches", "greedy mismatches", "{}"),
+]
+
+
+def markdown(report: dict) -> str:
+    """The report as Markdown tables: overall, then one per category."""
+    configs = report["configs"]
+    sections = [("all prompts", [c for c in configs])]
+    categories = list(configs[0]["per_category"]) if configs else []
+    if len(categories) > 1:
+        sections += [(cat, [{"drafter": c["drafter"], **c["per_category"][cat]} for c in configs])
+                     for cat in categories]
+    lines = []
+    for title, rows in sections:
+        lines += [f"**{title}**", "", "| " + " | ".join(h for _, h, _ in COLUMNS) + " |",
+                  "|" + "|".join("---:" if i else "---" for i in range(len(COLUMNS))) + "|"]
+        for row in rows:
+            cells = [("—" if row.get(key) is None else fmt.format(row[key])) for key, _, fmt in COLUMNS]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,112 @@
+"""``specdec bench``: every configuration on the same prompts, in one process, interleaved per prompt."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from specdec.api import SpecDecoder, check_same_vocabulary, eos_token_ids
+from specdec.backends.hf import HFCausalLM
+from specdec.bench.contenders import Contender, SpecdecContender, TransformersContender
+from specdec.bench.prompts import read_prompts
+from specdec.bench.report import BASELINE, Run, build_report, markdown
+from specdec.engine import Engine, GenerationConfig
+from specdec.errors import UsageError
+from specdec.models import load_model
+from specdec.proposers import PROPOSERS, make_proposer
+from specdec.sampling import SamplingParams
+
+REFERENCE_CONTENDERS = ("hf-prompt-lookup", "hf-assisted")
+
+
+def build_contenders(names: list[str], target, draft, num_draft_tokens: int) -> list[Contender]:
+    """One contender per name; ``none`` (the baseline) always comes first."""
+    unknown = [n for n in names if n not in PROPOSERS and n not in REFERENCE_CONTENDERS]
+    if unknown:
+        raise UsageError(f"unknown drafter {unknown[0]!r}; choose from "
+                         f"{', '.join(list(PROPOSERS) + list(REFERENCE_CONTENDERS))}")
+    if draft is None and {"draft-model", "hf-assisted"} & set(names):
+        raise UsageError("the draft-model and hf-assisted configurations need --draft-model PATH")
+    names = [BASELINE] + [n for n in dict.fromkeys(names) if n != BASELINE]
+    backend = HFCausalLM(target.model)
+    draft_backend = HFCausalLM(draft.model) if draft is not None else None
+    eos = eos_token_ids(target)
+    contenders: list[Contender] = []
+    for name in names:
+        if name == "hf-prompt-lookup":
+            contenders.append(TransformersContender(name, target.model, num_draft_tokens, eos,
+                                                    prompt_lookup_num_tokens=num_draft_tokens))
+        elif name == "hf-assisted":
+            draft.model.generation_config.num_assistant_tokens = num_draft_tokens
+            draft.model.generation_config.num_assistant_tokens_schedule = "constant"
+            contenders.append(TransformersContender(name, target.model, num_draft_tokens, eos,
+                                                    assistant_model=draft.model))
+        else:
+            engine = Engine(backend, make_proposer(name, backend, draft_backend), eos_token_ids=eos)
+            contenders.append(SpecdecContender(name, engine, num_draft_tokens if name != BASELINE else 0))
+    return contenders
+
+
+def run_interleaved(contenders: list[Contender], prompts: list[tuple[str, str, list[int]]],
+                    config: GenerationConfig, repeats: int, seed: int | None, progress: bool = True) -> list[Run]:
+    """Each prompt, each repeat: every contender once, the order rotated so none always goes first."""
+    from tqdm import tqdm
+
+    runs = []
+    bar = tqdm(total=len(prompts) * repeats * len(contenders), disable=not progress, unit="run", file=sys.stderr)
+    for i, (prompt_id, category, ids) in enumerate(prompts):
+        for repeat in range(repeats):
+            shift = (i * repeats + repeat) % len(contenders)
+            run_config = replace(config, seed=None if seed is None else seed + i * repeats + repeat)
+            for contender in contenders[shift:] + contenders[:shift]:
+                bar.set_postfix_str(f"{contender.name} on {prompt_id}", refresh=False)
+                runs.append(Run(contender.name, prompt_id, category, contender.run(ids, run_config)))
+                bar.update()
+    bar.close()
+    return runs
+
+
+def run_bench(args) -> int:
+    if args.num_draft_tokens == "auto":
+        raise UsageError("--num-draft-tokens auto needs the adaptive draft-length policy, not yet available")
+    try:
+        k = int(args.num_draft_tokens)
+    except ValueError:
+        raise UsageError(f"--num-draft-tokens must be an integer or 'auto', got {args.num_draft_tokens!r}") from None
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, num_draft_tokens=k,
+                              sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k,
+                                                      top_p=args.top_p))
+    if args.repeats < 1:
+        raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
+    names = [n.strip() for n in args.drafters.split(",") if n.strip()]
+    bench_prompts = read_prompts(args.prompts, category=args.category, limit=args.limit)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    target = load_model(args.model, dtype=args.dtype, device=args.device)
+    draft = load_model(args.draft_model, dtype=args.dtype, device=args.device) if args.draft_model else None
+    if draft is not None:
+        check_same_vocabulary(target, draft)
+    contenders = build_contenders(names, target, draft, k)
+    encoder = SpecDecoder(target, drafter=BASELINE)
+    prompts = [(p.id, p.category, encoder.encode(p.text, None if p.chat else False)) for p in bench_prompts]
+
+    contenders[0].run(prompts[0][2], replace(config, seed=0))  # warm-up: first-call costs out of the timings
+    runs = run_interleaved(contenders, prompts, config, args.repeats, args.seed, progress=not args.no_progress)
+    settings = {
+        "prompts": str(args.prompts), "category": args.category, "num_prompts": len(prompts),
+        "repeats": args.repeats, "max_new_tokens": args.max_new_tokens, "num_draft_tokens": k,
+        "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "model": args.model or "default",
+        "draft_model": args.draft_model, "dtype": str(target.model.dtype).removeprefix("torch."),
+        "device": str(target.model.device), "threads": torch.get_num_threads(), "machine": platform.machine(),
+    }
+    report = build_report(runs, contenders, settings)
+    print(markdown(report))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0

@@ -1,0 +1,113 @@
+"""Benchmark arithmetic on synthetic timings, and a smoke run of ``specdec bench`` on tiny random models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tiny import perturbed_copy, save_with_tokenizer, tiny_llama
+
+from specdec.bench.contenders import Outcome
+from specdec.bench.report import Run, summarise
+from specdec.bench.stats import expected_tokens_per_round, ideal_speedup, median, per_prompt_speedups
+from specdec.cli import main
+
+
+def test_expected_tokens_per_round():
+    assert expected_tokens_per_round(0.0, 4) == 1  # every draft rejected: the recovered token only
+    assert expected_tokens_per_round(1.0, 4) == 5  # every draft accepted: k + bonus
+    # a = 0.5, k = 2: 1 + 0.5 + 0.25
+    assert expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)
+    with pytest.raises(ValueError):
+        expected_tokens_per_round(1.5, 2)
+
+
+def test_ideal_speedup_divides_tokens_per_round_by_round_cost():
+    # a = 0.5, k = 2 -> 1.75 tokens per round; a round costs 0.1 s drafting + 0.15 s scoring; a plain step 0.1 s
+    assert ideal_speedup(0.5, 2, 0.1, 0.15, 0.1) == pytest.approx(1.75 / 2.5)
+    # free drafting and free extra positions: the speedup is the tokens per round
+    assert ideal_speedup(0.8, 4, 0.0, 0.1, 0.1) == pytest.approx(expected_tokens_per_round(0.8, 4))
+
+
+def test_median_and_per_prompt_speedups():
+    assert median([3.0, 1.0, 2.0]) == 2.0 and median([1.0, 2.0, 3.0, 10.0]) == 2.5
+    speedups = per_prompt_speedups({"a": 20.0, "b": 10.0, "c": 5.0}, {"a": 10.0, "b": 10.0})
+    assert sorted(speedups) == [1.0, 2.0]  # "c" has no baseline run
+
+
+def make_run(config, prompt, tokens, seconds, **counters):
+    return Run(config, prompt, "cat", Outcome(token_ids=tokens, seconds=seconds, **counters))
+
+
+def test_summary_on_synthetic_runs():
+    plain = dict(rounds=10, draft_tokens=0, accepted_tokens=0, draft_seconds=0.0, target_seconds=1.0)
+    runs = [
+        make_run("none", "p1", list(range(10)), 1.0, **plain),
+        make_run("none", "p2", list(range(10)), 1.0, **plain),
+        # p1: same tokens in half the time (2x); p2: different tokens (a greedy mismatch) at 4x
+        make_run("fast", "p1", list(range(10)), 0.5, rounds=4, draft_tokens=12, accepted_tokens=6,
+                 draft_seconds=0.1, target_seconds=0.4),
+        make_run("fast", "p2", list(range(1, 11)), 0.25, rounds=4, draft_tokens=12, accepted_tokens=6,
+                 draft_seconds=0.1, target_seconds=0.4),
+    ]
+    fields = summarise(runs, "fast", greedy=True)
+    assert fields["tokens_per_second"] == pytest.approx(20 / 0.75)
+    assert fields["speedup"] == pytest.approx(3.0)  # median of 2x and 4x
+    assert fields["acceptance_rate"] == pytest.approx(0.5)
+    assert fields["mean_accepted_length"] == pytest.approx(20 / 8)
+    # a = 0.5, k = 3 -> 1.875 tokens per round; a round costs (0.2 + 0.8) / 8 s; a plain step 0.1 s
+    assert fields["ideal_speedup"] == pytest.approx(1.875 / (0.125 / 0.1))
+    assert fields["fraction_of_ideal"] == pytest.approx(3.0 / fields["ideal_speedup"])
+    assert fields["greedy_mismatches"] == 1
+    reference = summarise(runs + [make_run("hf", "p1", list(range(10)), 0.5)], "hf", greedy=True)
+    assert reference["acceptance_rate"] is None and reference["speedup"] == pytest.approx(2.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench-models")
+    target = tiny_llama(seed=0, init_range=0.5)
+    return (save_with_tokenizer(target, root / "target"),
+            save_with_tokenizer(perturbed_copy(target, noise=0.03, seed=1), root / "draft"))
+
+
+def test_bench_smoke_on_tiny_models(tiny_models, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [
+        {"question_id": 1, "category": "copy", "turns": ["w5 w9 w12 w9 w12 w40 w5 w9"]},
+        {"question_id": 2, "category": "other", "turns": ["w3 w4 w60 w2"]},
+        {"question_id": 3, "category": "copy", "turns": ["w7 w7 w8 w7 w7"]},
+    ]) + "\n")
+    out = tmp_path / "report.json"
+    target, draft = tiny_models
+    code = main(["bench", "--prompts", str(prompts), "--model", str(target), "--draft-model", str(draft),
+                 "--drafters", "prompt-lookup,draft-model,hf-prompt-lookup,hf-assisted", "--max-new-tokens", "12",
+                 "--repeats", "2", "--out", str(out), "--no-progress", "--dtype", "float32"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    report = json.loads(out.read_text())
+    names = [c["drafter"] for c in report["configs"]]
+    assert names == ["none", "prompt-lookup", "draft-model", "hf-prompt-lookup", "hf-assisted"]
+    for config in report["configs"]:
+        assert {"drafter", "num_draft_tokens", "temperature", "tokens_per_second", "speedup", "acceptance_rate",
+                "mean_accepted_length", "greedy_mismatches", "per_category"} <= set(config)
+        assert set(config["per_category"]) == {"copy", "other"}
+        assert config["runs"] == 6 and config["tokens_per_second"] > 0
+        assert config["greedy_mismatches"] == 0  # every configuration is exact at temperature 0
+    draft_model = report["configs"][2]
+    assert 0 < draft_model["acceptance_rate"] <= 1 and draft_model["ideal_speedup"] > 0
+    assert "| draft-model |" in printed and "**copy**" in printed
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--drafters", "none,magic"], "unknown drafter"),
+    (["--drafters", "draft-model"], "need --draft-model"),
+    (["--num-draft-tokens", "many"], "integer or 'auto'"),
+    (["--repeats", "0"], "repeats"),
+])
+def test_bench_bad_input(tiny_models, tmp_path, capsys, args, message):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"turns": ["w5 w6"]}\n')
+    code = main(["bench", "--prompts", str(prompts), "--model", str(tiny_models[0]), "--no-progress", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1
