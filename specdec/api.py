@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specdec.backends.hf import HFCausalLM
+from specdec.backends import make_backend
 from specdec.engine import Engine, GenerationConfig, GenerationStats, Round
 from specdec.errors import UsageError
 from specdec.models import LoadedModel, load_model
@@ -39,8 +39,8 @@ class SpecDecoder:
         self.target = target
         self.tokenizer = target.tokenizer
         self.drafter = drafter
-        backend = HFCausalLM(target.model)
-        proposer = make_proposer(drafter, backend, HFCausalLM(draft.model) if draft is not None else None)
+        backend = make_backend(target.model)
+        proposer = make_proposer(drafter, backend, make_backend(draft.model) if draft is not None else None)
         self.engine = Engine(backend, proposer, eos_token_ids=eos_token_ids(target))
 
     @classmethod

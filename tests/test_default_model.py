@@ -19,7 +19,7 @@ import torch
 from tiny import first_mismatch
 
 from specdec.api import SpecDecoder
-from specdec.backends.hf import HFCausalLM
+from specdec.backends import make_backend
 from specdec.engine import Engine, GenerationConfig
 from specdec.models import load_model
 from specdec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer
@@ -60,10 +60,10 @@ def top_two_gap(model, ids: list[int]) -> float:
 
 def test_speculative_greedy_is_plain_greedy_on_mt_bench(decoder, prompts):
     model = decoder.target.model
-    target = HFCausalLM(model)
+    target = make_backend(model)  # the lean llama runtime, as users get it
     engines = {
         "prompt-lookup": Engine(target, PromptLookupProposer()),
-        "draft-model": Engine(target, DraftModelProposer(HFCausalLM(bfloat16_draft(model)), target.vocab_size)),
+        "draft-model": Engine(target, DraftModelProposer(make_backend(bfloat16_draft(model)), target.vocab_size)),
     }
     plain = Engine(target, NoProposer())
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, num_draft_tokens=4, stop_at_eos=False)
@@ -85,9 +85,10 @@ def test_speculative_greedy_is_plain_greedy_on_mt_bench(decoder, prompts):
 
 
 def test_plain_decoding_matches_transformers_generate(decoder, prompts):
-    """specdec's plain path is the reference it claims to be: transformers' own greedy generate."""
+    """specdec's plain path (the lean runtime) is the reference it claims to be: transformers' own greedy
+    generate, through transformers' own modules."""
     model = decoder.target.model
-    engine = Engine(HFCausalLM(model), NoProposer())
+    engine = Engine(make_backend(model), NoProposer())
     for prompt in prompts[:3]:
         ours = engine.generate(prompt, GenerationConfig(max_new_tokens=32, stop_at_eos=False)).token_ids
         with torch.inference_mode():
@@ -96,6 +97,16 @@ def test_plain_decoding_matches_transformers_generate(decoder, prompts):
         i = first_mismatch(ours, theirs[0, len(prompt):].tolist())
         if i is not None:
             assert top_two_gap(model, prompt + ours[:i]) < NEAR_TIE
+
+
+def test_lean_runtime_logits_match_transformers_on_the_default_model(decoder):
+    model = decoder.target.model
+    ids = decoder.encode("Explain why the sky is blue in two sentences.")
+    runtime = make_backend(model)
+    ours = torch.cat([runtime.extend(ids[:-3], len(ids) - 3), runtime.extend(ids[-3:], 3)])
+    with torch.inference_mode():
+        reference = model(torch.tensor([ids])).logits[0]
+    assert (ours - reference).abs().max() <= 1e-4 * reference.abs().max()
 
 
 def test_drafting_from_the_prompt_is_accepted_on_a_copy_task(decoder):

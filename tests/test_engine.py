@@ -12,7 +12,7 @@ from scipy.stats import chi2_contingency, chisquare
 from tiny import E2E_PROMPT, e2e_models, e2e_samples, first_mismatch, perturbed_copy, tiny_llama
 
 from specdec.backends.base import sync
-from specdec.backends.hf import HFCausalLM
+from specdec.backends import HFCausalLM, LlamaRuntime
 from specdec.engine import Engine, GenerationConfig
 from specdec.errors import UsageError
 from specdec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer, make_proposer
@@ -42,14 +42,18 @@ def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
+BACKENDS = [HFCausalLM, LlamaRuntime]
+
+
+@pytest.mark.parametrize("backend_class", BACKENDS)
 @pytest.mark.parametrize("k", [1, 3, 8])
-def test_greedy_speculation_is_token_for_token_plain_greedy(target_and_draft, k):
+def test_greedy_speculation_is_token_for_token_plain_greedy(target_and_draft, k, backend_class):
     target, draft = target_and_draft
-    target_backend = HFCausalLM(target)
+    target_backend = backend_class(target)
     engines = {
         "none": Engine(target_backend, NoProposer()),
         "prompt-lookup": Engine(target_backend, PromptLookupProposer()),
-        "draft-model": Engine(target_backend, DraftModelProposer(HFCausalLM(draft), target_backend.vocab_size)),
+        "draft-model": Engine(target_backend, DraftModelProposer(backend_class(draft), target_backend.vocab_size)),
     }
     for prompt in PROMPTS:
         expected = reference_greedy(target, prompt, 24)
@@ -81,9 +85,10 @@ def test_draft_model_with_narrower_logits_is_padded():
         DraftModelProposer(HFCausalLM(target), target_vocab_size=60)
 
 
-def test_rollback_then_extend_equals_a_fresh_forward():
+@pytest.mark.parametrize("backend_class", BACKENDS)
+def test_rollback_then_extend_equals_a_fresh_forward(backend_class):
     model = tiny_llama(seed=3).double()
-    backend = HFCausalLM(model)
+    backend = backend_class(model)
     backend.extend([1, 2, 3, 4, 5], 0)
     backend.extend([6, 7, 8], 3)
     backend.rollback(6)  # keep [1..6]
@@ -106,13 +111,14 @@ def test_sync_reuses_the_shared_prefix():
     assert calls[-1] == [8]
 
 
-def test_engines_sharing_one_backend_see_its_true_cache(target_and_draft):
+@pytest.mark.parametrize("backend_class", BACKENDS)
+def test_engines_sharing_one_backend_see_its_true_cache(target_and_draft, backend_class):
     """The backend, not the engine, knows what its cache holds: two engines taking turns on one target get
     the same answers as each alone."""
     target, draft = target_and_draft
-    backend = HFCausalLM(target)
+    backend = backend_class(target)
     first = Engine(backend, NoProposer())
-    second = Engine(backend, DraftModelProposer(HFCausalLM(draft), backend.vocab_size))
+    second = Engine(backend, DraftModelProposer(backend_class(draft), backend.vocab_size))
     alone = greedy(first, PROMPTS[0], 4)
     greedy(second, PROMPTS[0][:2] + [7, 7], 4)  # shares two tokens with PROMPTS[0], then overwrites the cache
     assert greedy(first, PROMPTS[0], 4) == alone == reference_greedy(target, PROMPTS[0], 24)
@@ -131,13 +137,14 @@ def test_same_seed_same_sample_and_seeds_differ(target_and_draft):
     assert len({tuple(sample(seed)) for seed in range(5)}) > 1
 
 
-def test_stops_at_eos_and_at_the_token_limit(target_and_draft):
+@pytest.mark.parametrize("backend_class", BACKENDS)
+def test_stops_at_eos_and_at_the_token_limit(target_and_draft, backend_class):
     target, draft = target_and_draft
-    backend = HFCausalLM(target)
+    backend = backend_class(target)
     free = greedy(Engine(backend, NoProposer()), PROMPTS[0], 4, n=24)
     eos = free[10]
     cut_at = free.index(eos) + 1
-    for proposer in (NoProposer(), DraftModelProposer(HFCausalLM(draft), backend.vocab_size)):
+    for proposer in (NoProposer(), DraftModelProposer(backend_class(draft), backend.vocab_size)):
         engine = Engine(backend, proposer, eos_token_ids={eos})
         out = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=24, num_draft_tokens=4))
         assert out.token_ids == free[:cut_at]
@@ -227,15 +234,16 @@ def test_speculative_sampling_matches_plain_sampling_end_to_end():
 BF16_NEAR_TIE = 4 * 8 * 2**-8
 
 
-def test_bfloat16_speculation_is_plain_bfloat16_greedy_up_to_near_ties():
+@pytest.mark.parametrize("backend_class", BACKENDS)
+def test_bfloat16_speculation_is_plain_bfloat16_greedy_up_to_near_ties(backend_class):
     """In bfloat16, scoring k+1 positions rounds differently from scoring one: a mismatch with plain decoding
     may only sit where plain decoding's top two logits are within bfloat16 rounding of each other."""
     target = tiny_llama(seed=0, init_range=0.5)
     draft = perturbed_copy(target, noise=0.03, seed=1).to(torch.bfloat16)
     target = target.to(torch.bfloat16)
-    backend = HFCausalLM(target)
+    backend = backend_class(target)
     plain = Engine(backend, NoProposer())
-    speculative = Engine(backend, DraftModelProposer(HFCausalLM(draft), backend.vocab_size))
+    speculative = Engine(backend, DraftModelProposer(backend_class(draft), backend.vocab_size))
     gaps = []
     for prompt in PROMPTS:
         expected = greedy(plain, prompt, 4)

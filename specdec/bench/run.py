@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from specdec.api import SpecDecoder, check_same_vocabulary, eos_token_ids
-from specdec.backends.hf import HFCausalLM
+from specdec.backends import make_backend
 from specdec.bench.contenders import Contender, SpecdecContender, TransformersContender
 from specdec.bench.prompts import read_prompts
 from specdec.bench.report import BASELINE, Run, build_report, markdown
@@ -33,8 +33,8 @@ def build_contenders(names: list[str], target, draft, num_draft_tokens: int) -> 
     if draft is None and {"draft-model", "hf-assisted"} & set(names):
         raise UsageError("the draft-model and hf-assisted configurations need --draft-model PATH")
     names = [BASELINE] + [n for n in dict.fromkeys(names) if n != BASELINE]
-    backend = HFCausalLM(target.model)
-    draft_backend = HFCausalLM(draft.model) if draft is not None else None
+    backend = make_backend(target.model)
+    draft_backend = make_backend(draft.model) if draft is not None else None
     eos = eos_token_ids(target)
     contenders: list[Contender] = []
     for name in names:
