@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from specdec.engine import MAX_DRAFT_TOKENS
 from specdec.errors import SpecdecError, UsageError
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--html", metavar="FILE", default=None, help="also write the token-level view as an HTML page")
     gen.set_defaults(run=run_generate)
     _add_bench_parser(commands)
+    _add_figures_parser(commands)
     return parser
 
 
@@ -71,6 +73,29 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--threads", type=int, default=None)
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(run=_run_bench)
+
+
+def _add_figures_parser(commands) -> None:
+    figures = commands.add_parser("figures", help="draw the explanatory figures from measurements taken here")
+    figures.add_argument("--out", required=True, help="directory for the PNG files")
+    figures.add_argument("--model", default=None)
+    figures.add_argument("--draft-model", default=None,
+                         help="draft for the acceptance figures (default: the target's first quarter of layers)")
+    figures.add_argument("--prompts", default=str(Path(__file__).resolve().parents[1] / "data" /
+                                                   "mt_bench_question.jsonl"))
+    figures.add_argument("--limit", type=int, default=4, help="prompts for the acceptance measurements")
+    figures.add_argument("--max-new-tokens", type=int, default=48)
+    figures.add_argument("--repeats", type=int, default=3, help="timing repeats per point (median)")
+    figures.add_argument("--max-batch", type=int, default=64)
+    figures.add_argument("--device", default="auto")
+    figures.add_argument("--threads", type=int, default=None)
+    figures.set_defaults(run=_run_figures)
+
+
+def _run_figures(args: argparse.Namespace) -> int:
+    from specdec.bench.figures import run_figures
+
+    return run_figures(args)
 
 
 def _run_bench(args: argparse.Namespace) -> int:

@@ -111,3 +111,17 @@ def test_bench_bad_input(tiny_models, tmp_path, capsys, args, message):
     code = main(["bench", "--prompts", str(prompts), "--model", str(tiny_models[0]), "--no-progress", *args])
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_figures_smoke_on_tiny_models(tiny_models, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"turns": ["w5 w9 w12 w9 w12 w40 w5 w9"]}\n{"turns": ["w3 w4 w60 w2"]}\n')
+    target, draft = tiny_models
+    code = main(["figures", "--out", str(tmp_path / "figs"), "--model", str(target), "--draft-model", str(draft),
+                 "--prompts", str(prompts), "--max-new-tokens", "8", "--repeats", "1", "--max-batch", "4"])
+    assert code == 0, capsys.readouterr().err
+    names = sorted(p.name for p in (tmp_path / "figs").iterdir())
+    assert names == ["accept_or_resample.png", "many_drafts_one_weight_streaming.png",
+                     "surplus_only_free_at_small_batch.png", "tokens_per_round.png"]
+    for name in names:
+        assert (tmp_path / "figs" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

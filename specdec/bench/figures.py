@@ -1,0 +1,204 @@
+"""``specdec figures``: the pictures that explain speculative decoding, from measurements taken here and now.
+
+Nothing is typed in: every point is measured on the machine that runs the command, with the model it is given.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from specdec.backends import make_backend
+from specdec.bench.stats import expected_tokens_per_round
+from specdec.engine import Engine, GenerationConfig
+from specdec.proposers import DraftModelProposer
+from specdec.sampling import SamplingParams, logits_to_probs
+
+POSITIONS = [1, 2, 4, 8, 16, 32]
+BATCHES = [1, 2, 4, 8, 16, 32, 64]
+DRAFT_LENGTHS = [1, 2, 3, 4, 6, 8]
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def forward_latency(model, context: list[int], positions: list[int], repeats: int) -> list[float]:
+    """Seconds for one target pass scoring n new positions after ``context``, for each n."""
+    backend = make_backend(model)
+    backend.extend(context, 0)
+    base = len(context)
+
+    def score(n: int):
+        backend.extend(context[:n] if n <= base else (context * n)[:n], n)
+        backend.rollback(base)
+
+    return [median_seconds(lambda n=n: score(n), repeats) for n in positions]
+
+
+def batched_cost_ratio(model, k: int, batches: list[int], context_length: int, repeats: int) -> list[float]:
+    """Cost of one pass over B sequences x (k+1) new positions, relative to B sequences x 1, for each B."""
+    from transformers import DynamicCache
+
+    vocab = model.config.vocab_size
+    ratios = []
+    for b in batches:
+        prefix = torch.randint(3, vocab, (b, context_length), generator=torch.Generator().manual_seed(b))
+        costs = []
+        for n in (1, k + 1):
+            cache = DynamicCache()
+            with torch.inference_mode():
+                model(input_ids=prefix.to(model.device), cache=cache, logits_to_keep=1)
+            new = torch.randint(3, vocab, (b, n), generator=torch.Generator().manual_seed(n)).to(model.device)
+
+            def step(cache=cache, new=new, n=n):
+                with torch.inference_mode():
+                    model(input_ids=new, cache=cache, logits_to_keep=n)
+                cache.crop(-n)
+
+            costs.append(median_seconds(step, repeats))
+        ratios.append(costs[1] / costs[0])
+    return ratios
+
+
+def tokens_per_round(engine: Engine, prompts: list[list[int]], k: int, new_tokens: int) -> tuple[float, float]:
+    """(mean accepted length, acceptance rate) of greedy drafting with k tokens over the prompts."""
+    rounds = emitted = drafted = accepted = 0
+    for ids in prompts:
+        engine.clear_cache()
+        stats = engine.generate(ids, GenerationConfig(max_new_tokens=new_tokens, num_draft_tokens=k,
+                                                      stop_at_eos=False)).stats
+        rounds += stats.rounds
+        emitted += stats.new_tokens
+        drafted += stats.draft_tokens
+        accepted += stats.accepted_tokens
+    return emitted / rounds, accepted / max(drafted, 1)
+
+
+def default_draft(model, layers: int):
+    """A draft for the pictures when none is given: the target's first ``layers`` layers, norm and LM head."""
+    draft = copy.deepcopy(model)
+    draft.model.layers = draft.model.layers[:layers]
+    draft.config.num_hidden_layers = layers
+    return draft
+
+
+def make_figures(target, draft_model, prompts: list[list[int]], out: Path, repeats: int = 3,
+                 new_tokens: int = 48, max_batch: int = 64, k: int = 4) -> list[Path]:
+    """Measure and draw the four figures into ``out``; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    model = target.model
+    written = []
+    context = prompts[0]
+
+    # 1. many drafts, one weight-streaming
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for dtype in (torch.float32, torch.bfloat16):
+        same = model if model.dtype == dtype else copy.deepcopy(model).to(dtype)
+        latency = [1000 * s for s in forward_latency(same, context, POSITIONS, repeats)]
+        line, = ax.plot(POSITIONS, latency, "o-", label=f"one pass scoring n positions, {str(dtype)[6:]}")
+        ax.plot(POSITIONS, [latency[0] * n for n in POSITIONS], ":", color=line.get_color(),
+                label=f"n single-position passes, {str(dtype)[6:]}")
+    ax.set(xscale="log", yscale="log", xlabel="positions scored (n)", ylabel="milliseconds",
+           title="Many drafts, one weight-streaming")
+    ax.set_xticks(POSITIONS, [str(n) for n in POSITIONS])
+    ax.legend(fontsize=8)
+    written.append(_save(fig, out / "many_drafts_one_weight_streaming.png"))
+
+    # 2. accept or resample, at one real position
+    params = SamplingParams(temperature=1.0)
+    with torch.inference_mode():
+        p = logits_to_probs(make_backend(model).extend(context, 1)[0], params).double()
+        q = logits_to_probs(make_backend(draft_model).extend(context, 1)[0], params).double()
+    top = torch.topk(p + q, 12).indices
+    overlap = torch.minimum(p, q)
+    residual = (p - q).clamp(min=0)
+    residual = residual / residual.sum() if residual.sum() > 0 else residual
+    labels = [repr(target.tokenizer.decode([int(t)]))[1:-1] or "·" for t in top]
+    fig, ax = plt.subplots(figsize=(7.2, 4.2))
+    x = list(range(len(top)))
+    for offset, values, label in [(-0.3, p, "target p"), (-0.1, q, "draft q"),
+                                  (0.1, overlap, "min(p, q): accepted mass"),
+                                  (0.3, residual, "residual (p − q)+, renormalised")]:
+        ax.bar([i + offset for i in x], values[top].tolist(), 0.2, label=label)
+    ax.set_xticks(x, labels, rotation=45, ha="right", fontsize=8)
+    ax.set(ylabel="probability", title=f"Accept or resample: P(accept) = Σ min(p, q) = {float(overlap.sum()):.2f}")
+    ax.legend(fontsize=8)
+    written.append(_save(fig, out / "accept_or_resample.png"))
+
+    # 4 first: the measured acceptance feeds figure 3
+    engine = Engine(make_backend(model), DraftModelProposer(make_backend(draft_model), make_backend(model).vocab_size))
+    measured = [tokens_per_round(engine, prompts, kk, new_tokens) for kk in DRAFT_LENGTHS]
+    alpha = measured[0][1]  # acceptance measured at k = 1: no position effects
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.plot(DRAFT_LENGTHS, [m[0] for m in measured], "o", label="measured")
+    ks = torch.linspace(1, max(DRAFT_LENGTHS), 50).tolist()
+    ax.plot(ks, [expected_tokens_per_round(alpha, kk) for kk in ks], "-",
+            label=f"(1 − α^(k+1)) / (1 − α), α = {alpha:.2f} (measured at k = 1)")
+    ax.set(xlabel="draft length k", ylabel="tokens per target pass", title="Expected tokens per round")
+    ax.legend(fontsize=8)
+    written.append(_save(fig, out / "tokens_per_round.png"))
+
+    # 3. the surplus is only free at small batch
+    batches = [b for b in BATCHES if b <= max_batch]
+    ratios = batched_cost_ratio(model, k, batches, context_length=64, repeats=repeats)
+    implied = [expected_tokens_per_round(alpha, k) / r for r in ratios]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.plot(batches, ratios, "o-", label=f"cost of B×{k + 1} positions / B×1")
+    ax.plot(batches, implied, "s-", label=f"implied speedup at α = {alpha:.2f}, k = {k} (free drafting)")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set(xscale="log", xlabel="batch size B", ylabel="ratio", title="The surplus is only free at small batch")
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.legend(fontsize=8)
+    written.append(_save(fig, out / "surplus_only_free_at_small_batch.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def run_figures(args) -> int:
+    from specdec.api import SpecDecoder, check_same_vocabulary
+    from specdec.bench.prompts import read_prompts
+    from specdec.errors import UsageError
+    from specdec.models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.repeats < 1 or args.max_batch < 1:
+        raise UsageError("--repeats and --max-batch must be >= 1")
+    target = load_model(args.model, dtype="float32", device=args.device)
+    if args.draft_model:
+        draft = load_model(args.draft_model, dtype="float32", device=args.device)
+        check_same_vocabulary(target, draft)
+        draft_model = draft.model
+    else:
+        draft_model = default_draft(target.model, layers=max(1, target.model.config.num_hidden_layers // 4))
+    encoder = SpecDecoder(target, drafter="none")
+    prompts = [encoder.encode(p.text, None if p.chat else False)
+               for p in read_prompts(args.prompts, limit=args.limit)]
+    for path in make_figures(target, draft_model, prompts, Path(args.out), repeats=args.repeats,
+                             new_tokens=args.max_new_tokens, max_batch=args.max_batch):
+        print(path)
+    return 0
