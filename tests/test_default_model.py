@@ -109,6 +109,12 @@ def test_lean_runtime_logits_match_transformers_on_the_default_model(decoder):
     assert (ours - reference).abs().max() <= 1e-4 * reference.abs().max()
 
 
+def test_converted_default_model_is_a_plain_transformers_directory(decoder):
+    """The cached GGUF conversion holds de-quantised weights and says so: it loads and saves like any model."""
+    config = json.loads((decoder.target.path / "config.json").read_text())
+    assert "quantization_config" not in config and config["model_type"] == "llama"
+
+
 def test_drafting_from_the_prompt_is_accepted_on_a_copy_task(decoder):
     """Prompt lookup earns its keep where the answer repeats the prompt."""
     text = "The quick brown fox jumps over the lazy dog. " * 3

@@ -45,10 +45,10 @@ def _acceptance_fields(mine: list[Run], baseline: list[Run], speedup: float) -> 
     drafted = sum(r.outcome.draft_tokens for r in mine)
     accepted = sum(r.outcome.accepted_tokens for r in mine)
     emitted = sum(len(r.outcome.token_ids) for r in mine)
-    fields = {
-        "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "mean_accepted_length": emitted / rounds if rounds else 0.0,
-    }
+    fields = {"mean_accepted_length": emitted / rounds if rounds else 0.0}
+    if not drafted:  # nothing drafted (the baseline): no acceptance, and no speculation to idealise
+        return fields
+    fields["acceptance_rate"] = accepted / drafted
     plain_rounds = sum(r.outcome.rounds or 0 for r in baseline)
     if rounds and plain_rounds:
         plain_step = sum(r.outcome.target_seconds for r in baseline) / plain_rounds

@@ -21,7 +21,19 @@ from specdec.models import load_model
 from specdec.proposers import PROPOSERS, make_proposer
 from specdec.sampling import SamplingParams
 
-REFERENCE_CONTENDERS = ("hf-prompt-lookup", "hf-assisted")
+def _hf_prompt_lookup(target, draft, k: int, eos: set[int]) -> Contender:
+    return TransformersContender("hf-prompt-lookup", target.model, k, eos, prompt_lookup_num_tokens=k)
+
+
+def _hf_assisted(target, draft, k: int, eos: set[int]) -> Contender:
+    draft.model.generation_config.num_assistant_tokens = k
+    draft.model.generation_config.num_assistant_tokens_schedule = "constant"
+    return TransformersContender("hf-assisted", target.model, k, eos, assistant_model=draft.model)
+
+
+# transformers' own assisted generation, as the field's reference: name -> factory(target, draft, k, eos ids)
+REFERENCE_CONTENDERS = {"hf-prompt-lookup": _hf_prompt_lookup, "hf-assisted": _hf_assisted}
+NEEDS_DRAFT_MODEL = {"draft-model", "hf-assisted"}
 
 
 def build_contenders(names: list[str], target, draft, num_draft_tokens: int) -> list[Contender]:
@@ -30,7 +42,7 @@ def build_contenders(names: list[str], target, draft, num_draft_tokens: int) -> 
     if unknown:
         raise UsageError(f"unknown drafter {unknown[0]!r}; choose from "
                          f"{', '.join(list(PROPOSERS) + list(REFERENCE_CONTENDERS))}")
-    if draft is None and {"draft-model", "hf-assisted"} & set(names):
+    if draft is None and NEEDS_DRAFT_MODEL & set(names):
         raise UsageError("the draft-model and hf-assisted configurations need --draft-model PATH")
     names = [BASELINE] + [n for n in dict.fromkeys(names) if n != BASELINE]
     backend = make_backend(target.model)
@@ -38,14 +50,8 @@ def build_contenders(names: list[str], target, draft, num_draft_tokens: int) -> 
     eos = eos_token_ids(target)
     contenders: list[Contender] = []
     for name in names:
-        if name == "hf-prompt-lookup":
-            contenders.append(TransformersContender(name, target.model, num_draft_tokens, eos,
-                                                    prompt_lookup_num_tokens=num_draft_tokens))
-        elif name == "hf-assisted":
-            draft.model.generation_config.num_assistant_tokens = num_draft_tokens
-            draft.model.generation_config.num_assistant_tokens_schedule = "constant"
-            contenders.append(TransformersContender(name, target.model, num_draft_tokens, eos,
-                                                    assistant_model=draft.model))
+        if name in REFERENCE_CONTENDERS:
+            contenders.append(REFERENCE_CONTENDERS[name](target, draft, num_draft_tokens, eos))
         else:
             engine = Engine(backend, make_proposer(name, backend, draft_backend), eos_token_ids=eos)
             contenders.append(SpecdecContender(name, engine, num_draft_tokens if name != BASELINE else 0))
