@@ -95,12 +95,14 @@ def _add_figures_parser(commands) -> None:
 def _run_figures(args: argparse.Namespace) -> int:
     from specdec.bench.figures import run_figures
 
+    _set_threads(args.threads)
     return run_figures(args)
 
 
 def _run_bench(args: argparse.Namespace) -> int:
     from specdec.bench.run import run_bench
 
+    _set_threads(args.threads)
     return run_bench(args)
 
 

@@ -184,8 +184,6 @@ def run_figures(args) -> int:
     from specdec.errors import UsageError
     from specdec.models import load_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.repeats < 1 or args.max_batch < 1:
         raise UsageError("--repeats and --max-batch must be >= 1")
     target = load_model(args.model, dtype="float32", device=args.device)

@@ -91,8 +91,6 @@ def run_bench(args) -> int:
         raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
     names = [n.strip() for n in args.drafters.split(",") if n.strip()]
     bench_prompts = read_prompts(args.prompts, category=args.category, limit=args.limit)
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
     target = load_model(args.model, dtype=args.dtype, device=args.device)
     draft = load_model(args.draft_model, dtype=args.dtype, device=args.device) if args.draft_model else None
