@@ -80,7 +80,7 @@ def _add_figures_parser(commands) -> None:
     figures.add_argument("--out", required=True, help="directory for the PNG files")
     figures.add_argument("--model", default=None)
     figures.add_argument("--draft-model", default=None,
-                         help="draft for the acceptance figures (default: the target's first quarter of layers)")
+                         help="draft for the acceptance figures (default: the target's first three quarters of layers)")
     figures.add_argument("--prompts", default=str(Path(__file__).resolve().parents[1] / "data" /
                                                    "mt_bench_question.jsonl"))
     figures.add_argument("--limit", type=int, default=4, help="prompts for the acceptance measurements")

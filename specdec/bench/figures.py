@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -23,6 +24,11 @@ BATCHES = [1, 2, 4, 8, 16, 32, 64]
 DRAFT_LENGTHS = [1, 2, 3, 4, 6, 8]
 
 
+def _ticked(value, tick):
+    tick()
+    return value
+
+
 def median_seconds(fn, repeats: int) -> float:
     fn()  # warm-up
     times = []
@@ -33,7 +39,7 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def forward_latency(model, context: list[int], positions: list[int], repeats: int) -> list[float]:
+def forward_latency(model, context: list[int], positions: list[int], repeats: int, tick=lambda: None) -> list[float]:
     """Seconds for one target pass scoring n new positions after ``context``, for each n."""
     backend = make_backend(model)
     backend.extend(context, 0)
@@ -43,10 +49,11 @@ def forward_latency(model, context: list[int], positions: list[int], repeats: in
         backend.extend(context[:n] if n <= base else (context * n)[:n], n)
         backend.rollback(base)
 
-    return [median_seconds(lambda n=n: score(n), repeats) for n in positions]
+    return [_ticked(median_seconds(lambda n=n: score(n), repeats), tick) for n in positions]
 
 
-def batched_cost_ratio(model, k: int, batches: list[int], context_length: int, repeats: int) -> list[float]:
+def batched_cost_ratio(model, k: int, batches: list[int], context_length: int, repeats: int,
+                       tick=lambda: None) -> list[float]:
     """Cost of one pass over B sequences x (k+1) new positions, relative to B sequences x 1, for each B."""
     from transformers import DynamicCache
 
@@ -67,7 +74,7 @@ def batched_cost_ratio(model, k: int, batches: list[int], context_length: int, r
                 cache.crop(-n)
 
             costs.append(median_seconds(step, repeats))
-        ratios.append(costs[1] / costs[0])
+        ratios.append(_ticked(costs[1] / costs[0], tick))
     return ratios
 
 
@@ -101,16 +108,20 @@ def make_figures(target, draft_model, prompts: list[list[int]], out: Path, repea
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from tqdm import tqdm
+
     out.mkdir(parents=True, exist_ok=True)
     model = target.model
     written = []
     context = prompts[0]
+    batches = [b for b in BATCHES if b <= max_batch]
+    bar = tqdm(total=2 * len(POSITIONS) + 1 + len(DRAFT_LENGTHS) + len(batches), unit="point", file=sys.stderr)
 
     # 1. many drafts, one weight-streaming
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for dtype in (torch.float32, torch.bfloat16):
         same = model if model.dtype == dtype else copy.deepcopy(model).to(dtype)
-        latency = [1000 * s for s in forward_latency(same, context, POSITIONS, repeats)]
+        latency = [1000 * s for s in forward_latency(same, context, POSITIONS, repeats, bar.update)]
         line, = ax.plot(POSITIONS, latency, "o-", label=f"one pass scoring n positions, {str(dtype)[6:]}")
         ax.plot(POSITIONS, [latency[0] * n for n in POSITIONS], ":", color=line.get_color(),
                 label=f"n single-position passes, {str(dtype)[6:]}")
@@ -129,6 +140,7 @@ def make_figures(target, draft_model, prompts: list[list[int]], out: Path, repea
     overlap = torch.minimum(p, q)
     residual = (p - q).clamp(min=0)
     residual = residual / residual.sum() if residual.sum() > 0 else residual
+    bar.update()
     labels = [repr(target.tokenizer.decode([int(t)]))[1:-1] or "·" for t in top]
     fig, ax = plt.subplots(figsize=(7.2, 4.2))
     x = list(range(len(top)))
@@ -143,7 +155,7 @@ def make_figures(target, draft_model, prompts: list[list[int]], out: Path, repea
 
     # 4 first: the measured acceptance feeds figure 3
     engine = Engine(make_backend(model), DraftModelProposer(make_backend(draft_model), make_backend(model).vocab_size))
-    measured = [tokens_per_round(engine, prompts, kk, new_tokens) for kk in DRAFT_LENGTHS]
+    measured = [_ticked(tokens_per_round(engine, prompts, kk, new_tokens), bar.update) for kk in DRAFT_LENGTHS]
     alpha = measured[0][1]  # acceptance measured at k = 1: no position effects
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     ax.plot(DRAFT_LENGTHS, [m[0] for m in measured], "o", label="measured")
@@ -155,8 +167,7 @@ def make_figures(target, draft_model, prompts: list[list[int]], out: Path, repea
     written.append(_save(fig, out / "tokens_per_round.png"))
 
     # 3. the surplus is only free at small batch
-    batches = [b for b in BATCHES if b <= max_batch]
-    ratios = batched_cost_ratio(model, k, batches, context_length=64, repeats=repeats)
+    ratios = batched_cost_ratio(model, k, batches, context_length=64, repeats=repeats, tick=bar.update)
     implied = [expected_tokens_per_round(alpha, k) / r for r in ratios]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     ax.plot(batches, ratios, "o-", label=f"cost of B×{k + 1} positions / B×1")
@@ -166,6 +177,7 @@ def make_figures(target, draft_model, prompts: list[list[int]], out: Path, repea
     ax.set_xticks(batches, [str(b) for b in batches])
     ax.legend(fontsize=8)
     written.append(_save(fig, out / "surplus_only_free_at_small_batch.png"))
+    bar.close()
     return written
 
 
@@ -192,7 +204,7 @@ def run_figures(args) -> int:
         check_same_vocabulary(target, draft)
         draft_model = draft.model
     else:
-        draft_model = default_draft(target.model, layers=max(1, target.model.config.num_hidden_layers // 4))
+        draft_model = default_draft(target.model, layers=max(1, 3 * target.model.config.num_hidden_layers // 4))
     encoder = SpecDecoder(target, drafter="none")
     prompts = [encoder.encode(p.text, None if p.chat else False)
                for p in read_prompts(args.prompts, limit=args.limit)]
