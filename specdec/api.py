@@ -110,15 +110,13 @@ class SpecDecoder:
         token's piece of text and its kind ("accepted", "recovered", "bonus" or "plain")."""
         if on_text is not None:
             on_token = lambda piece, kind, on_text=on_text: piece and on_text(piece)  # noqa: E731
-        on_round = None
-        if on_token is not None:
-            detokenizer = Detokenizer(self.tokenizer)
+        detokenizer = Detokenizer(self.tokenizer)
 
-            def on_round(round_: Round) -> None:
-                for token, kind in zip(round_.tokens, round_.kinds):
-                    on_token(detokenizer.push(token), kind)
+        def on_round(round_: Round) -> None:
+            for token, kind in zip(round_.tokens, round_.kinds):
+                on_token(detokenizer.push(token), kind)
 
-        result = self.engine.generate(prompt_ids, config, on_round=on_round)
+        result = self.engine.generate(prompt_ids, config, on_round=on_round if on_token is not None else None)
         if on_token is not None and result.kinds:
             on_token(detokenizer.flush(), result.kinds[-1])
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)

@@ -15,7 +15,7 @@ from specdec.backends.base import sync
 from specdec.backends import HFCausalLM, LlamaRuntime
 from specdec.engine import Engine, GenerationConfig
 from specdec.errors import UsageError
-from specdec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer, make_proposer
+from specdec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer
 from specdec.sampling import SamplingParams, logits_to_probs
 
 PROMPTS = [[5, 9, 12, 9, 12, 40], [3, 3, 3, 3], [60, 2, 17, 33, 8, 17, 33, 21, 9], [7]]

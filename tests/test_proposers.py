@@ -48,7 +48,7 @@ def test_draft_model_greedy_draft_is_its_own_greedy_continuation():
     model = tiny_llama(seed=5, init_range=0.5).double()
     proposer = DraftModelProposer(HFCausalLM(model), target_vocab_size=64)
     context = [3, 8, 13, 21]
-    expected, ids = [], list(context)
+    ids = list(context)
     with torch.no_grad():
         for _ in range(5):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
