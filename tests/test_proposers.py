@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tiny import tiny_llama
 
-from specdec.backends.hf import HFCausalLM
+from specdec.backends import HFCausalLM, LlamaRuntime
 from specdec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer, make_proposer
 from specdec.sampling import SamplingParams, logits_to_probs
 
@@ -44,9 +45,10 @@ def test_none_drafts_nothing():
     assert NoProposer().propose([1, 2, 3], 4, GREEDY, None).tokens == []
 
 
-def test_draft_model_greedy_draft_is_its_own_greedy_continuation():
+@pytest.mark.parametrize("backend_class", [HFCausalLM, LlamaRuntime])
+def test_draft_model_greedy_draft_is_its_own_greedy_continuation(backend_class):
     model = tiny_llama(seed=5, init_range=0.5).double()
-    proposer = DraftModelProposer(HFCausalLM(model), target_vocab_size=64)
+    proposer = DraftModelProposer(backend_class(model), target_vocab_size=64)
     context = [3, 8, 13, 21]
     ids = list(context)
     with torch.no_grad():

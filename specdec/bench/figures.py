@@ -92,6 +92,24 @@ def tokens_per_round(engine: Engine, prompts: list[list[int]], k: int, new_token
     return emitted / rounds, accepted / max(drafted, 1)
 
 
+def instructive_position(model, draft_model, context: list[int], params: SamplingParams,
+                         steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p, q) [vocab] at the position, among the next ``steps`` of the target's greedy continuation of
+    ``context``, where the acceptance probability sum(min(p, q)) is nearest 0.5."""
+    target = make_backend(model)
+    sequence = list(context)
+    logits = target.extend(sequence, 1)[0]
+    for _ in range(steps - 1):
+        sequence.append(int(logits.argmax()))
+        logits = target.extend(sequence[-1:], 1)[0]
+    with torch.inference_mode():
+        p = logits_to_probs(make_backend(model).extend(sequence, steps), params).double()  # [steps, vocab]
+        q = logits_to_probs(make_backend(draft_model).extend(sequence, steps), params).double()
+    q = torch.nn.functional.pad(q, (0, p.shape[-1] - q.shape[-1]))
+    best = int((torch.minimum(p, q).sum(-1) - 0.5).abs().argmin())
+    return p[best], q[best]
+
+
 def default_draft(model, layers: int):
     """A draft for the pictures when none is given: the target's first ``layers`` layers, norm and LM head."""
     draft = copy.deepcopy(model)
@@ -131,11 +149,9 @@ def make_figures(target, draft_model, prompts: list[list[int]], out: Path, repea
     ax.legend(fontsize=8)
     written.append(_save(fig, out / "many_drafts_one_weight_streaming.png"))
 
-    # 2. accept or resample, at one real position
-    params = SamplingParams(temperature=1.0)
-    with torch.inference_mode():
-        p = logits_to_probs(make_backend(model).extend(context, 1)[0], params).double()
-        q = logits_to_probs(make_backend(draft_model).extend(context, 1)[0], params).double()
+    # 2. accept or resample, at the real position (along the target's greedy continuation) whose acceptance
+    # probability is nearest one half: the position that shows both accepting and resampling
+    p, q = instructive_position(model, draft_model, context, SamplingParams(temperature=1.0), steps=24)
     top = torch.topk(p + q, 12).indices
     overlap = torch.minimum(p, q)
     residual = (p - q).clamp(min=0)
