@@ -10,7 +10,7 @@ from specdec.backends import make_backend
 from specdec.engine import Engine, GenerationConfig, GenerationStats, Round
 from specdec.errors import UsageError
 from specdec.models import LoadedModel, load_model
-from specdec.proposers import make_proposer
+from specdec.proposers import make_proposer, require_draft_model
 from specdec.sampling import SamplingParams
 from specdec.view import Detokenizer
 
@@ -57,8 +57,7 @@ class SpecDecoder:
         ``drafter`` defaults to ``draft-model`` when a draft model is given, else ``prompt-lookup``.
         """
         drafter = drafter or ("draft-model" if draft_model is not None else "prompt-lookup")
-        if drafter == "draft-model" and draft_model is None:
-            raise UsageError("--drafter draft-model needs --draft-model PATH")
+        require_draft_model(drafter, draft_model is not None)
         target = load_model(model, dtype=dtype, device=device)
         draft = load_model(draft_model, dtype=dtype, device=device) if drafter == "draft-model" else None
         return cls(target, drafter=drafter, draft=draft)

@@ -103,7 +103,8 @@ def instructive_position(model, draft_model, context: list[int], params: Samplin
         sequence.append(int(logits.argmax()))
         logits = target.extend(sequence[-1:], 1)[0]
     with torch.inference_mode():
-        p = logits_to_probs(make_backend(model).extend(sequence, steps), params).double()  # [steps, vocab]
+        target.rollback(0)
+        p = logits_to_probs(target.extend(sequence, steps), params).double()  # [steps, vocab]
         q = logits_to_probs(make_backend(draft_model).extend(sequence, steps), params).double()
     q = torch.nn.functional.pad(q, (0, p.shape[-1] - q.shape[-1]))
     best = int((torch.minimum(p, q).sum(-1) - 0.5).abs().argmin())
@@ -170,7 +171,8 @@ def make_figures(target, draft_model, prompts: list[list[int]], out: Path, repea
     written.append(_save(fig, out / "accept_or_resample.png"))
 
     # 4 first: the measured acceptance feeds figure 3
-    engine = Engine(make_backend(model), DraftModelProposer(make_backend(draft_model), make_backend(model).vocab_size))
+    target_backend = make_backend(model)
+    engine = Engine(target_backend, DraftModelProposer(make_backend(draft_model), target_backend.vocab_size))
     measured = [_ticked(tokens_per_round(engine, prompts, kk, new_tokens), bar.update) for kk in DRAFT_LENGTHS]
     alpha = measured[0][1]  # acceptance measured at k = 1: no position effects
     fig, ax = plt.subplots(figsize=(6.4, 4.2))

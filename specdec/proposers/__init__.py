@@ -12,9 +12,14 @@ from specdec.proposers.none import NoProposer
 from specdec.proposers.prompt_lookup import PromptLookupProposer
 
 
-def _draft_model(target: CausalLM, draft: CausalLM | None) -> Proposer:
-    if draft is None:
+def require_draft_model(drafter: str, has_draft_model: bool) -> None:
+    """Refuse the draft-model drafter without a draft model (checked before anything slow is loaded)."""
+    if drafter == "draft-model" and not has_draft_model:
         raise UsageError("--drafter draft-model needs --draft-model PATH")
+
+
+def _draft_model(target: CausalLM, draft: CausalLM | None) -> Proposer:
+    require_draft_model("draft-model", draft is not None)
     return DraftModelProposer(draft, target_vocab_size=target.vocab_size)
 
 
@@ -41,4 +46,5 @@ __all__ = [
     "PromptLookupProposer",
     "Proposer",
     "make_proposer",
+    "require_draft_model",
 ]
