@@ -33,14 +33,19 @@ class SpecDecoder:
     >>> decoder.generate("Write a haiku about the sea", max_new_tokens=32).text
     """
 
-    def __init__(self, target: LoadedModel, drafter: str = "prompt-lookup", draft: LoadedModel | None = None):
+    def __init__(self, target: LoadedModel, drafter: str = "prompt-lookup", draft: LoadedModel | None = None,
+                 precision: str | None = None):
+        """``precision``: None runs the models in the dtype they were loaded in; "auto" lets the lean runtime pick,
+        per kind of pass, the fastest weight precision that keeps the target's outputs (see backends/precision.py).
+        """
         if draft is not None:
             check_same_vocabulary(target, draft)
         self.target = target
         self.tokenizer = target.tokenizer
         self.drafter = drafter
-        backend = make_backend(target.model)
-        proposer = make_proposer(drafter, backend, make_backend(draft.model) if draft is not None else None)
+        backend = make_backend(target.model, precision)
+        draft_backend = make_backend(draft.model, precision) if draft is not None else None
+        proposer = make_proposer(drafter, backend, draft_backend)
         self.engine = Engine(backend, proposer, eos_token_ids=eos_token_ids(target))
 
     @classmethod
@@ -60,7 +65,7 @@ class SpecDecoder:
         require_draft_model(drafter, draft_model is not None)
         target = load_model(model, dtype=dtype, device=device)
         draft = load_model(draft_model, dtype=dtype, device=device) if drafter == "draft-model" else None
-        return cls(target, drafter=drafter, draft=draft)
+        return cls(target, drafter=drafter, draft=draft, precision="auto" if dtype == "auto" else None)
 
     def encode(self, prompt: str, chat: bool | None = None) -> list[int]:
         """Token ids of the prompt; ``chat`` applies the chat template (None: when the model has one)."""

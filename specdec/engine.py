@@ -160,6 +160,7 @@ class Engine:
         context = list(prompt_ids)
         if len(context) >= max_length:
             raise UsageError(f"the prompt has {len(context)} tokens; the model takes at most {max_length - 1}")
+        self.target.reserve(min(len(context) + config.max_new_tokens + config.num_draft_tokens + 1, max_length))
         sync(self.target, context[:-1], num_logits=0)  # prefill, reusing a prefix cached by an earlier request
         produced = 0
         while produced < config.max_new_tokens:

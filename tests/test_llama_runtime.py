@@ -1,14 +1,37 @@
-"""The lean llama runtime computes what transformers' module computes, through extend and rollback."""
+"""The lean runtime computes what transformers' module computes, through extend and rollback, for each family it
+supports and each weight precision."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from tiny import tiny_llama
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
+    Qwen2ForCausalLM
 
 from specdec.backends import HFCausalLM, LlamaRuntime, make_backend
 from specdec.backends import llama as llama_backend
+from specdec.backends.linear import DTYPE_OF, PassPrecisions
+
+FAMILY_SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.5,
+                    tie_word_embeddings=False)
+
+
+def tiny_family(name: str, seed: int = 4):
+    torch.manual_seed(seed)
+    if name == "llama":
+        return LlamaForCausalLM(LlamaConfig(**FAMILY_SHAPE)).eval()
+    if name == "llama-with-biases":
+        return LlamaForCausalLM(LlamaConfig(**FAMILY_SHAPE, attention_bias=True, mlp_bias=True)).eval()
+    if name == "mistral":
+        return MistralForCausalLM(MistralConfig(**FAMILY_SHAPE, sliding_window=None)).eval()
+    model = Qwen2ForCausalLM(Qwen2Config(**FAMILY_SHAPE)).eval()  # biases on q, k and v
+    with torch.no_grad():  # transformers initialises biases to zero: make them matter
+        for layer in model.model.layers:
+            for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                projection.bias.normal_(0.0, 0.5)
+    return model
 
 
 def reference_logits(model, ids: list[int]) -> torch.Tensor:  # [len(ids), vocab]
@@ -27,35 +50,87 @@ def runtime_logits_in_pieces(runtime: LlamaRuntime, ids: list[int], pieces: list
     return torch.cat(out)
 
 
-# float64 agrees up to summation order; float32 and bfloat16 within a few units of their rounding (2**-24 and
-# 2**-8 relative) of the largest logit. bfloat16 uses a small-weight model: with large random weights a network
-# amplifies any rounding difference, transformers' own cached path included.
-@pytest.mark.parametrize("dtype, init_range, units", [
-    (torch.float64, 0.5, 1e-12), (torch.float32, 0.5, 64 * 2**-24), (torch.bfloat16, 0.02, 4 * 2**-8),
-])
-def test_logits_match_transformers(dtype, init_range, units):
-    model = tiny_llama(seed=4, init_range=init_range).to(dtype)
-    ids = [int(i) for i in torch.randint(3, 64, (40,), generator=torch.Generator().manual_seed(0))]
+def random_ids(n: int, seed: int = 0) -> list[int]:
+    return [int(i) for i in torch.randint(3, 64, (n,), generator=torch.Generator().manual_seed(seed))]
+
+
+def rounded_copy(model, precision: str):
+    """The model in float32 with its matmul weights rounded to ``precision`` (embeddings and norms stay): what a
+    runtime holding its weights in that precision computes, up to float32 rounding of the activations."""
+    copy = type(model)(model.config).eval()
+    copy.load_state_dict({
+        name: tensor.to(DTYPE_OF[precision]).float() if _is_matmul_weight(name) else tensor
+        for name, tensor in model.state_dict().items()
+    })
+    return copy
+
+
+def _is_matmul_weight(name: str) -> bool:
+    return name.endswith("proj.weight") or name == "lm_head.weight"
+
+
+@pytest.mark.parametrize("family", ["llama", "llama-with-biases", "mistral", "qwen2"])
+def test_each_family_matches_transformers_in_float64(family):
+    """float64 agrees up to summation order: the runtime computes the same function as transformers' module."""
+    model = tiny_family(family).double()
+    assert isinstance(make_backend(model), LlamaRuntime)
+    ids = random_ids(40)
     ours = runtime_logits_in_pieces(LlamaRuntime(model), ids, [17, 1, 5, 1, 16])
-    reference = reference_logits(model, ids)
+    assert (ours - reference_logits(model, ids)).abs().max() < 1e-12
+
+
+# float32 activations: within 64 units of float32 rounding (2**-24) of the largest logit, whichever precision holds
+# the weights, once the reference holds the same rounded weights. bfloat16 also rounds the matmuls' inputs and
+# outputs to bfloat16: within 4 of its units (2**-8), on a small-weight model, where rounding is not amplified.
+@pytest.mark.parametrize("precision, init_range, units", [
+    ("float32", 0.5, 64 * 2**-24), ("float16", 0.5, 64 * 2**-24), ("bfloat16", 0.02, 4 * 2**-8),
+])
+def test_logits_match_transformers_for_each_weight_precision(precision, init_range, units):
+    model = tiny_llama(seed=4, init_range=init_range)
+    ids = random_ids(40)
+    ours = runtime_logits_in_pieces(LlamaRuntime(model, precision), ids, [17, 1, 5, 1, 16])
+    reference = reference_logits(rounded_copy(model, precision), ids)
     assert (ours - reference).abs().max() <= units * reference.abs().max()
 
 
-def test_cache_grows_past_its_first_allocation():
+def test_each_kind_of_pass_runs_in_its_own_precision():
+    model = tiny_llama(seed=4, init_range=0.5)
+    runtime = LlamaRuntime(model, PassPrecisions(decode="float16", score="float32"))
+    ids = random_ids(12)
+    several = runtime.extend(ids[:11], 11)  # [11, vocab] a scoring pass
+    one = runtime.extend(ids[11:], 1)  # [1, vocab] a decode pass
+    reference32 = reference_logits(model, ids)
+    reference16 = reference_logits(rounded_copy(model, "float16"), ids)
+    tolerance = 64 * 2**-24 * reference32.abs().max()
+    assert (several - reference32[:11]).abs().max() <= tolerance
+    assert (one[0] - reference16[11]).abs().max() <= 1e-2 * reference16.abs().max()  # a float16-weight step
+    assert (one[0] - reference32[11]).abs().max() > tolerance  # ... and not a float32 one
+    assert (one[0] - reference_logits(model, ids)[11]).abs().max() > 0
+
+
+def test_cache_grows_past_its_first_allocation_and_keeps_a_reservation():
     model = tiny_llama(seed=4, init_range=0.5).double()
-    ids = [int(i) for i in torch.randint(3, 64, (llama_backend.INITIAL_CAPACITY + 60,),
-                                         generator=torch.Generator().manual_seed(1))]
+    ids = random_ids(llama_backend.INITIAL_CAPACITY + 60, seed=1)
     runtime = LlamaRuntime(model)
     ours = runtime_logits_in_pieces(runtime, ids, [200, 50, 1, 65])
     assert (ours - reference_logits(model, ids)).abs().max() < 1e-12
     assert runtime.tokens == ids
+    reserved = LlamaRuntime(model)
+    reserved.reserve(len(ids) + 4)
+    assert reserved._capacity == len(ids) + 4  # sized to the request, not to a power of two
+    assert (runtime_logits_in_pieces(reserved, ids, [200, 50, 1, 65]) - ours).abs().max() < 1e-12
+    assert reserved._capacity == len(ids) + 4  # no pass reallocated it
 
 
 def test_make_backend_picks_the_runtime_only_where_it_is_exact():
     assert isinstance(make_backend(tiny_llama(seed=0)), LlamaRuntime)
-    mistral = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
-    assert isinstance(make_backend(mistral), HFCausalLM)
     scaled = tiny_llama(seed=0)
     scaled.config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
     assert isinstance(make_backend(scaled), HFCausalLM)
+    sliding = Qwen2ForCausalLM(Qwen2Config(**FAMILY_SHAPE, use_sliding_window=True, sliding_window=8))
+    assert isinstance(make_backend(sliding), HFCausalLM)
+
+
+def test_a_sliding_window_caps_the_length():
+    mistral = MistralForCausalLM(MistralConfig(**FAMILY_SHAPE, sliding_window=100))
+    assert LlamaRuntime(mistral).max_length == 100

@@ -28,6 +28,10 @@ class CausalLM(Protocol):
         """Cut the cache back to its first ``length`` tokens."""
         ...
 
+    def reserve(self, length: int) -> None:
+        """Make room for ``length`` tokens at once, so that no later pass reallocates (a hint; may do nothing)."""
+        ...
+
 
 def sync(model: CausalLM, context: list[int], num_logits: int) -> torch.Tensor:  # [num_logits, vocab]
     """Make the model's cache hold exactly ``context``; logits at its last ``num_logits`` positions.

@@ -35,3 +35,6 @@ class HFCausalLM:
         if length < len(self.tokens):
             self._cache.crop(length - len(self.tokens))  # transformers 5: a negative count of tokens to remove
             del self.tokens[length:]
+
+    def reserve(self, length: int) -> None:
+        pass  # transformers' DynamicCache grows by concatenation; it has nothing to preallocate

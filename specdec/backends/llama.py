@@ -1,8 +1,11 @@
-"""A lean runtime for llama-architecture models, run from the weights of a transformers model.
+"""A lean runtime for llama-family models (llama, mistral, qwen2), run from the weights of a transformers model.
 
-What it saves over calling the transformers module: one fused matmul for q, k and v and one for gate and up;
-a KV cache written by position into preallocated buffers (rollback is only a length; no tensor grows per
-step); no per-module Python dispatch; the LM head only where logits are needed.
+What it saves over calling the transformers module: one fused matmul for q, k and v and one for gate and up,
+each through the fastest kernel for its weight precision (``linear.py``); a KV cache preallocated to the
+request and written by position (rollback is only a length; no tensor grows per step); RoPE tables computed
+once; no per-module Python dispatch; the LM head only where logits are needed. On the CPU the activations, norms,
+attention and KV cache are float32 whatever the weights' precision, and each kind of pass (one position; several)
+may hold its weights in its own precision.
 """
 
 from __future__ import annotations
@@ -12,59 +15,74 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-INITIAL_CAPACITY = 256  # cache positions allocated at first; doubled when a request needs more
+from specdec.backends.linear import Linear, PassPrecisions, activation_dtype, make_linear, precision_name
+
+FAMILIES = ("llama", "mistral", "qwen2")
+INITIAL_CAPACITY = 256  # cache positions allocated when nothing was reserved; doubled when a request needs more
 
 
 def supports(model) -> bool:
-    """Whether this runtime computes exactly what the transformers module computes for ``model``."""
+    """Whether this runtime computes what the transformers module computes for ``model``."""
     config = model.config
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     return (
-        getattr(config, "model_type", None) == "llama"
-        and rope.get("rope_type", "default") == "default"
-        and not getattr(config, "attention_bias", False)
-        and not getattr(config, "mlp_bias", False)
+        getattr(config, "model_type", None) in FAMILIES
+        and _rope_parameters(config).get("rope_type", "default") == "default"
         and getattr(config, "hidden_act", "silu") == "silu"
         and getattr(config, "pretraining_tp", 1) == 1
+        and not getattr(config, "use_sliding_window", False)  # qwen2's switch; mistral's window caps max_length
     )
 
 
 @dataclass
 class _Layer:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    out: torch.Tensor  # [hidden, heads * head_dim]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    qkv: Linear  # [n, hidden] -> [n, (heads + 2 * kv_heads) * head_dim]
+    out: Linear  # [n, heads * head_dim] -> [n, hidden]
+    gate_up: Linear  # [n, hidden] -> [n, 2 * intermediate]
+    down: Linear  # [n, intermediate] -> [n, hidden]
 
 
 class LlamaRuntime:
-    """The CausalLM protocol for llama models: KV cache over one sequence, extended and rolled back."""
+    """The CausalLM protocol for llama-family models: KV cache over one sequence, extended and rolled back."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, precisions: PassPrecisions | str | None = None) -> None:
         if not supports(model):
-            raise ValueError("LlamaRuntime supports llama models with default RoPE and no biases")
+            raise ValueError("LlamaRuntime supports llama, mistral and qwen2 models with default RoPE")
         config = model.config
         self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
+        if precisions is None:
+            precisions = precision_name(next(model.parameters()).dtype)
+        if isinstance(precisions, str):
+            precisions = PassPrecisions.uniform(precisions)
+        self.dtype = activation_dtype(precisions.score, self.device)
+        if activation_dtype(precisions.decode, self.device) != self.dtype:
+            raise ValueError(f"passes in {precisions} would need two activation dtypes on {self.device.type}")
+        self.precisions = precisions
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.eps = config.rms_norm_eps
-        self.max_length = config.max_position_embeddings
-        self.embed = model.get_input_embeddings().weight  # [vocab, hidden]
-        self.lm_head = model.get_output_embeddings().weight  # [vocab, hidden]
-        self.vocab_size = self.lm_head.shape[0]
-        self.final_norm = model.model.norm.weight
-        self.layers = [_fuse(layer) for layer in model.model.layers]
-        rope = getattr(config, "rope_parameters", None) or {}
+        self.max_length = min(config.max_position_embeddings, getattr(config, "sliding_window", None) or 2**62)
+        self.embed = model.get_input_embeddings().weight.to(self.dtype)  # [vocab, hidden]
+        self.vocab_size = self.embed.shape[0]
+        self.final_norm = model.model.norm.weight.to(self.dtype)
+        built: dict[str, tuple[list[_Layer], Linear]] = {}
+        for precision in {precisions.decode, precisions.score}:
+            built[precision] = _build(model, precision, self.dtype)
+        self._decode, self._score = built[precisions.decode], built[precisions.score]
+        rope = _rope_parameters(config)
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, device=self.device).float() / self.head_dim))
         self.tokens: list[int] = []
         self._keys: list[torch.Tensor] = []  # per layer [kv_heads, capacity, head_dim]
         self._values: list[torch.Tensor] = []
+        self._cos = self._sin = torch.empty(0, self.head_dim, device=self.device)  # [capacity, head_dim]
         self._capacity = 0
+
+    def reserve(self, length: int) -> None:
+        """Hold at least ``length`` positions (capped at max_length), so that no pass reallocates the cache."""
+        self._resize(min(max(length, self._capacity), self.max_length))
 
     def rollback(self, length: int) -> None:
         del self.tokens[length:]  # positions past the length are overwritten by the next extend
@@ -74,80 +92,100 @@ class LlamaRuntime:
         if not token_ids:
             return torch.empty(0, self.vocab_size, device=self.device)
         start, n = len(self.tokens), len(token_ids)
-        self._ensure_capacity(start + n)
+        if start + n > self._capacity:
+            self._grow(start + n)
+        layers, lm_head = self._decode if n == 1 else self._score
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)  # [n]
-        cos, sin = self._rope(start, n)  # [n, head_dim] each
+        cos, sin = self._cos[start : start + n], self._sin[start : start + n]  # [n, head_dim] each
         mask = _causal_mask(start, n, self.device)  # [n, start+n] or None
         x = self.embed[ids]  # [n, hidden]
-        for layer, keys, values in zip(self.layers, self._keys, self._values):
+        for layer, keys, values in zip(layers, self._keys, self._values):
             x = x + self._attention(layer, _rms_norm(x, layer.input_norm, self.eps), keys, values, start, cos, sin,
                                     mask)
-            gate, up = (_rms_norm(x, layer.post_norm, self.eps) @ layer.gate_up.T).chunk(2, dim=-1)  # [n, inter]
-            x = x + (F.silu(gate) * up) @ layer.down.T
+            gate, up = layer.gate_up(_rms_norm(x, layer.post_norm, self.eps)).chunk(2, dim=-1)  # [n, inter]
+            x = x + layer.down(F.silu(gate) * up)
         self.tokens += token_ids
         if num_logits == 0:
             return torch.empty(0, self.vocab_size, device=self.device)
-        return _rms_norm(x[n - num_logits :], self.final_norm, self.eps) @ self.lm_head.T  # [num_logits, vocab]
+        return lm_head(_rms_norm(x[n - num_logits :], self.final_norm, self.eps))  # [num_logits, vocab]
 
     def _attention(self, layer: _Layer, h: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
                    cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:  # [n, hidden]
-        n = h.shape[0]
-        q, k, v = (h @ layer.qkv.T).split(
-            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1
-        )
-        q = _apply_rope(q.view(n, self.heads, self.head_dim), cos, sin).transpose(0, 1)  # [heads, n, hd]
-        k = _apply_rope(k.view(n, self.kv_heads, self.head_dim), cos, sin).transpose(0, 1)  # [kv_heads, n, hd]
+        n, heads, kv_heads, hd = h.shape[0], self.heads, self.kv_heads, self.head_dim
+        qkv = layer.qkv(h)  # [n, (heads + 2 * kv_heads) * hd]
+        qk = _apply_rope(qkv[:, : (heads + kv_heads) * hd].view(n, heads + kv_heads, hd), cos, sin)  # one call for q, k
+        q, k = qk[:, :heads].transpose(0, 1), qk[:, heads:].transpose(0, 1)  # [heads, n, hd], [kv_heads, n, hd]
+        v = qkv[:, (heads + kv_heads) * hd :].view(n, kv_heads, hd)
         keys[:, start : start + n] = k
-        values[:, start : start + n] = v.view(n, self.kv_heads, self.head_dim).transpose(0, 1)
+        values[:, start : start + n] = v.transpose(0, 1)
         attended = F.scaled_dot_product_attention(
             q[None], keys[None, :, : start + n], values[None, :, : start + n], attn_mask=mask,
-            enable_gqa=self.heads != self.kv_heads,
+            enable_gqa=heads != kv_heads,
         )  # [1, heads, n, hd]
-        return attended[0].transpose(0, 1).reshape(n, self.heads * self.head_dim) @ layer.out.T
+        return layer.out(attended[0].transpose(0, 1).reshape(n, heads * hd))
 
-    def _rope(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(start, start + n, device=self.device, dtype=torch.float32)
-        freqs = positions[:, None] * self.inv_freq[None]  # [n, head_dim / 2]
-        angles = torch.cat([freqs, freqs], dim=-1)  # [n, head_dim]
-        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
-
-    def _ensure_capacity(self, needed: int) -> None:
-        if needed <= self._capacity:
-            return
+    def _grow(self, needed: int) -> None:
         capacity = max(INITIAL_CAPACITY, self._capacity)
         while capacity < needed:
             capacity *= 2
-        capacity = min(capacity, self.max_length)
+        self._resize(min(capacity, self.max_length))
+
+    def _resize(self, capacity: int) -> None:
+        if capacity == self._capacity:
+            return
         shape = (self.kv_heads, capacity, self.head_dim)
-        used = len(self.tokens)
+        used = min(len(self.tokens), capacity)
         for buffers in (self._keys, self._values):
-            for i in range(len(self.layers)):
-                grown = torch.empty(shape, dtype=self.dtype, device=self.device)
+            for i in range(self.num_layers):
+                resized = torch.empty(shape, dtype=self.dtype, device=self.device)
                 if i < len(buffers):
-                    grown[:, :used] = buffers[i][:, :used]
-                    buffers[i] = grown
+                    resized[:, :used] = buffers[i][:, :used]
+                    buffers[i] = resized
                 else:
-                    buffers.append(grown)
+                    buffers.append(resized)
+        positions = torch.arange(capacity, device=self.device, dtype=torch.float32)
+        freqs = positions[:, None] * self.inv_freq[None]  # [capacity, head_dim / 2]
+        angles = torch.cat([freqs, freqs], dim=-1)  # [capacity, head_dim]
+        self._cos, self._sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
         self._capacity = capacity
 
+    @property
+    def num_layers(self) -> int:
+        return len(self._score[0])
 
-def _fuse(layer) -> _Layer:
+
+def _build(model, precision: str, dtype: torch.dtype) -> tuple[list[_Layer], Linear]:
+    """The layers' fused matmuls and the LM head, with their weights in ``precision``."""
+    layers = [_fuse(layer, precision, dtype) for layer in model.model.layers]
+    head = model.get_output_embeddings()
+    return layers, make_linear(head.weight, head.bias, precision)
+
+
+def _fuse(layer, precision: str, dtype: torch.dtype) -> _Layer:
     attention, mlp = layer.self_attn, layer.mlp
-    return _Layer(
-        input_norm=layer.input_layernorm.weight,
-        qkv=torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]).contiguous(),
-        out=attention.o_proj.weight,
-        post_norm=layer.post_attention_layernorm.weight,
-        gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous(),
-        down=mlp.down_proj.weight,
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+    biases = [p.bias for p in projections]
+    qkv_bias = None if all(b is None for b in biases) else torch.cat(
+        [p.bias if p.bias is not None else p.weight.new_zeros(p.weight.shape[0]) for p in projections]
     )
+    gate_up_bias = None if mlp.gate_proj.bias is None else torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
+    return _Layer(
+        input_norm=layer.input_layernorm.weight.to(dtype),
+        post_norm=layer.post_attention_layernorm.weight.to(dtype),
+        qkv=make_linear(torch.cat([p.weight for p in projections]), qkv_bias, precision),
+        out=make_linear(attention.o_proj.weight, attention.o_proj.bias, precision),
+        gate_up=make_linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), gate_up_bias, precision),
+        down=make_linear(mlp.down_proj.weight, mlp.down_proj.bias, precision),
+    )
+
+
+def _rope_parameters(config) -> dict:
+    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """As transformers' LlamaRMSNorm: normalise in float32, scale in the input's dtype."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x [n, heads, hd]

@@ -1,0 +1,115 @@
+"""Matrix products with the weights held in one precision, the activations in float32 on the CPU.
+
+A decode step streams every weight once, so its cost is the bytes of the weights over the memory bandwidth, and
+which kernel reads them matters as much as their precision. Measured on 2 AMD EPYC cores (AVX2, no AVX-512, no
+AMX), all 211 matrices of SmolLM2-135M, median of 5 (``docs/benchmarks.md`` has the full table):
+
+============================  ==========  ===========  ============
+kernel                         1 position  5 positions  17 positions
+============================  ==========  ===========  ============
+float32, MKL (``F.linear``)        64 ms       131 ms        160 ms
+float32, oneDNN, prepacked         53 ms        67 ms         89 ms
+float16 weights, fbgemm            31 ms        38 ms         76 ms
+bfloat16 (``F.linear``)            32 ms       119 ms        281 ms
+============================  ==========  ===========  ============
+
+Hence the kernels below: oneDNN with weights reordered once for float32, fbgemm's packed half-precision weights
+(converted to float32 inside the kernel, accumulated in float32) for float16, and bfloat16 weights with the
+activations cast around the product. On CUDA every precision is a plain ``F.linear`` in that dtype.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+PRECISIONS = ("float32", "float16", "bfloat16")
+DTYPE_OF = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+PACKED_ROWS = 5  # the row count oneDNN lays float32 weights out for: k+1 at the default k=4
+
+Linear = Callable[[torch.Tensor], torch.Tensor]  # [n, in] -> [n, out]
+
+
+def precision_name(dtype: torch.dtype) -> str:
+    for name, known in DTYPE_OF.items():
+        if known == dtype:
+            return name
+    raise ValueError(f"no precision for dtype {dtype}")
+
+
+def activation_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """float32 on the CPU whatever the weights (float64 for float64, which tests use); the weights' dtype on CUDA."""
+    return torch.float32 if device.type == "cpu" and precision != "float64" else DTYPE_OF[precision]
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, precision: str) -> Linear:  # weight [out, in]
+    """``x -> x @ weight.T + bias`` with ``weight`` held in ``precision``."""
+    if precision not in DTYPE_OF:
+        raise ValueError(f"unknown precision {precision!r}; choose from {', '.join(PRECISIONS)}")
+    if weight.device.type != "cpu" or precision == "float64":
+        return _plain(weight.to(DTYPE_OF[precision]), bias)
+    bias32 = None if bias is None else bias.float()
+    if precision == "float32":
+        return _onednn(weight.float(), bias32) if _has_onednn() else _plain(weight.float(), bias32)
+    if precision == "float16" and _has_fbgemm():
+        return _fbgemm_half(weight.float(), bias32)
+    return _cast_around(weight.to(DTYPE_OF[precision]), bias32)
+
+
+def _plain(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    return lambda x: F.linear(x, weight, bias)
+
+
+def _onednn(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACKED_ROWS)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _fbgemm_half(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    with warnings.catch_warnings():  # deprecated in PyTorch (it warns once), and its fastest half-weight CPU kernel
+        warnings.simplefilter("ignore")
+        packed = torch.fbgemm_pack_gemm_matrix_fp16(weight.contiguous())
+        torch.fbgemm_linear_fp16_weight_fp32_activation(weight.new_zeros(1, weight.shape[1]), packed, bias)
+    return lambda x: torch.fbgemm_linear_fp16_weight_fp32_activation(x, packed, bias)
+
+
+def _cast_around(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x.to(weight.dtype), weight).float()
+        return out if bias is None else out + bias
+
+    return linear
+
+
+def _has_onednn() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def _has_fbgemm() -> bool:
+    return hasattr(torch, "fbgemm_pack_gemm_matrix_fp16") and torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+
+
+@dataclass(frozen=True)
+class PassPrecisions:
+    """The weight precision of each kind of target pass.
+
+    ``decode`` runs one position (plain decoding, a round with an empty draft, a draft model's steps); ``score``
+    runs several (prefill, and verifying k+1 positions). Tokens are drawn from the distributions that the pass
+    which emits them computes: with different precisions, speculative and plain decoding may part at near-ties.
+    """
+
+    decode: str
+    score: str
+
+    @classmethod
+    def uniform(cls, precision: str) -> "PassPrecisions":
+        return cls(decode=precision, score=precision)
+
+    def __str__(self) -> str:
+        if self.decode == self.score:
+            return self.decode
+        return f"decode {self.decode}, score {self.score}"

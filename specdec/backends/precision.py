@@ -1,0 +1,143 @@
+"""``--dtype auto``: the fastest weight precision for each kind of target pass that keeps the target's outputs.
+
+Each candidate precision is measured on the machine it will run on, against float32 on the same probe:
+
+- its **logit error**: the largest difference from float32's logits over a probe sequence. A candidate is
+  admitted only when that error is at most ``MAX_LOGIT_ERROR``: its probabilities then stay within
+  e^(2 x 0.1) - 1 = 22% of float32's, relatively, and its greedy choice differs from float32's only where
+  float32's two best logits lie within 2 x ``MAX_LOGIT_ERROR`` of each other (a near-tie);
+- its **time** for a decode pass (one position) and a scoring pass (``SCORED_POSITIONS`` positions), the
+  candidates interleaved so that the machine's noise falls on all alike.
+
+The fastest admitted candidate is chosen for each kind of pass; float32 is always admitted. The choice is kept in
+the specdec cache, keyed by model, machine, threads and PyTorch version, so the measurement runs once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from specdec.backends.linear import PRECISIONS, PassPrecisions
+from specdec.backends.llama import LlamaRuntime
+
+MAX_LOGIT_ERROR = 0.1  # the largest logit difference from float32 that auto admits
+PROBE_TOKENS = 128  # the probe sequence whose logits are compared
+SCORED_POSITIONS = 5  # a scoring pass as timed: k+1 at the default k=4
+REPEATS = 5  # timed passes per candidate and kind; the median is kept
+CACHE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PrecisionMeasurement:
+    precision: str
+    decode_ms: float  # one position
+    score_ms: float  # SCORED_POSITIONS positions
+    max_logit_error: float  # against float32 on the probe
+
+    @property
+    def admitted(self) -> bool:
+        return self.max_logit_error <= MAX_LOGIT_ERROR
+
+
+def auto_precisions(model) -> PassPrecisions:
+    """The measured choice for ``model`` on this machine, from the cache when it was measured before."""
+    key = _cache_key(model)
+    cached = _read_cache().get(key)
+    if cached is not None:
+        return PassPrecisions(**cached)
+    chosen = choose(measure(model))
+    _write_cache(key, asdict(chosen))
+    return chosen
+
+
+def choose(measurements: list[PrecisionMeasurement]) -> PassPrecisions:
+    admitted = [m for m in measurements if m.admitted]
+    return PassPrecisions(
+        decode=min(admitted, key=lambda m: m.decode_ms).precision,
+        score=min(admitted, key=lambda m: m.score_ms).precision,
+    )
+
+
+def measure(model, candidates: tuple[str, ...] = PRECISIONS, seed: int = 0) -> list[PrecisionMeasurement]:
+    """Time and compare each candidate precision on a probe of random tokens (float32 is the reference)."""
+    candidates = ("float32",) + tuple(c for c in candidates if c != "float32")
+    runtimes = [LlamaRuntime(model, precision) for precision in candidates]
+    probe = torch.randint(0, runtimes[0].vocab_size, (PROBE_TOKENS,), generator=torch.Generator().manual_seed(seed))
+    logits = [runtime.extend(probe.tolist(), PROBE_TOKENS).float() for runtime in runtimes]  # each [probe, vocab]
+    decode = {c: [] for c in candidates}
+    score = {c: [] for c in candidates}
+    for _ in range(REPEATS + 1):  # the first round warms up, and is dropped
+        for precision, runtime in zip(candidates, runtimes):
+            decode[precision].append(_pass_seconds(runtime, 1))
+            score[precision].append(_pass_seconds(runtime, SCORED_POSITIONS))
+    return [
+        PrecisionMeasurement(
+            precision=precision,
+            decode_ms=1000 * statistics.median(decode[precision][1:]),
+            score_ms=1000 * statistics.median(score[precision][1:]),
+            max_logit_error=float((logit - logits[0]).abs().max()),
+        )
+        for precision, logit in zip(candidates, logits)
+    ]
+
+
+def _pass_seconds(runtime: LlamaRuntime, positions: int) -> float:
+    """One pass over ``positions`` new tokens after the cached probe, then forgotten."""
+    cached = len(runtime.tokens)
+    started = time.perf_counter()
+    runtime.extend(runtime.tokens[-positions:], positions)
+    elapsed = time.perf_counter() - started
+    runtime.rollback(cached)
+    return elapsed
+
+
+def _cache_key(model) -> str:
+    name = getattr(model.config, "_name_or_path", "") or model.config.model_type
+    parameters = sum(p.numel() for p in model.parameters())
+    machine = f"{platform.machine()} {_cpu_name()} {os.cpu_count()} cpus"
+    return f"v{CACHE_VERSION} | {name} | {parameters} parameters | {machine} | {torch.get_num_threads()} threads | " \
+           f"torch {torch.__version__}"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown cpu"
+
+
+def _cache_path():
+    from specdec.models import cache_root
+
+    return cache_root() / "precisions.json"
+
+
+def _read_cache() -> dict:
+    try:
+        return json.loads(_cache_path().read_text())
+    except (OSError, ValueError):
+        return {}  # no cache yet, or a damaged one: measure again
+
+
+def _write_cache(key: str, value: dict) -> None:
+    entries = _read_cache()
+    entries[key] = value
+    path = _cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(entries, indent=1, sort_keys=True))
+        temporary.replace(path)
+    except OSError:
+        pass  # a read-only cache costs a measurement next time, nothing else
