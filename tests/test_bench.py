@@ -100,6 +100,10 @@ def test_bench_smoke_on_tiny_models(tiny_models, tmp_path, capsys):
     draft_model = report["configs"][2]
     assert 0 < draft_model["acceptance_rate"] <= 1 and draft_model["ideal_speedup"] > 0
     assert "| draft-model |" in printed and "**copy**" in printed
+    roofline = report["roofline"]
+    assert sorted(map(int, roofline["score_ratios"])) == list(range(1, 17))
+    assert roofline["floor_seconds"] > 0 and roofline["step_seconds"] > 0
+    assert "**roofline — float32" in printed and "| cost of k+1 positions / one |" in printed
 
 
 @pytest.mark.parametrize("args, message", [

@@ -19,7 +19,8 @@ import torch
 from tiny import first_mismatch
 
 from specdec.api import SpecDecoder
-from specdec.backends import make_backend
+from specdec.backends import PassPrecisions, make_backend
+from specdec.bench.agreement import compare_precisions, margin_bound
 from specdec.engine import Engine, GenerationConfig
 from specdec.models import load_model
 from specdec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer
@@ -82,6 +83,22 @@ def test_speculative_greedy_is_plain_greedy_on_mt_bench(decoder, prompts):
                 assert gap < NEAR_TIE, f"{name}: mismatch at token {i} with a top-two logit gap of {gap}"
     print("mismatches at near-ties (drafter, position, gap):", report, "accepted draft tokens:", accepted)
     assert all(accepted.values())  # speculation really happened, for every drafter
+
+
+def test_every_change_of_precision_sits_at_a_near_tie(decoder, prompts):
+    """Weights in float16, in bfloat16, or float16 for decode passes and float32 for scoring passes: greedy output
+    that differs from float32's, and speculative output that differs from plain output in the same precision, part
+    only where float32's two candidates lie within the precisions' logit tolerance of each other."""
+    precisions = ["float16", "bfloat16", PassPrecisions(decode="float16", score="float32")]
+    comparisons = compare_precisions(decoder.target.model, prompts[:6], precisions, new_tokens=48)
+    report = {name: [(d.prompt, d.position, d.margin) for d in divergences if d.diverged]
+              for name, divergences in comparisons.items()}
+    print("divergences (prompt, position, float32 margin):", report)
+    for precision in precisions:
+        for name, divergences in comparisons.items():
+            if name.startswith(f"{precision} "):
+                for d in divergences:
+                    assert d.margin is None or d.margin <= margin_bound(precision), (name, d)
 
 
 def test_plain_decoding_matches_transformers_generate(decoder, prompts):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specdec.backends.base import streamed_parameters
+
 
 class HFCausalLM:
     """A transformers causal LM with a KV cache over one sequence; rollback crops the cache."""
@@ -14,6 +16,7 @@ class HFCausalLM:
         self.device = next(model.parameters()).device
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_length = getattr(model.config, "max_position_embeddings", None) or 2**31
+        self.weight_bytes = streamed_parameters(model) * next(model.parameters()).element_size()
         self._cache = DynamicCache()
         self.tokens: list[int] = []
 

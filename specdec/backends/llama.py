@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec.backends.linear import Linear, PassPrecisions, activation_dtype, make_linear, precision_name
+from specdec.backends.base import streamed_parameters
+from specdec.backends.linear import DTYPE_OF, Linear, PassPrecisions, activation_dtype, make_linear, precision_name
 
 FAMILIES = ("llama", "mistral", "qwen2")
 INITIAL_CAPACITY = 256  # cache positions allocated when nothing was reserved; doubled when a request needs more
@@ -59,6 +60,7 @@ class LlamaRuntime:
         if activation_dtype(precisions.decode, self.device) != self.dtype:
             raise ValueError(f"passes in {precisions} would need two activation dtypes on {self.device.type}")
         self.precisions = precisions
+        self.weight_bytes = streamed_parameters(model) * DTYPE_OF[precisions.decode].itemsize
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads

@@ -19,11 +19,11 @@ import json
 import os
 import platform
 import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
+from specdec.backends.base import pass_seconds
 from specdec.backends.linear import PRECISIONS, PassPrecisions
 from specdec.backends.llama import LlamaRuntime
 
@@ -75,8 +75,8 @@ def measure(model, candidates: tuple[str, ...] = PRECISIONS, seed: int = 0) -> l
     score = {c: [] for c in candidates}
     for _ in range(REPEATS + 1):  # the first round warms up, and is dropped
         for precision, runtime in zip(candidates, runtimes):
-            decode[precision].append(_pass_seconds(runtime, 1))
-            score[precision].append(_pass_seconds(runtime, SCORED_POSITIONS))
+            decode[precision].append(pass_seconds(runtime, 1))
+            score[precision].append(pass_seconds(runtime, SCORED_POSITIONS))
     return [
         PrecisionMeasurement(
             precision=precision,
@@ -86,16 +86,6 @@ def measure(model, candidates: tuple[str, ...] = PRECISIONS, seed: int = 0) -> l
         )
         for precision, logit in zip(candidates, logits)
     ]
-
-
-def _pass_seconds(runtime: LlamaRuntime, positions: int) -> float:
-    """One pass over ``positions`` new tokens after the cached probe, then forgotten."""
-    cached = len(runtime.tokens)
-    started = time.perf_counter()
-    runtime.extend(runtime.tokens[-positions:], positions)
-    elapsed = time.perf_counter() - started
-    runtime.rollback(cached)
-    return elapsed
 
 
 def _cache_key(model) -> str:

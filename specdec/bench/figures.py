@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 
-from specdec.backends import make_backend
+from specdec.backends import make_backend, sync
+from specdec.backends.base import pass_seconds
+from specdec.backends.linear import PRECISIONS
 from specdec.bench.stats import expected_tokens_per_round
 from specdec.engine import Engine, GenerationConfig
 from specdec.proposers import DraftModelProposer
@@ -39,17 +41,12 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def forward_latency(model, context: list[int], positions: list[int], repeats: int, tick=lambda: None) -> list[float]:
+def forward_latency(model, context: list[int], positions: list[int], repeats: int, tick=lambda: None,
+                    precision: str | None = None) -> list[float]:
     """Seconds for one target pass scoring n new positions after ``context``, for each n."""
-    backend = make_backend(model)
-    backend.extend(context, 0)
-    base = len(context)
-
-    def score(n: int):
-        backend.extend(context[:n] if n <= base else (context * n)[:n], n)
-        backend.rollback(base)
-
-    return [_ticked(median_seconds(lambda n=n: score(n), repeats), tick) for n in positions]
+    backend = make_backend(model, precision)
+    sync(backend, context, num_logits=0)
+    return [_ticked(statistics.median(pass_seconds(backend, n) for _ in range(repeats)), tick) for n in positions]
 
 
 def batched_cost_ratio(model, k: int, batches: list[int], context_length: int, repeats: int,
@@ -134,16 +131,15 @@ def make_figures(target, draft_model, prompts: list[list[int]], out: Path, repea
     written = []
     context = prompts[0]
     batches = [b for b in BATCHES if b <= max_batch]
-    bar = tqdm(total=2 * len(POSITIONS) + 1 + len(DRAFT_LENGTHS) + len(batches), unit="point", file=sys.stderr)
+    bar = tqdm(total=len(PRECISIONS) * len(POSITIONS) + 1 + len(DRAFT_LENGTHS) + len(batches), unit="point", file=sys.stderr)
 
     # 1. many drafts, one weight-streaming
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for dtype in (torch.float32, torch.bfloat16):
-        same = model if model.dtype == dtype else copy.deepcopy(model).to(dtype)
-        latency = [1000 * s for s in forward_latency(same, context, POSITIONS, repeats, bar.update)]
-        line, = ax.plot(POSITIONS, latency, "o-", label=f"one pass scoring n positions, {str(dtype)[6:]}")
+    for precision in PRECISIONS:
+        latency = [1000 * s for s in forward_latency(model, context, POSITIONS, repeats, bar.update, precision)]
+        line, = ax.plot(POSITIONS, latency, "o-", label=f"one pass scoring n positions, {precision} weights")
         ax.plot(POSITIONS, [latency[0] * n for n in POSITIONS], ":", color=line.get_color(),
-                label=f"n single-position passes, {str(dtype)[6:]}")
+                label=f"n single-position passes, {precision} weights")
     ax.set(xscale="log", yscale="log", xlabel="positions scored (n)", ylabel="milliseconds",
            title="Many drafts, one weight-streaming")
     ax.set_xticks(POSITIONS, [str(n) for n in POSITIONS])

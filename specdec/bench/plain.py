@@ -1,10 +1,13 @@
-"""Plain decoding through specdec's engine against transformers' ``generate``, side by side.
+"""Plain decoding through specdec's engine, at each weight precision, against transformers' ``generate``, side by side.
 
 Both decode greedily the same number of new tokens from the same prompts, on the same model object, in one
 process; the order alternates per prompt and repeat so that machine drift cancels. Each run starts from an
 empty cache and includes its prefill. The speedup is computed per run and summarised by the median.
 
     python -m specdec.bench.plain --prompts data/mt_bench_question.jsonl --limit 5 --max-new-tokens 64
+
+specdec runs at each precision asked for (``auto``: measured per kind of pass), transformers in float32; the
+roofline of each specdec runtime follows the table.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import torch
 
 from specdec.bench.prompts import read_prompts
 from specdec.engine import GenerationConfig
+
+TRANSFORMERS = "transformers generate"
 
 
 def time_specdec(decoder, prompt_ids: list[int], new_tokens: int) -> float:
@@ -40,22 +45,24 @@ def time_transformers(model, prompt_ids: list[int], new_tokens: int) -> float:
     return seconds
 
 
-def compare(decoder, prompts: list[list[int]], new_tokens: int, repeats: int) -> list[tuple[float, float]]:
-    """(specdec seconds, transformers seconds) per prompt and repeat, interleaved A B / B A."""
+def compare(decoders: dict[str, object], model, prompts: list[list[int]], new_tokens: int,
+            repeats: int) -> list[dict[str, float]]:
+    """Seconds per contender (each specdec decoder, then ``transformers``), per prompt and repeat; the order
+    rotates so that none always runs first."""
+    timers = {name: (lambda ids, d=decoder: time_specdec(d, ids, new_tokens)) for name, decoder in decoders.items()}
+    timers[TRANSFORMERS] = lambda ids: time_transformers(model, ids, new_tokens)
+    names = list(timers)
     runs = []
     for i, prompt_ids in enumerate(prompts * repeats):
-        timers = [lambda: time_specdec(decoder, prompt_ids, new_tokens),
-                  lambda: time_transformers(decoder.target.model, prompt_ids, new_tokens)]
-        if i % 2:
-            transformers_s, specdec_s = timers[1](), timers[0]()
-        else:
-            specdec_s, transformers_s = timers[0](), timers[1]()
-        runs.append((specdec_s, transformers_s))
+        order = names[i % len(names):] + names[: i % len(names)]
+        runs.append({name: timers[name](prompt_ids) for name in order})
     return runs
 
 
 def main(argv: list[str] | None = None) -> int:
     from specdec.api import SpecDecoder
+    from specdec.bench.roofline import measure_roofline, roofline_markdown
+    from specdec.models import load_model
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", default="data/mt_bench_question.jsonl")
@@ -63,27 +70,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--precisions", default="float32,auto",
+                        help="specdec's weight precisions to time, comma-separated (float32, float16, bfloat16, auto)")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    decoder = SpecDecoder.load(args.model, drafter="none", dtype=args.dtype, device="cpu")
-    prompts = [decoder.encode(p.text, p.chat) for p in read_prompts(args.prompts, limit=args.limit)]
-    time_specdec(decoder, prompts[0], 4)  # warm-up, both paths
-    time_transformers(decoder.target.model, prompts[0], 4)
-    runs = compare(decoder, prompts, args.max_new_tokens, args.repeats)
+    target = load_model(args.model, dtype="float32", device="cpu")  # transformers runs the float32 model
+    decoders = {f"specdec {p}": SpecDecoder(target, drafter="none", precision=p)
+                for p in args.precisions.split(",")}
+    encoder = next(iter(decoders.values()))
+    prompts = [encoder.encode(p.text, p.chat) for p in read_prompts(args.prompts, limit=args.limit)]
+    for decoder in decoders.values():  # warm-up, every path
+        time_specdec(decoder, prompts[0], 4)
+    time_transformers(target.model, prompts[0], 4)
+    runs = compare(decoders, target.model, prompts, args.max_new_tokens, args.repeats)
 
     n = args.max_new_tokens
+    names = list(runs[0])
     print(f"plain greedy decoding, {len(prompts)} prompts x {args.repeats} repeats x {n} new tokens, "
-          f"{args.dtype}, {torch.get_num_threads()} threads")
-    print("| run | specdec tokens/s | transformers generate tokens/s | speedup |")
-    print("|---:|---:|---:|---:|")
-    for i, (ours, theirs) in enumerate(runs):
-        print(f"| {i} | {n / ours:.2f} | {n / theirs:.2f} | {theirs / ours:.3f} |")
-    median = statistics.median(theirs / ours for ours, theirs in runs)
-    print(f"median speedup of specdec plain over transformers generate: {median:.3f}x")
+          f"{torch.get_num_threads()} threads; transformers runs the model in float32")
+    print("")
+    print("| contender | precision | tokens/s (median run) | speedup over transformers generate (median run) |")
+    print("|---|---|---:|---:|")
+    for name in names:
+        backend = decoders[name].engine.target if name in decoders else None
+        precision = str(backend.precisions) if backend is not None else "float32"
+        rate = statistics.median(n / run[name] for run in runs)
+        speedup = statistics.median(run[TRANSFORMERS] / run[name] for run in runs)
+        print(f"| {name} | {precision} | {rate:.2f} | {speedup:.3f}x |")
+    print("")
+    for name, decoder in decoders.items():
+        backend = decoder.engine.target
+        print(roofline_markdown(measure_roofline(backend, prompts[0]), f"{name} ({backend.precisions})"))
     return 0
 
 

@@ -11,10 +11,11 @@ from pathlib import Path
 import torch
 
 from specdec.api import SpecDecoder, check_same_vocabulary, eos_token_ids
-from specdec.backends import make_backend
+from specdec.backends import CausalLM, make_backend
 from specdec.bench.contenders import Contender, SpecdecContender, TransformersContender
 from specdec.bench.prompts import read_prompts
 from specdec.bench.report import BASELINE, Run, build_report, markdown
+from specdec.bench.roofline import measure_roofline, roofline_markdown
 from specdec.engine import Engine, GenerationConfig
 from specdec.errors import UsageError
 from specdec.models import load_model
@@ -36,8 +37,9 @@ REFERENCE_CONTENDERS = {"hf-prompt-lookup": _hf_prompt_lookup, "hf-assisted": _h
 NEEDS_DRAFT_MODEL = {"draft-model", "hf-assisted"}
 
 
-def build_contenders(names: list[str], target, draft, num_draft_tokens: int) -> list[Contender]:
-    """One contender per name; ``none`` (the baseline) always comes first."""
+def build_contenders(names: list[str], target, draft, num_draft_tokens: int,
+                     precision: str | None = None) -> tuple[list[Contender], CausalLM]:
+    """One contender per name, ``none`` (the baseline) first; and the target backend specdec's contenders share."""
     unknown = [n for n in names if n not in PROPOSERS and n not in REFERENCE_CONTENDERS]
     if unknown:
         raise UsageError(f"unknown drafter {unknown[0]!r}; choose from "
@@ -45,8 +47,8 @@ def build_contenders(names: list[str], target, draft, num_draft_tokens: int) -> 
     if draft is None and NEEDS_DRAFT_MODEL & set(names):
         raise UsageError("the draft-model and hf-assisted configurations need --draft-model PATH")
     names = [BASELINE] + [n for n in dict.fromkeys(names) if n != BASELINE]
-    backend = make_backend(target.model)
-    draft_backend = make_backend(draft.model) if draft is not None else None
+    backend = make_backend(target.model, precision)
+    draft_backend = make_backend(draft.model, precision) if draft is not None else None
     eos = eos_token_ids(target)
     contenders: list[Contender] = []
     for name in names:
@@ -55,7 +57,7 @@ def build_contenders(names: list[str], target, draft, num_draft_tokens: int) -> 
         else:
             engine = Engine(backend, make_proposer(name, backend, draft_backend), eos_token_ids=eos)
             contenders.append(SpecdecContender(name, engine, num_draft_tokens if name != BASELINE else 0))
-    return contenders
+    return contenders, backend
 
 
 def run_interleaved(contenders: list[Contender], prompts: list[tuple[str, str, list[int]]],
@@ -96,21 +98,30 @@ def run_bench(args) -> int:
     draft = load_model(args.draft_model, dtype=args.dtype, device=args.device) if args.draft_model else None
     if draft is not None:
         check_same_vocabulary(target, draft)
-    contenders = build_contenders(names, target, draft, k)
+    contenders, backend = build_contenders(names, target, draft, k, "auto" if args.dtype == "auto" else None)
     encoder = SpecDecoder(target, drafter=BASELINE)
     prompts = [(p.id, p.category, encoder.encode(p.text, None if p.chat else False)) for p in bench_prompts]
 
     contenders[0].run(prompts[0][2], replace(config, seed=0))  # warm-up: first-call costs out of the timings
     runs = run_interleaved(contenders, prompts, config, args.repeats, args.seed, progress=not args.no_progress)
+    roofline = measure_roofline(backend, prompts[0][2])
     settings = {
         "prompts": str(args.prompts), "category": args.category, "num_prompts": len(prompts),
         "repeats": args.repeats, "max_new_tokens": args.max_new_tokens, "num_draft_tokens": k,
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "model": args.model or "default",
-        "draft_model": args.draft_model, "dtype": str(target.model.dtype).removeprefix("torch."),
+        "draft_model": args.draft_model, "dtype": _precision(backend),
         "device": str(target.model.device), "threads": torch.get_num_threads(), "machine": platform.machine(),
     }
     report = build_report(runs, contenders, settings)
+    report["roofline"] = roofline.to_dict()
     print(markdown(report))
+    print(roofline_markdown(roofline, f"{settings['dtype']}, {settings['threads']} threads"))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
     return 0
+
+
+def _precision(backend: CausalLM) -> str:
+    """The weight precision(s) the target runs in: per kind of pass on the lean runtime."""
+    precisions = getattr(backend, "precisions", None)
+    return str(precisions) if precisions is not None else str(backend.model.dtype).removeprefix("torch.")
