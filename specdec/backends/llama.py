@@ -66,9 +66,9 @@ class LlamaRuntime:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.eps = config.rms_norm_eps
         self.max_length = min(config.max_position_embeddings, getattr(config, "sliding_window", None) or 2**62)
-        self.embed = model.get_input_embeddings().weight.to(self.dtype)  # [vocab, hidden]
+        self.embed = model.get_input_embeddings().weight.detach().to(self.dtype)  # [vocab, hidden]
         self.vocab_size = self.embed.shape[0]
-        self.final_norm = model.model.norm.weight.to(self.dtype)
+        self.final_norm = model.model.norm.weight.detach().to(self.dtype)
         built: dict[str, tuple[list[_Layer], Linear]] = {}
         for precision in {precisions.decode, precisions.score}:
             built[precision] = _build(model, precision, self.dtype)
@@ -156,6 +156,7 @@ class LlamaRuntime:
         return len(self._score[0])
 
 
+@torch.no_grad()
 def _build(model, precision: str, dtype: torch.dtype) -> tuple[list[_Layer], Linear]:
     """The layers' fused matmuls and the LM head, with their weights in ``precision``."""
     layers = [_fuse(layer, precision, dtype) for layer in model.model.layers]
