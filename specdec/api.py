@@ -34,9 +34,10 @@ class SpecDecoder:
     """
 
     def __init__(self, target: LoadedModel, drafter: str = "prompt-lookup", draft: LoadedModel | None = None,
-                 precision: str | None = None):
+                 precision: str | None = None, datastore=None):
         """``precision``: None runs the models in the dtype they were loaded in; "auto" lets the lean runtime pick,
         per kind of pass, the fastest weight precision that keeps the target's outputs (see backends/precision.py).
+        ``datastore``: a loaded retrieval datastore (specdec.datastore.load), for the retrieval drafter.
         """
         if draft is not None:
             check_same_vocabulary(target, draft)
@@ -45,7 +46,7 @@ class SpecDecoder:
         self.drafter = drafter
         backend = make_backend(target.model, precision)
         draft_backend = make_backend(draft.model, precision) if draft is not None else None
-        proposer = make_proposer(drafter, backend, draft_backend)
+        proposer = make_proposer(drafter, backend, draft_backend, datastore)
         self.engine = Engine(backend, proposer, eos_token_ids=eos_token_ids(target))
 
     @classmethod
@@ -56,16 +57,27 @@ class SpecDecoder:
         drafter: str | None = None,
         dtype: str = "auto",
         device: str = "auto",
+        datastore: str | os.PathLike | None = None,
     ) -> "SpecDecoder":
         """Load from local paths (a transformers directory or a .gguf file); ``model=None`` is the default model.
 
-        ``drafter`` defaults to ``draft-model`` when a draft model is given, else ``prompt-lookup``.
+        ``drafter`` defaults to ``draft-model`` when a draft model is given, ``retrieval`` when a datastore is,
+        else ``prompt-lookup``.
         """
-        drafter = drafter or ("draft-model" if draft_model is not None else "prompt-lookup")
+        from specdec import datastore as datastores
+
+        drafter = drafter or ("draft-model" if draft_model is not None else
+                              "retrieval" if datastore is not None else "prompt-lookup")
         require_draft_model(drafter, draft_model is not None)
+        if datastore is not None and drafter != "retrieval":
+            raise UsageError(f"--datastore drafts only with --drafter retrieval, not {drafter}")
+        store = None if datastore is None else datastores.load(datastore)  # checked before the slow model load
         target = load_model(model, dtype=dtype, device=device)
         draft = load_model(draft_model, dtype=dtype, device=device) if drafter == "draft-model" else None
-        return cls(target, drafter=drafter, draft=draft, precision="auto" if dtype == "auto" else None)
+        if store is not None:
+            store.check_vocabulary(target.model.config.vocab_size)
+        return cls(target, drafter=drafter, draft=draft, precision="auto" if dtype == "auto" else None,
+                   datastore=store)
 
     def encode(self, prompt: str, chat: bool | None = None) -> list[int]:
         """Token ids of the prompt; ``chat`` applies the chat template (None: when the model has one)."""
@@ -90,7 +102,7 @@ class SpecDecoder:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = None,
-        num_draft_tokens: int = 4,
+        num_draft_tokens: int | str = 4,
         chat: bool | None = None,
         on_text: Callable[[str], None] | None = None,
     ) -> Completion:

@@ -12,6 +12,9 @@ from specdec.errors import SpecdecError, UsageError
 from specdec.proposers import PROPOSERS
 
 EXIT_USAGE = 2
+K_HELP = (f"draft tokens per round: 1..{MAX_DRAFT_TOKENS} (default 4); auto: the length that maximises expected "
+          "tokens per second, from acceptance and costs measured as it runs (0, plain decoding, when speculation "
+          "does not pay); heuristic: transformers' schedule (+2 after a fully accepted draft, -1 after a rejection)")
 DTYPE_HELP = ("the weights' precision. auto: bfloat16 on CUDA; on the CPU, for each kind of pass (one position; "
               "several), the fastest precision whose logits stay within 0.1 of float32's, measured once per model "
               "and machine and cached")
@@ -32,8 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft-model", default=None, help="draft model path (same vocabulary as the target)")
     gen.add_argument("--drafter", choices=list(PROPOSERS), default=None,
                      help="how to draft (default: draft-model if --draft-model is given, else prompt-lookup)")
-    gen.add_argument("--num-draft-tokens", "-k", type=int, default=4, metavar="K",
-                     help=f"draft tokens per round, 1..{MAX_DRAFT_TOKENS} (default 4)")
+    gen.add_argument("--num-draft-tokens", "-k", default="4", metavar="K", help=K_HELP)
+    gen.add_argument("--datastore", default=None, metavar="DIR",
+                     help="retrieval drafter: also draft from this datastore (specdec datastore build)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -52,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(run=run_generate)
     _add_bench_parser(commands)
     _add_figures_parser(commands)
+    _add_datastore_parser(commands)
     return parser
 
 
@@ -61,8 +66,11 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--category", default=None)
     bench.add_argument("--limit", type=int, default=None)
     bench.add_argument("--drafters", default="none,prompt-lookup",
-                       help="comma-separated: none, prompt-lookup, draft-model, hf-prompt-lookup, hf-assisted")
-    bench.add_argument("--num-draft-tokens", "-k", default="4", metavar="K")
+                       help="comma-separated, each NAME or NAME:K (K an integer, auto or heuristic; default "
+                            "--num-draft-tokens): none, prompt-lookup, retrieval, draft-model, hf-prompt-lookup, "
+                            "hf-assisted")
+    bench.add_argument("--num-draft-tokens", "-k", default="4", metavar="K", help=K_HELP)
+    bench.add_argument("--datastore", default=None, metavar="DIR", help="datastore for the retrieval drafter")
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--top-k", type=int, default=0)
     bench.add_argument("--top-p", type=float, default=1.0)
@@ -97,6 +105,35 @@ def _add_figures_parser(commands) -> None:
     figures.set_defaults(run=_run_figures)
 
 
+def _add_datastore_parser(commands) -> None:
+    datastore = commands.add_parser("datastore", help="build or describe a datastore for the retrieval drafter")
+    actions = datastore.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    build = actions.add_parser("build", help="index a corpus: text files, JSON or JSONL (ShareGPT included)")
+    build.add_argument("--from", dest="sources", nargs="+", required=True, metavar="FILE")
+    build.add_argument("--out", required=True, metavar="DIR")
+    build.add_argument("--model", default=None, help="whose tokenizer to use (default: the default model)")
+    build.add_argument("--max-tokens", type=int, default=None, help="stop after this many corpus tokens")
+    build.set_defaults(run=_run_datastore_build)
+    info = actions.add_parser("info", help="describe a saved datastore")
+    info.add_argument("directory", metavar="DIR")
+    info.set_defaults(run=_run_datastore_info)
+
+
+def _run_datastore_build(args: argparse.Namespace) -> int:
+    from specdec.datastore import build_from_files
+
+    store = build_from_files(args.sources, args.out, args.model, args.max_tokens)
+    print(store.describe())
+    return 0
+
+
+def _run_datastore_info(args: argparse.Namespace) -> int:
+    from specdec.datastore import load
+
+    print(load(args.directory).describe())
+    return 0
+
+
 def _run_figures(args: argparse.Namespace) -> int:
     from specdec.bench.figures import run_figures
 
@@ -113,7 +150,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 def run_generate(args: argparse.Namespace) -> int:
     from specdec.api import SpecDecoder
-    from specdec.engine import GenerationConfig
+    from specdec.engine import GenerationConfig, parse_num_draft_tokens
     from specdec.sampling import SamplingParams
     from specdec.view import ansi, ansi_legend
 
@@ -123,12 +160,13 @@ def run_generate(args: argparse.Namespace) -> int:
     # settings are checked before the (slow) model load
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
-        num_draft_tokens=args.num_draft_tokens,
+        num_draft_tokens=parse_num_draft_tokens(args.num_draft_tokens),
         sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
         seed=args.seed,
     )
     _set_threads(args.threads)
-    decoder = SpecDecoder.load(args.model, args.draft_model, args.drafter, dtype=args.dtype, device=args.device)
+    decoder = SpecDecoder.load(args.model, args.draft_model, args.drafter, dtype=args.dtype, device=args.device,
+                               datastore=args.datastore)
     prompt_ids = decoder.encode(prompt, args.chat)
     pieces: list[str] = []
 
@@ -164,8 +202,10 @@ def _write_html(path: str, pieces: list[str], kinds: list[str], prompt: str, sum
 
 
 def summary_line(drafter: str, stats) -> str:
+    label = drafter if stats.policy == "fixed" else f"{drafter}, k {stats.policy}: mean draft " \
+        f"{stats.draft_tokens / max(stats.rounds, 1):.1f}"
     return (
-        f"[{drafter}] {stats.new_tokens} new tokens in {stats.seconds:.2f} s, "
+        f"[{label}] {stats.new_tokens} new tokens in {stats.seconds:.2f} s, "
         f"{stats.tokens_per_second:.1f} tokens/s, acceptance rate {stats.acceptance_rate:.1%}, "
         f"mean accepted length {stats.mean_accepted_length:.2f} tokens per target pass"
     )

@@ -14,7 +14,7 @@ import torch
 
 from specdec.backends.base import CausalLM, sync
 from specdec.errors import UsageError
-from specdec.policy import FixedDraftLength, Policy
+from specdec.policy import AUTO_MAX_K, POLICY_NAMES, Policy, make_policy
 from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.verify import Verdict, verify, verify_greedy
@@ -22,12 +22,23 @@ from specdec.verify import Verdict, verify, verify_greedy
 MAX_DRAFT_TOKENS = 64
 
 
+def parse_num_draft_tokens(text: str | int) -> int | str:
+    """``--num-draft-tokens``: an integer k, or the name of an adaptive policy ("auto", "heuristic")."""
+    if isinstance(text, int) or text in POLICY_NAMES:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"num-draft-tokens must be an integer or one of {', '.join(POLICY_NAMES)}, got {text!r}"
+                         ) from None
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """What to generate: how many tokens, how to sample, how far to draft."""
 
     max_new_tokens: int = 128
-    num_draft_tokens: int = 4
+    num_draft_tokens: int | str = 4  # a fixed k, or a policy: "auto" (cost model) or "heuristic"
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None
     stop_at_eos: bool = True
@@ -35,10 +46,19 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise UsageError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        if not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
+        if isinstance(self.num_draft_tokens, str):
+            if self.num_draft_tokens not in POLICY_NAMES:
+                raise UsageError(f"num-draft-tokens must be an integer or one of {', '.join(POLICY_NAMES)}, "
+                                 f"got {self.num_draft_tokens!r}")
+        elif not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise UsageError(
                 f"num-draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}"
             )
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The longest draft a round may ask for."""
+        return AUTO_MAX_K if isinstance(self.num_draft_tokens, str) else self.num_draft_tokens
 
 
 @dataclass(frozen=True)
@@ -51,6 +71,7 @@ class Round:
     kinds: list[str]  # per emitted token: "accepted", "recovered", "bonus" or "plain"
     draft_seconds: float = 0.0  # time spent drafting
     target_seconds: float = 0.0  # time spent scoring, verifying and rolling back
+    asked: int = 0  # the draft length the policy chose (the drafter may offer fewer)
 
 
 @dataclass
@@ -64,9 +85,12 @@ class GenerationStats:
     seconds: float = 0.0  # the whole generation, prefill included
     draft_seconds: float = 0.0  # of which drafting
     target_seconds: float = 0.0  # of which the target's scoring passes and verification
+    policy: str = "fixed"  # how k was chosen: fixed, heuristic or auto
+    chosen_k: dict[int, int] = field(default_factory=dict)  # draft length the policy chose -> rounds
 
     def record(self, round_: Round) -> None:
         self.rounds += 1
+        self.chosen_k[round_.asked] = self.chosen_k.get(round_.asked, 0) + 1
         self.draft_tokens += round_.draft_tokens
         self.accepted_tokens += round_.accepted
         self.new_tokens += len(round_.tokens)
@@ -99,6 +123,8 @@ class GenerationStats:
             "tokens_per_second": self.tokens_per_second,
             "draft_seconds": self.draft_seconds,
             "target_seconds": self.target_seconds,
+            "policy": self.policy,
+            "chosen_k": {str(k): n for k, n in sorted(self.chosen_k.items())},
         }
 
 
@@ -117,12 +143,11 @@ class Engine:
         target: CausalLM,
         proposer: Proposer,
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
-        policy: Policy | None = None,
     ) -> None:
         self.target = target
         self.proposer = proposer
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.policy = policy or FixedDraftLength()
+        self.policies: dict[str, Policy] = {}  # adaptive policies by name, learning across requests
 
     def clear_cache(self) -> None:
         """Forget cached prefixes, target's and drafter's: the next request starts from an empty cache."""
@@ -136,7 +161,7 @@ class Engine:
         on_round: Callable[[Round], None] | None = None,
     ) -> GenerationResult:
         """Generate up to config.max_new_tokens tokens; ``on_round`` sees each round as it is emitted."""
-        stats = GenerationStats()
+        stats = GenerationStats(policy=self.policy(config.num_draft_tokens).name)
         token_ids: list[int] = []
         kinds: list[str] = []
         start = time.perf_counter()
@@ -157,17 +182,18 @@ class Engine:
         generator = _generator(config.seed, self.target.device)
         stop_ids = self.eos_token_ids if config.stop_at_eos else frozenset()
         max_length = self.target.max_length
+        policy = self.policy(config.num_draft_tokens)
         context = list(prompt_ids)
         if len(context) >= max_length:
             raise UsageError(f"the prompt has {len(context)} tokens; the model takes at most {max_length - 1}")
-        self.target.reserve(min(len(context) + config.max_new_tokens + config.num_draft_tokens + 1, max_length))
+        self.target.reserve(min(len(context) + config.max_new_tokens + config.max_draft_tokens + 1, max_length))
         sync(self.target, context[:-1], num_logits=0)  # prefill, reusing a prefix cached by an earlier request
         produced = 0
         while produced < config.max_new_tokens:
             remaining = config.max_new_tokens - produced
             # 1. ask the policy how far to draft; a round emits at most k+1 tokens
-            k = min(self.policy.next_k(config.num_draft_tokens), remaining - 1)
-            k = min(k, max_length - len(context) - 1)
+            asked = policy.next_k(config.max_draft_tokens)
+            k = min(asked, remaining - 1, max_length - len(context) - 1)
             # 2. draft
             started = time.perf_counter()
             draft = self.proposer.propose(context, k, params, generator) if k > 0 else EMPTY_DRAFT
@@ -180,14 +206,23 @@ class Engine:
             # 5. keep the accepted prefix in the cache, drop the rest
             self.target.rollback(cached + 1 + verdict.accepted)
             verified = time.perf_counter()  # verify_* read results on the host: the device has finished
-            self.policy.observe(verdict)
+            policy.observe(verdict, drafted - started, verified - drafted)
             # 6. emit, cut at EOS and at the token limit
-            round_ = _emitted_round(draft, verdict, remaining, stop_ids, drafted - started, verified - drafted)
+            round_ = _emitted_round(draft, verdict, remaining, stop_ids, drafted - started, verified - drafted, asked)
             context += round_.tokens
             produced += len(round_.tokens)
             yield round_
             if round_.tokens[-1] in stop_ids or len(context) >= max_length:
                 return
+
+
+    def policy(self, num_draft_tokens: int | str) -> Policy:
+        """A fixed draft length, or the engine's adaptive policy of that name (kept, so it learns across requests)."""
+        if isinstance(num_draft_tokens, int):
+            return make_policy(num_draft_tokens)
+        if num_draft_tokens not in self.policies:
+            self.policies[num_draft_tokens] = make_policy(num_draft_tokens)
+        return self.policies[num_draft_tokens]
 
 
 def _verify(
@@ -202,9 +237,8 @@ def _verify(
     return verify(draft_tokens, draft.probs, logits_to_probs(logits, params), generator)
 
 
-def _emitted_round(
-    draft: Draft, verdict: Verdict, limit: int, stop_ids: frozenset[int], draft_seconds: float, target_seconds: float
-) -> Round:
+def _emitted_round(draft: Draft, verdict: Verdict, limit: int, stop_ids: frozenset[int], draft_seconds: float,
+                   target_seconds: float, asked: int) -> Round:
     """The round's tokens and how each came, cut after a stop token and at ``limit`` tokens."""
     tokens = verdict.emitted(draft.tokens)
     last_kind = "plain" if verdict.num_draft == 0 else ("bonus" if verdict.bonus else "recovered")
@@ -215,7 +249,7 @@ def _emitted_round(
             cut = i + 1
             break
     return Round(draft_tokens=verdict.num_draft, accepted=verdict.accepted, tokens=tokens[:cut], kinds=kinds[:cut],
-                 draft_seconds=draft_seconds, target_seconds=target_seconds)
+                 draft_seconds=draft_seconds, target_seconds=target_seconds, asked=asked)
 
 
 def _generator(seed: int | None, device: torch.device) -> torch.Generator:

@@ -83,6 +83,20 @@ def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str 
     return LoadedModel(model=model.to(resolved_device).eval(), tokenizer=tokenizer, path=directory)
 
 
+def load_tokenizer(path: str | os.PathLike | None) -> tuple[object, int]:
+    """A model's tokenizer and its vocabulary size (the width of its logits), without loading the weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    directory = transformers_directory(default_model_path() if path is None else Path(path))
+    with _quiet_transformers():
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+            vocab_size = AutoConfig.from_pretrained(directory, local_files_only=True).vocab_size
+        except Exception as error:
+            raise UsageError(f"cannot load a tokenizer from {directory}: {_first_line(error)}") from None
+    return tokenizer, vocab_size
+
+
 def transformers_directory(path: Path) -> Path:
     """A directory transformers can load: the path itself, or the cached conversion of a GGUF file."""
     if not path.exists():

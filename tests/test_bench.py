@@ -109,7 +109,9 @@ def test_bench_smoke_on_tiny_models(tiny_models, tmp_path, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--drafters", "none,magic"], "unknown drafter"),
     (["--drafters", "draft-model"], "need --draft-model"),
-    (["--num-draft-tokens", "many"], "integer or 'auto'"),
+    (["--num-draft-tokens", "many"], "an integer or one of auto, heuristic"),
+    (["--drafters", "retrieval:lots"], "an integer or one of auto, heuristic"),
+    (["--drafters", "retrieval", "--datastore", "/nonexistent"], "no datastore at"),
     (["--repeats", "0"], "repeats"),
 ])
 def test_bench_bad_input(tiny_models, tmp_path, capsys, args, message):

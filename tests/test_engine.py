@@ -15,7 +15,7 @@ from specdec.backends.base import sync
 from specdec.backends import HFCausalLM, LlamaRuntime
 from specdec.engine import Engine, GenerationConfig
 from specdec.errors import UsageError
-from specdec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer
+from specdec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer, RetrievalProposer
 from specdec.sampling import SamplingParams, logits_to_probs
 
 PROMPTS = [[5, 9, 12, 9, 12, 40], [3, 3, 3, 3], [60, 2, 17, 33, 8, 17, 33, 21, 9], [7]]
@@ -46,13 +46,14 @@ BACKENDS = [HFCausalLM, LlamaRuntime]
 
 
 @pytest.mark.parametrize("backend_class", BACKENDS)
-@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("k", [1, 3, 8, "auto", "heuristic"])
 def test_greedy_speculation_is_token_for_token_plain_greedy(target_and_draft, k, backend_class):
     target, draft = target_and_draft
     target_backend = backend_class(target)
     engines = {
         "none": Engine(target_backend, NoProposer()),
         "prompt-lookup": Engine(target_backend, PromptLookupProposer()),
+        "retrieval": Engine(target_backend, RetrievalProposer(min_order=1)),
         "draft-model": Engine(target_backend, DraftModelProposer(backend_class(draft), target_backend.vocab_size)),
     }
     for prompt in PROMPTS:
@@ -179,12 +180,13 @@ E2E_SAMPLING = {"temperature": 0.9, "top_p": 0.95}
 E2E_SAMPLES = 20_000
 
 
-def exact_joint_of_first_three(sampling: SamplingParams) -> dict[tuple[int, int, int], float]:
+def exact_joint_of_first_three(sampling: SamplingParams, prompt: list[int] = E2E_PROMPT
+                               ) -> dict[tuple[int, int, int], float]:
     """P(y1, y2, y3) under plain sampling from the tiny target, by enumerating every two-token prefix."""
     target, _ = e2e_models()
     vocab = target.config.vocab_size
     y1, y2 = torch.meshgrid(torch.arange(vocab), torch.arange(vocab), indexing="ij")
-    prompts = torch.tensor(E2E_PROMPT).expand(vocab * vocab, -1)
+    prompts = torch.tensor(prompt).expand(vocab * vocab, -1)
     batch = torch.cat([prompts, y1.reshape(-1, 1), y2.reshape(-1, 1)], dim=1)  # [V*V, len+2]
     with torch.no_grad():
         logits = target(batch).logits[:, -3:].double()  # [V*V, 3, V]
@@ -227,6 +229,35 @@ def test_speculative_sampling_matches_plain_sampling_end_to_end():
     assert chisquare(plain, expected).pvalue > 1e-3
     seen = (speculative + plain) > 0  # a bin neither arm hit carries no information on their difference
     assert chi2_contingency(np.stack([speculative[seen], plain[seen]])).pvalue > 1e-3
+
+
+# a prompt that repeats itself, so that retrieval drafts its continuation in most rounds
+REPEATING_PROMPT = [3, 4, 5, 3, 4, 5, 3, 4]
+
+
+def test_retrieval_with_an_adaptive_draft_length_samples_exactly():
+    """The first three tokens under retrieval drafting (point-mass drafts) with ``--num-draft-tokens auto`` have the
+    joint distribution of plain sampling: 20,000 samples against the exact joint, one chi-square test at
+    alpha = 0.001 (a correct engine fails it with probability 0.1%; the seeds are fixed)."""
+    sampling = SamplingParams(**E2E_SAMPLING)
+    exact = exact_joint_of_first_three(sampling, REPEATING_PROMPT)
+    bins = [outcome for outcome, p in exact.items() if p * E2E_SAMPLES >= 5]
+    expected = np.array([exact[b] for b in bins] + [1 - sum(exact[b] for b in bins)]) * E2E_SAMPLES
+    half = E2E_SAMPLES // 2
+    jobs = [(0, half), (half, half)]
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        results = pool.starmap(e2e_samples, [("retrieval", E2E_SAMPLING, n, seed, tuple(REPEATING_PROMPT), "auto")
+                                             for seed, n in jobs])
+    observed = bin_counts(results[0] + results[1], bins)
+    assert len(bins) > 50 and expected[-1] < 0.3 * E2E_SAMPLES
+    assert chisquare(observed, expected).pvalue > 1e-3
+    # and retrieval really drafted, with both outcomes: the exactness above covers accepted and rejected drafts
+    target, _ = e2e_models()
+    engine = Engine(LlamaRuntime(target), RetrievalProposer())
+    stats = [engine.generate(REPEATING_PROMPT, GenerationConfig(max_new_tokens=3, num_draft_tokens=2,
+                                                                sampling=sampling, seed=s, stop_at_eos=False)).stats
+             for s in range(40)]
+    assert 0 < sum(st.accepted_tokens for st in stats) < sum(st.draft_tokens for st in stats)
 
 
 # bfloat16 keeps 8 significant bits: one rounding of a logit below 8 in magnitude moves it by up to 8 * 2**-8;

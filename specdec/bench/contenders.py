@@ -6,7 +6,7 @@ Every contender decodes one prompt under one GenerationConfig from a cold cache 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -29,21 +29,24 @@ class Outcome:
 
 class Contender(Protocol):
     name: str
-    num_draft_tokens: int
+    num_draft_tokens: int | str
 
     def run(self, prompt_ids: list[int], config: GenerationConfig) -> Outcome: ...
 
 
 class SpecdecContender:
-    """A specdec engine: a drafter over the shared target backend."""
+    """A specdec engine: a drafter over the shared target backend, with its own draft length or policy (0: the
+    baseline, which drafts nothing)."""
 
-    def __init__(self, name: str, engine: Engine, num_draft_tokens: int) -> None:
+    def __init__(self, name: str, engine: Engine, num_draft_tokens: int | str) -> None:
         self.name = name
         self.engine = engine
         self.num_draft_tokens = num_draft_tokens
 
     def run(self, prompt_ids: list[int], config: GenerationConfig) -> Outcome:
         self.engine.clear_cache()
+        if self.num_draft_tokens:
+            config = replace(config, num_draft_tokens=self.num_draft_tokens)
         result = self.engine.generate(prompt_ids, config)
         s = result.stats
         return Outcome(token_ids=result.token_ids, seconds=s.seconds, rounds=s.rounds, draft_tokens=s.draft_tokens,
@@ -54,7 +57,8 @@ class SpecdecContender:
 class TransformersContender:
     """transformers' ``generate`` with its own speculation settings (prompt lookup, an assistant model)."""
 
-    def __init__(self, name: str, model, num_draft_tokens: int, eos_token_ids: set[int], **generate_kwargs) -> None:
+    def __init__(self, name: str, model, num_draft_tokens: int | str, eos_token_ids: set[int], **generate_kwargs
+                 ) -> None:
         self.name = name
         self.model = model
         self.num_draft_tokens = num_draft_tokens

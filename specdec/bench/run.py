@@ -16,47 +16,60 @@ from specdec.bench.contenders import Contender, SpecdecContender, TransformersCo
 from specdec.bench.prompts import read_prompts
 from specdec.bench.report import BASELINE, Run, build_report, markdown
 from specdec.bench.roofline import measure_roofline, roofline_markdown
-from specdec.engine import Engine, GenerationConfig
+from specdec import datastore as datastores
+from specdec.engine import Engine, GenerationConfig, parse_num_draft_tokens
 from specdec.errors import UsageError
 from specdec.models import load_model
-from specdec.proposers import PROPOSERS, make_proposer
+from specdec.proposers import PROPOSERS, NoProposer, make_proposer
 from specdec.sampling import SamplingParams
 
-def _hf_prompt_lookup(target, draft, k: int, eos: set[int]) -> Contender:
-    return TransformersContender("hf-prompt-lookup", target.model, k, eos, prompt_lookup_num_tokens=k)
+HF_DEFAULT_PROMPT_LOOKUP_TOKENS = 10  # transformers' own default, for an hf-prompt-lookup asked for an adaptive k
 
 
-def _hf_assisted(target, draft, k: int, eos: set[int]) -> Contender:
-    draft.model.generation_config.num_assistant_tokens = k
-    draft.model.generation_config.num_assistant_tokens_schedule = "constant"
-    return TransformersContender("hf-assisted", target.model, k, eos, assistant_model=draft.model)
+def _hf_prompt_lookup(name: str, target, draft, k: int | str, eos: set[int]) -> Contender:
+    tokens = k if isinstance(k, int) else HF_DEFAULT_PROMPT_LOOKUP_TOKENS  # transformers has no adaptive lookup
+    return TransformersContender(name, target.model, tokens, eos, prompt_lookup_num_tokens=tokens)
 
 
-# transformers' own assisted generation, as the field's reference: name -> factory(target, draft, k, eos ids)
+def _hf_assisted(name: str, target, draft, k: int | str, eos: set[int]) -> Contender:
+    config = draft.model.generation_config
+    config.num_assistant_tokens = k if isinstance(k, int) else 4
+    config.num_assistant_tokens_schedule = "constant" if isinstance(k, int) else "heuristic"
+    return TransformersContender(name, target.model, k, eos, assistant_model=draft.model)
+
+
+# transformers' own assisted generation, as the field's reference: name -> factory(label, target, draft, k, eos ids)
 REFERENCE_CONTENDERS = {"hf-prompt-lookup": _hf_prompt_lookup, "hf-assisted": _hf_assisted}
 NEEDS_DRAFT_MODEL = {"draft-model", "hf-assisted"}
 
 
-def build_contenders(names: list[str], target, draft, num_draft_tokens: int,
-                     precision: str | None = None) -> tuple[list[Contender], CausalLM]:
-    """One contender per name, ``none`` (the baseline) first; and the target backend specdec's contenders share."""
-    unknown = [n for n in names if n not in PROPOSERS and n not in REFERENCE_CONTENDERS]
-    if unknown:
-        raise UsageError(f"unknown drafter {unknown[0]!r}; choose from "
+def parse_contender(spec: str, default_k: int | str) -> tuple[str, int | str]:
+    """``name`` or ``name:k`` (k an integer, auto or heuristic) -> (drafter name, k)."""
+    name, _, k = spec.partition(":")
+    if name not in PROPOSERS and name not in REFERENCE_CONTENDERS:
+        raise UsageError(f"unknown drafter {name!r}; choose from "
                          f"{', '.join(list(PROPOSERS) + list(REFERENCE_CONTENDERS))}")
-    if draft is None and NEEDS_DRAFT_MODEL & set(names):
+    return name, parse_num_draft_tokens(k) if k else default_k
+
+
+def build_contenders(specs: list[str], target, draft, num_draft_tokens: int | str,
+                     precision: str | None = None, datastore=None) -> tuple[list[Contender], CausalLM]:
+    """One contender per spec (``name`` or ``name:k``), ``none`` (the baseline) first; and the target backend
+    specdec's contenders share."""
+    parsed = {spec: parse_contender(spec, num_draft_tokens) for spec in dict.fromkeys(specs) if spec != BASELINE}
+    if draft is None and NEEDS_DRAFT_MODEL & {name for name, _ in parsed.values()}:
         raise UsageError("the draft-model and hf-assisted configurations need --draft-model PATH")
-    names = [BASELINE] + [n for n in dict.fromkeys(names) if n != BASELINE]
     backend = make_backend(target.model, precision)
     draft_backend = make_backend(draft.model, precision) if draft is not None else None
     eos = eos_token_ids(target)
-    contenders: list[Contender] = []
-    for name in names:
+    contenders: list[Contender] = [SpecdecContender(BASELINE, Engine(backend, NoProposer(), eos), 0)]
+    for spec, (name, k) in parsed.items():
         if name in REFERENCE_CONTENDERS:
-            contenders.append(REFERENCE_CONTENDERS[name](target, draft, num_draft_tokens, eos))
+            contenders.append(REFERENCE_CONTENDERS[name](spec, target, draft, k, eos))
         else:
-            engine = Engine(backend, make_proposer(name, backend, draft_backend), eos_token_ids=eos)
-            contenders.append(SpecdecContender(name, engine, num_draft_tokens if name != BASELINE else 0))
+            store = datastore if name == "retrieval" else None
+            engine = Engine(backend, make_proposer(name, backend, draft_backend, store), eos_token_ids=eos)
+            contenders.append(SpecdecContender(spec, engine, k))
     return contenders, backend
 
 
@@ -80,12 +93,7 @@ def run_interleaved(contenders: list[Contender], prompts: list[tuple[str, str, l
 
 
 def run_bench(args) -> int:
-    if args.num_draft_tokens == "auto":
-        raise UsageError("--num-draft-tokens auto needs the adaptive draft-length policy, not yet available")
-    try:
-        k = int(args.num_draft_tokens)
-    except ValueError:
-        raise UsageError(f"--num-draft-tokens must be an integer or 'auto', got {args.num_draft_tokens!r}") from None
+    k = parse_num_draft_tokens(args.num_draft_tokens)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, num_draft_tokens=k,
                               sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k,
                                                       top_p=args.top_p))
@@ -94,11 +102,14 @@ def run_bench(args) -> int:
     names = [n.strip() for n in args.drafters.split(",") if n.strip()]
     bench_prompts = read_prompts(args.prompts, category=args.category, limit=args.limit)
 
+    store = None if args.datastore is None else datastores.load(args.datastore)
     target = load_model(args.model, dtype=args.dtype, device=args.device)
     draft = load_model(args.draft_model, dtype=args.dtype, device=args.device) if args.draft_model else None
     if draft is not None:
         check_same_vocabulary(target, draft)
-    contenders, backend = build_contenders(names, target, draft, k, "auto" if args.dtype == "auto" else None)
+    if store is not None:
+        store.check_vocabulary(target.model.config.vocab_size)
+    contenders, backend = build_contenders(names, target, draft, k, "auto" if args.dtype == "auto" else None, store)
     encoder = SpecDecoder(target, drafter=BASELINE)
     prompts = [(p.id, p.category, encoder.encode(p.text, None if p.chat else False)) for p in bench_prompts]
 

@@ -1,0 +1,86 @@
+"""Draft-length policies on synthetic acceptance and cost traces."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specdec.policy import CostModelPolicy, FixedDraftLength, HeuristicDraftLength, make_policy
+from specdec.verify import Verdict
+
+
+def verdict(num_draft: int, accepted: int) -> Verdict:
+    return Verdict(num_draft=num_draft, accepted=accepted, token=0)
+
+
+def run_trace(policy, rounds: int, acceptance: float, score_seconds, draft_seconds_per_token: float = 0.0,
+              seed: int = 0) -> list[int]:
+    """Drive a policy with draft tokens each accepted with probability ``acceptance`` (independently, until the
+    first rejection) and a target pass costing ``score_seconds(positions)``; the k it chose, round by round."""
+    rng = random.Random(seed)
+    chosen = []
+    for _ in range(rounds):
+        k = policy.next_k(16)
+        accepted = 0
+        while accepted < k and rng.random() < acceptance:
+            accepted += 1
+        policy.observe(verdict(k, accepted), draft_seconds_per_token * k, score_seconds(k + 1))
+        chosen.append(k)
+    return chosen
+
+
+def test_fixed_and_named_policies():
+    assert FixedDraftLength(5).next_k(3) == 3 and FixedDraftLength(5).next_k(8) == 5
+    assert isinstance(make_policy("auto"), CostModelPolicy)
+    assert isinstance(make_policy("heuristic"), HeuristicDraftLength)
+    assert make_policy(6).next_k(16) == 6
+
+
+def test_heuristic_grows_after_full_acceptance_and_shrinks_after_rejection():
+    policy = HeuristicDraftLength(initial=4, max_k=8)
+    trajectory = []
+    for num_draft, accepted in [(4, 4), (6, 6), (8, 8), (8, 2), (7, 0), (6, 0), (0, 0), (5, 5)]:
+        policy.observe(verdict(num_draft, accepted), 0.0, 0.0)
+        trajectory.append(policy.next_k(16))
+    assert trajectory == [6, 8, 8, 7, 6, 5, 5, 7]  # capped at 8; an empty draft teaches nothing
+    for _ in range(10):
+        policy.observe(verdict(3, 0), 0.0, 0.0)
+    assert policy.next_k(16) == 1  # never below one
+
+
+def test_cost_model_turns_speculation_off_where_drafts_are_rejected():
+    policy = CostModelPolicy()
+    chosen = run_trace(policy, 400, acceptance=0.02, score_seconds=lambda n: 1 + 0.2 * (n - 1))
+    late = chosen[200:]
+    assert late.count(0) >= 0.9 * len(late)  # plain decoding, but for the exploring rounds
+    assert 0 < sum(k > 0 for k in late) <= len(late) / policy.explore_every + 1
+
+
+def test_cost_model_drafts_long_where_drafts_are_accepted_and_scoring_is_cheap():
+    chosen = run_trace(CostModelPolicy(), 400, acceptance=0.9, score_seconds=lambda n: 1 + 0.03 * (n - 1))
+    assert min(chosen[200:]) >= 8
+
+
+def test_cost_model_balances_acceptance_against_the_cost_of_scoring():
+    """alpha = 0.6, a pass over n positions costing 1 + 0.15 (n - 1): expected tokens per unit time,
+    (1 - a^(k+1)) / (1 - a) / (1 + 0.15 k), peaks at k = 2 (1.505) over k = 1 (1.391) and k = 3 (1.491)."""
+    rates = {k: (1 - 0.6 ** (k + 1)) / 0.4 / (1 + 0.15 * k) for k in range(17)}
+    assert max(rates, key=rates.get) == 2
+    chosen = run_trace(CostModelPolicy(), 1500, acceptance=0.6, score_seconds=lambda n: 1 + 0.15 * (n - 1))
+    late = chosen[500:]
+    assert sum(k in (2, 3) for k in late) >= 0.8 * len(late)
+
+
+def test_measured_acceptance_gives_the_expected_tokens_of_independent_acceptance():
+    policy = CostModelPolicy(decay=1.0)
+    run_trace(policy, 3000, acceptance=0.7, score_seconds=lambda n: 1.0)  # free scoring: it drafts the most
+    expected = (1 - 0.7 ** 5) / (1 - 0.7)
+    assert policy.expected_tokens(4) == pytest.approx(expected, rel=0.05)
+
+
+def test_drafting_cost_shortens_the_draft():
+    cheap = run_trace(CostModelPolicy(), 600, acceptance=0.8, score_seconds=lambda n: 1 + 0.05 * (n - 1))
+    costly = run_trace(CostModelPolicy(), 600, acceptance=0.8, score_seconds=lambda n: 1 + 0.05 * (n - 1),
+                       draft_seconds_per_token=0.4)
+    assert sum(costly[300:]) < sum(cheap[300:])
