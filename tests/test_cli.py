@@ -139,3 +139,13 @@ def test_token_view_in_terminal_and_html(models, capsys, tmp_path):
                                     "--max-new-tokens", "16", "--json")[1])["text"]
     shown = "".join(re.findall(r'title="\w+">([^<]*)</span>', page_text))
     assert html.unescape(shown) == plain_text
+
+
+def test_an_adaptive_draft_length_reports_its_choices(models, capsys):
+    code, out, err = run_cli(capsys, "generate", PROMPT, "--model", str(models["target"]), "--drafter", "retrieval",
+                             "-k", "auto", "--max-new-tokens", "16", "--json", "--no-chat", "--dtype", "float32")
+    assert code == 0, err
+    stats = json.loads(out)["stats"]
+    assert stats["policy"] == "auto"
+    assert sum(stats["chosen_k"].values()) == stats["rounds"]
+    assert all(0 <= int(k) <= 16 for k in stats["chosen_k"])

@@ -131,7 +131,8 @@ def make_figures(target, draft_model, prompts: list[list[int]], out: Path, repea
     written = []
     context = prompts[0]
     batches = [b for b in BATCHES if b <= max_batch]
-    bar = tqdm(total=len(PRECISIONS) * len(POSITIONS) + 1 + len(DRAFT_LENGTHS) + len(batches), unit="point", file=sys.stderr)
+    points = len(PRECISIONS) * len(POSITIONS) + 1 + len(DRAFT_LENGTHS) + len(batches)
+    bar = tqdm(total=points, unit="point", file=sys.stderr)
 
     # 1. many drafts, one weight-streaming
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
