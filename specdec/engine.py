@@ -24,13 +24,20 @@ MAX_DRAFT_TOKENS = 64
 
 def parse_num_draft_tokens(text: str | int) -> int | str:
     """``--num-draft-tokens``: an integer k, or the name of an adaptive policy ("auto", "heuristic")."""
-    if isinstance(text, int) or text in POLICY_NAMES:
-        return text
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
-        raise UsageError(f"num-draft-tokens must be an integer or one of {', '.join(POLICY_NAMES)}, got {text!r}"
-                         ) from None
+        value = text
+    _check_num_draft_tokens(value)
+    return value
+
+
+def _check_num_draft_tokens(value: int | str) -> None:
+    if isinstance(value, str):
+        if value not in POLICY_NAMES:
+            raise UsageError(f"num-draft-tokens must be an integer or one of {', '.join(POLICY_NAMES)}, got {value!r}")
+    elif not 1 <= value <= MAX_DRAFT_TOKENS:
+        raise UsageError(f"num-draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -46,14 +53,7 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise UsageError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        if isinstance(self.num_draft_tokens, str):
-            if self.num_draft_tokens not in POLICY_NAMES:
-                raise UsageError(f"num-draft-tokens must be an integer or one of {', '.join(POLICY_NAMES)}, "
-                                 f"got {self.num_draft_tokens!r}")
-        elif not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
-            raise UsageError(
-                f"num-draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}"
-            )
+        _check_num_draft_tokens(self.num_draft_tokens)
 
     @property
     def max_draft_tokens(self) -> int:
@@ -161,11 +161,12 @@ class Engine:
         on_round: Callable[[Round], None] | None = None,
     ) -> GenerationResult:
         """Generate up to config.max_new_tokens tokens; ``on_round`` sees each round as it is emitted."""
-        stats = GenerationStats(policy=self.policy(config.num_draft_tokens).name)
+        policy = self.policy(config.num_draft_tokens)
+        stats = GenerationStats(policy=policy.name)
         token_ids: list[int] = []
         kinds: list[str] = []
         start = time.perf_counter()
-        for round_ in self.rounds(prompt_ids, config):
+        for round_ in self.rounds(prompt_ids, config, policy):
             stats.record(round_)
             token_ids += round_.tokens
             kinds += round_.kinds
@@ -174,15 +175,15 @@ class Engine:
         stats.seconds = time.perf_counter() - start
         return GenerationResult(token_ids=token_ids, stats=stats, kinds=kinds)
 
-    def rounds(self, prompt_ids: list[int], config: GenerationConfig) -> Iterator[Round]:
-        """The step loop. The target's cache holds every context token but the last, which is scored next."""
+    def rounds(self, prompt_ids: list[int], config: GenerationConfig, policy: Policy) -> Iterator[Round]:
+        """The step loop, with ``policy`` choosing each round's draft length. The target's cache holds every
+        context token but the last, which is scored next."""
         if not prompt_ids:
             raise UsageError("the prompt is empty")
         params = config.sampling
         generator = _generator(config.seed, self.target.device)
         stop_ids = self.eos_token_ids if config.stop_at_eos else frozenset()
         max_length = self.target.max_length
-        policy = self.policy(config.num_draft_tokens)
         context = list(prompt_ids)
         if len(context) >= max_length:
             raise UsageError(f"the prompt has {len(context)} tokens; the model takes at most {max_length - 1}")

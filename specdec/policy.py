@@ -13,7 +13,6 @@ the round cost (drafting, and the target's pass over k+1 positions).
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Protocol
 
 from specdec.verify import Verdict
@@ -96,12 +95,12 @@ class CostModelPolicy:
         self.score_seconds: dict[int, float] = {}  # positions scored -> moving average of the target's pass
         self.draft_seconds_per_token: float | None = None
         self.plain_streak = 0
-        self.choices: Counter[int] = Counter()  # k chosen -> rounds
 
     def next_k(self, max_k: int) -> int:
         limit = min(max_k, self.max_k)
         tokens = self.expected_tokens_by_k()
-        rates = [tokens[k] / self.round_seconds(k) for k in range(limit + 1)]
+        line = self._score_line()
+        rates = [tokens[k] / self.round_seconds(k, line) for k in range(limit + 1)]
         k = max(range(limit + 1), key=lambda i: rates[i])
         if k == 0 and limit > 0:
             self.plain_streak += 1
@@ -110,7 +109,6 @@ class CostModelPolicy:
                 k = max(range(1, limit + 1), key=lambda i: rates[i])
         else:
             self.plain_streak = 0
-        self.choices[k] += 1
         return k
 
     def observe(self, verdict: Verdict, draft_seconds: float, target_seconds: float) -> None:
@@ -150,15 +148,16 @@ class CostModelPolicy:
     def expected_tokens(self, k: int) -> float:
         return self.expected_tokens_by_k()[k]
 
-    def round_seconds(self, k: int) -> float:
+    def round_seconds(self, k: int, line: tuple[float, float] | None = None) -> float:
         draft = (self.draft_seconds_per_token or 0.0) * k
-        return draft + self.scoring_seconds(k + 1)
+        return draft + self.scoring_seconds(k + 1, line)
 
-    def scoring_seconds(self, positions: int) -> float:
-        """The target's pass over ``positions`` positions: measured, or from a line through the sizes measured."""
+    def scoring_seconds(self, positions: int, line: tuple[float, float] | None = None) -> float:
+        """The target's pass over ``positions`` positions: measured, or from a line through the sizes measured
+        (``line``: that line's (intercept, slope), when the caller has it already)."""
         if positions in self.score_seconds:
             return self.score_seconds[positions]
-        intercept, slope = self._score_line()
+        intercept, slope = line or self._score_line()
         return max(intercept + slope * positions, 1e-9)
 
     def _score_line(self) -> tuple[float, float]:

@@ -134,3 +134,11 @@ def test_figures_smoke_on_tiny_models(tiny_models, tmp_path, capsys):
                      "surplus_only_free_at_small_batch.png", "tokens_per_round.png"]
     for name in names:
         assert (tmp_path / "figs" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_first_difference_of_two_outputs():
+    from specdec.bench.agreement import first_difference
+
+    assert first_difference([4, 5, 6], [4, 5, 6]) is None
+    assert first_difference([4, 5, 6], [4, 7, 6]) == 1
+    assert first_difference([4, 5], [4, 5, 6]) == 2  # one stopped early: they part where it stopped

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import first_mismatch
 
 from specdec.api import SpecDecoder
 from specdec.backends import PassPrecisions, make_backend
-from specdec.bench.agreement import compare_precisions, margin_bound
+from specdec.bench.agreement import compare_precisions, first_difference
 from specdec.engine import Engine, GenerationConfig
 from specdec.models import load_model
 from specdec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer
@@ -76,7 +75,7 @@ def test_speculative_greedy_is_plain_greedy_on_mt_bench(decoder, prompts):
             result = engine.generate(prompt, config)
             assert result.stats.draft_tokens > 0 or name == "prompt-lookup"
             accepted[name] += result.stats.accepted_tokens
-            i = first_mismatch(result.token_ids, expected)
+            i = first_difference(result.token_ids, expected)
             if i is not None:
                 gap = top_two_gap(model, prompt + expected[:i])
                 report.append((name, i, gap))
@@ -91,14 +90,12 @@ def test_every_change_of_precision_sits_at_a_near_tie(decoder, prompts):
     only where float32's two candidates lie within the precisions' logit tolerance of each other."""
     precisions = ["float16", "bfloat16", PassPrecisions(decode="float16", score="float32")]
     comparisons = compare_precisions(decoder.target.model, prompts[:6], precisions, new_tokens=48)
-    report = {name: [(d.prompt, d.position, d.margin) for d in divergences if d.diverged]
-              for name, divergences in comparisons.items()}
+    report = {c.name: [(d.prompt, d.position, d.margin) for d in c.divergences if d.diverged] for c in comparisons}
     print("divergences (prompt, position, float32 margin):", report)
-    for precision in precisions:
-        for name, divergences in comparisons.items():
-            if name.startswith(f"{precision} "):
-                for d in divergences:
-                    assert d.margin is None or d.margin <= margin_bound(precision), (name, d)
+    assert len(comparisons) == 2 * len(precisions)
+    for comparison in comparisons:
+        for d in comparison.divergences:
+            assert d.margin is None or d.margin <= comparison.bound, (comparison.name, d)
 
 
 def test_plain_decoding_matches_transformers_generate(decoder, prompts):
@@ -111,7 +108,7 @@ def test_plain_decoding_matches_transformers_generate(decoder, prompts):
         with torch.inference_mode():
             theirs = model.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
                                     attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-        i = first_mismatch(ours, theirs[0, len(prompt):].tolist())
+        i = first_difference(ours, theirs[0, len(prompt):].tolist())
         if i is not None:
             assert top_two_gap(model, prompt + ours[:i]) < NEAR_TIE
 

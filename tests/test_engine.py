@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chi2_contingency, chisquare
-from tiny import E2E_PROMPT, e2e_models, e2e_samples, first_mismatch, perturbed_copy, tiny_llama
+from tiny import E2E_PROMPT, e2e_models, e2e_samples, perturbed_copy, tiny_llama
 
 from specdec.backends.base import sync
 from specdec.backends import HFCausalLM, LlamaRuntime
+from specdec.bench.agreement import first_difference
 from specdec.engine import Engine, GenerationConfig
 from specdec.errors import UsageError
 from specdec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer, RetrievalProposer
@@ -278,7 +279,7 @@ def test_bfloat16_speculation_is_plain_bfloat16_greedy_up_to_near_ties(backend_c
     gaps = []
     for prompt in PROMPTS:
         expected = greedy(plain, prompt, 4)
-        i = first_mismatch(greedy(speculative, prompt, 4), expected)
+        i = first_difference(greedy(speculative, prompt, 4), expected)
         if i is not None:
             with torch.no_grad():
                 logits = target(torch.tensor([prompt + expected[:i]])).logits[0, -1].float()

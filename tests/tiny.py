@@ -85,11 +85,3 @@ def e2e_samples(drafter: str, sampling_kwargs: dict, num_samples: int, first_see
                                   seed=first_seed + i, stop_at_eos=False)
         samples.append(tuple(engine.generate(list(prompt), config).token_ids))
     return samples
-
-
-def first_mismatch(a: list[int], b: list[int]) -> int | None:
-    """Index of the first position where two token sequences differ, or None if they are equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))

@@ -24,6 +24,13 @@ def make_backend(model, precision: str | None = None) -> CausalLM:
     return LlamaRuntime(model, precision)
 
 
+def precision_of(backend: CausalLM) -> str:
+    """The weight precision(s) a backend runs in: per kind of pass on the lean runtime, else the model's dtype."""
+    if isinstance(backend, LlamaRuntime):
+        return str(backend.precisions)
+    return str(backend.model.dtype).removeprefix("torch.")
+
+
 def _auto_precisions(model) -> PassPrecisions | None:
     if next(model.parameters()).device.type != "cpu":
         return None  # on CUDA the model's own dtype, as loaded
@@ -32,4 +39,4 @@ def _auto_precisions(model) -> PassPrecisions | None:
     return auto_precisions(model)
 
 
-__all__ = ["CausalLM", "HFCausalLM", "LlamaRuntime", "PassPrecisions", "make_backend", "sync"]
+__all__ = ["CausalLM", "HFCausalLM", "LlamaRuntime", "PassPrecisions", "make_backend", "precision_of", "sync"]

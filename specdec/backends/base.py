@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import time
+from typing import Protocol
 
 import torch
 

@@ -20,12 +20,14 @@ import os
 import platform
 import statistics
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 from specdec.backends.base import pass_seconds
 from specdec.backends.linear import PRECISIONS, PassPrecisions
 from specdec.backends.llama import LlamaRuntime
+from specdec.models import cache_root
 
 MAX_LOGIT_ERROR = 0.1  # the largest logit difference from float32 that auto admits
 PROBE_TOKENS = 128  # the probe sequence whose logits are compared
@@ -107,9 +109,7 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown cpu"
 
 
-def _cache_path():
-    from specdec.models import cache_root
-
+def _cache_path() -> Path:
     return cache_root() / "precisions.json"
 
 

@@ -65,42 +65,54 @@ def greedy(engine: Engine, prompt: list[int], new_tokens: int) -> list[int]:
     return engine.generate(prompt, config).token_ids
 
 
+@dataclass(frozen=True)
+class Comparison:
+    """Two greedy outputs per prompt, compared: where they first differ, and the largest margin rounding allows."""
+
+    name: str
+    bound: float  # twice the larger logit tolerance of the precisions behind the two outputs
+    divergences: list[Divergence]
+
+
 def compare_precisions(model, prompts: list[list[int]], precisions: list[PassPrecisions | str],
-                       new_tokens: int) -> dict[str, list[Divergence]]:
+                       new_tokens: int) -> list[Comparison]:
     """For each precision: its plain output against float32's plain output, and its speculative output (prompt
-    lookup, k=4) against its own plain output. Keys name the comparison."""
+    lookup, k=4) against its own plain output."""
     reference = LlamaRuntime(model, "float32")
     reference_plain = [greedy(Engine(reference, NoProposer()), p, new_tokens) for p in prompts]
-    comparisons: dict[str, list[Divergence]] = {}
+    comparisons = []
     for precision in precisions:
-        runtime = LlamaRuntime(model, precision)
+        is_reference = str(precision) == "float32"
+        runtime = reference if is_reference else LlamaRuntime(model, precision)
         plain, speculative = Engine(runtime, NoProposer()), Engine(runtime, PromptLookupProposer())
         against_float32, against_plain = [], []
         for i, (prompt, expected) in enumerate(zip(prompts, reference_plain)):
-            ours = greedy(plain, prompt, new_tokens)
+            ours = expected if is_reference else greedy(plain, prompt, new_tokens)
             against_float32.append(divergence(reference, i, prompt, ours, expected))
             against_plain.append(divergence(reference, i, prompt, greedy(speculative, prompt, new_tokens), ours))
-        if str(precision) != "float32":
-            comparisons[f"{precision} plain vs float32 plain"] = against_float32
-        comparisons[f"{precision} prompt-lookup vs {precision} plain"] = against_plain
+        bound = margin_bound(precision)
+        if not is_reference:
+            comparisons.append(Comparison(f"{precision} plain vs float32 plain", bound, against_float32))
+        comparisons.append(Comparison(f"{precision} prompt-lookup vs {precision} plain", bound, against_plain))
     return comparisons
 
 
 def margin_bound(precision: PassPrecisions | str) -> float:
-    """Twice the larger tolerance of the passes that produced the two outputs compared."""
+    """Twice the larger tolerance of the passes that produced the two outputs compared (float32's among them)."""
     passes = PassPrecisions.uniform(precision) if isinstance(precision, str) else precision
     return 2 * max(LOGIT_TOLERANCE[passes.decode], LOGIT_TOLERANCE[passes.score])
 
 
-def agreement_markdown(comparisons: dict[str, list[Divergence]], bounds: dict[str, float]) -> str:
+def agreement_markdown(comparisons: list[Comparison]) -> str:
     lines = ["| comparison | prompts that differ | first difference (median token) | largest float32 margin there "
              "| bound |", "|---|---:|---:|---:|---:|"]
-    for name, divergences in comparisons.items():
-        differ = [d for d in divergences if d.diverged]
+    for comparison in comparisons:
+        differ = [d for d in comparison.divergences if d.diverged]
         margins = [d.margin for d in differ if d.margin is not None]
         position = f"{statistics.median(d.position for d in differ):.0f}" if differ else "—"
         largest = f"{max(margins):.4f}" if margins else "—"
-        lines.append(f"| {name} | {len(differ)} of {len(divergences)} | {position} | {largest} | {bounds[name]:g} |")
+        lines.append(f"| {comparison.name} | {len(differ)} of {len(comparison.divergences)} | {position} | "
+                     f"{largest} | {comparison.bound:g} |")
     return "\n".join(lines)
 
 
@@ -127,10 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     if str(auto) not in precisions:
         precisions.append(auto)
     comparisons = compare_precisions(target.model, prompts, precisions, args.max_new_tokens)
-    bounds = {name: margin_bound(p) for p in precisions for name in comparisons if name.startswith(f"{p} ")}
     print(f"greedy, {len(prompts)} prompts x {args.max_new_tokens} new tokens; --dtype auto here: {auto}")
     print("")
-    print(agreement_markdown(comparisons, bounds))
+    print(agreement_markdown(comparisons))
     return 0
 
 

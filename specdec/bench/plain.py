@@ -61,6 +61,7 @@ def compare(decoders: dict[str, object], model, prompts: list[list[int]], new_to
 
 def main(argv: list[str] | None = None) -> int:
     from specdec.api import SpecDecoder
+    from specdec.backends import precision_of
     from specdec.bench.roofline import measure_roofline, roofline_markdown
     from specdec.models import load_model
 
@@ -95,15 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     print("| contender | precision | tokens/s (median run) | speedup over transformers generate (median run) |")
     print("|---|---|---:|---:|")
     for name in names:
-        backend = decoders[name].engine.target if name in decoders else None
-        precision = str(backend.precisions) if backend is not None else "float32"
+        precision = precision_of(decoders[name].engine.target) if name in decoders else "float32"
         rate = statistics.median(n / run[name] for run in runs)
         speedup = statistics.median(run[TRANSFORMERS] / run[name] for run in runs)
         print(f"| {name} | {precision} | {rate:.2f} | {speedup:.3f}x |")
     print("")
     for name, decoder in decoders.items():
         backend = decoder.engine.target
-        print(roofline_markdown(measure_roofline(backend, prompts[0]), f"{name} ({backend.precisions})"))
+        print(roofline_markdown(measure_roofline(backend, prompts[0]), f"{name} ({precision_of(backend)})"))
     return 0
 
 

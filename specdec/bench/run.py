@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from specdec.api import SpecDecoder, check_same_vocabulary, eos_token_ids
-from specdec.backends import CausalLM, make_backend
+from specdec.backends import CausalLM, make_backend, precision_of
 from specdec.bench.contenders import Contender, SpecdecContender, TransformersContender
 from specdec.bench.prompts import read_prompts
 from specdec.bench.report import BASELINE, Run, build_report, markdown
@@ -120,7 +120,7 @@ def run_bench(args) -> int:
         "prompts": str(args.prompts), "category": args.category, "num_prompts": len(prompts),
         "repeats": args.repeats, "max_new_tokens": args.max_new_tokens, "num_draft_tokens": k,
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "model": args.model or "default",
-        "draft_model": args.draft_model, "dtype": _precision(backend),
+        "draft_model": args.draft_model, "dtype": precision_of(backend),
         "device": str(target.model.device), "threads": torch.get_num_threads(), "machine": platform.machine(),
     }
     report = build_report(runs, contenders, settings)
@@ -130,9 +130,3 @@ def run_bench(args) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
     return 0
-
-
-def _precision(backend: CausalLM) -> str:
-    """The weight precision(s) the target runs in: per kind of pass on the lean runtime."""
-    precisions = getattr(backend, "precisions", None)
-    return str(precisions) if precisions is not None else str(backend.model.dtype).removeprefix("torch.")

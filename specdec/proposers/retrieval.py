@@ -103,7 +103,8 @@ def continuation(indexes: Sequence[ContinuationIndex], context: Sequence[int], k
 
 def _longest_match(indexes: Sequence[ContinuationIndex], window: list[int], min_order: int
                    ) -> tuple[int, int] | None:
-    for n in range(min(len(window), max(index.max_order for index in indexes)), min_order - 1, -1):
+    """The first index's hit for the longest suffix of ``window`` (at most as long as the window) any index knows."""
+    for n in range(len(window), min_order - 1, -1):
         suffix = window[-n:]
         for index in indexes:
             if n <= index.max_order:
