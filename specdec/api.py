@@ -87,10 +87,7 @@ class SpecDecoder:
         if chat and not has_template:
             raise UsageError("--chat: this model's tokenizer has no chat template")
         if chat or (chat is None and has_template):
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
+            return chat_prompt_ids(self.tokenizer, [{"role": "user", "content": prompt}])
         return list(self.tokenizer.encode(prompt))
 
     def generate(
@@ -137,6 +134,12 @@ class SpecDecoder:
             on_token(detokenizer.flush(), result.kinds[-1])
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return Completion(text=text, token_ids=result.token_ids, stats=result.stats, kinds=result.kinds)
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of chat messages through the tokenizer's chat template, ready for the assistant's answer."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:

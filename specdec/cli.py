@@ -57,7 +57,51 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parser(commands)
     _add_figures_parser(commands)
     _add_datastore_parser(commands)
+    _add_serve_parser(commands)
     return parser
+
+
+def _add_serve_parser(commands) -> None:
+    from specdec.server import SERVED_DRAFTERS
+    from specdec.server.speculation import SPECULATION_MODES
+
+    serve = commands.add_parser("serve", help="serve OpenAI-compatible completions, speculating for a few users "
+                                "and batching for many")
+    serve.add_argument("--model", default=None, help="a transformers directory or a .gguf file (default: "
+                       "SmolLM2-135M-Instruct)")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients ask for")
+    serve.add_argument("--drafter", choices=SERVED_DRAFTERS, default=None,
+                       help="default: retrieval with --datastore, else prompt-lookup")
+    serve.add_argument("--datastore", default=None, metavar="DIR")
+    serve.add_argument("--speculation", choices=SPECULATION_MODES, default="auto",
+                       help="auto: per step, the draft lengths that maximise expected tokens per second at the "
+                       "live batch size (none under load); always: every draft; never: plain batched decoding")
+    serve.add_argument("--num-draft-tokens", "-k", type=int, default=4, metavar="K",
+                       help="the most draft tokens per request per step (default 4)")
+    serve.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1: this machine only")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint "
+                       "but /health (default: $SPECDEC_API_KEY, if set)")
+    serve.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
+    serve.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens per request")
+    serve.add_argument("--max-waiting", type=int, default=256,
+                       help="requests queued beyond the batch; more are refused with 429")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (413 above)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds requests in flight get to finish after SIGINT/SIGTERM")
+    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help=DTYPE_HELP)
+    serve.add_argument("--device", default="auto")
+    serve.add_argument("--threads", type=int, default=None)
+    serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(run=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from specdec.server.launch import run_serve
+
+    _set_threads(args.threads)
+    return run_serve(args)
 
 
 def _add_bench_parser(commands) -> None:

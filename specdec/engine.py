@@ -181,7 +181,7 @@ class Engine:
         if not prompt_ids:
             raise UsageError("the prompt is empty")
         params = config.sampling
-        generator = _generator(config.seed, self.target.device)
+        generator = make_generator(config.seed, self.target.device)
         stop_ids = self.eos_token_ids if config.stop_at_eos else frozenset()
         max_length = self.target.max_length
         context = list(prompt_ids)
@@ -203,13 +203,13 @@ class Engine:
             cached = len(self.target.tokens)
             logits = self.target.extend([context[-1]] + draft.tokens, num_logits=len(draft) + 1)  # [k+1, V]
             # 4. verify
-            verdict = _verify(draft, logits, params, generator)
+            verdict = verify_draft(draft, logits, params, generator)
             # 5. keep the accepted prefix in the cache, drop the rest
             self.target.rollback(cached + 1 + verdict.accepted)
             verified = time.perf_counter()  # verify_* read results on the host: the device has finished
             policy.observe(verdict, drafted - started, verified - drafted)
             # 6. emit, cut at EOS and at the token limit
-            round_ = _emitted_round(draft, verdict, remaining, stop_ids, drafted - started, verified - drafted, asked)
+            round_ = emitted_round(draft, verdict, remaining, stop_ids, drafted - started, verified - drafted, asked)
             context += round_.tokens
             produced += len(round_.tokens)
             yield round_
@@ -226,7 +226,7 @@ class Engine:
         return self.policies[num_draft_tokens]
 
 
-def _verify(
+def verify_draft(
     draft: Draft,
     logits: torch.Tensor,  # [k+1, vocab]
     params: SamplingParams,
@@ -238,7 +238,7 @@ def _verify(
     return verify(draft_tokens, draft.probs, logits_to_probs(logits, params), generator)
 
 
-def _emitted_round(draft: Draft, verdict: Verdict, limit: int, stop_ids: frozenset[int], draft_seconds: float,
+def emitted_round(draft: Draft, verdict: Verdict, limit: int, stop_ids: frozenset[int], draft_seconds: float,
                    target_seconds: float, asked: int) -> Round:
     """The round's tokens and how each came, cut after a stop token and at ``limit`` tokens."""
     tokens = verdict.emitted(draft.tokens)
@@ -253,7 +253,7 @@ def _emitted_round(draft: Draft, verdict: Verdict, limit: int, stop_ids: frozens
                  draft_seconds=draft_seconds, target_seconds=target_seconds, asked=asked)
 
 
-def _generator(seed: int | None, device: torch.device) -> torch.Generator:
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     generator = torch.Generator(device=device)
     if seed is None:
         generator.seed()

@@ -96,33 +96,33 @@ class LlamaRuntime:
         start, n = len(self.tokens), len(token_ids)
         if start + n > self._capacity:
             self._grow(start + n)
-        layers, lm_head = self._decode if n == 1 else self._score
+        layers, lm_head = self.weights_for(n)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)  # [n]
         cos, sin = self._cos[start : start + n], self._sin[start : start + n]  # [n, head_dim] each
         mask = _causal_mask(start, n, self.device)  # [n, start+n] or None
         x = self.embed[ids]  # [n, hidden]
         for layer, keys, values in zip(layers, self._keys, self._values):
-            x = x + self._attention(layer, _rms_norm(x, layer.input_norm, self.eps), keys, values, start, cos, sin,
+            x = x + self._attention(layer, rms_norm(x, layer.input_norm, self.eps), keys, values, start, cos, sin,
                                     mask)
-            gate, up = layer.gate_up(_rms_norm(x, layer.post_norm, self.eps)).chunk(2, dim=-1)  # [n, inter]
-            x = x + layer.down(F.silu(gate) * up)
+            x = x + mlp(layer, x, self.eps)
         self.tokens += token_ids
         if num_logits == 0:
             return torch.empty(0, self.vocab_size, device=self.device)
-        return lm_head(_rms_norm(x[n - num_logits :], self.final_norm, self.eps))  # [num_logits, vocab]
+        return lm_head(rms_norm(x[n - num_logits :], self.final_norm, self.eps))  # [num_logits, vocab]
+
+    def weights_for(self, positions: int) -> tuple[list[_Layer], Linear]:
+        """The layers and LM head of a pass over ``positions`` new tokens: decode weights for one, else score."""
+        return self._decode if positions == 1 else self._score
 
     def _attention(self, layer: _Layer, h: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
                    cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:  # [n, hidden]
-        n, heads, kv_heads, hd = h.shape[0], self.heads, self.kv_heads, self.head_dim
-        qkv = layer.qkv(h)  # [n, (heads + 2 * kv_heads) * hd]
-        qk = _apply_rope(qkv[:, : (heads + kv_heads) * hd].view(n, heads + kv_heads, hd), cos, sin)  # one call for q, k
-        q, k = qk[:, :heads].transpose(0, 1), qk[:, heads:].transpose(0, 1)  # [heads, n, hd], [kv_heads, n, hd]
-        v = qkv[:, (heads + kv_heads) * hd :].view(n, kv_heads, hd)
-        keys[:, start : start + n] = k
+        n, heads, hd = h.shape[0], self.heads, self.head_dim
+        q, k, v = project_qkv(layer, h, cos, sin, heads, self.kv_heads, hd)
+        keys[:, start : start + n] = k.transpose(0, 1)
         values[:, start : start + n] = v.transpose(0, 1)
         attended = F.scaled_dot_product_attention(
-            q[None], keys[None, :, : start + n], values[None, :, : start + n], attn_mask=mask,
-            enable_gqa=heads != kv_heads,
+            q.transpose(0, 1)[None], keys[None, :, : start + n], values[None, :, : start + n], attn_mask=mask,
+            enable_gqa=heads != self.kv_heads,
         )  # [1, heads, n, hd]
         return layer.out(attended[0].transpose(0, 1).reshape(n, heads * hd))
 
@@ -145,11 +145,15 @@ class LlamaRuntime:
                     buffers[i] = resized
                 else:
                     buffers.append(resized)
-        positions = torch.arange(capacity, device=self.device, dtype=torch.float32)
-        freqs = positions[:, None] * self.inv_freq[None]  # [capacity, head_dim / 2]
-        angles = torch.cat([freqs, freqs], dim=-1)  # [capacity, head_dim]
-        self._cos, self._sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        self._cos, self._sin = self.rope_tables(capacity)
         self._capacity = capacity
+
+    def rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:  # [length, head_dim] each
+        """cos and sin of the rotary angles at positions 0..length-1."""
+        positions = torch.arange(length, device=self.device, dtype=torch.float32)
+        freqs = positions[:, None] * self.inv_freq[None]  # [length, head_dim / 2]
+        angles = torch.cat([freqs, freqs], dim=-1)  # [length, head_dim]
+        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
 
     @property
     def num_layers(self) -> int:
@@ -186,9 +190,25 @@ def _rope_parameters(config) -> dict:
     return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """As transformers' LlamaRMSNorm: normalise in float32, scale in the input's dtype."""
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+def project_qkv(layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [n, heads, hd], k and v [n, kv_heads, hd] of the normed hidden states h [n, hidden], q and k rotated to
+    the positions whose cos and sin ([n, hd]) are given."""
+    n = h.shape[0]
+    qkv = layer.qkv(h)  # [n, (heads + 2 * kv_heads) * hd]
+    qk = _apply_rope(qkv[:, : (heads + kv_heads) * head_dim].view(n, heads + kv_heads, head_dim), cos, sin)
+    return qk[:, :heads], qk[:, heads:], qkv[:, (heads + kv_heads) * head_dim :].view(n, kv_heads, head_dim)
+
+
+def mlp(layer: _Layer, x: torch.Tensor, eps: float) -> torch.Tensor:  # [n, hidden]
+    """The feed-forward block's output (to add to x): down(silu(gate) * up) of the normed x."""
+    gate, up = layer.gate_up(rms_norm(x, layer.post_norm, eps)).chunk(2, dim=-1)  # [n, intermediate] each
+    return layer.down(F.silu(gate) * up)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x [n, heads, hd]

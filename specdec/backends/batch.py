@@ -1,0 +1,156 @@
+"""Many sequences in one forward pass: a pool of KV-cache slots over the weights of a :class:`LlamaRuntime`.
+
+Each sequence owns a slot; its keys and values sit at ``pool[slot, :, :length]``. A pass takes rows (a slot, its new
+tokens, how many logits it wants): the rows' tokens are packed into one matrix for every matmul, so the weights
+stream from memory once per pass whatever the number of rows, and attention runs over all rows at once, padded to
+the longest row, each query masked to its own slot's positions. Open slots are kept at the front of the pool (a
+closed slot takes the last one's cache), so a pass over every open slot reads the pool as a view, with no copy.
+
+Rollback is, as in the single-sequence runtime, only a length: positions past it are overwritten by the next pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specdec.backends.llama import LlamaRuntime, mlp, project_qkv, rms_norm
+
+
+class PoolFull(RuntimeError):
+    """Every slot of the pool is taken."""
+
+
+@dataclass(eq=False)
+class Slot:
+    """One sequence's place in the pool. ``index`` moves when the pool compacts; hold the Slot, not the index."""
+
+    index: int
+    length: int = 0  # positions cached
+
+
+@dataclass(frozen=True)
+class Row:
+    """One sequence's share of a pass: tokens appended to its slot, logits wanted at the last ``num_logits``."""
+
+    slot: Slot
+    token_ids: list[int]
+    num_logits: int
+
+
+class BatchedLlama:
+    """KV caches for up to ``max_slots`` sequences of up to ``max_length`` tokens, all extended in one pass."""
+
+    def __init__(self, runtime: LlamaRuntime, max_slots: int, max_length: int) -> None:
+        if max_slots < 1:
+            raise ValueError(f"need at least one slot, got {max_slots}")
+        self.runtime = runtime
+        self.device = runtime.device
+        self.vocab_size = runtime.vocab_size
+        self.max_length = min(max_length, runtime.max_length)
+        self.max_slots = max_slots
+        shape = (max_slots, runtime.kv_heads, self.max_length, runtime.head_dim)
+        # torch.empty leaves pages untouched until written: memory grows with the positions actually used
+        self._keys = [torch.empty(shape, dtype=runtime.dtype, device=self.device) for _ in range(runtime.num_layers)]
+        self._values = [torch.empty(shape, dtype=runtime.dtype, device=self.device) for _ in range(runtime.num_layers)]
+        self._cos, self._sin = runtime.rope_tables(self.max_length)  # [max_length, head_dim] each
+        self.slots: list[Slot] = []  # open slots, slots[i].index == i
+
+    def open(self) -> Slot:
+        if len(self.slots) == self.max_slots:
+            raise PoolFull(f"all {self.max_slots} slots are taken")
+        slot = Slot(index=len(self.slots))
+        self.slots.append(slot)
+        return slot
+
+    def close(self, slot: Slot) -> None:
+        """Free the slot; the last open slot moves into its place (its cache is copied, once)."""
+        last = self.slots.pop()
+        if last is not slot:
+            for pool in (*self._keys, *self._values):
+                pool[slot.index, :, : last.length] = pool[last.index, :, : last.length]
+            last.index = slot.index
+            self.slots[slot.index] = last
+        slot.index = -1
+
+    @torch.inference_mode()
+    def forward(self, rows: list[Row]) -> list[torch.Tensor]:  # per row [num_logits, vocab]
+        """Append every row's tokens to its slot in one pass; each row's logits at its last ``num_logits``."""
+        given, rows = rows, sorted(rows, key=lambda row: row.slot.index)
+        lengths = [len(row.token_ids) for row in rows]
+        if any(n == 0 for n in lengths):
+            raise ValueError("a row without tokens")
+        starts = [row.slot.length for row in rows]
+        if any(start + n > self.max_length for start, n in zip(starts, lengths)):
+            raise ValueError(f"a row would pass the pool's {self.max_length} positions")
+        layout = _Layout(rows, starts, lengths, self.device)
+        rt = self.runtime
+        layers, lm_head = rt.weights_for(layout.total)
+        cos, sin = self._cos[layout.positions], self._sin[layout.positions]  # [T, head_dim] each
+        x = rt.embed[layout.token_ids]  # [T, hidden]
+        for layer, keys, values in zip(layers, self._keys, self._values):
+            h = rms_norm(x, layer.input_norm, rt.eps)
+            q, k, v = project_qkv(layer, h, cos, sin, rt.heads, rt.kv_heads, rt.head_dim)  # [T, *, hd]
+            keys[layout.slot_of_token, :, layout.positions] = k
+            values[layout.slot_of_token, :, layout.positions] = v
+            x = x + layer.out(self._attention(q, layout.cached(keys), layout.cached(values), layout))
+            x = x + mlp(layer, x, rt.eps)
+        for row, n in zip(rows, lengths):
+            row.slot.length += n
+        picked = x[layout.logit_rows]  # [sum num_logits, hidden]
+        logits = lm_head(rms_norm(picked, rt.final_norm, rt.eps)) if len(picked) else picked.new_empty(0, 0)
+        by_row = dict(zip((id(row) for row in rows), logits.split([row.num_logits for row in rows])))
+        return [by_row[id(row)] for row in given]
+
+    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: "_Layout"
+                   ) -> torch.Tensor:  # [T, heads * hd]
+        rt = self.runtime
+        rows, width = len(layout.lengths), layout.width
+        padded = q.new_zeros(rows * width, rt.heads, rt.head_dim)
+        padded[layout.padded_index] = q
+        queries = padded.view(rows, width, rt.heads, rt.head_dim).transpose(1, 2)  # [R, heads, width, hd]
+        attended = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=layout.mask, enable_gqa=rt.heads != rt.kv_heads
+        )  # [R, heads, width, hd]
+        flat = attended.transpose(1, 2).reshape(rows * width, rt.heads * rt.head_dim)
+        return flat[layout.padded_index]
+
+
+class _Layout:
+    """Where each packed token of a pass goes: its slot, position, place among the padded queries, and the mask."""
+
+    def __init__(self, rows: list[Row], starts: list[int], lengths: list[int], device: torch.device) -> None:
+        self.lengths = lengths
+        self.total = sum(lengths)
+        self.width = max(lengths)
+        span = max(start + n for start, n in zip(starts, lengths))  # keys any query may see
+        indexes = [row.slot.index for row in rows]
+        self.slot_range = (indexes[0], indexes[-1] + 1) if indexes == list(range(indexes[0], indexes[-1] + 1)) \
+            else None
+        self.slot_tensor = torch.tensor(indexes, device=device)
+        token_ids, slot_of_token, positions, padded_index, logit_rows = [], [], [], [], []
+        for r, (row, start, n) in enumerate(zip(rows, starts, lengths)):
+            token_ids += row.token_ids
+            slot_of_token += [row.slot.index] * n
+            positions += range(start, start + n)
+            padded_index += range(r * self.width, r * self.width + n)
+            logit_rows += range(len(token_ids) - row.num_logits, len(token_ids))
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        self.token_ids, self.slot_of_token = as_tensor(token_ids), as_tensor(slot_of_token)
+        self.positions, self.padded_index, self.logit_rows = as_tensor(positions), as_tensor(padded_index), \
+            as_tensor(logit_rows)
+        self.span = span
+        # query i of row r (position starts[r] + i; padding queries repeat the row's last) sees keys up to it
+        last_seen = torch.tensor(starts, device=device)[:, None] + torch.minimum(
+            torch.arange(self.width, device=device)[None, :], torch.tensor(lengths, device=device)[:, None] - 1
+        )  # [R, width]
+        self.mask = (torch.arange(span, device=device)[None, None, :] <= last_seen[:, :, None])[:, None]
+        # [R, 1, width, span]
+
+    def cached(self, pool: torch.Tensor) -> torch.Tensor:  # [R, kv_heads, span, hd]
+        """The rows' caches: a view when their slots are consecutive, else gathered."""
+        if self.slot_range is not None:
+            return pool[self.slot_range[0] : self.slot_range[1], :, : self.span]
+        return pool[self.slot_tensor, :, : self.span]

@@ -1,0 +1,57 @@
+"""``specdec serve``: an OpenAI-compatible server that speculates for a few users and batches for many.
+
+- ``scheduler.py``: continuous batching, one target pass per step over every running request;
+- ``speculation.py``: the load-aware choice, per step, of each request's draft length (or none);
+- ``app.py`` and ``protocol.py``: the HTTP endpoints and OpenAI's request and response shapes;
+- ``metrics.py``: Prometheus counters and gauges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdec.backends.batch import BatchedLlama
+from specdec.backends.llama import LlamaRuntime
+from specdec.errors import UsageError
+from specdec.proposers import PROPOSERS
+from specdec.server.scheduler import Scheduler
+from specdec.server.speculation import SPECULATION_MODES, PassCost, SpeculationPlanner
+
+SERVED_DRAFTERS = ("none", "prompt-lookup", "retrieval")  # drafters with per-request state and no model to batch
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    speculation: str = "auto"  # auto, always or never
+    drafter: str = "prompt-lookup"
+    num_draft_tokens: int = 4  # the most draft tokens per request per step
+    max_batch_size: int = 64  # requests decoded together (KV-cache slots)
+    max_model_len: int = 2048  # prompt + output tokens of one request
+    max_waiting: int = 256  # requests queued beyond the batch; more are refused with 429
+
+    def __post_init__(self) -> None:
+        if self.speculation not in SPECULATION_MODES:
+            raise UsageError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
+        if self.drafter not in SERVED_DRAFTERS:
+            known = f"; {self.drafter} is not batched yet" if self.drafter in PROPOSERS else ""
+            raise UsageError(f"the server drafts with {', '.join(SERVED_DRAFTERS)}{known}")
+        for name, low in (("num_draft_tokens", 1), ("max_batch_size", 1), ("max_model_len", 2), ("max_waiting", 0)):
+            if getattr(self, name) < low:
+                raise UsageError(f"{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
+
+
+def build_scheduler(runtime: LlamaRuntime, settings: BatchSettings, eos_token_ids: set[int], datastore=None
+                    ) -> Scheduler:
+    """A scheduler over a pool of ``max_batch_size`` KV-cache slots on the runtime's weights; ``auto`` first
+    measures what passes over 1 to max_batch_size x (k+1) positions cost here."""
+    if not isinstance(runtime, LlamaRuntime):
+        raise UsageError("the server runs llama-family models (llama, mistral, qwen2) on specdec's runtime")
+    if datastore is not None and settings.drafter != "retrieval":
+        raise UsageError(f"a datastore drafts only with --drafter retrieval, not {settings.drafter}")
+    pool = BatchedLlama(runtime, settings.max_batch_size, settings.max_model_len)
+    cost = None
+    if settings.speculation == "auto":
+        cost = PassCost.measure(pool, settings.max_batch_size * (settings.num_draft_tokens + 1))
+    factory = PROPOSERS[settings.drafter]
+    return Scheduler(pool, lambda: factory(runtime, None, datastore), SpeculationPlanner(settings.speculation, cost),
+                     eos_token_ids, max_draft_tokens=settings.num_draft_tokens, max_waiting=settings.max_waiting)

@@ -1,0 +1,107 @@
+"""The server's counters and gauges, rendered in the Prometheus text format (``GET /metrics``).
+
+The words are those of the rest of specdec: a *draft* is one request's scored draft in one step; *draft tokens*
+are its tokens; *accepted* those that survived verification. Acceptance per draft position i is
+accepted_at_position{i} / draft_tokens_at_position{i}; the mean accepted length is generated tokens per request
+per target pass.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from specdec.engine import Round
+
+PREFIX = "specdec"
+
+
+@dataclass
+class Metrics:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    request_rounds: int = 0  # one per request per target pass
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_tokens_at: dict[int, int] = field(default_factory=dict)  # draft position (1-based) -> draft tokens
+    accepted_at: dict[int, int] = field(default_factory=dict)  # draft position -> accepted draft tokens
+    steps: int = 0
+    speculative_steps: int = 0
+    batch_size: int = 0  # requests in the last step
+    speculating: bool = False  # whether the last step scored any draft token
+    running: int = 0
+    waiting: int = 0
+    drafter_errors: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
+    rejected: dict[int, int] = field(default_factory=dict)  # HTTP status -> requests refused
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def observe_round(self, round_: Round) -> None:
+        """One request's share of a step."""
+        self.request_rounds += 1
+        self.generation_tokens += len(round_.tokens)
+        if round_.draft_tokens:
+            self.drafts += 1
+            self.draft_tokens += round_.draft_tokens
+            self.accepted_tokens += round_.accepted
+            for position in range(1, round_.draft_tokens + 1):
+                self.draft_tokens_at[position] = self.draft_tokens_at.get(position, 0) + 1
+                if position <= round_.accepted:
+                    self.accepted_at[position] = self.accepted_at.get(position, 0) + 1
+
+    def observe_step(self, batch_size: int, speculating: bool) -> None:
+        self.steps += 1
+        self.speculative_steps += speculating
+        self.batch_size = batch_size
+        self.speculating = speculating
+
+    def observe_rejection(self, status: int) -> None:
+        with self._lock:
+            self.rejected[status] = self.rejected.get(status, 0) + 1
+
+    def render(self) -> str:
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+            lines.append(f"# HELP {PREFIX}_{name} {help_}")
+            lines.append(f"# TYPE {PREFIX}_{name} {kind}")
+            lines.extend(f"{PREFIX}_{name}{labels} {_number(value)}" for labels, value in samples)
+
+        finished = sorted(self.finished.items())
+        metric("requests_total", "counter", "Requests finished, by finish reason.",
+               [(f'{{finish_reason="{reason}"}}', n) for reason, n in finished] or [("", 0)])
+        metric("requests_rejected_total", "counter", "Requests refused, by HTTP status.",
+               [(f'{{status="{status}"}}', n) for status, n in sorted(self.rejected.items())] or [("", 0)])
+        metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", self.prompt_tokens)])
+        metric("generation_tokens_total", "counter", "Tokens generated.", [("", self.generation_tokens)])
+        metric("drafts_total", "counter", "Drafts scored (one per request per speculative step).",
+               [("", self.drafts)])
+        metric("draft_tokens_total", "counter", "Draft tokens scored.", [("", self.draft_tokens)])
+        metric("accepted_tokens_total", "counter", "Draft tokens accepted.", [("", self.accepted_tokens)])
+        positions = sorted(self.draft_tokens_at)
+        metric("draft_tokens_at_position_total", "counter", "Draft tokens scored at each draft position.",
+               [(f'{{position="{p}"}}', self.draft_tokens_at[p]) for p in positions])
+        metric("accepted_tokens_at_position_total", "counter", "Draft tokens accepted at each draft position.",
+               [(f'{{position="{p}"}}', self.accepted_at.get(p, 0)) for p in positions])
+        metric("acceptance_rate_at_position", "gauge", "Accepted / scored draft tokens at each draft position.",
+               [(f'{{position="{p}"}}', self.accepted_at.get(p, 0) / self.draft_tokens_at[p]) for p in positions])
+        metric("acceptance_rate", "gauge", "Accepted / scored draft tokens.",
+               [("", self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0)])
+        metric("mean_accepted_length", "gauge", "Tokens generated per request per target pass.",
+               [("", self.generation_tokens / self.request_rounds if self.request_rounds else 0.0)])
+        metric("steps_total", "counter", "Target passes of the batch.", [("", self.steps)])
+        metric("speculative_steps_total", "counter", "Target passes that scored draft tokens.",
+               [("", self.speculative_steps)])
+        metric("batch_size", "gauge", "Requests in the last target pass.", [("", self.batch_size)])
+        metric("speculation_enabled", "gauge", "1 when the last target pass scored draft tokens, else 0.",
+               [("", int(self.speculating))])
+        metric("running_requests", "gauge", "Requests in the batch.", [("", self.running)])
+        metric("waiting_requests", "gauge", "Requests queued for a slot.", [("", self.waiting)])
+        metric("drafter_errors_total", "counter", "Drafter failures (the request then decodes plainly).",
+               [("", self.drafter_errors)])
+        return "\n".join(lines) + "\n"
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:.6g}"

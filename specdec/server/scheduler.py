@@ -1,0 +1,322 @@
+"""Continuous batching with speculation: every running request advances in one target pass per step.
+
+The step loop, over the requests running now:
+
+1. admit waiting requests into free slots and prefill their prompts (one pass for all of them);
+2. draft for each request (its own drafter: prompt lookup and retrieval keep per-request state);
+3. the planner chooses how many of each request's draft tokens to score: all (``always``), none (``never``), or
+   what maximises the step's expected tokens per second at this batch size (``auto``);
+4. one target pass scores every request's pending token and its draft tokens;
+5. verify each request's draft against its own distributions and random generator, cut its cache back to the
+   accepted prefix, and hand its new tokens to whoever waits for them;
+6. retire finished and cancelled requests, freeing their slots.
+
+Requests join and leave between steps. Exactness does not depend on the batch: each request's tokens are
+verified against the target's distributions at its own positions, with its own generator.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.backends.batch import BatchedLlama, Row, Slot
+from specdec.engine import emitted_round, make_generator, verify_draft
+from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
+from specdec.sampling import SamplingParams
+from specdec.server.metrics import Metrics
+from specdec.server.speculation import Acceptance, SpeculationPlanner
+
+log = logging.getLogger("specdec.server")
+PREFILL_TOKENS_PER_PASS = 4096  # prompts prefilled together, up to this many tokens in one pass
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound."""
+
+
+class ShuttingDown(RuntimeError):
+    """The scheduler takes no new requests."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+    stop_at_eos: bool = True
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """New tokens of one request from one step, and how each came ("accepted", "recovered", "bonus" or "plain")."""
+
+    token_ids: list[int]
+    kinds: list[str]
+    draft_tokens: int  # draft tokens scored for this request in the step
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The request's last event. reason: "stop" (EOS), "length" (max_tokens), "abort" (shutdown), "cancelled"
+    (its client left or it hit a stop string) or "error"."""
+
+    reason: str
+    message: str = ""
+
+
+class Handle:
+    """A submitted request: its events (Tokens..., then one Finished) arrive in ``events``."""
+
+    _ids = itertools.count()
+
+    def __init__(self, request: GenerationRequest) -> None:
+        self.request = request
+        self.id = next(self._ids)
+        self.events: queue.Queue[Tokens | Finished] = queue.Queue()
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Stop generating for this request and free its slot (at the next step)."""
+        self.cancelled.set()
+
+
+class _Running:
+    """A request in the batch: its slot, context, drafter, generator and measured acceptance."""
+
+    def __init__(self, handle: Handle, slot: Slot, proposer: Proposer, device: torch.device) -> None:
+        request = handle.request
+        self.handle = handle
+        self.slot = slot
+        self.proposer = proposer
+        self.speculates = True  # off for good once its drafter raised
+        self.context = list(request.prompt_ids)
+        self.produced = 0
+        self.generator = make_generator(request.seed, device)
+        self.acceptance = Acceptance()
+        self.draft = EMPTY_DRAFT
+        self.finished: str | None = None
+
+    @property
+    def remaining(self) -> int:
+        return self.handle.request.max_tokens - self.produced
+
+
+class Scheduler:
+    """Runs the step loop on its own thread; ``submit`` hands it requests from any thread."""
+
+    def __init__(self, pool: BatchedLlama, new_proposer: Callable[[], Proposer], planner: SpeculationPlanner,
+                 eos_token_ids: frozenset[int] | set[int], max_draft_tokens: int = 4, max_waiting: int = 256,
+                 metrics: Metrics | None = None) -> None:
+        self.pool = pool
+        self.new_proposer = new_proposer
+        self.planner = planner
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_draft_tokens = max_draft_tokens
+        self.max_waiting = max_waiting
+        self.metrics = metrics or Metrics()
+        self._waiting: deque[Handle] = deque()
+        self._running: list[_Running] = []
+        self._lock = threading.Condition()
+        self._accepting = True
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def max_length(self) -> int:
+        """The most tokens a request may hold, prompt and output together."""
+        return self.pool.max_length
+
+    # --- the public side, called from any thread -----------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> Handle:
+        if len(request.prompt_ids) + request.max_tokens > self.max_length:
+            raise ValueError(f"prompt ({len(request.prompt_ids)}) + max_tokens ({request.max_tokens}) exceeds the "
+                             f"context of {self.max_length} tokens")
+        handle = Handle(request)
+        with self._lock:
+            if not self._accepting:
+                raise ShuttingDown("the server is shutting down")
+            if len(self._waiting) >= self.max_waiting:
+                raise QueueFull(f"{self.max_waiting} requests are already waiting")
+            self._waiting.append(handle)
+            self.metrics.waiting = len(self._waiting)
+            self._lock.notify()
+        return handle
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="specdec-scheduler", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float) -> None:
+        """Take no new requests; let those in flight finish for up to ``timeout`` seconds, then end the rest with
+        finish reason "abort"; stop the loop."""
+        with self._lock:
+            self._accepting = False
+            self._lock.notify()
+        deadline = time.monotonic() + timeout
+        while self.busy and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with self._lock:
+            self._stopped = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join()
+        for handle in self._waiting:
+            handle.events.put(Finished("abort", "the server shut down"))
+        self._waiting.clear()
+        for running in self._running:
+            self._retire(running, "abort")
+        self._running.clear()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    # --- the loop --------------------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopped and not self._waiting and not self._running:
+                    self._lock.wait()
+                if self._stopped:
+                    return
+            try:
+                self._admit()
+                if self._running:
+                    self.step()
+            except Exception as error:  # a bug must not take the server down: end the batch, keep serving
+                log.exception("step failed")
+                for running in self._running:
+                    self._retire(running, "error", f"internal error: {error}")
+                self._running.clear()
+            self._publish_gauges()
+
+    def _admit(self) -> None:
+        """Move waiting requests into free slots and prefill their prompts together."""
+        admitted: list[_Running] = []
+        with self._lock:
+            while self._waiting and len(self._running) + len(admitted) < self.pool.max_slots:
+                handle = self._waiting.popleft()
+                if handle.cancelled.is_set():
+                    handle.events.put(Finished("cancelled"))
+                    continue
+                admitted.append(_Running(handle, self.pool.open(), self.new_proposer(), self.pool.device))
+            self.metrics.waiting = len(self._waiting)
+        batch: list[_Running] = []
+        for running in admitted:
+            if batch and sum(len(r.context) for r in batch) + len(running.context) > PREFILL_TOKENS_PER_PASS:
+                self._prefill(batch)
+                batch = []
+            batch.append(running)
+        if batch:
+            self._prefill(batch)
+        self._running += admitted
+
+    def _prefill(self, batch: list[_Running]) -> None:
+        """Cache every context token but the last, which the first step scores."""
+        rows = [Row(r.slot, r.context[:-1], 0) for r in batch if len(r.context) > 1]
+        if rows:
+            self.pool.forward(rows)
+        self.metrics.prompt_tokens += sum(len(r.context) for r in batch)
+
+    def step(self) -> None:
+        running = self._running
+        # 1. draft, for requests that still speculate
+        self._draft(running)
+        # 2. the planner chooses how many of each draft's tokens to score
+        rates = [r.acceptance.rate(self.planner.prior()) for r in running]
+        lengths = self.planner.draft_lengths([len(r.draft) for r in running], rates)
+        drafts = [_first(r.draft, n) for r, n in zip(running, lengths)]
+        # 3. one target pass over every request's pending token and draft tokens
+        cached = [r.slot.length for r in running]
+        rows = [Row(r.slot, [r.context[-1]] + d.tokens, len(d) + 1) for r, d in zip(running, drafts)]
+        started = time.perf_counter()
+        logits = self.pool.forward(rows)  # per request [k+1, vocab]
+        self.planner.observe_pass(sum(len(row.token_ids) for row in rows), time.perf_counter() - started)
+        self.metrics.observe_step(len(running), speculating=any(lengths))
+        # 4. verify, roll back, emit
+        for r, draft, row_logits, length in zip(running, drafts, logits, cached):
+            self._advance(r, draft, row_logits, length)
+        # 5. retire
+        for r in [r for r in running if r.finished or r.handle.cancelled.is_set()]:
+            self._retire(r, r.finished or "cancelled")
+            running.remove(r)
+
+    def _draft(self, running: list[_Running]) -> None:
+        drafted, started = 0, time.perf_counter()
+        for r in running:
+            r.draft = EMPTY_DRAFT
+            k = min(self.max_draft_tokens, r.remaining - 1, self.max_length - len(r.context) - 1)
+            if not (self.planner.drafts and r.speculates and k > 0):
+                continue
+            try:
+                r.draft = r.proposer.propose(r.context, k, r.handle.request.sampling, r.generator)
+            except Exception as error:
+                log.warning("request %d: drafter %s raised %r; decoding it plainly from here",
+                            r.handle.id, getattr(r.proposer, "name", "?"), error)
+                self.metrics.drafter_errors += 1
+                r.speculates = False
+                continue
+            drafted += len(r.draft)
+        self.planner.observe_drafting(drafted, time.perf_counter() - started)
+
+    def _advance(self, r: _Running, draft: Draft, logits: torch.Tensor, cached: int) -> None:
+        request = r.handle.request
+        verdict = verify_draft(draft, logits, request.sampling, r.generator)
+        r.slot.length = cached + 1 + verdict.accepted
+        self._learn_acceptance(r, draft, verdict)
+        stop_ids = self.eos_token_ids if request.stop_at_eos else frozenset()
+        round_ = emitted_round(draft, verdict, r.remaining, stop_ids, 0.0, 0.0, len(draft))
+        self.metrics.observe_round(round_)
+        r.context += round_.tokens
+        r.produced += len(round_.tokens)
+        r.handle.events.put(Tokens(round_.tokens, round_.kinds, round_.draft_tokens))
+        if round_.tokens[-1] in stop_ids:
+            r.finished = "stop"
+        elif r.remaining == 0 or len(r.context) >= self.max_length:
+            r.finished = "length"
+
+    def _learn_acceptance(self, r: _Running, scored: Draft, verdict) -> None:
+        """Count accepted draft tokens over those reached. A draft offered but not scored teaches too: its first
+        token would have been accepted with the probability that the target's own token equals it (exactly so
+        for a point-mass draft), so a request that decodes plainly keeps measuring what speculation would gain."""
+        if len(scored):
+            accepted, reached = verdict.accepted, verdict.accepted + (0 if verdict.bonus else 1)
+        elif len(r.draft):
+            accepted, reached = int(verdict.token == r.draft.tokens[0]), 1
+        else:
+            return
+        r.acceptance.observe(accepted, reached)
+        self.planner.observe_verdict(accepted, reached)
+
+    def _retire(self, r: _Running, reason: str, message: str = "") -> None:
+        if r.slot.index >= 0:
+            self.pool.close(r.slot)
+        r.handle.events.put(Finished(reason, message))
+        self.metrics.finished[reason] = self.metrics.finished.get(reason, 0) + 1
+
+    def _publish_gauges(self) -> None:
+        self.metrics.running = len(self._running)
+        self.metrics.waiting = len(self._waiting)
+
+
+def _first(draft: Draft, n: int) -> Draft:
+    """The draft's first n tokens (and their distributions)."""
+    if n == len(draft):
+        return draft
+    return Draft(tokens=draft.tokens[:n], probs=None if draft.probs is None else draft.probs[:n])
