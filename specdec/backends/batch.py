@@ -57,6 +57,9 @@ class BatchedLlama:
         self._values = [torch.empty(shape, dtype=runtime.dtype, device=self.device) for _ in range(runtime.num_layers)]
         self._cos, self._sin = runtime.rope_tables(self.max_length)  # [max_length, head_dim] each
         self.slots: list[Slot] = []  # open slots, slots[i].index == i
+        # per slot index: positions below this hold finite numbers. Attention reads every row up to the pass's
+        # longest; masked positions weigh 0, but 0 x NaN (never-written memory) is still NaN
+        self._written = [0] * max_slots
 
     def open(self) -> Slot:
         if len(self.slots) == self.max_slots:
@@ -71,6 +74,7 @@ class BatchedLlama:
         if last is not slot:
             for pool in (*self._keys, *self._values):
                 pool[slot.index, :, : last.length] = pool[last.index, :, : last.length]
+            self._written[slot.index] = max(self._written[slot.index], last.length)
             last.index = slot.index
             self.slots[slot.index] = last
         slot.index = -1
@@ -86,6 +90,7 @@ class BatchedLlama:
         if any(start + n > self.max_length for start, n in zip(starts, lengths)):
             raise ValueError(f"a row would pass the pool's {self.max_length} positions")
         layout = _Layout(rows, starts, lengths, self.device)
+        self._clear_up_to(layout.span, rows)
         rt = self.runtime
         layers, lm_head = rt.weights_for(layout.total)
         cos, sin = self._cos[layout.positions], self._sin[layout.positions]  # [T, head_dim] each
@@ -103,6 +108,15 @@ class BatchedLlama:
         logits = lm_head(rms_norm(picked, rt.final_norm, rt.eps)) if len(picked) else picked.new_empty(0, 0)
         by_row = dict(zip((id(row) for row in rows), logits.split([row.num_logits for row in rows])))
         return [by_row[id(row)] for row in given]
+
+    def _clear_up_to(self, span: int, rows: list[Row]) -> None:
+        """Zero the never-written positions below ``span`` of the rows' slots: the pass reads them, masked."""
+        for row in rows:
+            index, written = row.slot.index, self._written[row.slot.index]
+            if written < span:
+                for pool in (*self._keys, *self._values):
+                    pool[index, :, written:span] = 0
+                self._written[index] = span
 
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: "_Layout"
                    ) -> torch.Tensor:  # [T, heads * hd]

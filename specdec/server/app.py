@@ -65,8 +65,7 @@ class OpenAIServer:
         self.model_name = model_name
         self.settings = settings
         self.created = int(time.time())
-        self.httpd = ThreadingHTTPServer((settings.host, settings.port), _Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _HTTPServer((settings.host, settings.port), _Handler)
         self.httpd.app = self
         self._serving: threading.Thread | None = None
 
@@ -120,6 +119,12 @@ class OpenAIServer:
             raise TooManyRequests(f"the server is at capacity: {error}; retry later") from None
         except ShuttingDown as error:
             raise Unavailable(str(error)) from None
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # the listen backlog: the default 5 resets connections under a burst of clients
+    app: OpenAIServer
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -183,6 +183,16 @@ class Scheduler:
         return bool(self._waiting or self._running)
 
     @property
+    def running(self) -> int:
+        """Requests in the batch."""
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued for a slot."""
+        return len(self._waiting)
+
+    @property
     def accepting(self) -> bool:
         return self._accepting
 

@@ -1,0 +1,61 @@
+"""The pool of KV-cache slots: rows of any lengths in one pass compute what each sequence computes alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import tiny_llama
+
+from specdec.backends import LlamaRuntime
+from specdec.backends.batch import BatchedLlama, PoolFull, Row
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=0, init_range=0.5).double()
+
+
+def logits_alone(model, ids: list[int], last: int) -> torch.Tensor:  # [last, vocab]
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -last:]
+
+
+def test_rows_of_different_lengths_in_one_pass_match_each_sequence_alone(model):
+    pool = BatchedLlama(LlamaRuntime(model), max_slots=4, max_length=64)
+    sequences = [[3, 4, 5, 6, 7], [9, 10], [11, 12, 13, 14, 15, 16, 17], [20]]
+    slots = [pool.open() for _ in sequences]
+    outputs = pool.forward([Row(slot, ids, len(ids)) for slot, ids in zip(slots, sequences)])
+    for ids, logits in zip(sequences, outputs):
+        torch.testing.assert_close(logits, logits_alone(model, ids, len(ids)), rtol=0, atol=1e-12)
+    more = [[1, 2], [3], [4, 5, 6], [7]]  # then a pass with rows given out of slot order, some wanting 1 logit
+    rows = [Row(slot, ids, 1) for slot, ids in zip(slots, more)][::-1]
+    for ids, extra, logits in zip(sequences, more, pool.forward(rows)[::-1]):
+        torch.testing.assert_close(logits, logits_alone(model, ids + extra, 1), rtol=0, atol=1e-12)
+        sequences[sequences.index(ids)] = ids + extra
+
+
+def test_closing_a_slot_moves_the_last_into_its_place_and_keeps_its_cache(model):
+    pool = BatchedLlama(LlamaRuntime(model), max_slots=3, max_length=64)
+    sequences = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
+    slots = [pool.open() for _ in sequences]
+    pool.forward([Row(slot, ids, 0) for slot, ids in zip(slots, sequences)])
+    pool.close(slots[0])
+    assert [s.index for s in pool.slots] == [0, 1] and slots[2].index == 0 and slots[0].index == -1
+    # a pass over a subset of slots that is not at the front of the pool (gathered, not a view)
+    logits = pool.forward([Row(slots[1], [12], 1)])[0]
+    torch.testing.assert_close(logits, logits_alone(model, sequences[1] + [12], 1), rtol=0, atol=1e-12)
+    logits = pool.forward([Row(slots[2], [13], 1)])[0]
+    torch.testing.assert_close(logits, logits_alone(model, sequences[2] + [13], 1), rtol=0, atol=1e-12)
+
+
+def test_rollback_is_a_length_and_a_full_pool_refuses(model):
+    pool = BatchedLlama(LlamaRuntime(model), max_slots=1, max_length=16)
+    slot = pool.open()
+    pool.forward([Row(slot, [3, 4, 5, 6], 0)])
+    slot.length = 2  # forget 5, 6
+    logits = pool.forward([Row(slot, [7, 8], 2)])[0]
+    torch.testing.assert_close(logits, logits_alone(model, [3, 4, 7, 8], 2), rtol=0, atol=1e-12)
+    with pytest.raises(PoolFull):
+        pool.open()
+    with pytest.raises(ValueError):
+        pool.forward([Row(slot, list(range(3, 16)), 1)])  # past max_length

@@ -1,0 +1,429 @@
+"""The OpenAI-compatible server end to end over HTTP, on a tiny random model (float64: no rounding near-ties).
+
+Exactness inside a batch, the reliability behaviours (400, 401, 404, 413, 429, a client that leaves, a drafter
+that raises, seeds, graceful shutdown) and a load test of 200 requests, 32 at a time.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from tiny import save_with_tokenizer, tiny_llama
+
+from specdec.backends import LlamaRuntime
+from specdec.engine import Engine, GenerationConfig
+from specdec.proposers import NoProposer, PromptLookupProposer
+from specdec.server import BatchSettings, build_scheduler
+from specdec.server.app import OpenAIServer, ServerSettings
+
+MODEL = "tiny"
+EOS = 1
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    model = tiny_llama(seed=0, init_range=0.5).double()
+    path = save_with_tokenizer(model, tmp_path_factory.mktemp("tiny"))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return model, tokenizer
+
+
+def start_server(tiny, proposer=None, api_key=None, max_body_bytes=1 << 20, **batch) -> OpenAIServer:
+    """A server on a free port; ``proposer`` (a factory) replaces the drafter of ``batch['drafter']``."""
+    model, tokenizer = tiny
+    settings = BatchSettings(**{"max_batch_size": 32, "max_model_len": 256, **batch})
+    scheduler = build_scheduler(LlamaRuntime(model), settings, {EOS})
+    if proposer is not None:
+        scheduler.new_proposer = proposer
+    server = OpenAIServer(scheduler, tokenizer, MODEL, ServerSettings(port=0, api_key=api_key,
+                                                                      max_body_bytes=max_body_bytes))
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    server = start_server(tiny, drafter="prompt-lookup", speculation="always")
+    yield server
+    server.shutdown(timeout=5)
+
+
+def post(server, path: str, body, headers: dict | None = None, raw: bytes | None = None) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    connection.request("POST", path, body=raw if raw is not None else json.dumps(body),
+                       headers={"Content-Type": "application/json", **(headers or {})})
+    response = connection.getresponse()
+    status, payload = response.status, json.loads(response.read())
+    connection.close()
+    return status, payload
+
+
+def get(server, path: str, headers: dict | None = None) -> tuple[int, str]:
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    connection.request("GET", path, headers=headers or {})
+    response = connection.getresponse()
+    status, text = response.status, response.read().decode()
+    connection.close()
+    return status, text
+
+
+def stream(server, path: str, body: dict) -> list:
+    """The SSE events of a streamed request, parsed ("[DONE]" kept as the string)."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    connection.request("POST", path, body=json.dumps({**body, "stream": True}))
+    response = connection.getresponse()
+    assert response.status == 200 and response.getheader("Content-Type") == "text/event-stream"
+    events = []
+    for line in response.read().decode().split("\n\n"):
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    connection.close()
+    return events
+
+
+def ids_of(text: str) -> list[int]:
+    return [int(word[1:]) for word in text.split()]
+
+
+def visible(token_ids: list[int]) -> list[int]:
+    """The ids that decode to text: the tiny tokenizer's special tokens (<s>, </s>, <unk>) decode to nothing."""
+    return [t for t in token_ids if t > 2]
+
+
+def prompt_text(ids: list[int]) -> str:
+    return " ".join(f"w{i}" for i in ids)
+
+
+def plain_greedy(tiny, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True) -> list[int]:
+    """The request decoded alone, without speculation."""
+    engine = Engine(LlamaRuntime(tiny[0]), NoProposer(), eos_token_ids={EOS})
+    config = GenerationConfig(max_new_tokens=max_tokens, num_draft_tokens=1, stop_at_eos=not ignore_eos)
+    return engine.generate(prompt_ids, config).token_ids
+
+
+def wait_for(condition, seconds: float = 20.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+# --- shapes ------------------------------------------------------------------------------------------------------
+
+
+def test_completion_has_openai_shape_and_usage(server, tiny):
+    status, body = post(server, "/v1/completions", {"model": MODEL, "prompt": "w5 w9 w12 w9 w12 w40",
+                                                    "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+    assert status == 200
+    assert body["object"] == "text_completion" and body["model"] == MODEL and body["id"].startswith("cmpl-")
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert ids_of(choice["text"]) == visible(plain_greedy(tiny, [5, 9, 12, 9, 12, 40], 12))
+    assert body["usage"]["prompt_tokens"] == 6 and body["usage"]["completion_tokens"] == 12
+    assert body["usage"]["total_tokens"] == 18
+
+
+def test_chat_completion_applies_the_template(server, tiny):
+    status, body = post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "w7 w8"}, {"role": "assistant", "content": [
+            {"type": "text", "text": "w9"}]}], "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+    assert status == 200 and body["object"] == "chat.completion"
+    message = body["choices"][0]["message"]
+    assert message["role"] == "assistant"
+    assert ids_of(message["content"]) == visible(plain_greedy(tiny, [7, 8, 9], 5))
+
+
+def test_streamed_chat_sends_role_deltas_finish_usage_and_done(server, tiny):
+    events = stream(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "w3 w3 w3"}],
+                                                     "max_tokens": 9, "temperature": 0, "ignore_eos": True,
+                                                     "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    chunks, usage_chunk = events[:-2], events[-2]
+    assert all(chunk["object"] == "chat.completion.chunk" for chunk in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    text = "".join(chunk["choices"][0]["delta"].get("content", "") for chunk in chunks)
+    assert ids_of(text) == visible(plain_greedy(tiny, [3, 3, 3], 9))
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 9
+
+
+def test_stop_string_cuts_the_text_before_it_streamed_or_not(server, tiny):
+    prompt = [60, 2, 17, 33, 8, 17, 33, 21, 9]
+    words = prompt_text(visible(plain_greedy(tiny, prompt, 20))).split()
+    stop = f" {words[5]} {words[6]}"  # the first occurrence of the stop string ends the text
+    expected = " ".join(words)[: " ".join(words).find(stop)]
+    body = {"prompt": prompt_text(prompt), "max_tokens": 20, "temperature": 0, "ignore_eos": True,
+            "stop": ["w999", stop]}
+    status, whole = post(server, "/v1/completions", body)
+    assert status == 200 and whole["choices"][0] == {**whole["choices"][0], "text": expected, "finish_reason": "stop"}
+    events = stream(server, "/v1/completions", body)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == expected
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_models_health_and_metrics(server):
+    status, text = get(server, "/v1/models")
+    assert status == 200 and json.loads(text)["data"][0]["id"] == MODEL
+    assert get(server, "/health") == (200, '{"status": "ok"}')
+    post(server, "/v1/completions", {"prompt": "w3 w3 w3 w3", "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    status, text = get(server, "/metrics")
+    assert status == 200
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
+    for name in ("requests_total{finish_reason=\"length\"}", "prompt_tokens_total", "generation_tokens_total",
+                 "drafts_total", "draft_tokens_total", "accepted_tokens_total", "mean_accepted_length",
+                 "batch_size", "speculation_enabled", "acceptance_rate_at_position{position=\"1\"}"):
+        assert f"specdec_{name}" in values, name
+    assert values["specdec_draft_tokens_total"] >= values["specdec_accepted_tokens_total"] > 0
+    per_position = sum(v for k, v in values.items() if k.startswith("specdec_accepted_tokens_at_position_total"))
+    assert per_position == values["specdec_accepted_tokens_total"]
+
+
+# --- bad input ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw, param", [
+    (b"{not json", None),
+    (b"[1, 2]", None),
+    (json.dumps({"prompt": "w3", "max_tokens": "ten"}).encode(), "max_tokens"),
+    (json.dumps({"prompt": "w3", "temperature": "hot"}).encode(), "temperature"),
+    (json.dumps({"prompt": 3}).encode(), "prompt"),
+    (json.dumps({"prompt": "w3", "stream": "yes"}).encode(), "stream"),
+    (json.dumps({"prompt": "w3", "model": "gpt-4"}).encode(), "model"),
+    (json.dumps({"prompt": "w3", "max_tokens": 10_000}).encode(), "max_tokens"),
+    (json.dumps({"prompt": "w3", "max_tokens": 0}).encode(), "max_tokens"),
+    (json.dumps({"prompt": "w3", "temperature": -0.5}).encode(), "temperature"),
+    (json.dumps({"prompt": "w3", "top_p": 0}).encode(), "top_p"),
+    (json.dumps({"prompt": "w3", "stop": [1]}).encode(), "stop"),
+    (json.dumps({"prompt": [3, 999]}).encode(), "prompt"),
+])
+def test_bad_requests_get_400_with_an_openai_error_body(server, raw, param):
+    status, body = post(server, "/v1/completions", None, raw=raw)
+    assert status == 400
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["message"]
+    assert body["error"]["param"] == param
+
+
+def test_bad_chat_messages_get_400(server):
+    for messages in ([], [{"content": "w3"}], [{"role": "user", "content": 5}]):
+        status, body = post(server, "/v1/chat/completions", {"messages": messages})
+        assert status == 400 and body["error"]["param"] == "messages"
+
+
+def test_unknown_path_is_404_and_an_oversized_body_is_413(tiny):
+    server = start_server(tiny, max_body_bytes=2048)
+    try:
+        status, body = post(server, "/v1/engines", {"prompt": "w3"})
+        assert status == 404 and "error" in body
+        status, body = post(server, "/v1/completions", {"prompt": "w3 " * 2000})
+        assert status == 413 and "limit" in body["error"]["message"]
+    finally:
+        server.shutdown(timeout=5)
+
+
+def test_api_key_is_required_everywhere_but_health(tiny):
+    server = start_server(tiny, api_key="sesame")
+    try:
+        assert get(server, "/health")[0] == 200
+        for path in ("/v1/models", "/metrics"):
+            assert get(server, path)[0] == 401
+            assert get(server, path, {"Authorization": "Bearer sesame"})[0] == 200
+        status, body = post(server, "/v1/completions", {"prompt": "w3", "max_tokens": 2},
+                            {"Authorization": "Bearer wrong"})
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        status, _ = post(server, "/v1/completions", {"prompt": "w3", "max_tokens": 2},
+                         {"Authorization": "Bearer sesame"})
+        assert status == 200
+    finally:
+        server.shutdown(timeout=5)
+
+
+def test_server_binds_loopback_by_default():
+    assert ServerSettings().host == "127.0.0.1"
+
+
+# --- reliability -------------------------------------------------------------------------------------------------
+
+
+class GatedProposer(PromptLookupProposer):
+    """Prompt lookup that waits for ``gate`` before each draft: holds the step loop still while a test looks."""
+
+    def __init__(self, gate: threading.Event, delay: float = 0.0) -> None:
+        super().__init__()
+        self.gate, self.delay = gate, delay
+
+    def propose(self, context, k, params, generator):
+        self.gate.wait()
+        time.sleep(self.delay)
+        return super().propose(context, k, params, generator)
+
+
+def test_a_full_queue_answers_429_instead_of_growing(tiny):
+    gate = threading.Event()
+    server = start_server(tiny, proposer=lambda: GatedProposer(gate), max_batch_size=1, max_waiting=1)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            body = {"prompt": "w3 w4", "max_tokens": 4, "temperature": 0}
+            running = pool.submit(post, server, "/v1/completions", body)
+            assert wait_for(lambda: server.scheduler.running == 1)
+            waiting = pool.submit(post, server, "/v1/completions", body)
+            assert wait_for(lambda: server.scheduler.waiting == 1)
+            status, refused = post(server, "/v1/completions", body)
+            assert status == 429 and refused["error"]["type"] == "rate_limit_error"
+            gate.set()
+            assert running.result()[0] == 200 and waiting.result()[0] == 200
+    finally:
+        gate.set()
+        server.shutdown(timeout=5)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(tiny):
+    gate = threading.Event()
+    gate.set()
+    server = start_server(tiny, proposer=lambda: GatedProposer(gate, delay=0.01), speculation="always")
+    try:
+        connection = socket.create_connection(("127.0.0.1", server.port))
+        body = json.dumps({"prompt": "w3 w4 w5", "max_tokens": 200, "ignore_eos": True, "stream": True}).encode()
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        received = b""
+        while b"data: " not in received:  # streaming has begun
+            received += connection.recv(4096)
+        connection.close()
+        metrics = server.scheduler.metrics
+        assert wait_for(lambda: metrics.finished.get("cancelled") == 1)
+        assert metrics.running == 0 and server.scheduler.pool.slots == []
+        assert metrics.generation_tokens < 200
+    finally:
+        server.shutdown(timeout=5)
+
+
+class FailingProposer(PromptLookupProposer):
+    """Prompt lookup that raises on its third draft."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def propose(self, context, k, params, generator):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("drafter exploded")
+        return super().propose(context, k, params, generator)
+
+
+def test_a_drafter_that_raises_falls_back_to_plain_decoding(tiny):
+    server = start_server(tiny, proposer=FailingProposer, speculation="always")
+    try:
+        prompt = [5, 9, 12, 9, 12, 40]
+        status, body = post(server, "/v1/completions", {"prompt": prompt_text(prompt), "max_tokens": 30,
+                                                        "temperature": 0, "ignore_eos": True})
+        assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+        assert ids_of(body["choices"][0]["text"]) == visible(plain_greedy(tiny, prompt, 30))
+        assert server.scheduler.metrics.drafter_errors == 1
+    finally:
+        server.shutdown(timeout=5)
+
+
+def test_a_seeded_request_is_reproducible(server, tiny):
+    body = {"prompt": "w3 w4 w5", "max_tokens": 24, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    first = post(server, "/v1/completions", body)[1]["choices"][0]["text"]
+    assert post(server, "/v1/completions", body)[1]["choices"][0]["text"] == first
+    # without speculation a request draws the same random numbers whatever else is in the batch
+    plain = start_server(tiny, speculation="never")
+    try:
+        alone = post(plain, "/v1/completions", body)[1]["choices"][0]["text"]
+        others = {**body, "seed": None, "max_tokens": 40}
+        with ThreadPoolExecutor(8) as pool:
+            crowd = [pool.submit(post, plain, "/v1/completions", others) for _ in range(7)]
+            in_batch = pool.submit(post, plain, "/v1/completions", body)
+            assert in_batch.result()[1]["choices"][0]["text"] == alone
+            assert all(f.result()[0] == 200 for f in crowd)
+    finally:
+        plain.shutdown(timeout=5)
+
+
+def test_graceful_shutdown_finishes_requests_in_flight_and_refuses_new_ones(tiny):
+    gate = threading.Event()
+    gate.set()
+    server = start_server(tiny, proposer=lambda: GatedProposer(gate, delay=0.005), speculation="always")
+    body = {"prompt": "w3 w4 w5", "max_tokens": 60, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    with ThreadPoolExecutor(4) as pool:
+        in_flight = [pool.submit(stream, server, "/v1/completions", body) for _ in range(3)]
+        assert wait_for(lambda: server.scheduler.running == 3)
+        closing = pool.submit(server.shutdown, 30)
+        assert wait_for(lambda: not server.scheduler.accepting)
+        status, refused = post(server, "/v1/completions", body)
+        assert status == 503 and "shutting down" in refused["error"]["message"]
+        for future in in_flight:
+            events = future.result()
+            assert events[-1] == "[DONE]" and events[-3]["choices"][0]["finish_reason"] == "length"
+            assert events[-2]["usage"]["completion_tokens"] == 60
+        closing.result()
+
+
+def test_shutdown_past_its_timeout_ends_requests_cleanly_with_abort(tiny):
+    gate = threading.Event()
+    gate.set()
+    server = start_server(tiny, proposer=lambda: GatedProposer(gate, delay=0.02), speculation="always")
+    with ThreadPoolExecutor(2) as pool:
+        in_flight = pool.submit(stream, server, "/v1/completions", {"prompt": "w3", "max_tokens": 200,
+                                                                    "ignore_eos": True})
+        assert wait_for(lambda: server.scheduler.metrics.generation_tokens > 0)
+        server.shutdown(timeout=0.1)
+        events = in_flight.result()
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "abort"
+
+
+# --- load and exactness --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("speculation", ["auto", "always"])
+def test_200_requests_32_at_a_time_all_complete_and_match_plain_decoding(tiny, speculation):
+    """Every response at temperature 0, decoded in a changing batch with speculation, is token for token the
+    same request decoded alone without it; every request ends with its token count or a stop."""
+    server = start_server(tiny, speculation=speculation, max_batch_size=16, max_waiting=64)
+    rng = random.Random(0)
+    requests = []
+    for i in range(200):
+        prompt = [rng.randrange(2, 64) for _ in range(rng.randrange(1, 12))]
+        if i % 3 == 0:
+            prompt = prompt * 3  # repetitive: prompt lookup drafts, and drafts get accepted
+        requests.append({"prompt": prompt_text(prompt), "max_tokens": rng.randrange(1, 40), "temperature": 0,
+                         "ignore_eos": i % 2 == 0, "stream": i % 4 == 1})
+
+    def send(body):
+        if body["stream"]:
+            events = stream(server, "/v1/completions", body)
+            text = "".join(e["choices"][0]["text"] for e in events[:-1])
+            return text, events[-2]["choices"][0]["finish_reason"]
+        status, answer = post(server, "/v1/completions", body)
+        assert status == 200, answer
+        return answer["choices"][0]["text"], answer["choices"][0]["finish_reason"]
+
+    try:
+        with ThreadPoolExecutor(32) as pool:
+            answers = list(pool.map(send, requests))
+    finally:
+        server.shutdown(timeout=5)
+    for body, (text, reason) in zip(requests, answers):
+        expected = plain_greedy(tiny, ids_of(body["prompt"]), body["max_tokens"], body["ignore_eos"])
+        assert ids_of(text) == visible(expected), body
+        assert reason == ("stop" if expected[-1] == EOS and not body["ignore_eos"] else "length")
+        assert reason == "stop" or len(expected) == body["max_tokens"]
+    metrics = server.scheduler.metrics
+    assert sum(metrics.finished.values()) == 200 and metrics.draft_tokens > 0
+    assert metrics.drafter_errors == 0

@@ -1,0 +1,49 @@
+"""The load-aware planner: speculate where a pass's cost is flat in its positions, batch where it is linear."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.server.speculation import PassCost, SpeculationPlanner
+
+FLAT = PassCost({1: 1.0, 1024: 1.0})  # weight streaming dominates: more positions are free
+LINEAR = PassCost({1: 1.0, 1024: 1024.0})  # arithmetic dominates: every position costs the same
+
+
+def test_pass_cost_interpolates_extrapolates_and_learns():
+    cost = PassCost({1: 1.0, 5: 2.0, 9: 4.0})
+    assert cost(3) == pytest.approx(1.5) and cost(7) == pytest.approx(3.0)
+    assert cost(13) == pytest.approx(6.0)  # past the last point, along the last segment
+    before = cost(9)
+    for _ in range(50):
+        cost.observe(9, 8.0)
+    assert before < cost(9) < 8.0 + 1e-6 and cost(9) > 7.0
+
+
+def test_always_scores_every_draft_token_and_never_none():
+    assert SpeculationPlanner("always").draft_lengths([4, 0, 2], [0.1, 0.5, 0.9]) == [4, 0, 2]
+    assert SpeculationPlanner("never").draft_lengths([4, 0, 2], [0.9, 0.9, 0.9]) == [0, 0, 0]
+
+
+def test_auto_speculates_fully_where_extra_positions_are_free():
+    assert SpeculationPlanner("auto", FLAT).draft_lengths([4, 3], [0.3, 0.6]) == [4, 3]
+
+
+def test_auto_decodes_plainly_where_every_position_costs_a_token():
+    # a draft token earns a^j < 1 expected tokens and costs as much as a plain token: never worth it
+    assert SpeculationPlanner("auto", LINEAR).draft_lengths([4] * 8, [0.9] * 8) == [0] * 8
+
+
+def test_auto_goes_further_for_requests_whose_drafts_are_accepted():
+    # cost rises gently: 1 + 0.1 per position past the batch's own
+    gentle = PassCost({1: 1.0, 2: 1.1, 1000: 100.9})
+    lengths = SpeculationPlanner("auto", gentle).draft_lengths([8, 8], [0.95, 0.3])
+    assert lengths[0] > lengths[1] >= 0 and lengths[0] >= 4
+
+
+def test_auto_speculates_for_few_requests_and_stops_for_many():
+    # flat up to 8 positions, then linear: the shape measured on a CPU (docs/benchmarks.md)
+    knee = PassCost({1: 1.0, 8: 1.0, 1024: 128.0})
+    planner = SpeculationPlanner("auto", knee)
+    assert sum(planner.draft_lengths([4], [0.6])) == 4
+    assert sum(planner.draft_lengths([4] * 32, [0.6] * 32)) == 0
