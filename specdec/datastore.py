@@ -176,13 +176,13 @@ def read_texts(paths: Iterable[str | Path]) -> Iterator[tuple[str, str]]:
         text = path.read_text(encoding="utf-8", errors="replace")
         stripped = text.lstrip()
         if path.suffix.lower() in (".json", ".jsonl") and stripped[:1] in "[{":
-            for record in _json_records(stripped):
+            for record in json_records(stripped):
                 yield str(path), "\n".join(_strings(record))
         else:
             yield str(path), text
 
 
-def _json_records(text: str) -> Iterator[object]:
+def json_records(text: str) -> Iterator[object]:
     """Top-level records of a JSON array or JSON lines, one at a time, stopping at the first incomplete one."""
     decoder = json.JSONDecoder()
     i = 1 if text.startswith("[") else 0

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 
 from specdec.backends import HFCausalLM, LlamaRuntime, make_backend
 from specdec.backends import llama as llama_backend
-from specdec.backends.linear import DTYPE_OF, PassPrecisions
+from specdec.backends.linear import BULK_POSITIONS, DTYPE_OF, PassPrecisions
 
 FAMILY_SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.5,
@@ -106,6 +106,17 @@ def test_each_kind_of_pass_runs_in_its_own_precision():
     assert (one[0] - reference16[11]).abs().max() <= 1e-2 * reference16.abs().max()  # a float16-weight step
     assert (one[0] - reference32[11]).abs().max() > tolerance  # ... and not a float32 one
     assert (one[0] - reference_logits(model, ids)[11]).abs().max() > 0
+
+
+def test_a_bulk_pass_runs_in_its_own_precision():
+    model = tiny_llama(seed=4, init_range=0.5)
+    runtime = LlamaRuntime(model, PassPrecisions(decode="float32", score="float32", bulk="float16"))
+    ids = random_ids(BULK_POSITIONS + 1)
+    bulk = runtime.extend(ids, len(ids))  # [33, vocab] prefill-sized: a bulk pass
+    reference32 = reference_logits(model, ids)
+    reference16 = reference_logits(rounded_copy(model, "float16"), ids)
+    assert (bulk - reference16).abs().max() <= 1e-2 * reference16.abs().max()
+    assert (bulk - reference32).abs().max() > 64 * 2**-24 * reference32.abs().max()
 
 
 def test_cache_grows_past_its_first_allocation_and_keeps_a_reservation():

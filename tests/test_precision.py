@@ -34,18 +34,20 @@ def test_roofline_measures_every_draft_length_and_leaves_the_cache_as_it_was():
     assert runtime.tokens == context
 
 
-def measurement(precision: str, decode_ms: float, score_ms: float, error: float) -> auto.PrecisionMeasurement:
-    return auto.PrecisionMeasurement(precision, decode_ms=decode_ms, score_ms=score_ms, max_logit_error=error)
+def measurement(precision: str, decode_ms: float, score_ms: float, bulk_ms: float, error: float
+                ) -> auto.PrecisionMeasurement:
+    return auto.PrecisionMeasurement(precision, decode_ms=decode_ms, score_ms=score_ms, bulk_ms=bulk_ms,
+                                     max_logit_error=error)
 
 
 def test_auto_takes_the_fastest_admitted_precision_for_each_kind_of_pass():
     measured = [
-        measurement("float32", decode_ms=80, score_ms=90, error=0.0),
-        measurement("float16", decode_ms=45, score_ms=95, error=0.05),
-        measurement("bfloat16", decode_ms=30, score_ms=60, error=0.7),  # fastest, and too far from float32
+        measurement("float32", decode_ms=80, score_ms=90, bulk_ms=200, error=0.0),
+        measurement("float16", decode_ms=45, score_ms=95, bulk_ms=150, error=0.05),
+        measurement("bfloat16", decode_ms=30, score_ms=60, bulk_ms=100, error=0.7),  # fastest, too far from float32
     ]
     assert not measured[2].admitted
-    assert auto.choose(measured) == PassPrecisions(decode="float16", score="float32")
+    assert auto.choose(measured) == PassPrecisions(decode="float16", score="float32", bulk="float16")
     assert auto.choose(measured[:1]) == PassPrecisions.uniform("float32")
 
 
@@ -63,4 +65,4 @@ def test_measurement_compares_against_float32_on_the_same_probe():
     measured = {m.precision: m for m in auto.measure(model)}
     assert measured["float32"].max_logit_error == 0.0
     assert 0 < measured["float16"].max_logit_error < measured["bfloat16"].max_logit_error
-    assert all(m.decode_ms > 0 and m.score_ms > 0 for m in measured.values())
+    assert all(m.decode_ms > 0 and m.score_ms > 0 and m.bulk_ms > 0 for m in measured.values())

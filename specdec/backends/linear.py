@@ -93,23 +93,42 @@ def _has_fbgemm() -> bool:
     return hasattr(torch, "fbgemm_pack_gemm_matrix_fp16") and torch.backends.cpu.get_cpu_capability() != "DEFAULT"
 
 
+BULK_POSITIONS = 32  # a pass over this many positions or more is a bulk pass: prefill, a large batch
+
+
 @dataclass(frozen=True)
 class PassPrecisions:
     """The weight precision of each kind of target pass.
 
     ``decode`` runs one position (plain decoding, a round with an empty draft, a draft model's steps); ``score``
-    runs several (prefill, and verifying k+1 positions). Tokens are drawn from the distributions that the pass
-    which emits them computes: with different precisions, speculative and plain decoding may part at near-ties.
+    runs several (verifying k+1 positions, a small batch); ``bulk`` runs ``BULK_POSITIONS`` or more (prefill, a
+    large batch), where arithmetic rather than weight streaming sets the pace, and so may favour another kernel;
+    it defaults to ``score``. Tokens are drawn from the distributions that the pass which emits them computes:
+    with different precisions, speculative, batched and plain decoding may part at near-ties.
     """
 
     decode: str
     score: str
+    bulk: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.bulk:
+            object.__setattr__(self, "bulk", self.score)
 
     @classmethod
     def uniform(cls, precision: str) -> "PassPrecisions":
-        return cls(decode=precision, score=precision)
+        return cls(decode=precision, score=precision, bulk=precision)
+
+    def for_positions(self, positions: int) -> str:
+        """The precision of a pass over this many positions."""
+        return self.decode if positions == 1 else self.score if positions < BULK_POSITIONS else self.bulk
+
+    @property
+    def all(self) -> tuple[str, ...]:
+        return (self.decode, self.score, self.bulk)
 
     def __str__(self) -> str:
-        if self.decode == self.score:
+        if self.decode == self.score == self.bulk:
             return self.decode
-        return f"decode {self.decode}, score {self.score}"
+        text = f"decode {self.decode}, score {self.score}"
+        return text if self.bulk == self.score else f"{text}, bulk {self.bulk}"

@@ -57,7 +57,7 @@ class LlamaRuntime:
         if isinstance(precisions, str):
             precisions = PassPrecisions.uniform(precisions)
         self.dtype = activation_dtype(precisions.score, self.device)
-        if activation_dtype(precisions.decode, self.device) != self.dtype:
+        if any(activation_dtype(p, self.device) != self.dtype for p in precisions.all):
             raise ValueError(f"passes in {precisions} would need two activation dtypes on {self.device.type}")
         self.precisions = precisions
         self.weight_bytes = streamed_parameters(model) * DTYPE_OF[precisions.decode].itemsize
@@ -69,10 +69,7 @@ class LlamaRuntime:
         self.embed = model.get_input_embeddings().weight.detach().to(self.dtype)  # [vocab, hidden]
         self.vocab_size = self.embed.shape[0]
         self.final_norm = model.model.norm.weight.detach().to(self.dtype)
-        built: dict[str, tuple[list[_Layer], Linear]] = {}
-        for precision in {precisions.decode, precisions.score}:
-            built[precision] = _build(model, precision, self.dtype)
-        self._decode, self._score = built[precisions.decode], built[precisions.score]
+        self._weights = {precision: _build(model, precision, self.dtype) for precision in set(precisions.all)}
         rope = _rope_parameters(config)
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, device=self.device).float() / self.head_dim))
@@ -111,8 +108,8 @@ class LlamaRuntime:
         return lm_head(rms_norm(x[n - num_logits :], self.final_norm, self.eps))  # [num_logits, vocab]
 
     def weights_for(self, positions: int) -> tuple[list[_Layer], Linear]:
-        """The layers and LM head of a pass over ``positions`` new tokens: decode weights for one, else score."""
-        return self._decode if positions == 1 else self._score
+        """The layers and LM head of a pass over ``positions`` new tokens, in that kind of pass's precision."""
+        return self._weights[self.precisions.for_positions(positions)]
 
     def _attention(self, layer: _Layer, h: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
                    cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:  # [n, hidden]
@@ -157,7 +154,7 @@ class LlamaRuntime:
 
     @property
     def num_layers(self) -> int:
-        return len(self._score[0])
+        return len(self.weights_for(1)[0])
 
 
 @torch.no_grad()

@@ -6,8 +6,9 @@ Each candidate precision is measured on the machine it will run on, against floa
   admitted only when that error is at most ``MAX_LOGIT_ERROR``: its probabilities then stay within
   e^(2 x 0.1) - 1 = 22% of float32's, relatively, and its greedy choice differs from float32's only where
   float32's two best logits lie within 2 x ``MAX_LOGIT_ERROR`` of each other (a near-tie);
-- its **time** for a decode pass (one position) and a scoring pass (``SCORED_POSITIONS`` positions), the
-  candidates interleaved so that the machine's noise falls on all alike.
+- its **time** for a decode pass (one position), a scoring pass (``SCORED_POSITIONS`` positions) and a bulk
+  pass (``BULK_TIMED`` positions: prefill, a large batch), the candidates interleaved so that the machine's noise
+  falls on all alike.
 
 The fastest admitted candidate is chosen for each kind of pass; float32 is always admitted. The choice is kept in
 the specdec cache, keyed by model, machine, threads and PyTorch version, so the measurement runs once.
@@ -25,15 +26,16 @@ from pathlib import Path
 import torch
 
 from specdec.backends.base import pass_seconds
-from specdec.backends.linear import PRECISIONS, PassPrecisions
+from specdec.backends.linear import BULK_POSITIONS, PRECISIONS, PassPrecisions
 from specdec.backends.llama import LlamaRuntime
 from specdec.models import cache_root
 
 MAX_LOGIT_ERROR = 0.1  # the largest logit difference from float32 that auto admits
 PROBE_TOKENS = 128  # the probe sequence whose logits are compared
 SCORED_POSITIONS = 5  # a scoring pass as timed: k+1 at the default k=4
+BULK_TIMED = 2 * BULK_POSITIONS  # a bulk pass as timed
 REPEATS = 5  # timed passes per candidate and kind; the median is kept
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: with the bulk pass
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class PrecisionMeasurement:
     precision: str
     decode_ms: float  # one position
     score_ms: float  # SCORED_POSITIONS positions
+    bulk_ms: float  # BULK_TIMED positions
     max_logit_error: float  # against float32 on the probe
 
     @property
@@ -64,6 +67,7 @@ def choose(measurements: list[PrecisionMeasurement]) -> PassPrecisions:
     return PassPrecisions(
         decode=min(admitted, key=lambda m: m.decode_ms).precision,
         score=min(admitted, key=lambda m: m.score_ms).precision,
+        bulk=min(admitted, key=lambda m: m.bulk_ms).precision,
     )
 
 
@@ -75,15 +79,18 @@ def measure(model, candidates: tuple[str, ...] = PRECISIONS, seed: int = 0) -> l
     logits = [runtime.extend(probe.tolist(), PROBE_TOKENS).float() for runtime in runtimes]  # each [probe, vocab]
     decode = {c: [] for c in candidates}
     score = {c: [] for c in candidates}
+    bulk = {c: [] for c in candidates}
     for _ in range(REPEATS + 1):  # the first round warms up, and is dropped
         for precision, runtime in zip(candidates, runtimes):
             decode[precision].append(pass_seconds(runtime, 1))
             score[precision].append(pass_seconds(runtime, SCORED_POSITIONS))
+            bulk[precision].append(pass_seconds(runtime, BULK_TIMED))
     return [
         PrecisionMeasurement(
             precision=precision,
             decode_ms=1000 * statistics.median(decode[precision][1:]),
             score_ms=1000 * statistics.median(score[precision][1:]),
+            bulk_ms=1000 * statistics.median(bulk[precision][1:]),
             max_logit_error=float((logit - logits[0]).abs().max()),
         )
         for precision, logit in zip(candidates, logits)

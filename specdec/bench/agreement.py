@@ -100,7 +100,7 @@ def compare_precisions(model, prompts: list[list[int]], precisions: list[PassPre
 def margin_bound(precision: PassPrecisions | str) -> float:
     """Twice the larger tolerance of the passes that produced the two outputs compared (float32's among them)."""
     passes = PassPrecisions.uniform(precision) if isinstance(precision, str) else precision
-    return 2 * max(LOGIT_TOLERANCE[passes.decode], LOGIT_TOLERANCE[passes.score])
+    return 2 * max(LOGIT_TOLERANCE[p] for p in passes.all)
 
 
 def agreement_markdown(comparisons: list[Comparison]) -> str:

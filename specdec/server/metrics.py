@@ -90,6 +90,8 @@ class Metrics:
                [("", self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0)])
         metric("mean_accepted_length", "gauge", "Tokens generated per request per target pass.",
                [("", self.generation_tokens / self.request_rounds if self.request_rounds else 0.0)])
+        metric("request_rounds_total", "counter", "Request rounds: one per request per target pass.",
+               [("", self.request_rounds)])
         metric("steps_total", "counter", "Target passes of the batch.", [("", self.steps)])
         metric("speculative_steps_total", "counter", "Target passes that scored draft tokens.",
                [("", self.speculative_steps)])
