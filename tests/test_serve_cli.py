@@ -1,0 +1,106 @@
+"""``specdec serve`` and ``specdec bench-serve`` as a user runs them, on a tiny saved model."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tiny import save_with_tokenizer, tiny_llama
+
+from specdec.bench.serve import Result, auto_ratios, sample_trace, table
+from specdec.cli import main
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_with_tokenizer(tiny_llama(seed=0, init_range=0.5), tmp_path_factory.mktemp("served") / "tiny")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--drafter", "draft-model"], "invalid choice"),
+    (["--speculation", "sometimes"], "invalid choice"),
+    (["--port", "70000"], "port"),
+    (["--max-batch-size", "0"], "max-batch-size"),
+    (["--num-draft-tokens", "0"], "num-draft-tokens"),
+    (["--max-body-bytes", "10"], "max-body-bytes"),
+    (["--datastore", "/no/such/store"], "datastore"),
+    (["--model", "/no/such/model"], "not found"),
+])
+def test_bad_serve_settings_are_one_line_and_exit_2(model_dir, capsys, args, message):
+    code = main(["serve", *(["--model", str(model_dir)] if "--model" not in args else []), *args])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("specdec: error:") and message in err, err
+
+
+def test_serve_answers_then_drains_on_sigterm(model_dir):
+    process = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--model", str(model_dir),
+                                "--port", "0", "--speculation", "always"], stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stderr.readline()
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)", line).group(1))
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        connection.request("POST", "/v1/completions", json.dumps({"prompt": "w3 w4 w3 w4", "max_tokens": 6,
+                                                                  "temperature": 0, "ignore_eos": True}))
+        answer = json.loads(connection.getresponse().read())
+        assert answer["usage"]["completion_tokens"] == 6 and answer["model"] == "tiny"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        assert "shutting down" in process.stderr.read()
+    finally:
+        process.kill()
+
+
+def sharegpt(path: Path, conversations: list[tuple[str, str]], cut: bool = False) -> Path:
+    records = [{"id": str(i), "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+               for i, (q, a) in enumerate(conversations)]
+    text = json.dumps(records)
+    path.write_text(text[:-30] if cut else text)  # cut: as the packaged file is, mid-record
+    return path
+
+
+def test_trace_takes_first_turns_and_reply_lengths_and_drops_what_does_not_fit(model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pairs = [("w3 w4 w5 w6", "w7 " * 10), ("w3", "w4 w5 w6 w7"), ("w3 " * 50, "w4 " * 8), ("w8 w9 w10 w11", "w3 " * 300),
+             ("w5 w6 w7 w8 w9", "w10 w11 w12 w13"), ("w5 w6 w7 w8", "w9 w10 w11 w12 w13")]
+    trace = sample_trace(sharegpt(tmp_path / "s.json", pairs, cut=True), tokenizer, count=3, seed=0,
+                         max_prompt_tokens=20, max_output_tokens=32)
+    assert sorted((r.prompt_tokens, r.output_tokens) for r in trace) == [(4, 10), (4, 32), (5, 4)]
+    with pytest.raises(Exception, match="only 3 usable"):
+        sample_trace(tmp_path / "s.json", tokenizer, count=4, seed=0, max_prompt_tokens=20, max_output_tokens=32)
+
+
+def result(mode: str, concurrency: int, tokens_per_second: float) -> Result:
+    return Result(mode, concurrency, requests=4, output_tokens=int(tokens_per_second * 10), seconds=10.0,
+                  latency_median=1.0, latency_p99=2.0, speculative_steps=0.5, mean_accepted_length=1.2)
+
+
+def test_auto_is_compared_with_the_better_of_always_and_never():
+    results = [result("always", 1, 30), result("never", 1, 20), result("auto", 1, 29),
+               result("always", 64, 100), result("never", 64, 200), result("auto", 64, 190)]
+    ratios = auto_ratios(results)
+    assert ratios == {1: pytest.approx(29 / 30), 64: pytest.approx(190 / 200)}
+    assert "| 64 | auto | 4 | 190.0 |" in table(results)
+
+
+def test_bench_serve_replays_a_trace_against_a_server_per_mode(model_dir, tmp_path, capsys):
+    trace = sharegpt(tmp_path / "trace.json", [(f"w{3 + i} w4 w3 w4 w3", "w5 " * 6) for i in range(8)])
+    out = tmp_path / "out"
+    code = main(["bench-serve", "--model", str(model_dir), "--trace", str(trace), "--concurrency", "1,2",
+                 "--min-requests", "2", "--max-output-tokens", "6", "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "bench_serve.json").read_text())
+    assert {(r["mode"], r["concurrency"]) for r in report["results"]} == {
+        (m, c) for m in ("always", "never", "auto") for c in (1, 2)}
+    assert all(r["output_tokens"] == r["requests"] * 6 for r in report["results"])
+    assert set(report["auto_over_best"]) == {"1", "2"}
+    assert (out / "bench_serve.png").stat().st_size > 0 and "| 2 | auto |" in (out / "bench_serve.md").read_text()
+    never = [r for r in report["results"] if r["mode"] == "never"]
+    assert all(r["speculative_steps"] == 0 and r["mean_accepted_length"] == 1 for r in never)
