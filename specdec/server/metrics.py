@@ -39,6 +39,10 @@ class Metrics:
 
     def observe_round(self, round_: Round) -> None:
         """One request's share of a step."""
+        with self._lock:
+            self._observe_round(round_)
+
+    def _observe_round(self, round_: Round) -> None:
         self.request_rounds += 1
         self.generation_tokens += len(round_.tokens)
         if round_.draft_tokens:
@@ -51,6 +55,10 @@ class Metrics:
                     self.accepted_at[position] = self.accepted_at.get(position, 0) + 1
 
     def observe_step(self, batch_size: int, speculating: bool) -> None:
+        with self._lock:
+            self._observe_step(batch_size, speculating)
+
+    def _observe_step(self, batch_size: int, speculating: bool) -> None:
         self.steps += 1
         self.speculative_steps += speculating
         self.batch_size = batch_size
@@ -60,7 +68,15 @@ class Metrics:
         with self._lock:
             self.rejected[status] = self.rejected.get(status, 0) + 1
 
+    def observe_finish(self, reason: str) -> None:
+        with self._lock:
+            self.finished[reason] = self.finished.get(reason, 0) + 1
+
     def render(self) -> str:
+        with self._lock:  # the scheduler's thread counts while a request's thread renders
+            return self._render()
+
+    def _render(self) -> str:
         lines: list[str] = []
 
         def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:

@@ -31,6 +31,7 @@ import torch
 from specdec.backends.batch import BatchedLlama, Row, Slot
 from specdec.engine import emitted_round, make_generator, verify_draft
 from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
+from specdec.proposers.none import NoProposer
 from specdec.sampling import SamplingParams
 from specdec.server.metrics import Metrics
 from specdec.server.speculation import Acceptance, SpeculationPlanner
@@ -147,6 +148,8 @@ class Scheduler:
             if not self._accepting:
                 raise ShuttingDown("the server is shutting down")
             if len(self._waiting) >= self.max_waiting:
+                self._drop_cancelled()
+            if len(self._waiting) >= self.max_waiting:
                 raise QueueFull(f"{self.max_waiting} requests are already waiting")
             self._waiting.append(handle)
             self.metrics.waiting = len(self._waiting)
@@ -223,10 +226,11 @@ class Scheduler:
             while self._waiting and len(self._running) + len(admitted) < self.pool.max_slots:
                 handle = self._waiting.popleft()
                 if handle.cancelled.is_set():
-                    handle.events.put(Finished("cancelled"))
+                    self._end_waiting(handle)
                     continue
-                admitted.append(_Running(handle, self.pool.open(), self.new_proposer(), self.pool.device))
+                admitted.append(_Running(handle, self.pool.open(), self._proposer(handle), self.pool.device))
             self.metrics.waiting = len(self._waiting)
+        self._running += admitted  # before the prefill: should it fail, the loop's handler ends them too
         batch: list[_Running] = []
         for running in admitted:
             if batch and sum(len(r.context) for r in batch) + len(running.context) > PREFILL_TOKENS_PER_PASS:
@@ -235,7 +239,25 @@ class Scheduler:
             batch.append(running)
         if batch:
             self._prefill(batch)
-        self._running += admitted
+
+    def _proposer(self, handle: Handle) -> Proposer:
+        """The request's own drafter; one that cannot be made leaves the request to plain decoding."""
+        try:
+            return self.new_proposer()
+        except Exception as error:
+            log.warning("request %d: no drafter (%r); decoding it plainly", handle.id, error)
+            self.metrics.drafter_errors += 1
+            return NoProposer()
+
+    def _drop_cancelled(self) -> None:
+        """Forget waiting requests whose clients have gone (under the lock)."""
+        for handle in [h for h in self._waiting if h.cancelled.is_set()]:
+            self._waiting.remove(handle)
+            self._end_waiting(handle)
+
+    def _end_waiting(self, handle: Handle) -> None:
+        handle.events.put(Finished("cancelled"))
+        self.metrics.observe_finish("cancelled")
 
     def _prefill(self, batch: list[_Running]) -> None:
         """Cache every context token but the last, which the first step scores."""
@@ -318,7 +340,7 @@ class Scheduler:
         if r.slot.index >= 0:
             self.pool.close(r.slot)
         r.handle.events.put(Finished(reason, message))
-        self.metrics.finished[reason] = self.metrics.finished.get(reason, 0) + 1
+        self.metrics.observe_finish(reason)
 
     def _publish_gauges(self) -> None:
         self.metrics.running = len(self._running)
