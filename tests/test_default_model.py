@@ -98,6 +98,44 @@ def test_every_change_of_precision_sits_at_a_near_tie(decoder, prompts):
             assert d.margin is None or d.margin <= comparison.bound, (comparison.name, d)
 
 
+@pytest.mark.parametrize("precisions", ["float32", PassPrecisions(decode="float16", score="float16", bulk="float32")])
+def test_served_in_a_batch_with_speculation_is_each_request_decoded_alone(decoder, prompts, precisions):
+    """Ten MT-bench requests decoded together through the server's scheduler, every draft scored, against each
+    decoded alone without speculation in the same precisions: any divergence sits where float32's two choices lie
+    within the precisions' logit tolerance (a batch pass rounds differently from a lone one, and passes over 32
+    positions or more run in the bulk precision)."""
+    from specdec.backends import LlamaRuntime
+    from specdec.bench.agreement import divergence, margin_bound
+    from specdec.server import BatchSettings, build_scheduler
+    from specdec.server.scheduler import Finished, GenerationRequest
+
+    model = decoder.target.model
+    runtime = LlamaRuntime(model, precisions)
+    scheduler = build_scheduler(runtime, BatchSettings(speculation="always", max_batch_size=16, max_model_len=512),
+                                set())
+    scheduler.start()
+    handles = [scheduler.submit(GenerationRequest(prompt, max_tokens=48, stop_at_eos=False)) for prompt in prompts]
+    served = []
+    for handle in handles:
+        tokens = []
+        while not isinstance(event := handle.events.get(timeout=600), Finished):
+            tokens += event.token_ids
+        served.append(tokens)
+    scheduler.shutdown(timeout=5)
+    assert scheduler.metrics.accepted_tokens > 0 and max(scheduler.metrics.draft_tokens_at) > 1
+    alone = Engine(LlamaRuntime(model, precisions), NoProposer())
+    reference = LlamaRuntime(model, "float32")
+    bound = margin_bound(precisions)
+    found = []
+    for i, (prompt, tokens) in enumerate(zip(prompts, served)):
+        expected = alone.generate(prompt, GenerationConfig(max_new_tokens=48, stop_at_eos=False)).token_ids
+        d = divergence(reference, i, prompt, tokens, expected)
+        found.append((d.position, d.margin))
+        assert d.margin is None or d.margin <= bound, d
+        assert len(tokens) == 48
+    print("divergences (position, float32 margin):", found)
+
+
 def test_plain_decoding_matches_transformers_generate(decoder, prompts):
     """specdec's plain path (the lean runtime) is the reference it claims to be: transformers' own greedy
     generate, through transformers' own modules."""

@@ -79,7 +79,8 @@ def test_trace_takes_first_turns_and_reply_lengths_and_drops_what_does_not_fit(m
 
 def result(mode: str, concurrency: int, tokens_per_second: float) -> Result:
     return Result(mode, concurrency, requests=4, output_tokens=int(tokens_per_second * 10), seconds=10.0,
-                  latency_median=1.0, latency_p99=2.0, speculative_steps=0.5, mean_accepted_length=1.2)
+                  latency_median=1.0, latency_p99=2.0, speculative_steps=0.5, mean_accepted_length=1.2,
+                  decode_seconds=5.0, prefill_seconds=5.0)
 
 
 def test_auto_is_compared_with_the_better_of_always_and_never():
@@ -87,7 +88,7 @@ def test_auto_is_compared_with_the_better_of_always_and_never():
                result("always", 64, 100), result("never", 64, 200), result("auto", 64, 190)]
     ratios = auto_ratios(results)
     assert ratios == {1: pytest.approx(29 / 30), 64: pytest.approx(190 / 200)}
-    assert "| 64 | auto | 4 | 190.0 |" in table(results)
+    assert "| 64 | auto | 4 | 190.0 | 380.0 | 50% |" in table(results)
 
 
 def test_bench_serve_replays_a_trace_against_a_server_per_mode(model_dir, tmp_path, capsys):
@@ -100,6 +101,7 @@ def test_bench_serve_replays_a_trace_against_a_server_per_mode(model_dir, tmp_pa
     assert {(r["mode"], r["concurrency"]) for r in report["results"]} == {
         (m, c) for m in ("always", "never", "auto") for c in (1, 2)}
     assert all(r["output_tokens"] == r["requests"] * 6 for r in report["results"])
+    assert all(r["decode_tokens_per_second"] > r["tokens_per_second"] > 0 for r in report["results"])
     assert set(report["auto_over_best"]) == {"1", "2"}
     assert (out / "bench_serve.png").stat().st_size > 0 and "| 2 | auto |" in (out / "bench_serve.md").read_text()
     never = [r for r in report["results"] if r["mode"] == "never"]

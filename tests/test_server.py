@@ -223,11 +223,13 @@ def test_bad_chat_messages_get_400(server):
         assert status == 400 and body["error"]["param"] == "messages"
 
 
-def test_unknown_path_is_404_and_an_oversized_body_is_413(tiny):
+def test_unknown_path_is_404_a_wrong_method_405_and_an_oversized_body_413(tiny):
     server = start_server(tiny, max_body_bytes=2048)
     try:
         status, body = post(server, "/v1/engines", {"prompt": "w3"})
         assert status == 404 and "error" in body
+        status, text = get(server, "/v1/completions")
+        assert status == 405 and "POST" in json.loads(text)["error"]["message"]
         status, body = post(server, "/v1/completions", {"prompt": "w3 " * 2000})
         assert status == 413 and "limit" in body["error"]["message"]
     finally:

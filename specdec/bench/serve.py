@@ -52,13 +52,21 @@ class Result:
     latency_p99: float
     speculative_steps: float  # fraction of the server's passes that scored draft tokens
     mean_accepted_length: float  # tokens per request per pass
+    decode_seconds: float  # of the server's time, in decoding steps (the rest: prefill, idle)
+    prefill_seconds: float
 
     @property
     def tokens_per_second(self) -> float:
         return self.output_tokens / self.seconds
 
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Output tokens per second of decoding steps: speculation's effect, prefill left out."""
+        return self.output_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "tokens_per_second": self.tokens_per_second}
+        return {**asdict(self), "tokens_per_second": self.tokens_per_second,
+                "decode_tokens_per_second": self.decode_tokens_per_second}
 
 
 # --- the trace -------------------------------------------------------------------------------------------------------
@@ -205,6 +213,8 @@ def replay(host: str, port: int, mode: str, trace: list[TraceRequest], concurren
         speculative_steps=delta.get("specdec_speculative_steps_total", 0.0) / steps if steps else 0.0,
         mean_accepted_length=delta.get("specdec_generation_tokens_total", 0.0) / request_rounds
         if request_rounds else 0.0,
+        decode_seconds=delta.get("specdec_step_seconds_total", 0.0),
+        prefill_seconds=delta.get("specdec_prefill_seconds_total", 0.0),
     )
 
 
@@ -229,12 +239,14 @@ def auto_ratios(results: list[Result]) -> dict[int, float]:
 
 def table(results: list[Result]) -> str:
     ratios = auto_ratios(results)
-    lines = ["| concurrency | mode | requests | output tok/s | latency median (s) | latency p99 (s) | "
-             "passes speculating | mean accepted length | auto / best |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| concurrency | mode | requests | output tok/s | decode tok/s | prefill share | latency median (s) | "
+             "latency p99 (s) | passes speculating | mean accepted length | auto / best |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(results, key=lambda r: (r.concurrency, MODES.index(r.mode) if r.mode in MODES else 9)):
         ratio = f"{ratios[r.concurrency]:.2f}" if r.mode == "auto" and r.concurrency in ratios else ""
+        busy = r.decode_seconds + r.prefill_seconds
         lines.append(f"| {r.concurrency} | {r.mode} | {r.requests} | {r.tokens_per_second:.1f} | "
+                     f"{r.decode_tokens_per_second:.1f} | {r.prefill_seconds / busy if busy else 0:.0%} | "
                      f"{r.latency_median:.2f} | {r.latency_p99:.2f} | {r.speculative_steps:.0%} | "
                      f"{r.mean_accepted_length:.2f} | {ratio} |")
     return "\n".join(lines)
@@ -246,23 +258,27 @@ def plot(results: list[Result], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (throughput, latency) = plt.subplots(1, 2, figsize=(11, 4.2))
+    figure, (throughput, decode, latency) = plt.subplots(1, 3, figsize=(15, 4.4))
     styles = {"always": ("tab:orange", "o"), "never": ("tab:blue", "s"), "auto": ("tab:green", "^")}
     for mode in [m for m in MODES if any(r.mode == m for r in results)]:
         mine = sorted((r for r in results if r.mode == mode), key=lambda r: r.concurrency)
         colour, marker = styles[mode]
         xs = [r.concurrency for r in mine]
         throughput.plot(xs, [r.tokens_per_second for r in mine], marker=marker, color=colour, label=mode)
+        decode.plot(xs, [r.decode_tokens_per_second for r in mine], marker=marker, color=colour, label=mode)
         latency.plot(xs, [r.latency_median for r in mine], marker=marker, color=colour, label=f"{mode} median")
         latency.plot(xs, [r.latency_p99 for r in mine], marker=marker, color=colour, linestyle=":",
                      label=f"{mode} p99")
-    for axis, label in ((throughput, "output tokens / s"), (latency, "request latency (s)")):
+    for axis, label in ((throughput, "output tokens / s (end to end)"),
+                        (decode, "output tokens / s of decoding steps (prefill left out)"),
+                        (latency, "request latency (s)")):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("concurrent clients")
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
     latency.set_yscale("log")
     throughput.legend()
+    decode.legend()
     latency.legend(fontsize=7, ncol=2)
     figure.suptitle(title)
     figure.tight_layout()

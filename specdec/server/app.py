@@ -2,8 +2,8 @@
 
 One thread per connection parses and checks the request, submits it to the scheduler and writes what comes back,
 whole or as server-sent events; the scheduler's own thread runs every request's steps. Refusals are OpenAI error
-bodies: 400 for a bad request, 401 without the API key, 404 for an unknown path, 413 for a body over the limit,
-429 when the waiting queue is full, 503 while shutting down.
+bodies: 400 for a bad request, 401 without the API key, 404 for an unknown path (405 for a wrong method), 413 for
+a body over the limit, 429 when the waiting queue is full, 503 while shutting down.
 """
 
 from __future__ import annotations
@@ -21,20 +21,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-from specdec.server.protocol import (
-    ApiError,
-    BadRequest,
-    Job,
-    NotFound,
-    PayloadTooLarge,
-    Response,
-    TooManyRequests,
-    Unauthorized,
-    Unavailable,
-    parse_body,
-    parse_job,
-    usage,
-)
+from specdec.server.protocol import ApiError, BadRequest, Job, Response, parse_body, parse_job, usage
 from specdec.server.scheduler import Finished, Handle, QueueFull, Scheduler, ShuttingDown, Tokens
 from specdec.view import Detokenizer
 
@@ -116,9 +103,9 @@ class OpenAIServer:
         try:
             return self.scheduler.submit(request)
         except QueueFull as error:
-            raise TooManyRequests(f"the server is at capacity: {error}; retry later") from None
+            raise ApiError(f"the server is at capacity: {error}; retry later", status=429) from None
         except ShuttingDown as error:
-            raise Unavailable(str(error)) from None
+            raise ApiError(str(error), status=503) from None
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -159,10 +146,10 @@ class _Handler(BaseHTTPRequestHandler):
                 "/v1/chat/completions": ("POST", lambda: self._generate(chat=True)),
             }
             if path not in routes:
-                raise NotFound(f"no such endpoint: {path or '/'}")
+                raise ApiError(f"no such endpoint: {path or '/'}", status=404)
             allowed, endpoint = routes[path]
             if method != allowed:
-                raise NotFound(f"{path} answers {allowed}, not {method}")
+                raise ApiError(f"{path} answers {allowed}, not {method}", status=405)
             endpoint()
         except ApiError as error:
             self.app.scheduler.metrics.observe_rejection(error.status)
@@ -179,7 +166,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         given = self.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            raise Unauthorized("a valid API key is required: Authorization: Bearer <key>", code="invalid_api_key")
+            raise ApiError("a valid API key is required: Authorization: Bearer <key>", code="invalid_api_key",
+                           status=401)
 
     def _metrics(self) -> None:
         body = self.app.scheduler.metrics.render().encode()
@@ -192,8 +180,8 @@ class _Handler(BaseHTTPRequestHandler):
             raise BadRequest("a request body with a Content-Length header is required")
         if int(length) > self.app.settings.max_body_bytes:
             self.close_connection = True  # the body is left unread
-            raise PayloadTooLarge(f"the request body has {length} bytes; the limit is "
-                                  f"{self.app.settings.max_body_bytes}")
+            raise ApiError(f"the request body has {length} bytes; the limit is {self.app.settings.max_body_bytes}",
+                           status=413)
         return self.rfile.read(int(length))
 
     def _generate(self, chat: bool) -> None:

@@ -27,6 +27,8 @@ class Metrics:
     draft_tokens_at: dict[int, int] = field(default_factory=dict)  # draft position (1-based) -> draft tokens
     accepted_at: dict[int, int] = field(default_factory=dict)  # draft position -> accepted draft tokens
     steps: int = 0
+    prefill_seconds: float = 0.0  # in passes that prefill admitted prompts
+    step_seconds: float = 0.0  # in steps: drafting, the target pass, verification
     speculative_steps: int = 0
     batch_size: int = 0  # requests in the last step
     speculating: bool = False  # whether the last step scored any draft token
@@ -54,12 +56,18 @@ class Metrics:
                 if position <= round_.accepted:
                     self.accepted_at[position] = self.accepted_at.get(position, 0) + 1
 
-    def observe_step(self, batch_size: int, speculating: bool) -> None:
+    def observe_step(self, batch_size: int, speculating: bool, seconds: float) -> None:
         with self._lock:
-            self._observe_step(batch_size, speculating)
+            self._observe_step(batch_size, speculating, seconds)
 
-    def _observe_step(self, batch_size: int, speculating: bool) -> None:
+    def observe_prefill(self, prompt_tokens: int, seconds: float) -> None:
+        with self._lock:
+            self.prompt_tokens += prompt_tokens
+            self.prefill_seconds += seconds
+
+    def _observe_step(self, batch_size: int, speculating: bool, seconds: float) -> None:
         self.steps += 1
+        self.step_seconds += seconds
         self.speculative_steps += speculating
         self.batch_size = batch_size
         self.speculating = speculating
@@ -108,6 +116,10 @@ class Metrics:
                [("", self.generation_tokens / self.request_rounds if self.request_rounds else 0.0)])
         metric("request_rounds_total", "counter", "Request rounds: one per request per target pass.",
                [("", self.request_rounds)])
+        metric("prefill_seconds_total", "counter", "Seconds in passes that prefill prompts.",
+               [("", self.prefill_seconds)])
+        metric("step_seconds_total", "counter", "Seconds in steps (drafting, the target pass, verifying).",
+               [("", self.step_seconds)])
         metric("steps_total", "counter", "Target passes of the batch.", [("", self.steps)])
         metric("speculative_steps_total", "counter", "Target passes that scored draft tokens.",
                [("", self.speculative_steps)])

@@ -18,42 +18,28 @@ from specdec.server.scheduler import GenerationRequest
 MAX_STOP_SEQUENCES = 4
 
 
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               500: "server_error", 503: "server_error"}
+
+
 class ApiError(Exception):
     """An error answered with an HTTP status and an OpenAI error body."""
 
-    status = 500
-    kind = "server_error"
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 500) -> None:
         super().__init__(message)
-        self.message, self.param, self.code = message, param, code
+        self.message, self.param, self.code, self.status = message, param, code, status
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": ERROR_TYPES[self.status], "param": self.param,
+                          "code": self.code}}
 
 
 class BadRequest(ApiError):
-    status, kind = 400, "invalid_request_error"
+    """HTTP 400."""
 
-
-class Unauthorized(ApiError):
-    status, kind = 401, "authentication_error"
-
-
-class NotFound(ApiError):
-    status, kind = 404, "invalid_request_error"
-
-
-class PayloadTooLarge(ApiError):
-    status, kind = 413, "invalid_request_error"
-
-
-class TooManyRequests(ApiError):
-    status, kind = 429, "rate_limit_error"
-
-
-class Unavailable(ApiError):
-    status, kind = 503, "server_error"
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message, param, code, status=400)
 
 
 @dataclass(frozen=True)

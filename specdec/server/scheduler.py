@@ -261,12 +261,14 @@ class Scheduler:
 
     def _prefill(self, batch: list[_Running]) -> None:
         """Cache every context token but the last, which the first step scores."""
+        started = time.perf_counter()
         rows = [Row(r.slot, r.context[:-1], 0) for r in batch if len(r.context) > 1]
         if rows:
             self.pool.forward(rows)
-        self.metrics.prompt_tokens += sum(len(r.context) for r in batch)
+        self.metrics.observe_prefill(sum(len(r.context) for r in batch), time.perf_counter() - started)
 
     def step(self) -> None:
+        step_started = time.perf_counter()
         running = self._running
         # 1. draft, for requests that still speculate
         self._draft(running)
@@ -280,10 +282,10 @@ class Scheduler:
         started = time.perf_counter()
         logits = self.pool.forward(rows)  # per request [k+1, vocab]
         self.planner.observe_pass(sum(len(row.token_ids) for row in rows), time.perf_counter() - started)
-        self.metrics.observe_step(len(running), speculating=any(lengths))
         # 4. verify, roll back, emit
         for r, draft, row_logits, length in zip(running, drafts, logits, cached):
             self._advance(r, draft, row_logits, length)
+        self.metrics.observe_step(len(running), any(lengths), time.perf_counter() - step_started)
         # 5. retire
         for r in [r for r in running if r.finished or r.handle.cancelled.is_set()]:
             self._retire(r, r.finished or "cancelled")
