@@ -28,16 +28,25 @@ COST_LEARNING_RATE = 0.1
 
 
 class PassCost:
-    """Seconds of one pass over T positions: measured points, linearly interpolated (and extrapolated past the
-    last), each refined by the passes run near it."""
+    """Seconds of one pass over T positions: the shape measured at start-up (points linearly interpolated, and
+    extrapolated past the last), times a scale learnt from the passes the server runs.
+
+    Only the scale is learnt: the passes run are mostly of a few sizes, and moving single points would bend the
+    curve's shape, on which the choice depends (a step's value is tokens over seconds, so a common scale cancels
+    out of the comparison but for the drafting time added to it)."""
 
     def __init__(self, points: dict[int, float]) -> None:
         if not points:
             raise ValueError("need at least one measured pass")
         self.positions = sorted(points)
         self.seconds = [points[t] for t in self.positions]
+        self.scale = 1.0
 
     def __call__(self, positions: int) -> float:
+        return self.scale * self.measured(positions)
+
+    def measured(self, positions: int) -> float:
+        """The start-up measurement's seconds for a pass over ``positions``."""
         xs, ys = self.positions, self.seconds
         if len(xs) == 1:
             return ys[0] * positions / xs[0]
@@ -46,10 +55,8 @@ class PassCost:
         return max(y0 + (y1 - y0) * (positions - x0) / (x1 - x0), 1e-9)
 
     def observe(self, positions: int, seconds: float) -> None:
-        """Move the nearest measured point towards what a pass over ``positions`` took, in proportion."""
-        nearest = min(range(len(self.positions)), key=lambda i: abs(self.positions[i] - positions))
-        ratio = seconds / self(positions)
-        self.seconds[nearest] *= ratio**COST_LEARNING_RATE
+        """Move the scale towards what a pass over ``positions`` took against the measurement."""
+        self.scale *= (seconds / self(positions)) ** COST_LEARNING_RATE
 
     @classmethod
     def measure(cls, pool: BatchedLlama, max_positions: int, context_length: int = 64, repeats: int = 2
