@@ -273,6 +273,8 @@ def plot(results: list[Result], path: Path, title: str) -> None:
                         (decode, "output tokens / s of decoding steps (prefill left out)"),
                         (latency, "request latency (s)")):
         axis.set_xscale("log", base=2)
+        levels = sorted({r.concurrency for r in results})
+        axis.set_xticks(levels, [str(c) for c in levels])
         axis.set_xlabel("concurrent clients")
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
