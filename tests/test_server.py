@@ -39,7 +39,8 @@ def tiny(tmp_path_factory):
     return model, tokenizer
 
 
-def start_server(tiny, proposer=None, api_key=None, max_body_bytes=1 << 20, **batch) -> OpenAIServer:
+def start_server(tiny, proposer=None, api_key=None, max_body_bytes=1 << 20, read_timeout=60.0, **batch
+                 ) -> OpenAIServer:
     """A server on a free port; ``proposer`` (a factory) replaces the drafter of ``batch['drafter']``."""
     model, tokenizer = tiny
     settings = BatchSettings(**{"max_batch_size": 32, "max_model_len": 256, **batch})
@@ -47,7 +48,8 @@ def start_server(tiny, proposer=None, api_key=None, max_body_bytes=1 << 20, **ba
     if proposer is not None:
         scheduler.new_proposer = proposer
     server = OpenAIServer(scheduler, tokenizer, MODEL, ServerSettings(port=0, api_key=api_key,
-                                                                      max_body_bytes=max_body_bytes))
+                                                                      max_body_bytes=max_body_bytes,
+                                                                      read_timeout=read_timeout))
     server.start()
     return server
 
@@ -249,6 +251,19 @@ def test_api_key_is_required_everywhere_but_health(tiny):
         status, _ = post(server, "/v1/completions", {"prompt": "w3", "max_tokens": 2},
                          {"Authorization": "Bearer sesame"})
         assert status == 200
+    finally:
+        server.shutdown(timeout=5)
+
+
+def test_a_client_that_stalls_mid_body_is_dropped_and_others_are_served(tiny):
+    server = start_server(tiny, read_timeout=0.5)
+    try:
+        stalled = socket.create_connection(("127.0.0.1", server.port))
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro")
+        stalled.settimeout(10)
+        assert stalled.recv(4096) == b""  # closed by the server, no answer
+        stalled.close()
+        assert post(server, "/v1/completions", {"prompt": "w3", "max_tokens": 2})[0] == 200
     finally:
         server.shutdown(timeout=5)
 

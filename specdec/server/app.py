@@ -36,6 +36,7 @@ class ServerSettings:
     port: int = 8000
     api_key: str | None = None  # checked on every endpoint but /health
     max_body_bytes: int = 1 << 20
+    read_timeout: float = 120.0  # seconds a socket read or write may block
 
 
 class ClientGone(Exception):
@@ -118,6 +119,10 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "specdec"
 
+    def setup(self) -> None:
+        self.timeout = self.app.settings.read_timeout  # a client that stalls mid-request is dropped
+        super().setup()
+
     @property
     def app(self) -> OpenAIServer:
         return self.server.app
@@ -154,7 +159,7 @@ class _Handler(BaseHTTPRequestHandler):
         except ApiError as error:
             self.app.scheduler.metrics.observe_rejection(error.status)
             self._send_json(error.status, error.body())
-        except (BrokenPipeError, ConnectionResetError, ClientGone):
+        except (BrokenPipeError, ConnectionResetError, ClientGone, TimeoutError):  # the client left, or stalled
             self.close_connection = True
         except Exception as error:  # a bug answers 500 with one line; the traceback goes to the log only
             log.exception("request failed")
