@@ -268,8 +268,8 @@ def test_a_client_that_stalls_mid_body_is_dropped_and_others_are_served(tiny):
         server.shutdown(timeout=5)
 
 
-def test_server_binds_loopback_by_default():
-    assert ServerSettings().host == "127.0.0.1"
+def test_server_binds_loopback_by_default(server):
+    assert server.httpd.server_address[0] == "127.0.0.1"  # the fixture's settings name no host
 
 
 # --- reliability -------------------------------------------------------------------------------------------------
@@ -322,7 +322,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(tiny):
         connection.close()
         metrics = server.scheduler.metrics
         assert wait_for(lambda: metrics.finished.get("cancelled") == 1)
-        assert metrics.running == 0 and server.scheduler.pool.slots == []
+        assert server.scheduler.running == 0 and server.scheduler.pool.slots == []
         assert metrics.generation_tokens < 200
     finally:
         server.shutdown(timeout=5)

@@ -175,7 +175,8 @@ class _Handler(BaseHTTPRequestHandler):
                            status=401)
 
     def _metrics(self) -> None:
-        body = self.app.scheduler.metrics.render().encode()
+        scheduler = self.app.scheduler
+        body = scheduler.metrics.render(scheduler.running, scheduler.waiting).encode()
         self._send(200, body, "text/plain; version=0.0.4; charset=utf-8")
 
     def _read_body(self) -> bytes:

@@ -24,7 +24,6 @@ def load_server(model: str | None, batch: BatchSettings, settings: ServerSetting
     from specdec.backends import make_backend
     from specdec.models import load_model
 
-    BatchSettings.__post_init__(batch)
     store = None if datastore is None else datastores.load(datastore)
     loaded = load_model(model, dtype=dtype, device=device)
     if store is not None:

@@ -32,8 +32,6 @@ class Metrics:
     speculative_steps: int = 0
     batch_size: int = 0  # requests in the last step
     speculating: bool = False  # whether the last step scored any draft token
-    running: int = 0
-    waiting: int = 0
     drafter_errors: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
     rejected: dict[int, int] = field(default_factory=dict)  # HTTP status -> requests refused
@@ -42,35 +40,29 @@ class Metrics:
     def observe_round(self, round_: Round) -> None:
         """One request's share of a step."""
         with self._lock:
-            self._observe_round(round_)
-
-    def _observe_round(self, round_: Round) -> None:
-        self.request_rounds += 1
-        self.generation_tokens += len(round_.tokens)
-        if round_.draft_tokens:
-            self.drafts += 1
-            self.draft_tokens += round_.draft_tokens
-            self.accepted_tokens += round_.accepted
-            for position in range(1, round_.draft_tokens + 1):
-                self.draft_tokens_at[position] = self.draft_tokens_at.get(position, 0) + 1
-                if position <= round_.accepted:
-                    self.accepted_at[position] = self.accepted_at.get(position, 0) + 1
+            self.request_rounds += 1
+            self.generation_tokens += len(round_.tokens)
+            if round_.draft_tokens:
+                self.drafts += 1
+                self.draft_tokens += round_.draft_tokens
+                self.accepted_tokens += round_.accepted
+                for position in range(1, round_.draft_tokens + 1):
+                    self.draft_tokens_at[position] = self.draft_tokens_at.get(position, 0) + 1
+                    if position <= round_.accepted:
+                        self.accepted_at[position] = self.accepted_at.get(position, 0) + 1
 
     def observe_step(self, batch_size: int, speculating: bool, seconds: float) -> None:
         with self._lock:
-            self._observe_step(batch_size, speculating, seconds)
+            self.steps += 1
+            self.step_seconds += seconds
+            self.speculative_steps += speculating
+            self.batch_size = batch_size
+            self.speculating = speculating
 
     def observe_prefill(self, prompt_tokens: int, seconds: float) -> None:
         with self._lock:
             self.prompt_tokens += prompt_tokens
             self.prefill_seconds += seconds
-
-    def _observe_step(self, batch_size: int, speculating: bool, seconds: float) -> None:
-        self.steps += 1
-        self.step_seconds += seconds
-        self.speculative_steps += speculating
-        self.batch_size = batch_size
-        self.speculating = speculating
 
     def observe_rejection(self, status: int) -> None:
         with self._lock:
@@ -80,11 +72,12 @@ class Metrics:
         with self._lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
 
-    def render(self) -> str:
+    def render(self, running: int, waiting: int) -> str:
+        """The text of ``GET /metrics``; ``running`` and ``waiting`` are the scheduler's requests now."""
         with self._lock:  # the scheduler's thread counts while a request's thread renders
-            return self._render()
+            return self._render(running, waiting)
 
-    def _render(self) -> str:
+    def _render(self, running: int, waiting: int) -> str:
         lines: list[str] = []
 
         def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
@@ -126,8 +119,8 @@ class Metrics:
         metric("batch_size", "gauge", "Requests in the last target pass.", [("", self.batch_size)])
         metric("speculation_enabled", "gauge", "1 when the last target pass scored draft tokens, else 0.",
                [("", int(self.speculating))])
-        metric("running_requests", "gauge", "Requests in the batch.", [("", self.running)])
-        metric("waiting_requests", "gauge", "Requests queued for a slot.", [("", self.waiting)])
+        metric("running_requests", "gauge", "Requests in the batch.", [("", running)])
+        metric("waiting_requests", "gauge", "Requests queued for a slot.", [("", waiting)])
         metric("drafter_errors_total", "counter", "Drafter failures (the request then decodes plainly).",
                [("", self.drafter_errors)])
         return "\n".join(lines) + "\n"

@@ -94,8 +94,10 @@ class Handle:
 class _Running:
     """A request in the batch: its slot, context, drafter, generator and measured acceptance."""
 
-    def __init__(self, handle: Handle, slot: Slot, proposer: Proposer, device: torch.device) -> None:
+    def __init__(self, handle: Handle, slot: Slot, proposer: Proposer, device: torch.device,
+                 stop_ids: frozenset[int]) -> None:
         request = handle.request
+        self.stop_ids = stop_ids if request.stop_at_eos else frozenset()
         self.handle = handle
         self.slot = slot
         self.proposer = proposer
@@ -152,7 +154,6 @@ class Scheduler:
             if len(self._waiting) >= self.max_waiting:
                 raise QueueFull(f"{self.max_waiting} requests are already waiting")
             self._waiting.append(handle)
-            self.metrics.waiting = len(self._waiting)
             self._lock.notify()
         return handle
 
@@ -217,7 +218,6 @@ class Scheduler:
                 for running in self._running:
                     self._retire(running, "error", f"internal error: {error}")
                 self._running.clear()
-            self._publish_gauges()
 
     def _admit(self) -> None:
         """Move waiting requests into free slots and prefill their prompts together."""
@@ -228,8 +228,8 @@ class Scheduler:
                 if handle.cancelled.is_set():
                     self._end_waiting(handle)
                     continue
-                admitted.append(_Running(handle, self.pool.open(), self._proposer(handle), self.pool.device))
-            self.metrics.waiting = len(self._waiting)
+                admitted.append(_Running(handle, self.pool.open(), self._proposer(handle), self.pool.device,
+                                         self.eos_token_ids))
         self._running += admitted  # before the prefill: should it fail, the loop's handler ends them too
         batch: list[_Running] = []
         for running in admitted:
@@ -273,18 +273,18 @@ class Scheduler:
         # 1. draft, for requests that still speculate
         self._draft(running)
         # 2. the planner chooses how many of each draft's tokens to score
-        rates = [r.acceptance.rate(self.planner.prior()) for r in running]
+        prior = self.planner.prior()
+        rates = [r.acceptance.rate(prior) for r in running]
         lengths = self.planner.draft_lengths([len(r.draft) for r in running], rates)
         drafts = [_first(r.draft, n) for r, n in zip(running, lengths)]
         # 3. one target pass over every request's pending token and draft tokens
-        cached = [r.slot.length for r in running]
         rows = [Row(r.slot, [r.context[-1]] + d.tokens, len(d) + 1) for r, d in zip(running, drafts)]
         started = time.perf_counter()
         logits = self.pool.forward(rows)  # per request [k+1, vocab]
         self.planner.observe_pass(sum(len(row.token_ids) for row in rows), time.perf_counter() - started)
         # 4. verify, roll back, emit
-        for r, draft, row_logits, length in zip(running, drafts, logits, cached):
-            self._advance(r, draft, row_logits, length)
+        for r, draft, row_logits in zip(running, drafts, logits):
+            self._advance(r, draft, row_logits)
         self.metrics.observe_step(len(running), any(lengths), time.perf_counter() - step_started)
         # 5. retire
         for r in [r for r in running if r.finished or r.handle.cancelled.is_set()]:
@@ -309,18 +309,16 @@ class Scheduler:
             drafted += len(r.draft)
         self.planner.observe_drafting(drafted, time.perf_counter() - started)
 
-    def _advance(self, r: _Running, draft: Draft, logits: torch.Tensor, cached: int) -> None:
-        request = r.handle.request
-        verdict = verify_draft(draft, logits, request.sampling, r.generator)
-        r.slot.length = cached + 1 + verdict.accepted
+    def _advance(self, r: _Running, draft: Draft, logits: torch.Tensor) -> None:
+        verdict = verify_draft(draft, logits, r.handle.request.sampling, r.generator)
+        r.slot.length = len(r.context) + verdict.accepted  # the context, less its last token, was cached
         self._learn_acceptance(r, draft, verdict)
-        stop_ids = self.eos_token_ids if request.stop_at_eos else frozenset()
-        round_ = emitted_round(draft, verdict, r.remaining, stop_ids, 0.0, 0.0, len(draft))
+        round_ = emitted_round(draft, verdict, r.remaining, r.stop_ids, 0.0, 0.0, len(draft))
         self.metrics.observe_round(round_)
         r.context += round_.tokens
         r.produced += len(round_.tokens)
         r.handle.events.put(Tokens(round_.tokens, round_.kinds, round_.draft_tokens))
-        if round_.tokens[-1] in stop_ids:
+        if round_.tokens[-1] in r.stop_ids:
             r.finished = "stop"
         elif r.remaining == 0 or len(r.context) >= self.max_length:
             r.finished = "length"
@@ -344,9 +342,6 @@ class Scheduler:
         r.handle.events.put(Finished(reason, message))
         self.metrics.observe_finish(reason)
 
-    def _publish_gauges(self) -> None:
-        self.metrics.running = len(self._running)
-        self.metrics.waiting = len(self._waiting)
 
 
 def _first(draft: Draft, n: int) -> Draft:
