@@ -49,7 +49,7 @@ def sync(model: CausalLM, context: list[int], num_logits: int) -> torch.Tensor: 
     that extends an earlier one (the next chat turn, another sample of the same prompt) skips the shared
     prefill, and a drafter forgets its rejected draft tokens by itself.
     """
-    shared = min(_common_prefix_length(model.tokens, context), len(context) - num_logits)
+    shared = min(common_prefix_length(model.tokens, context), len(context) - num_logits)
     model.rollback(shared)
     return model.extend(context[shared:], num_logits)
 
@@ -65,7 +65,7 @@ def pass_seconds(model: CausalLM, positions: int) -> float:
     return elapsed
 
 
-def _common_prefix_length(a: list[int], b: list[int]) -> int:
+def common_prefix_length(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:

@@ -79,9 +79,15 @@ class BatchedLlama:
             self.slots[slot.index] = last
         slot.index = -1
 
-    @torch.inference_mode()
     def forward(self, rows: list[Row]) -> list[torch.Tensor]:  # per row [num_logits, vocab]
         """Append every row's tokens to its slot in one pass; each row's logits at its last ``num_logits``."""
+        return self.forward_hidden(rows, hidden=False)[0]
+
+    @torch.inference_mode()
+    def forward_hidden(self, rows: list[Row], hidden: bool = True
+                       ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """As :meth:`forward`, and (when ``hidden``) each row's final hidden states, normed as the LM head reads
+        them, at every one of its new tokens: per row [num_logits, vocab] and [n, hidden]."""
         given, rows = rows, sorted(rows, key=lambda row: row.slot.index)
         lengths = [len(row.token_ids) for row in rows]
         if any(n == 0 for n in lengths):
@@ -104,10 +110,16 @@ class BatchedLlama:
             x = x + mlp(layer, x, rt.eps)
         for row, n in zip(rows, lengths):
             row.slot.length += n
-        picked = x[layout.logit_rows]  # [sum num_logits, hidden]
-        logits = lm_head(rms_norm(picked, rt.final_norm, rt.eps)) if len(picked) else picked.new_empty(0, 0)
+        if hidden:
+            normed = rms_norm(x, rt.final_norm, rt.eps)  # [T, hidden]
+            picked = normed[layout.logit_rows]
+            by_row_hidden = dict(zip((id(row) for row in rows), normed.split(lengths)))
+        else:
+            picked = rms_norm(x[layout.logit_rows], rt.final_norm, rt.eps)  # [sum num_logits, hidden]
+        logits = lm_head(picked) if len(picked) else picked.new_empty(0, 0)
         by_row = dict(zip((id(row) for row in rows), logits.split([row.num_logits for row in rows])))
-        return [by_row[id(row)] for row in given]
+        return ([by_row[id(row)] for row in given],
+                [by_row_hidden[id(row)] for row in given] if hidden else None)
 
     def _clear_up_to(self, span: int, rows: list[Row]) -> None:
         """Zero the never-written positions below ``span`` of the rows' slots: the pass reads them, masked."""

@@ -55,7 +55,7 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, precision: str)
     bias32 = None if bias is None else bias.float()
     if precision == "float32":
         return _onednn(weight.float(), bias32) if _has_onednn() else _plain(weight.float(), bias32)
-    if precision == "float16" and _has_fbgemm():
+    if precision == "float16" and has_fbgemm():
         return _fbgemm_half(weight.float(), bias32)
     return _cast_around(weight.to(DTYPE_OF[precision]), bias32)
 
@@ -89,7 +89,7 @@ def _has_onednn() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def _has_fbgemm() -> bool:
+def has_fbgemm() -> bool:
     return hasattr(torch, "fbgemm_pack_gemm_matrix_fp16") and torch.backends.cpu.get_cpu_capability() != "DEFAULT"
 
 

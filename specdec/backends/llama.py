@@ -73,7 +73,9 @@ class LlamaRuntime:
         rope = _rope_parameters(config)
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, device=self.device).float() / self.head_dim))
+        self.lm_head_weight = model.get_output_embeddings().weight.detach()  # [vocab, hidden], as loaded
         self.tokens: list[int] = []
+        self._hidden: torch.Tensor | None = None  # [capacity, hidden] once keep_hidden_states() was called
         self._keys: list[torch.Tensor] = []  # per layer [kv_heads, capacity, head_dim]
         self._values: list[torch.Tensor] = []
         self._cos = self._sin = torch.empty(0, self.head_dim, device=self.device)  # [capacity, head_dim]
@@ -85,6 +87,19 @@ class LlamaRuntime:
 
     def rollback(self, length: int) -> None:
         del self.tokens[length:]  # positions past the length are overwritten by the next extend
+
+    def keep_hidden_states(self) -> None:
+        """From now on keep every cached position's final hidden state (what drafters that read the target's
+        features need); the cost is one norm over every new position instead of only where logits are wanted."""
+        if self._hidden is None:
+            self._hidden = torch.empty(self._capacity, self.embed.shape[1], dtype=self.dtype, device=self.device)
+
+    @property
+    def hidden_states(self) -> torch.Tensor:  # [len(tokens), hidden]
+        """The final hidden state, normed as the LM head reads it, of every cached position."""
+        if self._hidden is None:
+            raise RuntimeError("call keep_hidden_states() first")
+        return self._hidden[: len(self.tokens)]
 
     @torch.inference_mode()
     def extend(self, token_ids: list[int], num_logits: int) -> torch.Tensor:  # [num_logits, vocab]
@@ -103,6 +118,11 @@ class LlamaRuntime:
                                     mask)
             x = x + mlp(layer, x, self.eps)
         self.tokens += token_ids
+        if self._hidden is not None:
+            normed = rms_norm(x, self.final_norm, self.eps)  # [n, hidden]
+            self._hidden[start : start + n] = normed
+            return lm_head(normed[n - num_logits :]) if num_logits else torch.empty(0, self.vocab_size,
+                                                                                      device=self.device)
         if num_logits == 0:
             return torch.empty(0, self.vocab_size, device=self.device)
         return lm_head(rms_norm(x[n - num_logits :], self.final_norm, self.eps))  # [num_logits, vocab]
@@ -142,6 +162,10 @@ class LlamaRuntime:
                     buffers[i] = resized
                 else:
                     buffers.append(resized)
+        if self._hidden is not None:
+            resized = torch.empty(capacity, self._hidden.shape[1], dtype=self.dtype, device=self.device)
+            resized[:used] = self._hidden[:used]
+            self._hidden = resized
         self._cos, self._sin = self.rope_tables(capacity)
         self._capacity = capacity
 
