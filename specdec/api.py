@@ -10,7 +10,7 @@ from specdec.backends import make_backend
 from specdec.engine import Engine, GenerationConfig, GenerationStats, Round
 from specdec.errors import UsageError
 from specdec.models import LoadedModel, load_model
-from specdec.proposers import make_proposer, require_draft_model
+from specdec.proposers import make_proposer
 from specdec.sampling import SamplingParams
 from specdec.view import Detokenizer
 
@@ -34,10 +34,12 @@ class SpecDecoder:
     """
 
     def __init__(self, target: LoadedModel, drafter: str = "prompt-lookup", draft: LoadedModel | None = None,
-                 precision: str | None = None, datastore=None):
+                 precision: str | None = None, datastore=None, drafter_path: str | os.PathLike | None = None):
         """``precision``: None runs the models in the dtype they were loaded in; "auto" lets the lean runtime pick,
         per kind of pass, the fastest weight precision that keeps the target's outputs (see backends/precision.py).
         ``datastore``: a loaded retrieval datastore (specdec.datastore.load), for the retrieval drafter.
+        ``drafter_path``: a trained drafter's directory (``specdec train``) for draft-model, mtp or eagle; without
+        it, the one shipped for the target.
         """
         if draft is not None:
             check_same_vocabulary(target, draft)
@@ -45,8 +47,8 @@ class SpecDecoder:
         self.tokenizer = target.tokenizer
         self.drafter = drafter
         backend = make_backend(target.model, precision)
-        draft_backend = make_backend(draft.model, precision) if draft is not None else None
-        proposer = make_proposer(drafter, backend, draft_backend, datastore)
+        proposer = make_proposer(drafter, backend, drafter_of(drafter, target, backend, draft, precision,
+                                                              drafter_path), datastore)
         self.engine = Engine(backend, proposer, eos_token_ids=eos_token_ids(target))
 
     @classmethod
@@ -58,26 +60,33 @@ class SpecDecoder:
         dtype: str = "auto",
         device: str = "auto",
         datastore: str | os.PathLike | None = None,
+        drafter_path: str | os.PathLike | None = None,
     ) -> "SpecDecoder":
         """Load from local paths (a transformers directory or a .gguf file); ``model=None`` is the default model.
 
         ``drafter`` defaults to ``draft-model`` when a draft model is given, ``retrieval`` when a datastore is,
-        else ``prompt-lookup``.
+        the method of the drafter at ``drafter_path`` when one is given, else ``prompt-lookup``.
         """
         from specdec import datastore as datastores
+        from specdec.drafters.loading import parse_drafter_paths
 
+        if drafter_path is not None and drafter is None:
+            drafter = next(iter(parse_drafter_paths([str(drafter_path)])))
         drafter = drafter or ("draft-model" if draft_model is not None else
                               "retrieval" if datastore is not None else "prompt-lookup")
-        require_draft_model(drafter, draft_model is not None)
+        if draft_model is not None and drafter_path is not None:
+            raise UsageError("give a draft model either as --draft-model (a transformers model) or as "
+                             "--drafter-path (a trained drafter), not both")
         if datastore is not None and drafter != "retrieval":
             raise UsageError(f"--datastore drafts only with --drafter retrieval, not {drafter}")
         store = None if datastore is None else datastores.load(datastore)  # checked before the slow model load
         target = load_model(model, dtype=dtype, device=device)
-        draft = load_model(draft_model, dtype=dtype, device=device) if drafter == "draft-model" else None
+        draft = load_model(draft_model, dtype=dtype, device=device) \
+            if drafter == "draft-model" and draft_model is not None else None
         if store is not None:
             store.check_vocabulary(target.model.config.vocab_size)
         return cls(target, drafter=drafter, draft=draft, precision="auto" if dtype == "auto" else None,
-                   datastore=store)
+                   datastore=store, drafter_path=drafter_path)
 
     def encode(self, prompt: str, chat: bool | None = None) -> list[int]:
         """Token ids of the prompt; ``chat`` applies the chat template (None: when the model has one)."""
@@ -134,6 +143,23 @@ class SpecDecoder:
             on_token(detokenizer.flush(), result.kinds[-1])
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return Completion(text=text, token_ids=result.token_ids, stats=result.stats, kinds=result.kinds)
+
+
+def drafter_of(drafter: str, target: LoadedModel, backend, draft: LoadedModel | None, precision: str | None,
+               drafter_path: str | os.PathLike | None = None):
+    """What the proposer ``drafter`` drafts with: a draft model's backend (a transformers model, or a trained draft
+    LM), a trained network (mtp, eagle), or None."""
+    from specdec.drafters.loading import load_trained
+    from specdec.drafters.runtime import DraftLMRuntime
+
+    if drafter == "draft-model" and draft is not None:
+        return make_backend(draft.model, precision)
+    if drafter in ("draft-model", "mtp", "eagle"):
+        network = load_trained(drafter, target.model, drafter_path)
+        return DraftLMRuntime(network, backend.max_length) if drafter == "draft-model" else network
+    if drafter_path is not None:
+        raise UsageError(f"--drafter-path is for trained drafters (draft-model, mtp, eagle), not {drafter}")
+    return None
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:

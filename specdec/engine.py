@@ -87,9 +87,18 @@ class GenerationStats:
     target_seconds: float = 0.0  # of which the target's scoring passes and verification
     policy: str = "fixed"  # how k was chosen: fixed, heuristic or auto
     chosen_k: dict[int, int] = field(default_factory=dict)  # draft length the policy chose -> rounds
+    drafted_at: list[int] = field(default_factory=list)  # [i]: rounds that drafted a token at draft position i+1
+    accepted_at: list[int] = field(default_factory=list)  # [i]: rounds whose draft token i+1 was accepted
 
     def record(self, round_: Round) -> None:
         self.rounds += 1
+        grow = round_.draft_tokens - len(self.drafted_at)
+        if grow > 0:
+            self.drafted_at += [0] * grow
+            self.accepted_at += [0] * grow
+        for i in range(round_.draft_tokens):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < round_.accepted
         self.chosen_k[round_.asked] = self.chosen_k.get(round_.asked, 0) + 1
         self.draft_tokens += round_.draft_tokens
         self.accepted_tokens += round_.accepted
@@ -101,6 +110,12 @@ class GenerationStats:
     def acceptance_rate(self) -> float:
         """Accepted draft tokens / draft tokens (0 when nothing was drafted)."""
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """Per draft position: the share of the drafted tokens there that were accepted (vLLM's per-position
+        acceptance; a token after a rejection counts as drafted, not accepted)."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
 
     @property
     def mean_accepted_length(self) -> float:
@@ -125,6 +140,7 @@ class GenerationStats:
             "target_seconds": self.target_seconds,
             "policy": self.policy,
             "chosen_k": {str(k): n for k, n in sorted(self.chosen_k.items())},
+            "acceptance_by_position": [round(rate, 4) for rate in self.acceptance_by_position],
         }
 
 

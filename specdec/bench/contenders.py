@@ -25,6 +25,8 @@ class Outcome:
     accepted_tokens: int | None = None
     draft_seconds: float | None = None
     target_seconds: float | None = None
+    drafted_at: tuple[int, ...] = ()  # per draft position, tokens drafted there (GenerationStats.drafted_at)
+    accepted_at: tuple[int, ...] = ()  # per draft position, tokens accepted there
 
 
 class Contender(Protocol):
@@ -51,7 +53,8 @@ class SpecdecContender:
         s = result.stats
         return Outcome(token_ids=result.token_ids, seconds=s.seconds, rounds=s.rounds, draft_tokens=s.draft_tokens,
                        accepted_tokens=s.accepted_tokens, draft_seconds=s.draft_seconds,
-                       target_seconds=s.target_seconds)
+                       target_seconds=s.target_seconds, drafted_at=tuple(s.drafted_at),
+                       accepted_at=tuple(s.accepted_at))
 
 
 class TransformersContender:

@@ -51,6 +51,7 @@ def _acceptance_fields(mine: list[Run], baseline: list[Run], speedup: float) -> 
     if not drafted:  # nothing drafted (the baseline): no acceptance, and no speculation to idealise
         return fields
     fields["acceptance_rate"] = accepted / drafted
+    fields["acceptance_by_position"] = _acceptance_by_position(mine)
     plain_rounds = sum(r.outcome.rounds or 0 for r in baseline)
     if rounds and plain_rounds:
         plain_step = sum(r.outcome.target_seconds for r in baseline) / plain_rounds
@@ -64,6 +65,14 @@ def _acceptance_fields(mine: list[Run], baseline: list[Run], speedup: float) -> 
         fields["ideal_speedup"] = ideal
         fields["fraction_of_ideal"] = speedup / ideal if ideal else None
     return fields
+
+
+def _acceptance_by_position(runs: list[Run]) -> list[float]:
+    """Per draft position, over all runs: accepted / drafted tokens there."""
+    width = max(len(r.outcome.drafted_at) for r in runs)
+    drafted = [sum(r.outcome.drafted_at[i] for r in runs if i < len(r.outcome.drafted_at)) for i in range(width)]
+    accepted = [sum(r.outcome.accepted_at[i] for r in runs if i < len(r.outcome.accepted_at)) for i in range(width)]
+    return [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
 
 
 def _per_prompt_rate(runs: list[Run]) -> dict[str, float]:
@@ -118,6 +127,16 @@ def markdown(report: dict) -> str:
         sections += [(cat, [{"drafter": c["drafter"], **c["per_category"][cat]} for c in configs])
                      for cat in categories]
     lines = []
+    by_position = [c for c in configs if c.get("acceptance_by_position")]
+    if by_position:
+        width = max(len(c["acceptance_by_position"]) for c in by_position)
+        lines += ["**acceptance by draft position** (accepted / drafted tokens at each position)", "",
+                  "| config | " + " | ".join(str(i + 1) for i in range(width)) + " |",
+                  "|---|" + "---:|" * width]
+        for c in by_position:
+            rates = c["acceptance_by_position"] + [None] * (width - len(c["acceptance_by_position"]))
+            lines.append(f"| {c['drafter']} | " + " | ".join("—" if r is None else f"{r:.1%}" for r in rates) + " |")
+        lines.append("")
     for title, rows in sections:
         lines += [f"**{title}**", "", "| " + " | ".join(h for _, h, _ in COLUMNS) + " |",
                   "|" + "|".join("---:" if i else "---" for i in range(len(COLUMNS))) + "|"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.api import SpecDecoder, check_same_vocabulary, eos_token_ids
+from specdec.api import SpecDecoder, check_same_vocabulary, drafter_of, eos_token_ids
 from specdec.backends import CausalLM, make_backend, precision_of
 from specdec.bench.contenders import Contender, SpecdecContender, TransformersContender
 from specdec.bench.prompts import read_prompts
@@ -19,6 +19,7 @@ from specdec.bench.roofline import measure_roofline, roofline_markdown
 from specdec import datastore as datastores
 from specdec.engine import Engine, GenerationConfig, parse_num_draft_tokens
 from specdec.errors import UsageError
+from specdec.drafters.loading import parse_drafter_paths
 from specdec.models import load_model
 from specdec.proposers import PROPOSERS, NoProposer, make_proposer
 from specdec.sampling import SamplingParams
@@ -40,7 +41,7 @@ def _hf_assisted(name: str, target, draft, k: int | str, eos: set[int]) -> Conte
 
 # transformers' own assisted generation, as the field's reference: name -> factory(label, target, draft, k, eos ids)
 REFERENCE_CONTENDERS = {"hf-prompt-lookup": _hf_prompt_lookup, "hf-assisted": _hf_assisted}
-NEEDS_DRAFT_MODEL = {"draft-model", "hf-assisted"}
+NEEDS_DRAFT_MODEL = {"hf-assisted"}
 
 
 def parse_contender(spec: str, default_k: int | str) -> tuple[str, int | str]:
@@ -53,22 +54,27 @@ def parse_contender(spec: str, default_k: int | str) -> tuple[str, int | str]:
 
 
 def build_contenders(specs: list[str], target, draft, num_draft_tokens: int | str,
-                     precision: str | None = None, datastore=None) -> tuple[list[Contender], CausalLM]:
+                     precision: str | None = None, datastore=None, drafter_paths: dict[str, str] | None = None
+                     ) -> tuple[list[Contender], CausalLM]:
     """One contender per spec (``name`` or ``name:k``), ``none`` (the baseline) first; and the target backend
-    specdec's contenders share."""
+    specdec's contenders share. Trained drafters come from ``drafter_paths`` (method -> directory), else from
+    those shipped for the target; one drafter serves every spec of its method."""
     parsed = {spec: parse_contender(spec, num_draft_tokens) for spec in dict.fromkeys(specs) if spec != BASELINE}
     if draft is None and NEEDS_DRAFT_MODEL & {name for name, _ in parsed.values()}:
-        raise UsageError("the draft-model and hf-assisted configurations need --draft-model PATH")
+        raise UsageError("the hf-assisted configuration needs --draft-model PATH")
     backend = make_backend(target.model, precision)
-    draft_backend = make_backend(draft.model, precision) if draft is not None else None
     eos = eos_token_ids(target)
+    drafters: dict[str, object] = {}
     contenders: list[Contender] = [SpecdecContender(BASELINE, Engine(backend, NoProposer(), eos), 0)]
     for spec, (name, k) in parsed.items():
         if name in REFERENCE_CONTENDERS:
             contenders.append(REFERENCE_CONTENDERS[name](spec, target, draft, k, eos))
         else:
             store = datastore if name == "retrieval" else None
-            engine = Engine(backend, make_proposer(name, backend, draft_backend, store), eos_token_ids=eos)
+            if name not in drafters:
+                drafters[name] = drafter_of(name, target, backend, draft, precision,
+                                            (drafter_paths or {}).get(name))
+            engine = Engine(backend, make_proposer(name, backend, drafters[name], store), eos_token_ids=eos)
             contenders.append(SpecdecContender(spec, engine, k))
     return contenders, backend
 
@@ -100,6 +106,7 @@ def run_bench(args) -> int:
     if args.repeats < 1:
         raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
     names = [n.strip() for n in args.drafters.split(",") if n.strip()]
+    parse_drafter_paths(args.drafter_path)  # checked before the slow model load
     bench_prompts = read_prompts(args.prompts, category=args.category, limit=args.limit)
 
     store = None if args.datastore is None else datastores.load(args.datastore)
@@ -109,7 +116,8 @@ def run_bench(args) -> int:
         check_same_vocabulary(target, draft)
     if store is not None:
         store.check_vocabulary(target.model.config.vocab_size)
-    contenders, backend = build_contenders(names, target, draft, k, "auto" if args.dtype == "auto" else None, store)
+    contenders, backend = build_contenders(names, target, draft, k, "auto" if args.dtype == "auto" else None, store,
+                                           parse_drafter_paths(args.drafter_path))
     encoder = SpecDecoder(target, drafter=BASELINE)
     prompts = [(p.id, p.category, encoder.encode(p.text, None if p.chat else False)) for p in bench_prompts]
 
@@ -120,7 +128,8 @@ def run_bench(args) -> int:
         "prompts": str(args.prompts), "category": args.category, "num_prompts": len(prompts),
         "repeats": args.repeats, "max_new_tokens": args.max_new_tokens, "num_draft_tokens": k,
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "model": args.model or "default",
-        "draft_model": args.draft_model, "dtype": precision_of(backend),
+        "draft_model": args.draft_model, "drafter_paths": parse_drafter_paths(args.drafter_path),
+        "dtype": precision_of(backend),
         "device": str(target.model.device), "threads": torch.get_num_threads(), "machine": platform.machine(),
     }
     report = build_report(runs, contenders, settings)

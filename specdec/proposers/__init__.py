@@ -8,43 +8,60 @@ from specdec.backends.base import CausalLM
 from specdec.errors import UsageError
 from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from specdec.proposers.draft_model import DraftModelProposer
+from specdec.proposers.eagle import EagleProposer
+from specdec.proposers.mtp import MTPProposer
 from specdec.proposers.none import NoProposer
 from specdec.proposers.prompt_lookup import PromptLookupProposer
 from specdec.proposers.retrieval import ContinuationIndex, RetrievalProposer
 
 
-def require_draft_model(drafter: str, has_draft_model: bool) -> None:
-    """Refuse the draft-model drafter without a draft model (checked before anything slow is loaded)."""
-    if drafter == "draft-model" and not has_draft_model:
-        raise UsageError("--drafter draft-model needs --draft-model PATH")
+def _draft_model(target: CausalLM, drafter, datastore: ContinuationIndex | None) -> Proposer:
+    if drafter is None:
+        raise UsageError("--drafter draft-model needs a draft model: --draft-model PATH, --drafter-path DIR, or the "
+                         "default target (whose trained draft model ships with specdec)")
+    return DraftModelProposer(drafter, target_vocab_size=target.vocab_size)
 
 
-def _draft_model(target: CausalLM, draft: CausalLM | None, datastore: ContinuationIndex | None) -> Proposer:
-    require_draft_model("draft-model", draft is not None)
-    return DraftModelProposer(draft, target_vocab_size=target.vocab_size)
+def _feature_drafter(proposer: type) -> Callable:
+    """A factory for a drafter that reads the target's hidden states (the lean llama runtime keeps them)."""
+
+    def factory(target: CausalLM, drafter, datastore: ContinuationIndex | None) -> Proposer:
+        if not hasattr(target, "keep_hidden_states"):
+            raise UsageError(f"--drafter {proposer.name} reads the target's hidden states, which only the lean "
+                             "runtime of llama-family targets keeps")
+        if drafter is None:
+            raise UsageError(f"--drafter {proposer.name} needs a trained drafter (--drafter-path DIR)")
+        return proposer(drafter, target)
+
+    return factory
 
 
-# name -> factory(target backend, draft backend or None, retrieval datastore or None)
-PROPOSERS: dict[str, Callable[[CausalLM, CausalLM | None, ContinuationIndex | None], Proposer]] = {
-    "none": lambda target, draft, datastore: NoProposer(),
-    "prompt-lookup": lambda target, draft, datastore: PromptLookupProposer(),
-    "retrieval": lambda target, draft, datastore: RetrievalProposer(datastore),
+# name -> factory(target backend, drafter or None, retrieval datastore or None); the drafter is a CausalLM for
+# draft-model and a trained network for mtp and eagle
+PROPOSERS: dict[str, Callable[[CausalLM, object, ContinuationIndex | None], Proposer]] = {
+    "none": lambda target, drafter, datastore: NoProposer(),
+    "prompt-lookup": lambda target, drafter, datastore: PromptLookupProposer(),
+    "retrieval": lambda target, drafter, datastore: RetrievalProposer(datastore),
     "draft-model": _draft_model,
+    "mtp": _feature_drafter(MTPProposer),
+    "eagle": _feature_drafter(EagleProposer),
 }
 
 
-def make_proposer(name: str, target: CausalLM, draft: CausalLM | None = None,
-                  datastore: ContinuationIndex | None = None) -> Proposer:
+def make_proposer(name: str, target: CausalLM, drafter=None, datastore: ContinuationIndex | None = None
+                  ) -> Proposer:
     if name not in PROPOSERS:
         raise UsageError(f"unknown drafter {name!r}; choose from {', '.join(PROPOSERS)}")
     if datastore is not None and name != "retrieval":
         raise UsageError(f"a datastore drafts only with --drafter retrieval, not {name}")
-    return PROPOSERS[name](target, draft, datastore)
+    return PROPOSERS[name](target, drafter, datastore)
 
 
 __all__ = [
     "Draft",
     "DraftModelProposer",
+    "EagleProposer",
+    "MTPProposer",
     "EMPTY_DRAFT",
     "NoProposer",
     "PROPOSERS",
@@ -52,5 +69,4 @@ __all__ = [
     "Proposer",
     "RetrievalProposer",
     "make_proposer",
-    "require_draft_model",
 ]

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, logits_to_probs, sample
 
 
 @dataclass(frozen=True)
@@ -42,3 +42,19 @@ class Proposer(Protocol):
     def clear_cache(self) -> None:
         """Forget any state kept from earlier contexts (so that a benchmark run starts cold)."""
         ...
+
+
+def draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+                ) -> tuple[int, torch.Tensor | None]:  # logits [vocab]
+    """One draft token from a drafter's logits: the argmax when greedy (a point mass: no distribution kept), else
+    a draw from the logits through the same transform the target's go through, with that distribution."""
+    if params.greedy:
+        return int(logits.argmax()), None
+    probs = logits_to_probs(logits, params)  # [vocab]
+    return sample(probs, generator), probs
+
+
+def draft_of(tokens: list[int], rows: list[torch.Tensor | None]) -> Draft:
+    """A Draft from tokens and the distribution each came from (all None when greedy)."""
+    kept = [row for row in rows if row is not None]
+    return Draft(tokens=tokens, probs=torch.stack(kept) if kept else None)

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from specdec.backends.base import CausalLM, sync
 from specdec.errors import UsageError
-from specdec.proposers.base import EMPTY_DRAFT, Draft
-from specdec.sampling import SamplingParams, logits_to_probs, sample
+from specdec.proposers.base import EMPTY_DRAFT, Draft, draft_of, draft_token
+from specdec.sampling import SamplingParams
 
 
 class DraftModelProposer:
@@ -34,23 +34,19 @@ class DraftModelProposer:
             return EMPTY_DRAFT
         logits = sync(self.model, context, num_logits=1)[0]  # [vocab_d]: rejected draft tokens are dropped here
         tokens: list[int] = []
-        rows: list[torch.Tensor] = []
+        rows: list[torch.Tensor | None] = []
         for i in range(k):
-            if params.greedy:
-                token = int(logits.argmax())
-            else:
-                probs = logits_to_probs(logits, params)  # [vocab_d]
-                token = sample(probs, generator)
-                rows.append(probs)
+            token, probs = draft_token(logits, params, generator)
             tokens.append(token)
+            rows.append(None if probs is None else self._pad(probs))
             if i < k - 1:
                 logits = self.model.extend([token], num_logits=1)[0]
-        return Draft(tokens=tokens, probs=self._pad(torch.stack(rows)) if rows else None)
+        return draft_of(tokens, rows)
 
     def clear_cache(self) -> None:
         self.model.rollback(0)
 
-    def _pad(self, probs: torch.Tensor) -> torch.Tensor:  # [k, vocab_d] -> [k, target vocab]
+    def _pad(self, probs: torch.Tensor) -> torch.Tensor:  # [vocab_d] -> [target vocab]
         """Draft probabilities over the target's logit width; ids the draft model lacks get q = 0."""
         return F.pad(probs, (0, self.target_vocab_size - probs.shape[-1]))
 

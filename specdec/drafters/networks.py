@@ -1,0 +1,211 @@
+"""The trained drafters' networks. Each reads frozen pieces of its target (input embedding, LM head) that are not
+saved with it, and predicts over a draft vocabulary: the target's most frequent output tokens, a slice of the
+target's LM head (``DraftVocab``), which cuts the cost of a drafting step several times over.
+
+- ``DraftLM`` (draft-model): a small causal LM over the target's embeddings: a few llama layers, a final norm and
+  the target's LM head.
+- ``MTPHeads`` (mtp, Medusa-style): head j maps the target's last hidden state at position t to the distribution
+  of the token j+1 positions ahead (t + j + 1): one target pass gives the next token and a draft after it.
+- ``EagleHead`` (eagle, EAGLE-style): one decoder layer over [embedding of token t+1; target feature at t] that
+  predicts the target's feature at t+1, read by the target's LM head; drafting feeds its own predictions back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from specdec.drafters.layers import DecoderLayer, KVCache, LayerShape, RMSNorm, rope_tables
+
+METHODS = ("draft-model", "mtp", "eagle")
+
+
+@dataclass
+class DrafterConfig:
+    """What a drafter is: its method, sizes, and the target it was trained for (saved as drafter.json)."""
+
+    method: str
+    shape: LayerShape
+    vocab_size: int  # the target's
+    layers: int = 1  # decoder layers (draft-model, eagle)
+    heads: int = 4  # prediction heads (mtp)
+    head_layers: int = 1  # residual blocks per head (mtp)
+    draft_vocab: int = 0  # ids the drafter predicts over (0: the whole vocabulary)
+    own_lm_head: bool = False  # published Medusa heads carry their own LM head
+    target: dict = field(default_factory=dict)  # {"fingerprint": ..., "name": ...}
+    training: dict = field(default_factory=dict)  # how it was made: command, data slice, seed, tokens, results
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DrafterConfig":
+        data = dict(data)
+        data["shape"] = LayerShape(**data["shape"])
+        return cls(**data)
+
+
+class DraftVocab(nn.Module):
+    """The ids a drafter predicts over and the target's LM-head rows for them; logits widen to the target's
+    vocabulary with -inf (probability 0) elsewhere."""
+
+    def __init__(self, ids: torch.Tensor | None, vocab_size: int) -> None:  # ids [V'] or None (all)
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.register_buffer("ids", ids if ids is not None else torch.arange(vocab_size), persistent=True)
+        self.head: torch.Tensor | None = None  # [V', hidden]: set by attach()
+
+    def attach(self, lm_head: torch.Tensor) -> None:  # [vocab, hidden], the target's
+        self.head = lm_head.detach()[self.ids].float()
+        self.project = lambda hidden: hidden @ self.head.T  # [n, hidden] -> [n, V']
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., V']
+        flat = hidden.float().reshape(-1, hidden.shape[-1])
+        return self.project(flat).reshape(*hidden.shape[:-1], -1)
+
+    def widen(self, logits: torch.Tensor) -> torch.Tensor:  # [..., V'] -> [..., vocab]
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        full[..., self.ids] = logits
+        return full
+
+
+class TargetParts:
+    """The frozen pieces of the target a drafter reads: input embedding and LM head (one matrix when tied)."""
+
+    def __init__(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:  # [vocab, hidden] each
+        self.embed = embed.detach().float()
+        self.lm_head = self.embed if lm_head.data_ptr() == embed.data_ptr() else lm_head.detach().float()
+
+    @classmethod
+    def of(cls, model) -> "TargetParts":
+        return cls(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+
+
+def _run_layers(layers: nn.ModuleList, shape: LayerShape, x: torch.Tensor, cache: KVCache | None, start: int
+                ) -> torch.Tensor:  # [B, T, hidden] at positions start..
+    positions = torch.arange(start, start + x.shape[1], device=x.device)
+    cos, sin = rope_tables(positions, shape.head_dim, shape.rope_theta)
+    for index, layer in enumerate(layers):
+        x = layer(x, cos, sin, cache, index, start)
+    if cache is not None:
+        cache.length = start + x.shape[1]
+    return x
+
+
+class DraftLM(nn.Module):
+    def __init__(self, config: DrafterConfig, target: TargetParts, vocab_ids: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(DecoderLayer(config.shape) for _ in range(config.layers))
+        self.norm = RMSNorm(config.shape.hidden, config.shape.eps)
+        self.vocab = DraftVocab(vocab_ids, config.vocab_size)
+        self.attach(target)
+
+    def attach(self, target: TargetParts) -> None:
+        self.embed = target.embed
+        self.vocab.attach(target.lm_head)
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start: int = 0
+                ) -> torch.Tensor:  # tokens [B, T] -> normed hidden [B, T, hidden]
+        x = _run_layers(self.layers, self.config.shape, self.embed[tokens], cache, start)
+        return self.norm(x)
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(Wx + b), starting as the identity (W = 0): a head starts by predicting what the target predicts."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        nn.init.zeros_(self.linear.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class MTPHeads(nn.Module):
+    def __init__(self, config: DrafterConfig, target: TargetParts, vocab_ids: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.shape.hidden
+
+        def head() -> nn.Sequential:
+            blocks = [ResBlock(hidden) for _ in range(config.head_layers)]
+            if config.own_lm_head:
+                blocks.append(nn.Linear(hidden, config.vocab_size, bias=False))
+            return nn.Sequential(*blocks)
+
+        self.heads = nn.ModuleList(head() for _ in range(config.heads))
+        self.vocab = DraftVocab(vocab_ids, config.vocab_size)
+        self.attach(target)
+
+    def attach(self, target: TargetParts) -> None:
+        self.vocab.attach(target.lm_head)
+
+    def forward(self, features: torch.Tensor, count: int | None = None) -> torch.Tensor:
+        """The first ``count`` heads' (all by default) draft-vocabulary logits: [..., hidden] -> [count, ..., V']."""
+        if self.config.own_lm_head:
+            heads = self.heads[:count] if count is not None else self.heads
+            return torch.stack([head(features.float())[..., self.vocab.ids] for head in heads])
+        return self.vocab.logits(self.head_states(features, count))  # one pass over the LM head for all heads
+
+    def head_states(self, features: torch.Tensor, count: int | None = None) -> torch.Tensor:
+        """What each head hands the target's LM head: [..., hidden] -> [count, ..., hidden] (heads sharing it)."""
+        heads = self.heads[:count] if count is not None else self.heads
+        return torch.stack([head(features.float()) for head in heads])
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: DrafterConfig, target: TargetParts, vocab_ids: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.shape.hidden
+        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        self.layers = nn.ModuleList(DecoderLayer(config.shape, input_norm=i > 0) for i in range(config.layers))
+        self.vocab = DraftVocab(vocab_ids, config.vocab_size)
+        self.attach(target)
+
+    def attach(self, target: TargetParts) -> None:
+        self.embed = target.embed
+        self.vocab.attach(target.lm_head)
+
+    def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, cache: KVCache | None = None,
+                start: int = 0) -> torch.Tensor:
+        """features [B, T, hidden] at positions start.., and the tokens that follow each [B, T] -> the predicted
+        features [B, T, hidden] of the positions after."""
+        x = self.fc(torch.cat([self.embed[next_tokens], features.float()], dim=-1))
+        return _run_layers(self.layers, self.config.shape, x, cache, start)
+
+
+NETWORKS = {"draft-model": DraftLM, "mtp": MTPHeads, "eagle": EagleHead}
+
+
+class _Packed(nn.Module):
+    """A linear layer through a fast inference kernel (``make_linear``): [..., in] -> [..., out]."""
+
+    def __init__(self, linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+
+
+def prepare_for_drafting(network: nn.Module) -> nn.Module:
+    """Make a loaded network fast to draft with, in place: on the CPU its matmuls (the draft-vocabulary head
+    included) run with half-precision weights through fbgemm, as the target's decode passes do. Drafting streams
+    the weights once per step, so halving their bytes nearly halves a step. The network can no longer be trained
+    or saved."""
+    from specdec.backends.linear import has_fbgemm, make_linear
+
+    if network.vocab.ids.device.type != "cpu" or not has_fbgemm():
+        return network
+    for module in list(network.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                bias = None if child.bias is None else child.bias.detach()
+                setattr(module, name, _Packed(make_linear(child.weight.detach(), bias, "float16")))
+    network.vocab.project = make_linear(network.vocab.head, None, "float16")
+    return network

@@ -1,0 +1,54 @@
+"""The ``eagle`` drafter: a trained feature-level head (EAGLE-style) drafts from the target's own hidden states.
+
+The head's position i reads the target's feature at i and the token at i+1, and predicts the target's feature at
+i+1, which the target's LM head turns into the next token. It keeps a KV cache over the positions whose features
+came from the target (the context); drafting past them feeds its own predicted features back, and those positions
+are overwritten by the next proposal, once the target has scored them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.backends.base import common_prefix_length
+from specdec.drafters.layers import KVCache
+from specdec.drafters.networks import EagleHead, prepare_for_drafting
+from specdec.proposers.base import EMPTY_DRAFT, Draft, draft_of, draft_token
+from specdec.sampling import SamplingParams
+
+
+class EagleProposer:
+    name = "eagle"
+
+    def __init__(self, head: EagleHead, target) -> None:
+        target.keep_hidden_states()
+        self.head = prepare_for_drafting(head.eval())
+        self.target = target
+        self._cache = KVCache(len(head.layers))
+        self._fed: list[int] = []  # the tokens of the head's cached positions (the token at i+1 for position i)
+
+    @torch.inference_mode()
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+                ) -> Draft:
+        n = len(context)
+        features = self.target.hidden_states  # [n-1, hidden]: the target caches all of the context but its last
+        if k == 0 or n < 2 or features.shape[0] != n - 1:
+            return EMPTY_DRAFT
+        start = min(common_prefix_length(self._fed, context[1:]), n - 2)  # re-feed at least the last position
+        next_tokens = torch.tensor([context[start + 1 :]], device=features.device)  # [1, n-1-start]
+        hidden = self.head(features[None, start:], next_tokens, self._cache, start)[0, -1]  # [hidden]
+        self._fed = context[1:]
+        tokens: list[int] = []
+        rows: list[torch.Tensor | None] = []
+        vocab = self.head.vocab
+        for i in range(k):
+            token, probs = draft_token(vocab.widen(vocab.logits(hidden)), params, generator)
+            tokens.append(token)
+            rows.append(probs)
+            if i < k - 1:  # the head's own feature stands in for the target's, at position n-1+i
+                step = torch.tensor([[token]], device=features.device)
+                hidden = self.head(hidden[None, None], step, self._cache, n - 1 + i)[0, -1]
+        return draft_of(tokens, rows)
+
+    def clear_cache(self) -> None:
+        self._fed = []
