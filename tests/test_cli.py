@@ -97,7 +97,7 @@ def test_seed_makes_sampling_repeatable(models, capsys):
         (["generate", PROMPT, "--max-new-tokens", "0"], "max-new-tokens"),
         (["generate", PROMPT, "--model", "/no/such/model"], "not found"),
         (["generate", PROMPT, "--draft-model", "/no/such/draft"], "not found"),
-        (["generate", PROMPT, "--drafter", "draft-model"], "needs --draft-model"),
+        (["generate", PROMPT, "--drafter", "draft-model"], "no trained draft-model drafter ships for this target"),
         (["generate", PROMPT, "--drafter", "nonsense"], "invalid choice"),
         (["generate", PROMPT, "--temperature", "warm"], "invalid float"),
         (["frobnicate"], "invalid choice"),

@@ -169,6 +169,17 @@ def test_stats_count_rounds_and_kinds(target_and_draft):
     assert plain.kinds == ["plain"] * len(plain.token_ids) and plain.stats.draft_tokens == 0
 
 
+def test_acceptance_by_draft_position_counts_each_round():
+    from specdec.engine import GenerationStats, Round
+
+    stats = GenerationStats()
+    for drafted, accepted in ((3, 3), (3, 1), (2, 0), (0, 0)):
+        stats.record(Round(draft_tokens=drafted, accepted=accepted, tokens=[7] * (accepted + 1), kinds=[]))
+    assert stats.drafted_at == [3, 3, 2] and stats.accepted_at == [2, 1, 1]
+    assert stats.acceptance_by_position == [2 / 3, 1 / 3, 1 / 2]
+    assert sum(stats.accepted_at) == stats.accepted_tokens and sum(stats.drafted_at) == stats.draft_tokens
+
+
 def test_prompt_longer_than_the_model_is_refused():
     engine = Engine(HFCausalLM(tiny_llama(seed=0)), NoProposer())
     with pytest.raises(UsageError, match="at most"):
@@ -181,10 +192,11 @@ E2E_SAMPLING = {"temperature": 0.9, "top_p": 0.95}
 E2E_SAMPLES = 20_000
 
 
-def exact_joint_of_first_three(sampling: SamplingParams, prompt: list[int] = E2E_PROMPT
+def exact_joint_of_first_three(sampling: SamplingParams, prompt: list[int] = E2E_PROMPT, target=None
                                ) -> dict[tuple[int, int, int], float]:
-    """P(y1, y2, y3) under plain sampling from the tiny target, by enumerating every two-token prefix."""
-    target, _ = e2e_models()
+    """P(y1, y2, y3) under plain sampling from the tiny target (the end-to-end one unless given), by enumerating
+    every two-token prefix."""
+    target = target if target is not None else e2e_models()[0]
     vocab = target.config.vocab_size
     y1, y2 = torch.meshgrid(torch.arange(vocab), torch.arange(vocab), indexing="ij")
     prompts = torch.tensor(prompt).expand(vocab * vocab, -1)

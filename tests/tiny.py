@@ -85,3 +85,47 @@ def e2e_samples(drafter: str, sampling_kwargs: dict, num_samples: int, first_see
                                   seed=first_seed + i, stop_at_eos=False)
         samples.append(tuple(engine.generate(list(prompt), config).token_ids))
     return samples
+
+
+def structured_llama(seed: int = 0, vocab_size: int = 64, steps: int = 300) -> LlamaForCausalLM:
+    """A tiny llama trained (a few seconds) on random walks over a sparse random graph of its tokens: each token
+    has two successors, taken 3:1. Its greedy answers follow the graph, so a drafter has something to learn,
+    unlike the answers of a random-init model. Deterministic for a seed (one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        generator = torch.Generator().manual_seed(seed)
+        successors = torch.randint(3, vocab_size, (vocab_size, 2), generator=generator)  # [V, 2]
+        model = tiny_llama(seed, vocab_size=vocab_size, init_range=0.1).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        for _ in range(steps):
+            walks = [torch.randint(3, vocab_size, (32,), generator=generator)]  # [32] starts
+            for _ in range(31):
+                choice = (torch.rand(32, generator=generator) < 0.25).long()
+                walks.append(successors[walks[-1], choice])
+            batch = torch.stack(walks, dim=1)  # [32, 32]
+            loss = model(batch, labels=batch).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        return model.eval()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def trained_samples(target_dir: str, drafter_dir: str, method: str, sampling_kwargs: dict, num_samples: int,
+                    first_seed: int, prompt: tuple[int, ...], num_draft_tokens: int = 2) -> list[tuple[int, ...]]:
+    """As e2e_samples, with a saved target and a trained drafter loaded from their directories (spawned workers
+    load them); ``method`` none samples plainly."""
+    from specdec.api import SpecDecoder
+    from specdec.engine import GenerationConfig
+    from specdec.models import load_model
+    from specdec.sampling import SamplingParams
+
+    torch.set_num_threads(1)
+    decoder = SpecDecoder(load_model(target_dir), drafter=method,
+                          drafter_path=drafter_dir if method != "none" else None)
+    params = SamplingParams(**sampling_kwargs)
+    return [tuple(decoder.engine.generate(list(prompt), GenerationConfig(
+        max_new_tokens=3, num_draft_tokens=num_draft_tokens, sampling=params, seed=first_seed + i,
+        stop_at_eos=False)).token_ids) for i in range(num_samples)]
