@@ -359,6 +359,7 @@ def _set_threads(threads: int | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # the command as given, for records of a run
         return args.run(args)
     except SpecdecError as error:
         print(f"specdec: error: {error}", file=sys.stderr)

@@ -215,3 +215,27 @@ def fingerprint(model) -> str:
         sample = tensor.detach().flatten()[::7].float().cpu()
         digest.update(torch.round(sample * 4096).to(torch.int64).numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+PROBE_SIZE = 64
+
+
+def weight_probe(model) -> list[float]:
+    """A few of a model's weights (evenly strided over its input embedding and its last layer), to tell whether a
+    drafter was trained for it: :func:`same_weights` matches one model's weights in float32, bfloat16 or float16,
+    and no other model's."""
+    tensors = [model.get_input_embeddings().weight]
+    layers = list(model.model.layers) if hasattr(model, "model") and hasattr(model.model, "layers") else []
+    tensors += [p for p in layers[-1].parameters() if p.dim() == 2] if layers else []
+    values: list[float] = []
+    per_tensor = -(-PROBE_SIZE // len(tensors))
+    for tensor in tensors:
+        flat = tensor.detach().flatten()
+        stride = max(1, flat.numel() // per_tensor)
+        values += [round(float(v), 7) for v in flat[::stride][:per_tensor].float().cpu()]
+    return values[:PROBE_SIZE]
+
+
+def same_weights(probe: list[float], other: list[float]) -> bool:
+    """Whether two probes come from one model's weights, up to half-precision rounding (relative 2^-8)."""
+    return len(probe) == len(other) > 0 and all(abs(a - b) <= 1e-2 * abs(b) + 1e-5 for a, b in zip(probe, other))

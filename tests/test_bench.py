@@ -108,7 +108,9 @@ def test_bench_smoke_on_tiny_models(tiny_models, tmp_path, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--drafters", "none,magic"], "unknown drafter"),
-    (["--drafters", "draft-model"], "need --draft-model"),
+    (["--drafters", "draft-model"], "no trained draft-model drafter ships for this target"),
+    (["--drafters", "hf-assisted"], "needs --draft-model"),
+    (["--drafters", "eagle", "--drafter-path", "/nonexistent"], "no readable"),
     (["--num-draft-tokens", "many"], "an integer or one of auto, heuristic"),
     (["--drafters", "retrieval:lots"], "an integer or one of auto, heuristic"),
     (["--drafters", "retrieval", "--datastore", "/nonexistent"], "no datastore at"),

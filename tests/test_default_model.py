@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.api import SpecDecoder
+from specdec.api import SpecDecoder, drafter_of
 from specdec.backends import PassPrecisions, make_backend
 from specdec.bench.agreement import compare_precisions, first_difference
 from specdec.engine import Engine, GenerationConfig
 from specdec.models import load_model
-from specdec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer
+from specdec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer, make_proposer
 
 pytestmark = pytest.mark.slow
 
@@ -65,6 +65,10 @@ def test_speculative_greedy_is_plain_greedy_on_mt_bench(decoder, prompts):
         "prompt-lookup": Engine(target, PromptLookupProposer()),
         "draft-model": Engine(target, DraftModelProposer(make_backend(bfloat16_draft(model)), target.vocab_size)),
     }
+    for name in ("draft-model", "mtp", "eagle"):  # the drafters trained for the default model, as shipped
+        label = "trained draft-model" if name == "draft-model" else name
+        engines[label] = Engine(target, make_proposer(name, target, drafter_of(name, decoder.target, target, None,
+                                                                                   None)))
     plain = Engine(target, NoProposer())
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, num_draft_tokens=4, stop_at_eos=False)
     report = []

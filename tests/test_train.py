@@ -20,7 +20,7 @@ from specdec.drafters import checkpoint
 from specdec.drafters.networks import METHODS
 from specdec.engine import GenerationConfig
 from specdec.errors import UsageError
-from specdec.models import fingerprint, load_model
+from specdec.models import load_model
 from specdec.sampling import SamplingParams
 
 TRAIN_ARGS = ["--prompts", "160", "--max-new-tokens", "24", "--epochs", "8", "--batch-tokens", "512",
@@ -88,13 +88,19 @@ def test_sampling_with_trained_drafters_is_exact(trained):
     exact = exact_joint_of_first_three(SamplingParams(**sampling), list(prompt), target)
     bins = [outcome for outcome, p in exact.items() if p * samples >= 5]
     expected = np.array([exact[b] for b in bins] + [1 - sum(exact[b] for b in bins)]) * samples
+    merge_rest = expected[-1] < 5  # too little mass outside the bins for a bin of its own: it joins the last
+    if merge_rest:
+        expected = np.append(expected[:-2], expected[-2] + expected[-1])
     jobs = [(str(trained["target"]), str(trained[m]), m, sampling, samples, 1000 * i, prompt)
             for i, m in enumerate(METHODS)]
     with multiprocessing.get_context("spawn").Pool(2) as pool:
         results = pool.starmap(trained_samples, jobs)
-    assert len(bins) >= 8 and expected[-1] < 0.2 * samples
+    assert len(bins) >= 8 and (merge_rest or expected[-1] < 0.2 * samples)
     for method, drawn in zip(METHODS, results):
-        assert chisquare(bin_counts(drawn, bins), expected).pvalue > 1e-3, method
+        observed = bin_counts(drawn, bins)
+        if merge_rest:
+            observed = np.append(observed[:-2], observed[-2] + observed[-1])
+        assert chisquare(observed, expected).pvalue > 1e-3, method
     # and the drafters both accepted and rejected at this temperature: the test covers both paths
     decoder = SpecDecoder(load_model(trained["target"]), drafter="eagle", drafter_path=trained["eagle"])
     stats = [decoder.engine.generate(list(prompt), GenerationConfig(
@@ -106,9 +112,9 @@ def test_sampling_with_trained_drafters_is_exact(trained):
 @pytest.mark.parametrize("method", METHODS)
 def test_save_and_load_round_trip(trained, method, tmp_path):
     target = load_model(trained["target"]).model
-    loaded = checkpoint.load(trained[method], method, target, fingerprint(target))
+    loaded = checkpoint.load(trained[method], method, target)
     checkpoint.save(loaded, tmp_path / "again")
-    again = checkpoint.load(tmp_path / "again", method, target, fingerprint(target))
+    again = checkpoint.load(tmp_path / "again", method, target)
     assert again.config == loaded.config
     for (name, a), (_, b) in zip(loaded.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), name
@@ -119,8 +125,15 @@ def test_save_and_load_round_trip(trained, method, tmp_path):
     assert training["data"]["seed"] == 0 and training["settings"]["seed"] == 0
 
 
+def test_a_drafter_loads_onto_its_target_in_any_precision(trained):
+    for dtype in ("bfloat16", "float16"):
+        target = load_model(trained["target"], dtype=dtype).model
+        assert checkpoint.load(trained["eagle"], "eagle", target) is not None
+
+
 def test_a_drafter_for_another_target_is_refused(trained, tmp_path, capsys):
     other = save_with_tokenizer(tiny_llama(seed=5), tmp_path / "other")
+    capsys.readouterr()  # saving reports progress on stderr
     code = main(["generate", "w5 w9", "--model", str(other), "--drafter", "eagle", "--drafter-path",
                  str(trained["eagle"])])
     err = capsys.readouterr().err
@@ -191,7 +204,7 @@ def test_a_published_eagle1_checkpoint_loads(tmp_path):
     state = {name: torch.randn(shape, generator=g) * 0.3 for name, shape in shapes.items()}
     save_file(state, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps({**config.to_dict(), "bias": True}))
-    head = checkpoint.load(tmp_path, "eagle", target, fingerprint(target))
+    head = checkpoint.load(tmp_path, "eagle", target)
     features = torch.randn(1, 5, h, generator=g)
     tokens = torch.randint(0, config.vocab_size, (1, 5), generator=g)
     with torch.no_grad():
@@ -211,7 +224,7 @@ def test_a_published_medusa_checkpoint_loads(tmp_path):
     save_file(state, str(tmp_path / "medusa_lm_head.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 1,
                                                       "base_model_name_or_path": "tiny"}))
-    heads = checkpoint.load(tmp_path, "mtp", target, fingerprint(target))
+    heads = checkpoint.load(tmp_path, "mtp", target)
     x = torch.randn(4, h, generator=g)
     with torch.no_grad():
         got = heads(x)  # [3, 4, vocab]
@@ -225,7 +238,7 @@ def test_pickled_checkpoints_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(target.config.to_dict()))
     (tmp_path / "pytorch_model.bin").write_bytes(b"not unpickled")
     with pytest.raises(UsageError, match="pickle"):
-        checkpoint.load(tmp_path, "eagle", target, fingerprint(target))
+        checkpoint.load(tmp_path, "eagle", target)
 
 
 def test_the_draft_vocabulary_is_the_most_frequent_answer_tokens():
@@ -249,3 +262,10 @@ def test_the_bigram_baseline_drafts_each_tokens_most_frequent_successor():
     # successors in training: 0 -> 1; 1 -> 2 (twice), 3 (once); 2 -> 1
     # held-out 0 1 2 1 3: first draft right at 0, 1, 2, wrong at 1 (3 follows); second right after 0 and 1
     assert bigram_agreement([sequence([0, 1, 2, 1, 2, 1, 3])], [sequence([0, 1, 2, 1, 3])]) == [3 / 4, 2 / 3]
+
+
+def test_learning_curves_are_drawn_from_the_drafters_files(trained, tmp_path):
+    from specdec.bench.figures import plot_learning_curves
+
+    path = plot_learning_curves([trained[m] for m in METHODS], tmp_path / "curves.png")
+    assert path.stat().st_size > 10_000

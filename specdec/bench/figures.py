@@ -227,3 +227,38 @@ def run_figures(args) -> int:
                              new_tokens=args.max_new_tokens, max_batch=args.max_batch):
         print(path)
     return 0
+
+
+def plot_learning_curves(drafter_dirs: list[Path], path: Path, title: str = "") -> Path:
+    """Held-out greedy agreement at draft position 1 against training positions and against CPU-hours, for each
+    trained drafter (the curves its ``drafter.json`` keeps), with the bigram table's as a line."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    bigram = None
+    for directory in map(Path, drafter_dirs):
+        config = json.loads((directory / "drafter.json").read_text())
+        curve = config["training"]["curve"]
+        bigram = config["training"].get("bigram_heldout_agreement") or bigram
+        first = [point["heldout_agreement"][0] for point in curve]
+        axes[0].plot([point["tokens"] / 1e6 for point in curve], first, marker="o", label=config["method"])
+        axes[1].plot([point["cpu_hours"] for point in curve], first, marker="o", label=config["method"])
+    for ax, xlabel in zip(axes, ("training positions seen (millions)", "CPU-hours")):
+        if bigram:
+            ax.axhline(bigram[0], color="grey", linestyle="--", label="bigram table")
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("held-out greedy agreement, draft position 1")
+    axes[0].legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

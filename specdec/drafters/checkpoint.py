@@ -1,9 +1,10 @@
 """A trained drafter's files: ``drafter.json`` (what it is, which target it was trained for, how it was made) and
 ``drafter.safetensors`` (its weights). Nothing is ever unpickled.
 
-Loading checks the target: a drafter trained for one target is refused by another (``fingerprint`` in
-``specdec.models``). Published EAGLE and Medusa checkpoints load too (``layouts``); they name no fingerprint, so
-only their shapes are checked against the target.
+Loading checks the target: a drafter trained for one target is refused by another (``weight_probe`` in
+``specdec.models``: a few of the target's weights, kept in ``drafter.json``, that match the same target loaded in
+any precision). Published EAGLE and Medusa checkpoints load too (``layouts``); they name no target, so only their
+shapes are checked against it.
 """
 
 from __future__ import annotations
@@ -45,11 +46,12 @@ def read_config(directory: Path) -> DrafterConfig:
     return config
 
 
-def load(directory: str | Path, method: str, target_model, target_fingerprint: str) -> torch.nn.Module:
+def load(directory: str | Path, method: str, target_model) -> torch.nn.Module:
     """The drafter network saved in ``directory`` (specdec's files or a published layout), attached to the target.
 
     Refuses a drafter of another method, or one trained for another target."""
     from specdec.drafters import layouts
+    from specdec.models import same_weights, weight_probe
 
     directory = Path(directory)
     if not directory.is_dir():
@@ -59,12 +61,10 @@ def load(directory: str | Path, method: str, target_model, target_fingerprint: s
     config = read_config(directory)
     if config.method != method:
         raise UsageError(f"{directory} holds a {config.method} drafter, not {method}")
-    trained_for = config.target.get("fingerprint")
-    if trained_for != target_fingerprint:
+    if not same_weights(config.target.get("probe", []), weight_probe(target_model)):
         raise UsageError(f"the drafter in {directory} was trained for another target "
-                         f"({config.target.get('name', '?')}, fingerprint {trained_for}), not this one "
-                         f"(fingerprint {target_fingerprint}); train one for it with specdec train")
-    return build(config, target_model, _weights(directory / WEIGHTS_FILE))
+                         f"({config.target.get('name', '?')}); train one for this target with specdec train")
+    return build(config, target_model, read_weights(directory / WEIGHTS_FILE))
 
 
 def build(config: DrafterConfig, target_model, state: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -87,7 +87,7 @@ def check_shape(config: DrafterConfig, target_model) -> None:
                          f"fit the target (hidden size {target.hidden_size}, vocabulary {target.vocab_size})")
 
 
-def _weights(path: Path) -> dict[str, torch.Tensor]:
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except Exception as error:  # a damaged or missing file is the user's input, reported in one line

@@ -29,16 +29,16 @@ PICKLED = ("pytorch_model.bin", "medusa_lm_head.pt")
 
 
 def load_published(directory: Path, method: str, target_model) -> torch.nn.Module:
-    from specdec.drafters.checkpoint import _weights, build
+    from specdec.drafters.checkpoint import build, read_weights
 
     config = _read_json(directory / "config.json")
     if method == "eagle":
         weights = _find(directory, EAGLE_WEIGHTS)
-        state = _weights(weights)
+        state = read_weights(weights)
         return build(*eagle_config_and_state(config, state, target_model))
     if method == "mtp":
         weights = _find(directory, MEDUSA_WEIGHTS)
-        state = _weights(weights)
+        state = read_weights(weights)
         return build(*medusa_config_and_state(config, state, target_model))
     raise UsageError(f"{directory} has no {directory.name}/drafter.json; a published draft model is a transformers "
                      "model: pass it with --draft-model")
@@ -58,7 +58,8 @@ def eagle_config_and_state(config: dict, state: dict[str, torch.Tensor], target_
     state = {name: t for name, t in state.items() if name != "embed_tokens.weight"}
     if "fc.bias" not in state:  # "bias": false
         state["fc.bias"] = torch.zeros(shape.hidden)
-    drafter = DrafterConfig(method="eagle", shape=shape, vocab_size=_vocab(config, target_model), layers=layers,
+    vocab_size = target_model.get_input_embeddings().weight.shape[0]
+    drafter = DrafterConfig(method="eagle", shape=shape, vocab_size=vocab_size, layers=layers,
                             target={"name": config.get("_name_or_path", "published EAGLE")})
     state["vocab.ids"] = torch.arange(drafter.vocab_size)
     return drafter, target_model, state
@@ -94,10 +95,6 @@ def _shape(config: dict) -> LayerShape:
             eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=float(config.get("rope_theta", 10000.0)))
     except (KeyError, TypeError, ValueError) as error:
         raise UsageError(f"the EAGLE config lacks a llama field: {error}") from None
-
-
-def _vocab(config: dict, target_model) -> int:
-    return target_model.get_input_embeddings().weight.shape[0]
 
 
 def _read_json(path: Path) -> dict:

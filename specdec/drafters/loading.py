@@ -11,13 +11,16 @@ SHIPPED = Path(__file__).resolve().parent / "shipped"  # shipped/<target>/<metho
 TRAINED_METHODS = ("draft-model", "mtp", "eagle")
 
 
-def shipped_directory(method: str, target_fingerprint: str) -> Path | None:
-    """The drafter of ``method`` shipped for the target with this fingerprint, if any."""
+def shipped_directory(method: str, target_model) -> Path | None:
+    """The drafter of ``method`` shipped for this target, if any."""
+    from specdec.models import same_weights, weight_probe
+
+    probe = weight_probe(target_model)
     for config in sorted(SHIPPED.glob(f"*/{method}/drafter.json")):
         try:
-            if json.loads(config.read_text()).get("target", {}).get("fingerprint") == target_fingerprint:
+            if same_weights(json.loads(config.read_text()).get("target", {}).get("probe", []), probe):
                 return config.parent
-        except (OSError, ValueError):
+        except (OSError, ValueError, AttributeError, TypeError):
             continue
     return None
 
@@ -25,14 +28,12 @@ def shipped_directory(method: str, target_fingerprint: str) -> Path | None:
 def load_trained(method: str, target_model, path: str | Path | None = None):
     """The trained ``method`` network for ``target_model``: from ``path``, else the shipped one for that target."""
     from specdec.drafters import checkpoint
-    from specdec.models import fingerprint
 
-    target_id = fingerprint(target_model)
-    directory = Path(path) if path is not None else shipped_directory(method, target_id)
+    directory = Path(path) if path is not None else shipped_directory(method, target_model)
     if directory is None:
         raise UsageError(f"no trained {method} drafter ships for this target: train one (specdec train --method "
                          f"{method} --target MODEL --out DIR) and pass --drafter-path DIR")
-    return checkpoint.load(directory, method, target_model, target_id)
+    return checkpoint.load(directory, method, target_model)
 
 
 def parse_drafter_paths(entries: list[str] | None) -> dict[str, str]:

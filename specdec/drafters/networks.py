@@ -34,7 +34,7 @@ class DrafterConfig:
     head_layers: int = 1  # residual blocks per head (mtp)
     draft_vocab: int = 0  # ids the drafter predicts over (0: the whole vocabulary)
     own_lm_head: bool = False  # published Medusa heads carry their own LM head
-    target: dict = field(default_factory=dict)  # {"fingerprint": ..., "name": ...}
+    target: dict = field(default_factory=dict)  # {"name": ..., "fingerprint": ..., "probe": [weights]}
     training: dict = field(default_factory=dict)  # how it was made: command, data slice, seed, tokens, results
 
     def to_dict(self) -> dict:

