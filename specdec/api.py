@@ -149,12 +149,12 @@ def drafter_of(drafter: str, target: LoadedModel, backend, draft: LoadedModel | 
                drafter_path: str | os.PathLike | None = None):
     """What the proposer ``drafter`` drafts with: a draft model's backend (a transformers model, or a trained draft
     LM), a trained network (mtp, eagle), or None."""
-    from specdec.drafters.loading import load_trained
+    from specdec.drafters.loading import TRAINED_METHODS, load_trained
     from specdec.drafters.runtime import DraftLMRuntime
 
     if drafter == "draft-model" and draft is not None:
         return make_backend(draft.model, precision)
-    if drafter in ("draft-model", "mtp", "eagle"):
+    if drafter in TRAINED_METHODS:
         network = load_trained(drafter, target.model, drafter_path)
         return DraftLMRuntime(network, backend.max_length) if drafter == "draft-model" else network
     if drafter_path is not None:

@@ -73,7 +73,6 @@ class LlamaRuntime:
         rope = _rope_parameters(config)
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, device=self.device).float() / self.head_dim))
-        self.lm_head_weight = model.get_output_embeddings().weight.detach()  # [vocab, hidden], as loaded
         self.tokens: list[int] = []
         self._hidden: torch.Tensor | None = None  # [capacity, hidden] once keep_hidden_states() was called
         self._keys: list[torch.Tensor] = []  # per layer [kv_heads, capacity, head_dim]
@@ -118,14 +117,13 @@ class LlamaRuntime:
                                     mask)
             x = x + mlp(layer, x, self.eps)
         self.tokens += token_ids
-        if self._hidden is not None:
-            normed = rms_norm(x, self.final_norm, self.eps)  # [n, hidden]
-            self._hidden[start : start + n] = normed
-            return lm_head(normed[n - num_logits :]) if num_logits else torch.empty(0, self.vocab_size,
-                                                                                      device=self.device)
+        if self._hidden is not None:  # every position normed, kept; else only where logits are wanted
+            self._hidden[start : start + n] = rms_norm(x, self.final_norm, self.eps)
         if num_logits == 0:
             return torch.empty(0, self.vocab_size, device=self.device)
-        return lm_head(rms_norm(x[n - num_logits :], self.final_norm, self.eps))  # [num_logits, vocab]
+        normed = self._hidden[start + n - num_logits : start + n] if self._hidden is not None else \
+            rms_norm(x[n - num_logits :], self.final_norm, self.eps)  # [num_logits, hidden]
+        return lm_head(normed)  # [num_logits, vocab]
 
     def weights_for(self, positions: int) -> tuple[list[_Layer], Linear]:
         """The layers and LM head of a pass over ``positions`` new tokens, in that kind of pass's precision."""

@@ -106,7 +106,7 @@ def run_bench(args) -> int:
     if args.repeats < 1:
         raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
     names = [n.strip() for n in args.drafters.split(",") if n.strip()]
-    parse_drafter_paths(args.drafter_path)  # checked before the slow model load
+    drafter_paths = parse_drafter_paths(args.drafter_path)  # checked before the slow model load
     bench_prompts = read_prompts(args.prompts, category=args.category, limit=args.limit)
 
     store = None if args.datastore is None else datastores.load(args.datastore)
@@ -117,7 +117,7 @@ def run_bench(args) -> int:
     if store is not None:
         store.check_vocabulary(target.model.config.vocab_size)
     contenders, backend = build_contenders(names, target, draft, k, "auto" if args.dtype == "auto" else None, store,
-                                           parse_drafter_paths(args.drafter_path))
+                                           drafter_paths)
     encoder = SpecDecoder(target, drafter=BASELINE)
     prompts = [(p.id, p.category, encoder.encode(p.text, None if p.chat else False)) for p in bench_prompts]
 
@@ -128,7 +128,7 @@ def run_bench(args) -> int:
         "prompts": str(args.prompts), "category": args.category, "num_prompts": len(prompts),
         "repeats": args.repeats, "max_new_tokens": args.max_new_tokens, "num_draft_tokens": k,
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "model": args.model or "default",
-        "draft_model": args.draft_model, "drafter_paths": parse_drafter_paths(args.drafter_path),
+        "draft_model": args.draft_model, "drafter_paths": drafter_paths,
         "dtype": precision_of(backend),
         "device": str(target.model.device), "threads": torch.get_num_threads(), "machine": platform.machine(),
     }

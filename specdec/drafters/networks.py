@@ -70,6 +70,16 @@ class DraftVocab(nn.Module):
         full[..., self.ids] = logits
         return full
 
+    def draft_token(self, logits: torch.Tensor, params, generator: torch.Generator | None
+                    ) -> tuple[int, torch.Tensor | None]:  # logits [V']
+        """``proposers.base.draft_token`` over the draft vocabulary: greedy picks among its V' logits directly;
+        sampling draws from them widened to the target's vocabulary (q = 0 off the draft vocabulary)."""
+        from specdec.proposers.base import draft_token
+
+        if params.greedy:
+            return int(self.ids[logits.argmax()]), None
+        return draft_token(self.widen(logits), params, generator)
+
 
 class TargetParts:
     """The frozen pieces of the target a drafter reads: input embedding and LM head (one matrix when tied)."""

@@ -13,7 +13,7 @@ import torch
 from specdec.backends.base import common_prefix_length
 from specdec.drafters.layers import KVCache
 from specdec.drafters.networks import EagleHead, prepare_for_drafting
-from specdec.proposers.base import EMPTY_DRAFT, Draft, draft_of, draft_token
+from specdec.proposers.base import EMPTY_DRAFT, Draft, draft_of
 from specdec.sampling import SamplingParams
 
 
@@ -42,7 +42,7 @@ class EagleProposer:
         rows: list[torch.Tensor | None] = []
         vocab = self.head.vocab
         for i in range(k):
-            token, probs = draft_token(vocab.widen(vocab.logits(hidden)), params, generator)
+            token, probs = vocab.draft_token(vocab.logits(hidden), params, generator)
             tokens.append(token)
             rows.append(probs)
             if i < k - 1:  # the head's own feature stands in for the target's, at position n-1+i

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from specdec.drafters.networks import MTPHeads, prepare_for_drafting
-from specdec.proposers.base import EMPTY_DRAFT, Draft, draft_of, draft_token
+from specdec.proposers.base import EMPTY_DRAFT, Draft, draft_of
 from specdec.sampling import SamplingParams
 
 
@@ -33,7 +33,7 @@ class MTPProposer:
         tokens: list[int] = []
         rows: list[torch.Tensor | None] = []
         for row in logits:
-            token, probs = draft_token(self.heads.vocab.widen(row), params, generator)
+            token, probs = self.heads.vocab.draft_token(row, params, generator)
             tokens.append(token)
             rows.append(probs)
         return draft_of(tokens, rows)

@@ -53,7 +53,7 @@ class Batch:
     features: torch.Tensor  # [B, T, hidden] float32
     lse: torch.Tensor  # [B, T]
     valid: torch.Tensor  # [B, T] bool: t <= L-2 (the target's distribution at t is known: a token follows)
-    answer: torch.Tensor  # [B, T] bool: the token after t is the target's answer
+    answer: torch.Tensor  # [B, T] bool: the token after t is the target's answer (so t <= L-2, as valid)
 
 
 @dataclass
@@ -132,14 +132,18 @@ def agreement(logits: torch.Tensor, vocab, next_tokens: torch.Tensor) -> tuple[i
 def trained_positions(batch: Batch, offset: int) -> torch.Tensor:  # [B, T-offset] bool
     """Positions t whose prediction of the token ``offset`` places on is trained and measured: the target's
     answer, where its distribution at t + offset is known."""
-    return (batch.answer & batch.valid)[:, offset:] if offset else batch.answer & batch.valid
+    return batch.answer[:, offset:]
 
 
-class DraftModelObjective:
-    """The draft LM at t predicts the token after t."""
+class Objective:
+    """A method's loss on a batch, and its held-out greedy agreement (hits, positions) per draft position."""
 
     def __init__(self, settings: TrainSettings) -> None:
         self.settings = settings
+
+
+class DraftModelObjective(Objective):
+    """The draft LM at t predicts the token after t."""
 
     def loss(self, net: DraftLM, batch: Batch) -> torch.Tensor:
         hidden = net(batch.tokens)  # [B, T, hidden]
@@ -153,12 +157,9 @@ class DraftModelObjective:
         return [agreement(net.vocab.logits(hidden[mask]), net.vocab, batch.tokens[:, 1:][mask])]
 
 
-class EagleObjective:
+class EagleObjective(Objective):
     """The head at t reads (feature t, token t+1) and predicts feature t+1, which the LM head reads for token t+2.
     A second pass feeds the head its own predicted features (as drafting does past the first token)."""
-
-    def __init__(self, settings: TrainSettings) -> None:
-        self.settings = settings
 
     def _passes(self, net: EagleHead, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:  # [B, T-1, hidden] each
         inputs, next_tokens = batch.features[:, :-1], batch.tokens[:, 1:]
@@ -184,11 +185,8 @@ class EagleObjective:
                 for p in (first, second)]
 
 
-class MTPObjective:
+class MTPObjective(Objective):
     """Head j (1-based) at t predicts the token j+1 positions after t (the target itself gives the one after t)."""
-
-    def __init__(self, settings: TrainSettings) -> None:
-        self.settings = settings
 
     def loss(self, net: MTPHeads, batch: Batch) -> torch.Tensor:
         states = net.head_states(batch.features)  # [heads, B, T, hidden]
