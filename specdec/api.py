@@ -109,15 +109,18 @@ class SpecDecoder:
         top_p: float = 1.0,
         seed: int | None = None,
         num_draft_tokens: int | str = 4,
+        tree: tuple[int, ...] | None = None,
         chat: bool | None = None,
         on_text: Callable[[str], None] | None = None,
     ) -> Completion:
-        """Generate a completion; ``on_text`` receives the text as it is produced."""
+        """Generate a completion; ``on_text`` receives the text as it is produced. ``tree``: draft token trees,
+        the candidates at each depth (as ``--tree``)."""
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
             num_draft_tokens=num_draft_tokens,
             sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
             seed=seed,
+            tree=tree,
         )
         return self.generate_ids(self.encode(prompt, chat), config, on_text)
 

@@ -15,6 +15,9 @@ EXIT_USAGE = 2
 K_HELP = (f"draft tokens per round: 1..{MAX_DRAFT_TOKENS} (default 4); auto: the length that maximises expected "
           "tokens per second, from acceptance and costs measured as it runs (0, plain decoding, when speculation "
           "does not pay); heuristic: transformers' schedule (+2 after a fully accepted draft, -1 after a rejection)")
+TREE_HELP = ("draft a token tree, verified in one target pass: the candidates at each depth (the last repeats deeper), "
+             "as 3,2,1: the drafter's chain of K tokens and, beside each, its next best tokens (eagle, mtp, "
+             "draft-model); default: a chain")
 DTYPE_HELP = ("the weights' precision. auto: bfloat16 on CUDA; on the CPU, for each kind of pass (one position; "
               "several), the fastest precision whose logits stay within 0.1 of float32's, measured once per model "
               "and machine and cached")
@@ -39,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--drafter-path", default=None, metavar="DIR",
                      help="a trained drafter (specdec train), or a published EAGLE / Medusa checkpoint")
     gen.add_argument("--num-draft-tokens", "-k", default="4", metavar="K", help=K_HELP)
+    gen.add_argument("--tree", default=None, metavar="W1,W2,...", help=TREE_HELP)
     gen.add_argument("--datastore", default=None, metavar="DIR",
                      help="retrieval drafter: also draft from this datastore (specdec datastore build)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
@@ -193,9 +197,9 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--category", default=None)
     bench.add_argument("--limit", type=int, default=None)
     bench.add_argument("--drafters", default="none,prompt-lookup",
-                       help="comma-separated, each NAME or NAME:K (K an integer, auto or heuristic; default "
-                            "--num-draft-tokens): none, prompt-lookup, retrieval, draft-model, mtp, eagle, "
-                            "hf-prompt-lookup, hf-assisted")
+                       help="comma-separated, each NAME, NAME:K or NAME:K:TREE (K an integer, auto or heuristic; "
+                            "default --num-draft-tokens; TREE the candidates per depth joined by '/', as 3/2/1): "
+                            "none, prompt-lookup, retrieval, draft-model, mtp, eagle, hf-prompt-lookup, hf-assisted")
     bench.add_argument("--num-draft-tokens", "-k", default="4", metavar="K", help=K_HELP)
     bench.add_argument("--datastore", default=None, metavar="DIR", help="datastore for the retrieval drafter")
     bench.add_argument("--temperature", type=float, default=0.0)
@@ -280,7 +284,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 def run_generate(args: argparse.Namespace) -> int:
     from specdec.api import SpecDecoder
-    from specdec.engine import GenerationConfig, parse_num_draft_tokens
+    from specdec.engine import GenerationConfig, parse_num_draft_tokens, parse_tree
     from specdec.sampling import SamplingParams
     from specdec.view import ansi, ansi_legend
 
@@ -293,6 +297,7 @@ def run_generate(args: argparse.Namespace) -> int:
         num_draft_tokens=parse_num_draft_tokens(args.num_draft_tokens),
         sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
         seed=args.seed,
+        tree=parse_tree(args.tree),
     )
     _set_threads(args.threads)
     decoder = SpecDecoder.load(args.model, args.draft_model, args.drafter, dtype=args.dtype, device=args.device,

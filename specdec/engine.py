@@ -17,9 +17,23 @@ from specdec.errors import UsageError
 from specdec.policy import AUTO_MAX_K, POLICY_NAMES, Policy, make_policy
 from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.verify import Verdict, verify, verify_greedy
+from specdec.verify import TreeVerdict, Verdict, verify, verify_greedy, verify_tree, verify_tree_greedy
 
 MAX_DRAFT_TOKENS = 64
+MAX_TREE_WIDTH = 16
+
+
+def parse_tree(text: str | None) -> tuple[int, ...] | None:
+    """``--tree``: candidates at each depth, joined by ``,`` or ``/`` (``3,2,1``; the last repeats deeper); None: a
+    chain."""
+    if text is None:
+        return None
+    try:
+        widths = tuple(int(part) for part in text.replace("/", ",").split(","))
+    except ValueError:
+        raise UsageError(f"--tree takes candidates per depth, such as 3,2,1; got {text!r}") from None
+    GenerationConfig(tree=widths)  # checks the widths
+    return widths
 
 
 def parse_num_draft_tokens(text: str | int) -> int | str:
@@ -49,16 +63,28 @@ class GenerationConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None
     stop_at_eos: bool = True
+    tree: tuple[int, ...] | None = None  # draft a tree: candidates at each depth (the last repeats); None: a chain
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise UsageError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
         _check_num_draft_tokens(self.num_draft_tokens)
+        if self.tree is not None and not (self.tree and all(1 <= w <= MAX_TREE_WIDTH for w in self.tree)):
+            raise UsageError(f"tree widths must be between 1 and {MAX_TREE_WIDTH}, got {self.tree}")
+
+    def tree_widths(self, depth: int) -> list[int]:
+        """The candidates at each depth of a tree ``depth`` deep."""
+        assert self.tree is not None
+        return [self.tree[min(d, len(self.tree) - 1)] for d in range(depth)]
 
     @property
     def max_draft_tokens(self) -> int:
         """The longest draft a round may ask for."""
         return AUTO_MAX_K if isinstance(self.num_draft_tokens, str) else self.num_draft_tokens
+
+    def draft_positions(self, depth: int) -> int:
+        """Positions a draft ``depth`` deep takes in the target's pass: its tokens, or its tree's nodes."""
+        return depth if self.tree is None else sum(self.tree_widths(depth))
 
 
 @dataclass(frozen=True)
@@ -196,6 +222,7 @@ class Engine:
         context token but the last, which is scored next."""
         if not prompt_ids:
             raise UsageError("the prompt is empty")
+        self.check_tree(config)
         params = config.sampling
         generator = make_generator(config.seed, self.target.device)
         stop_ids = self.eos_token_ids if config.stop_at_eos else frozenset()
@@ -203,25 +230,23 @@ class Engine:
         context = list(prompt_ids)
         if len(context) >= max_length:
             raise UsageError(f"the prompt has {len(context)} tokens; the model takes at most {max_length - 1}")
-        self.target.reserve(min(len(context) + config.max_new_tokens + config.max_draft_tokens + 1, max_length))
+        self.target.reserve(min(len(context) + config.max_new_tokens + config.draft_positions(config.max_draft_tokens)
+                                + 1, max_length))
         sync(self.target, context[:-1], num_logits=0)  # prefill, reusing a prefix cached by an earlier request
         produced = 0
         while produced < config.max_new_tokens:
             remaining = config.max_new_tokens - produced
             # 1. ask the policy how far to draft; a round emits at most k+1 tokens
             asked = policy.next_k(config.max_draft_tokens)
-            k = min(asked, remaining - 1, max_length - len(context) - 1)
+            k = min(asked, remaining - 1)
+            while config.draft_positions(k) > max_length - len(context) - 1:
+                k -= 1
             # 2. draft
             started = time.perf_counter()
-            draft = self.proposer.propose(context, k, params, generator) if k > 0 else EMPTY_DRAFT
+            draft = self._propose(context, k, config, generator)
             drafted = time.perf_counter()
-            # 3. score the pending token and the draft in one target pass
-            cached = len(self.target.tokens)
-            logits = self.target.extend([context[-1]] + draft.tokens, num_logits=len(draft) + 1)  # [k+1, V]
-            # 4. verify
-            verdict = verify_draft(draft, logits, params, generator)
-            # 5. keep the accepted prefix in the cache, drop the rest
-            self.target.rollback(cached + 1 + verdict.accepted)
+            # 3-5. score the pending token and the draft in one target pass, verify, keep the accepted tokens
+            verdict = self._score_and_verify(context[-1], draft, params, generator)
             verified = time.perf_counter()  # verify_* read results on the host: the device has finished
             policy.observe(verdict, drafted - started, verified - drafted)
             # 6. emit, cut at EOS and at the token limit
@@ -232,6 +257,39 @@ class Engine:
             if round_.tokens[-1] in stop_ids or len(context) >= max_length:
                 return
 
+    def _propose(self, context: list[int], k: int, config: GenerationConfig, generator: torch.Generator) -> Draft:
+        if k == 0:
+            return EMPTY_DRAFT
+        if config.tree is None:
+            return self.proposer.propose(context, k, config.sampling, generator)
+        return self.proposer.propose_tree(context, config.tree_widths(k), config.sampling, generator)
+
+    def _score_and_verify(self, pending: int, draft: Draft, params: SamplingParams, generator: torch.Generator
+                          ) -> Verdict | TreeVerdict:
+        """One target pass over the pending token and the draft (a chain, or a tree with its attention mask), the
+        verdict, and the target's cache cut to the accepted tokens (a tree's accepted branch moved into place)."""
+        cached = len(self.target.tokens)
+        if draft.parents is None:
+            logits = self.target.extend([pending] + draft.tokens, num_logits=len(draft) + 1)  # [k+1, V]
+            verdict = verify_draft(draft, logits, params, generator)
+            self.target.rollback(cached + 1 + verdict.accepted)
+            return verdict
+        logits = self.target.extend_tree([pending] + draft.tokens, [-1] + [p + 1 for p in draft.parents])  # [m+1, V]
+        if params.greedy:
+            verdict = verify_tree_greedy(draft.tokens, draft.parents, logits.argmax(-1).tolist())
+        else:
+            verdict = verify_tree(draft.tokens, draft.parents, draft.probs, logits_to_probs(logits, params), generator)
+        self.target.keep_path(cached, [0] + [node + 1 for node in verdict.path])
+        return verdict
+
+    def check_tree(self, config: GenerationConfig) -> None:
+        """Refuse a tree that this proposer cannot draft or this target cannot score."""
+        if config.tree is None:
+            return
+        if not hasattr(self.proposer, "propose_tree"):
+            raise UsageError(f"--drafter {self.proposer.name} drafts chains only, not trees")
+        if not hasattr(self.target, "extend_tree"):
+            raise UsageError("token trees need the lean runtime of llama-family targets")
 
     def policy(self, num_draft_tokens: int | str) -> Policy:
         """A fixed draft length, or the engine's adaptive policy of that name (kept, so it learns across requests)."""

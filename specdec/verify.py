@@ -108,3 +108,100 @@ def verify_greedy(
 def _leading_true(mask: torch.Tensor) -> int:
     """Number of leading True values of a 1-d bool tensor."""
     return int(mask.long().cumprod(0).sum().item())
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    """Outcome of verifying a draft tree: the accepted path (node indexes, root to leaf), then one more ``token``."""
+
+    num_draft: int  # the tree's depth: the draft positions it offers
+    path: list[int]  # accepted nodes, each a child of the one before (the first a child of the root)
+    token: int  # recovered token (no child of the path's last node accepted) or bonus token (it has no child)
+    bonus: bool
+
+    @property
+    def accepted(self) -> int:
+        return len(self.path)
+
+    def emitted(self, draft_tokens: list[int]) -> list[int]:
+        return [draft_tokens[node] for node in self.path] + [self.token]
+
+
+def children_of(parents: list[int]) -> dict[int, list[int]]:
+    """Each node's children in node order; the root is -1."""
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    return children
+
+
+def tree_depth(parents: list[int]) -> int:
+    """The longest root-to-leaf path, in nodes (parents come before their children)."""
+    depth: list[int] = []
+    for parent in parents:
+        depth.append(1 + (depth[parent] if parent >= 0 else 0))
+    return max(depth, default=0)
+
+
+def candidate_outcomes(
+    p: torch.Tensor,  # [vocab]: the target's distribution at the parent
+    tokens: list[int],  # [c]: the children's tokens, in the order they are tried
+    rows: list[torch.Tensor | None],  # [c]: the distribution each child was drawn from; None: a point mass
+) -> tuple[torch.Tensor, torch.Tensor]:  # [c+1], [vocab]
+    """SpecInfer's recursive rejection over one node's children, as probabilities: [j] that child j is the first
+    accepted, [c] that none is; and the distribution the token is then drawn from.
+
+    Child x is tried against a running p' (at first p): accepted with probability min(1, p'(x)/q(x)); on rejection
+    p' becomes the residual max(0, p' - q), renormalised. Each step emits a draw from p' (the one-step argument of
+    the chain), so the token that leaves a node is distributed as p, for any number of children, as long as each
+    child was drawn independently of its siblings' outcomes (a top-k candidate is a point mass fixed in advance).
+    """
+    chances, reach = [], p.new_ones(())
+    for x, q in zip(tokens, rows):
+        accept = acceptance_probs(torch.tensor([x], device=p.device), None if q is None else q[None], p[None])[0]
+        chances.append(reach * accept)
+        reach = reach * (1 - accept)
+        p = residual_probs(p, q, x)
+    return torch.stack(chances + [reach]), p
+
+
+def verify_tree(
+    draft_tokens: list[int],  # [m]
+    parents: list[int],  # [m]: each node's parent, -1 for a child of the root (the pending position)
+    draft_probs: torch.Tensor | None,  # [m, vocab]: the distribution each node was drawn from; None: point masses
+    target_probs: torch.Tensor,  # [m+1, vocab]: row 0 after the root, row 1+i after node i
+    generator: torch.Generator | None,
+) -> TreeVerdict:
+    """Exact multi-candidate rejection sampling down a draft tree: at each node, :func:`candidate_outcomes` over its
+    children picks the child to descend into, or the recovered token (the bonus token at a leaf)."""
+    children = children_of(parents)
+    path: list[int] = []
+    node = -1
+    while True:
+        tried = children.get(node, [])
+        rows = [None if draft_probs is None else draft_probs[child] for child in tried]
+        chances, residual = candidate_outcomes(target_probs[node + 1], [draft_tokens[c] for c in tried], rows)
+        outcome = sample(chances, generator) if tried else 0
+        if outcome == len(tried):
+            return TreeVerdict(tree_depth(parents), path, sample(residual, generator), bonus=not tried)
+        node = tried[outcome]
+        path.append(node)
+
+
+def verify_tree_greedy(
+    draft_tokens: list[int],  # [m]
+    parents: list[int],  # [m]
+    target_argmax: list[int],  # [m+1]: the target's greedy token after the root and after each node
+) -> TreeVerdict:
+    """Greedy tree verification: descend into the child that is the target's argmax while there is one; the output
+    is the target's own greedy continuation."""
+    children = children_of(parents)
+    path: list[int] = []
+    node = -1
+    while True:
+        wanted = target_argmax[node + 1]
+        match = next((child for child in children.get(node, []) if draft_tokens[child] == wanted), None)
+        if match is None:
+            return TreeVerdict(tree_depth(parents), path, wanted, bonus=node not in children)
+        path.append(match)
+        node = match

@@ -12,6 +12,7 @@ import copy
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -71,12 +72,15 @@ def test_speculative_greedy_is_plain_greedy_on_mt_bench(decoder, prompts):
                                                                                    None)))
     plain = Engine(target, NoProposer())
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, num_draft_tokens=4, stop_at_eos=False)
+    runs = {name: (engine, config) for name, engine in engines.items()}
+    for name in ("mtp", "eagle"):  # token trees: a tree pass, then the accepted branch moved into place
+        runs[f"{name} tree 3/2"] = (engines[name], replace(config, num_draft_tokens=2, tree=(3, 2)))
     report = []
-    accepted = {name: 0 for name in engines}
+    accepted = {name: 0 for name in runs}
     for prompt in prompts:
         expected = plain.generate(prompt, config).token_ids
-        for name, engine in engines.items():
-            result = engine.generate(prompt, config)
+        for name, (engine, run_config) in runs.items():
+            result = engine.generate(prompt, run_config)
             assert result.stats.draft_tokens > 0 or name == "prompt-lookup"
             accepted[name] += result.stats.accepted_tokens
             i = first_difference(result.token_ids, expected)

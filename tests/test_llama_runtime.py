@@ -145,3 +145,41 @@ def test_make_backend_picks_the_runtime_only_where_it_is_exact():
 def test_a_sliding_window_caps_the_length():
     mistral = MistralForCausalLM(MistralConfig(**FAMILY_SHAPE, sliding_window=100))
     assert LlamaRuntime(mistral).max_length == 100
+
+
+def test_a_tree_pass_scores_every_branch_as_its_own_chain_and_keeps_the_accepted_one():
+    """extend_tree: the logits after each node are those of the chain root..node after the cache; keep_path leaves
+    the cache (tokens, keys, values, hidden states) as if the accepted branch had been fed as a chain."""
+    model = tiny_family("llama").double()
+    runtime = LlamaRuntime(model)
+    runtime.keep_hidden_states()
+    prefix = random_ids(9, seed=1)
+    runtime.extend(prefix, 0)
+    #  root 10 -> 11 -> 12
+    #          -> 13 -> 14
+    #                -> 15
+    tokens, parents = [10, 11, 12, 13, 14, 15], [-1, 0, 1, 0, 3, 3]
+    logits = runtime.extend_tree(tokens, parents)
+    for node in range(len(tokens)):
+        branch, up = [], node
+        while up >= 0:
+            branch.insert(0, tokens[up])
+            up = parents[up]
+        expected = reference_logits(model, prefix + branch)[-1]
+        torch.testing.assert_close(logits[node].float(), expected, rtol=0, atol=1e-5)
+    runtime.keep_path(len(prefix), [0, 3, 5])
+    assert runtime.tokens == prefix + [10, 13, 15]
+    chain = LlamaRuntime(model)
+    chain.keep_hidden_states()
+    chain.extend(prefix + [10, 13, 15], 0)
+    torch.testing.assert_close(runtime.hidden_states, chain.hidden_states, rtol=0, atol=1e-9)
+    after = runtime.extend([16, 17], 2)
+    torch.testing.assert_close(after.float(), reference_logits(model, prefix + [10, 13, 15, 16, 17])[-2:], rtol=0,
+                               atol=1e-5)
+
+
+def test_a_tree_whose_parent_comes_after_its_child_is_refused():
+    runtime = LlamaRuntime(tiny_family("llama"))
+    runtime.extend(random_ids(4), 0)
+    with pytest.raises(ValueError, match="does not come before"):
+        runtime.extend_tree([5, 6, 7], [-1, 2, 0])

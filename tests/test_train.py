@@ -75,10 +75,29 @@ def test_greedy_speculation_with_a_trained_drafter_is_plain_greedy(trained, meth
     assert accepted > 0  # the drafts were used, not all refused
 
 
+TREES = {"eagle": (3, 2), "mtp": (3, 2), "draft-model": (3, 2)}  # drafters of token trees, and a tree for each
+
+
+@pytest.mark.parametrize("method", TREES)
+def test_greedy_tree_speculation_is_plain_greedy(trained, method):
+    target = load_model(trained["target"])
+    plain = SpecDecoder(target, drafter="none")
+    speculative = SpecDecoder(target, drafter=method, drafter_path=trained[method])
+    accepted = 0
+    for prompt in ([5, 9], [17, 4, 33], list(range(3, 40))):
+        for k, tree in ((1, (4,)), (3, TREES[method]), (5, (2, 1))):
+            config = GenerationConfig(max_new_tokens=30, num_draft_tokens=k, stop_at_eos=False, tree=tree)
+            result = speculative.generate_ids(prompt, config)
+            assert result.token_ids == plain.generate_ids(prompt, config).token_ids, (method, prompt, k, tree)
+            accepted += result.stats.accepted_tokens
+    assert accepted > 0
+
+
 def test_sampling_with_trained_drafters_is_exact(trained):
-    """The first three tokens at temperature 0.9, top-p 0.95 under each trained drafter (k=2) against the exact
-    joint distribution of the target: 6,000 samples per drafter, one chi-square test each at alpha = 0.001 (a
-    correct engine fails one of the three with probability under 0.3%; the seeds are fixed)."""
+    """The first three tokens at temperature 0.9, top-p 0.95 under each trained drafter (k=2), and under the tree
+    drafters' trees, against the exact joint distribution of the target: 6,000 samples per configuration, one
+    chi-square test each at alpha = 0.001 (a correct engine fails one of the five with probability under 0.5%;
+    the seeds are fixed)."""
     from test_engine import bin_counts, exact_joint_of_first_three
 
     sampling = {"temperature": 0.9, "top_p": 0.95}
@@ -91,12 +110,13 @@ def test_sampling_with_trained_drafters_is_exact(trained):
     merge_rest = expected[-1] < 5  # too little mass outside the bins for a bin of its own: it joins the last
     if merge_rest:
         expected = np.append(expected[:-2], expected[-2] + expected[-1])
-    jobs = [(str(trained["target"]), str(trained[m]), m, sampling, samples, 1000 * i, prompt)
-            for i, m in enumerate(METHODS)]
+    configs = [(m, None) for m in METHODS] + [(m, TREES[m]) for m in ("eagle", "mtp")]
+    jobs = [(str(trained["target"]), str(trained[m]), m, sampling, samples, 1000 * i, prompt, 2, tree)
+            for i, (m, tree) in enumerate(configs)]
     with multiprocessing.get_context("spawn").Pool(2) as pool:
         results = pool.starmap(trained_samples, jobs)
     assert len(bins) >= 8 and (merge_rest or expected[-1] < 0.2 * samples)
-    for method, drawn in zip(METHODS, results):
+    for method, drawn in zip(configs, results):
         observed = bin_counts(drawn, bins)
         if merge_rest:
             observed = np.append(observed[:-2], observed[-2] + observed[-1])

@@ -9,7 +9,15 @@ import torch
 from scipy.stats import chisquare
 
 from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.verify import acceptance_probs, residual_probs, verify, verify_greedy
+from specdec.verify import (
+    acceptance_probs,
+    candidate_outcomes,
+    residual_probs,
+    verify,
+    verify_greedy,
+    verify_tree,
+    verify_tree_greedy,
+)
 
 V = 6  # vocabulary of the enumeration tests
 
@@ -182,3 +190,121 @@ def test_sampling_verifier_at_zero_temperature_is_greedy():
                              generator)
         as_point_mass = verify(tokens, None, logits_to_probs(target_logits, greedy), generator)
         assert as_sampling == expected == as_point_mass
+
+
+# token trees ------------------------------------------------------------------------------------------------
+
+
+def leaving_distribution(p: torch.Tensor, children: list[tuple[torch.Tensor | None, torch.Tensor]]) -> torch.Tensor:
+    """Exact distribution [V] of the token that leaves one node, enumerating every draw of its children.
+
+    ``children``: per child, (the q it is verified against, or None for a point mass; the distribution it is drawn
+    from). Each child is drawn independently."""
+    out = torch.zeros(V, dtype=torch.float64)
+    for tokens in itertools.product(range(V), repeat=len(children)):
+        weight = torch.prod(torch.stack([drawn[x] for x, (_, drawn) in zip(tokens, children)]))
+        if weight == 0:
+            continue
+        chances, residual = candidate_outcomes(p, list(tokens), [q for q, _ in children])
+        for x, chance in zip(tokens, chances[:-1]):
+            out[x] += weight * chance
+        out += weight * chances[-1] * residual
+    return out
+
+
+def one_hot(x: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(x), V).double()
+
+
+@pytest.mark.parametrize("params", SETTINGS)
+def test_several_candidates_leave_a_node_distributed_as_the_target(params):
+    """Enumeration: i.i.d. draws from q (SpecInfer), fixed top-k point masses, and both mixed, all emit p."""
+    generator = torch.Generator().manual_seed(20)
+    for _ in range(5):
+        p = random_probs(generator, params=params)
+        q = random_probs(generator, params=params)
+        top = torch.topk(q, 3).indices.tolist()
+        cases = [
+            [(q, q)] * 3,  # three independent draws from the drafter
+            [(None, one_hot(x)) for x in top],  # its top three, each a point mass
+            [(None, one_hot(top[0])), (q, q), (q, q)],  # a fixed first guess, then two draws
+        ]
+        for children in cases:
+            assert torch.allclose(leaving_distribution(p, children), p, atol=1e-9, rtol=0)
+
+
+def test_candidates_verified_against_the_wrong_q_are_caught():
+    """The enumeration has power: children drawn from q but verified against another distribution are biased."""
+    generator = torch.Generator().manual_seed(21)
+    p, q, r = (random_probs(generator, params=SETTINGS[0]) for _ in range(3))
+    assert not torch.allclose(leaving_distribution(p, [(r, q), (r, q)]), p, atol=1e-3)
+
+
+def test_a_two_level_tree_gives_the_exact_joint_of_two_tokens():
+    """Root with two children drawn from q1, each with two children drawn from q2(. | x1): the first two emitted
+    tokens (a round that stops after one continues with the target's own p2) are jointly p1 p2."""
+    generator = torch.Generator().manual_seed(22)
+    params = SETTINGS[0]
+    p1, q1 = random_probs(generator, params=params), random_probs(generator, params=params)
+    p2, q2 = random_probs(generator, V, params=params), random_probs(generator, V, params=params)  # [V(x1), V]
+    joint = torch.zeros(V, V, dtype=torch.float64)
+    for pair in itertools.product(range(V), repeat=2):
+        weight = q1[pair[0]] * q1[pair[1]]
+        chances, residual = candidate_outcomes(p1, list(pair), [q1, q1])
+        joint += weight * chances[-1] * residual[:, None] * p2  # recovered at the root, then the target's token
+        for x1, chance in zip(pair, chances[:-1]):  # x1 accepted: its own two children decide the second token
+            second = leaving_distribution(p2[x1], [(q2[x1], q2[x1])] * 2)
+            joint[x1] += weight * chance * second
+    assert torch.allclose(joint, p1[:, None] * p2, atol=1e-9, rtol=0)
+
+
+def test_monte_carlo_tree_verifier_matches_the_target():
+    """verify_tree itself, sampled, on a tree of three root children (two with a child of their own): the first
+    and second emitted tokens follow p1 and sum_y p1(y) p2(. | y). Chi-square at alpha = 0.001 for each of 2 tests:
+    false-alarm rate about 0.2% for a correct verifier, before the seed is fixed."""
+    generator = torch.Generator().manual_seed(23)
+    params = SETTINGS[0]
+    p1, q1 = random_probs(generator, params=params), random_probs(generator, params=params)
+    p2, q2 = random_probs(generator, V, params=params), random_probs(generator, V, params=params)
+    p3 = random_probs(generator, V, V, params=params)
+    parents = [-1, -1, -1, 0, 1]
+    first, second = torch.zeros(V), torch.zeros(V)
+    n = 5_000
+    for _ in range(n):
+        roots = torch.multinomial(q1, 3, replacement=True, generator=generator).tolist()
+        grandchildren = [int(torch.multinomial(q2[x], 1, generator=generator)) for x in roots[:2]]
+        tokens = roots + grandchildren
+        draft_probs = torch.stack([q1, q1, q1, q2[roots[0]], q2[roots[1]]])
+        target = torch.stack([p1, p2[roots[0]], p2[roots[1]], p2[roots[2]], p3[roots[0], tokens[3]],
+                              p3[roots[1], tokens[4]]])
+        emitted = verify_tree(tokens, parents, draft_probs, target, generator).emitted(tokens)
+        if len(emitted) == 1:
+            emitted.append(int(torch.multinomial(p2[emitted[0]], 1, generator=generator)))
+        first[emitted[0]] += 1
+        second[emitted[1]] += 1
+    assert chisquare(first, n * p1).pvalue > 1e-3
+    assert chisquare(second, n * (p1[:, None] * p2).sum(0)).pvalue > 1e-3
+
+
+def test_greedy_tree_descends_the_targets_argmax():
+    #        root
+    #   5 (0)    7 (1)
+    #   |        |    \
+    #   6 (2)    8 (3) 9 (4)
+    tokens, parents = [5, 7, 6, 8, 9], [-1, -1, 0, 1, 1]
+    argmax = [7, 6, 2, 1, 4, 3]  # after root: 7 -> node 1; after node 1: 2, no child is 2
+    verdict = verify_tree_greedy(tokens, parents, argmax)
+    assert (verdict.path, verdict.token, verdict.emitted(tokens)) == ([1], 2, [7, 2])
+    argmax[2] = 9  # after node 1: 9 -> node 4, a leaf: its argmax is the bonus
+    assert verify_tree_greedy(tokens, parents, argmax).emitted(tokens) == [7, 9, 3]
+    assert verify_tree_greedy(tokens, parents, [1, 0, 0, 0, 0, 0]).emitted(tokens) == [1]
+
+
+def test_the_sampling_tree_verifier_at_zero_temperature_is_greedy():
+    generator = torch.Generator().manual_seed(24)
+    greedy = SamplingParams(temperature=0.0)
+    tokens, parents = [0, 1, 2, 3, 4], [-1, -1, 0, 0, 1]
+    for _ in range(100):
+        logits = torch.randn(6, V, generator=generator)
+        expected = verify_tree_greedy(tokens, parents, logits.argmax(-1).tolist())
+        assert verify_tree(tokens, parents, None, logits_to_probs(logits, greedy), generator) == expected

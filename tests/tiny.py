@@ -114,9 +114,10 @@ def structured_llama(seed: int = 0, vocab_size: int = 64, steps: int = 300) -> L
 
 
 def trained_samples(target_dir: str, drafter_dir: str, method: str, sampling_kwargs: dict, num_samples: int,
-                    first_seed: int, prompt: tuple[int, ...], num_draft_tokens: int = 2) -> list[tuple[int, ...]]:
+                    first_seed: int, prompt: tuple[int, ...], num_draft_tokens: int = 2,
+                    tree: tuple[int, ...] | None = None) -> list[tuple[int, ...]]:
     """As e2e_samples, with a saved target and a trained drafter loaded from their directories (spawned workers
-    load them); ``method`` none samples plainly."""
+    load them), drafting chains or ``tree``s; ``method`` none samples plainly."""
     from specdec.api import SpecDecoder
     from specdec.engine import GenerationConfig
     from specdec.models import load_model
@@ -128,4 +129,4 @@ def trained_samples(target_dir: str, drafter_dir: str, method: str, sampling_kwa
     params = SamplingParams(**sampling_kwargs)
     return [tuple(decoder.engine.generate(list(prompt), GenerationConfig(
         max_new_tokens=3, num_draft_tokens=num_draft_tokens, sampling=params, seed=first_seed + i,
-        stop_at_eos=False)).token_ids) for i in range(num_samples)]
+        stop_at_eos=False, tree=tree)).token_ids) for i in range(num_samples)]

@@ -105,12 +105,49 @@ class LlamaRuntime:
         if not token_ids:
             return torch.empty(0, self.vocab_size, device=self.device)
         start, n = len(self.tokens), len(token_ids)
+        return self._forward(token_ids, num_logits, torch.arange(start, start + n, device=self.device),
+                             _causal_mask(start, n, self.device))
+
+    @torch.inference_mode()
+    def extend_tree(self, token_ids: list[int], parents: list[int]) -> torch.Tensor:  # [n, vocab]
+        """Append a token tree in one pass: ``token_ids[0]`` follows the cache, each other token follows
+        ``token_ids[parents[i]]`` (parents come first). Each position attends to the cache and its own ancestors
+        and sits at the position of its depth; the logits after every token are returned. The cache then holds the
+        tree in this order: :meth:`keep_path` compacts the branch that was accepted."""
+        start, n = len(self.tokens), len(token_ids)
+        depth = [0] * n
+        ancestry = torch.eye(n, dtype=torch.bool, device=self.device)  # [n, n]: ancestry[i, j]: j is i or above it
+        for i in range(1, n):
+            if not 0 <= parents[i] < i:
+                raise ValueError(f"node {i}'s parent {parents[i]} does not come before it")
+            depth[i] = depth[parents[i]] + 1
+            ancestry[i] |= ancestry[parents[i]]
+        mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=self.device), ancestry], dim=1)
+        positions = start + torch.tensor(depth, device=self.device)
+        return self._forward(token_ids, n, positions, mask)
+
+    @torch.inference_mode()
+    def keep_path(self, start: int, path: list[int]) -> None:
+        """After :meth:`extend_tree` at cache length ``start``: keep the tree nodes ``path`` (indexes into that
+        tree, root first, each a child of the one before) as the positions after ``start``; drop the rest."""
+        slots = torch.tensor([start + node for node in path], device=self.device)
+        for buffers in (self._keys, self._values):
+            for buffer in buffers:
+                buffer[:, start : start + len(path)] = buffer[:, slots]
+        if self._hidden is not None:
+            self._hidden[start : start + len(path)] = self._hidden[slots]
+        self.tokens[start:] = [self.tokens[start + node] for node in path]
+
+    def _forward(self, token_ids: list[int], num_logits: int, positions: torch.Tensor, mask: torch.Tensor | None
+                 ) -> torch.Tensor:  # [num_logits, vocab]
+        """One pass over ``token_ids``, written to the cache after it at their rotary ``positions`` [n], each query
+        attending to the keys ``mask`` [n, start+n] allows (None: all)."""
+        start, n = len(self.tokens), len(token_ids)
         if start + n > self._capacity:
             self._grow(start + n)
         layers, lm_head = self.weights_for(n)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)  # [n]
-        cos, sin = self._cos[start : start + n], self._sin[start : start + n]  # [n, head_dim] each
-        mask = _causal_mask(start, n, self.device)  # [n, start+n] or None
+        cos, sin = self._cos[positions], self._sin[positions]  # [n, head_dim] each
         x = self.embed[ids]  # [n, hidden]
         for layer, keys, values in zip(layers, self._keys, self._values):
             x = x + self._attention(layer, rms_norm(x, layer.input_norm, self.eps), keys, values, start, cos, sin,

@@ -40,15 +40,17 @@ class SpecdecContender:
     """A specdec engine: a drafter over the shared target backend, with its own draft length or policy (0: the
     baseline, which drafts nothing)."""
 
-    def __init__(self, name: str, engine: Engine, num_draft_tokens: int | str) -> None:
+    def __init__(self, name: str, engine: Engine, num_draft_tokens: int | str,
+                 tree: tuple[int, ...] | None = None) -> None:
         self.name = name
         self.engine = engine
         self.num_draft_tokens = num_draft_tokens
+        self.tree = tree
 
     def run(self, prompt_ids: list[int], config: GenerationConfig) -> Outcome:
         self.engine.clear_cache()
         if self.num_draft_tokens:
-            config = replace(config, num_draft_tokens=self.num_draft_tokens)
+            config = replace(config, num_draft_tokens=self.num_draft_tokens, tree=self.tree)
         result = self.engine.generate(prompt_ids, config)
         s = result.stats
         return Outcome(token_ids=result.token_ids, seconds=s.seconds, rounds=s.rounds, draft_tokens=s.draft_tokens,

@@ -17,7 +17,7 @@ from specdec.bench.prompts import read_prompts
 from specdec.bench.report import BASELINE, Run, build_report, markdown
 from specdec.bench.roofline import measure_roofline, roofline_markdown
 from specdec import datastore as datastores
-from specdec.engine import Engine, GenerationConfig, parse_num_draft_tokens
+from specdec.engine import Engine, GenerationConfig, parse_num_draft_tokens, parse_tree
 from specdec.errors import UsageError
 from specdec.drafters.loading import parse_drafter_paths
 from specdec.models import load_model
@@ -44,13 +44,17 @@ REFERENCE_CONTENDERS = {"hf-prompt-lookup": _hf_prompt_lookup, "hf-assisted": _h
 NEEDS_DRAFT_MODEL = {"hf-assisted"}
 
 
-def parse_contender(spec: str, default_k: int | str) -> tuple[str, int | str]:
-    """``name`` or ``name:k`` (k an integer, auto or heuristic) -> (drafter name, k)."""
-    name, _, k = spec.partition(":")
+def parse_contender(spec: str, default_k: int | str) -> tuple[str, int | str, tuple[int, ...] | None]:
+    """``name``, ``name:k`` or ``name:k:tree`` (k an integer, auto or heuristic; tree the candidates per depth,
+    as 3/2/1) -> (drafter name, k, tree widths or None)."""
+    name, _, rest = spec.partition(":")
+    k, _, tree = rest.partition(":")
     if name not in PROPOSERS and name not in REFERENCE_CONTENDERS:
         raise UsageError(f"unknown drafter {name!r}; choose from "
                          f"{', '.join(list(PROPOSERS) + list(REFERENCE_CONTENDERS))}")
-    return name, parse_num_draft_tokens(k) if k else default_k
+    if tree and name in REFERENCE_CONTENDERS:
+        raise UsageError(f"{name} drafts no trees")
+    return name, parse_num_draft_tokens(k) if k else default_k, parse_tree(tree or None)
 
 
 def build_contenders(specs: list[str], target, draft, num_draft_tokens: int | str,
@@ -60,13 +64,13 @@ def build_contenders(specs: list[str], target, draft, num_draft_tokens: int | st
     specdec's contenders share. Trained drafters come from ``drafter_paths`` (method -> directory), else from
     those shipped for the target; one drafter serves every spec of its method."""
     parsed = {spec: parse_contender(spec, num_draft_tokens) for spec in dict.fromkeys(specs) if spec != BASELINE}
-    if draft is None and NEEDS_DRAFT_MODEL & {name for name, _ in parsed.values()}:
+    if draft is None and NEEDS_DRAFT_MODEL & {name for name, _, _ in parsed.values()}:
         raise UsageError("the hf-assisted configuration needs --draft-model PATH")
     backend = make_backend(target.model, precision)
     eos = eos_token_ids(target)
     drafters: dict[str, object] = {}
     contenders: list[Contender] = [SpecdecContender(BASELINE, Engine(backend, NoProposer(), eos), 0)]
-    for spec, (name, k) in parsed.items():
+    for spec, (name, k, tree) in parsed.items():
         if name in REFERENCE_CONTENDERS:
             contenders.append(REFERENCE_CONTENDERS[name](spec, target, draft, k, eos))
         else:
@@ -75,7 +79,8 @@ def build_contenders(specs: list[str], target, draft, num_draft_tokens: int | st
                 drafters[name] = drafter_of(name, target, backend, draft, precision,
                                             (drafter_paths or {}).get(name))
             engine = Engine(backend, make_proposer(name, backend, drafters[name], store), eos_token_ids=eos)
-            contenders.append(SpecdecContender(spec, engine, k))
+            engine.check_tree(GenerationConfig(tree=tree))
+            contenders.append(SpecdecContender(spec, engine, k, tree))
     return contenders, backend
 
 

@@ -80,6 +80,12 @@ class DraftVocab(nn.Module):
             return int(self.ids[logits.argmax()]), None
         return draft_token(self.widen(logits), params, generator)
 
+    def ranked(self, logits: torch.Tensor, count: int, exclude: int) -> list[int]:  # logits [V']
+        """``proposers.base.ranked`` over the draft vocabulary, as the target's ids."""
+        from specdec.proposers.base import ranked
+
+        return [token for token in self.ids[ranked(logits, count + 1, -1)].tolist() if token != exclude][:count]
+
 
 class TargetParts:
     """The frozen pieces of the target a drafter reads: input embedding and LM head (one matrix when tied)."""

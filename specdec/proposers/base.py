@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from specdec.sampling import SamplingParams, logits_to_probs, sample
 
@@ -20,6 +21,7 @@ class Draft:
 
     tokens: list[int]  # [k]
     probs: torch.Tensor | None = None  # [k, target vocab] or None
+    parents: list[int] | None = None  # a tree: each token's parent (-1: it follows the context); None: a chain
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -58,3 +60,30 @@ def draft_of(tokens: list[int], rows: list[torch.Tensor | None]) -> Draft:
     """A Draft from tokens and the distribution each came from (all None when greedy)."""
     kept = [row for row in rows if row is not None]
     return Draft(tokens=tokens, probs=torch.stack(kept) if kept else None)
+
+
+def ranked(logits: torch.Tensor, count: int, exclude: int) -> list[int]:  # logits [vocab]
+    """The ``count`` ids a drafter ranks highest, ``exclude`` left out: a draft tree's alternatives."""
+    top = torch.topk(logits, min(count + 1, logits.shape[-1])).indices.tolist()
+    return [token for token in top if token != exclude][:count]
+
+
+def spine_tree(spine: list[int], rows: list[torch.Tensor | None], alternatives: list[list[int]]) -> Draft:
+    """A draft tree: the drafter's chain (``spine``, each token drawn from its ``rows`` entry, None when greedy) with,
+    at each depth, ``alternatives[d]`` as leaves beside the spine token: siblings fixed by the drafter's ranking (point
+    masses; one-hot rows when the spine has distributions). Nodes by depth, spine first, so parents come first."""
+    tokens, parents, node_rows = [], [], []
+    parent = -1
+    for token, row, others in zip(spine, rows, alternatives):
+        spine_node = len(tokens)
+        tokens.append(token)
+        parents.append(parent)
+        node_rows.append(row)
+        for other in others:
+            tokens.append(other)
+            parents.append(parent)
+            node_rows.append(None if row is None else F.one_hot(torch.tensor(other, device=row.device),
+                                                                row.shape[-1]).to(row.dtype))
+        parent = spine_node
+    kept = [row for row in node_rows if row is not None]
+    return Draft(tokens=tokens, probs=torch.stack(kept) if kept else None, parents=parents)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from specdec.backends.base import CausalLM, sync
 from specdec.errors import UsageError
-from specdec.proposers.base import EMPTY_DRAFT, Draft, draft_of, draft_token
+from specdec.proposers.base import EMPTY_DRAFT, Draft, draft_of, draft_token, ranked, spine_tree
 from specdec.sampling import SamplingParams
 
 
@@ -30,18 +30,33 @@ class DraftModelProposer:
     def propose(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
     ) -> Draft:
-        if k == 0 or max(context) >= self.model.vocab_size:  # an id the draft model cannot embed
-            return EMPTY_DRAFT
+        tokens, rows, _ = self._chain(context, [1] * k, params, generator)
+        return draft_of(tokens, rows)
+
+    def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
+                     generator: torch.Generator | None) -> Draft:
+        """The draft model's chain, and beside each of its tokens the next best, widths[d] candidates at depth d."""
+        tokens, rows, alternatives = self._chain(context, widths, params, generator)
+        return spine_tree(tokens, rows, alternatives) if tokens else EMPTY_DRAFT
+
+    def _chain(self, context: list[int], widths: list[int], params: SamplingParams,
+               generator: torch.Generator | None) -> tuple[list[int], list, list[list[int]]]:
+        """len(widths) tokens drafted autoregressively (and their distributions), with the ``widths[d] - 1`` tokens
+        the draft model ranks next at each."""
+        if not widths or max(context) >= self.model.vocab_size:  # an id the draft model cannot embed
+            return [], [], []
         logits = sync(self.model, context, num_logits=1)[0]  # [vocab_d]: rejected draft tokens are dropped here
         tokens: list[int] = []
         rows: list[torch.Tensor | None] = []
-        for i in range(k):
+        alternatives: list[list[int]] = []
+        for i, width in enumerate(widths):
             token, probs = draft_token(logits, params, generator)
             tokens.append(token)
             rows.append(None if probs is None else self._pad(probs))
-            if i < k - 1:
+            alternatives.append(ranked(logits, width - 1, exclude=token) if width > 1 else [])
+            if i < len(widths) - 1:
                 logits = self.model.extend([token], num_logits=1)[0]
-        return draft_of(tokens, rows)
+        return tokens, rows, alternatives
 
     def clear_cache(self) -> None:
         self.model.rollback(0)

@@ -13,7 +13,7 @@ import torch
 from specdec.backends.base import common_prefix_length
 from specdec.drafters.layers import KVCache
 from specdec.drafters.networks import EagleHead, prepare_for_drafting
-from specdec.proposers.base import EMPTY_DRAFT, Draft, draft_of
+from specdec.proposers.base import EMPTY_DRAFT, Draft, draft_of, spine_tree
 from specdec.sampling import SamplingParams
 
 
@@ -30,25 +30,43 @@ class EagleProposer:
     @torch.inference_mode()
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
                 ) -> Draft:
+        spine, rows, _ = self._spine(context, [1] * k, params, generator)
+        return draft_of(spine, rows)
+
+    @torch.inference_mode()
+    def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
+                     generator: torch.Generator | None) -> Draft:
+        """A tree of depth len(widths): the head's chain, and at each depth the head's next best tokens beside
+        it, widths[d] candidates in all."""
+        spine, rows, alternatives = self._spine(context, widths, params, generator)
+        return spine_tree(spine, rows, alternatives) if spine else EMPTY_DRAFT
+
+    def _spine(self, context: list[int], widths: list[int], params: SamplingParams,
+               generator: torch.Generator | None) -> tuple[list[int], list, list[list[int]]]:
+        """The head's chain of len(widths) tokens (and their distributions), with the ``widths[d] - 1`` tokens it
+        ranks next at each depth."""
         n = len(context)
         features = self.target.hidden_states  # [n-1, hidden]: the target caches all of the context but its last
-        if k == 0 or n < 2 or features.shape[0] != n - 1:
-            return EMPTY_DRAFT
+        if not widths or n < 2 or features.shape[0] != n - 1:
+            return [], [], []
         start = min(common_prefix_length(self._fed, context[1:]), n - 2)  # re-feed at least the last position
         next_tokens = torch.tensor([context[start + 1 :]], device=features.device)  # [1, n-1-start]
         hidden = self.head(features[None, start:], next_tokens, self._cache, start)[0, -1]  # [hidden]
         self._fed = context[1:]
         tokens: list[int] = []
         rows: list[torch.Tensor | None] = []
+        alternatives: list[list[int]] = []
         vocab = self.head.vocab
-        for i in range(k):
-            token, probs = vocab.draft_token(vocab.logits(hidden), params, generator)
+        for i, width in enumerate(widths):
+            logits = vocab.logits(hidden)  # [V']
+            token, probs = vocab.draft_token(logits, params, generator)
             tokens.append(token)
             rows.append(probs)
-            if i < k - 1:  # the head's own feature stands in for the target's, at position n-1+i
+            alternatives.append(vocab.ranked(logits, width - 1, exclude=token) if width > 1 else [])
+            if i < len(widths) - 1:  # the head's own feature stands in for the target's, at position n-1+i
                 step = torch.tensor([[token]], device=features.device)
                 hidden = self.head(hidden[None, None], step, self._cache, n - 1 + i)[0, -1]
-        return draft_of(tokens, rows)
+        return tokens, rows, alternatives
 
     def clear_cache(self) -> None:
         self._fed = []

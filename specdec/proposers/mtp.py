@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from specdec.drafters.networks import MTPHeads, prepare_for_drafting
-from specdec.proposers.base import EMPTY_DRAFT, Draft, draft_of
+from specdec.proposers.base import EMPTY_DRAFT, Draft, draft_of, spine_tree
 from specdec.sampling import SamplingParams
 
 
@@ -25,18 +25,36 @@ class MTPProposer:
     @torch.inference_mode()
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
                 ) -> Draft:
+        tokens, rows, _ = self._heads_draft(context, [1] * k, params, generator)
+        return draft_of(tokens, rows)
+
+    @torch.inference_mode()
+    def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
+                     generator: torch.Generator | None) -> Draft:
+        """Medusa's tree, in its simplest shape: each head's choice in a chain, and beside it the head's next best
+        tokens, widths[d] candidates at depth d in all."""
+        tokens, rows, alternatives = self._heads_draft(context, widths, params, generator)
+        return spine_tree(tokens, rows, alternatives) if tokens else EMPTY_DRAFT
+
+    def _heads_draft(self, context: list[int], widths: list[int], params: SamplingParams,
+                     generator: torch.Generator | None) -> tuple[list[int], list, list[list[int]]]:
+        """Head d's token (and its distribution) for each depth d < len(widths) (at most one per head), with the
+        ``widths[d] - 1`` tokens it ranks next."""
         features = self.target.hidden_states  # [len(context)-1, hidden]
-        k = min(k, len(self.heads.heads))
-        if k == 0 or features.shape[0] != len(context) - 1 or len(context) < 2:
-            return EMPTY_DRAFT
-        logits = self.heads(features[-1], count=k)  # [k, V']
+        widths = widths[: len(self.heads.heads)]
+        if not widths or features.shape[0] != len(context) - 1 or len(context) < 2:
+            return [], [], []
+        logits = self.heads(features[-1], count=len(widths))  # [k, V']
         tokens: list[int] = []
         rows: list[torch.Tensor | None] = []
-        for row in logits:
-            token, probs = self.heads.vocab.draft_token(row, params, generator)
+        alternatives: list[list[int]] = []
+        vocab = self.heads.vocab
+        for row, width in zip(logits, widths):
+            token, probs = vocab.draft_token(row, params, generator)
             tokens.append(token)
             rows.append(probs)
-        return draft_of(tokens, rows)
+            alternatives.append(vocab.ranked(row, width - 1, exclude=token) if width > 1 else [])
+        return tokens, rows, alternatives
 
     def clear_cache(self) -> None:
         pass
