@@ -17,7 +17,7 @@ K_HELP = (f"draft tokens per round: 1..{MAX_DRAFT_TOKENS} (default 4); auto: the
           "does not pay); heuristic: transformers' schedule (+2 after a fully accepted draft, -1 after a rejection)")
 TREE_HELP = ("draft a token tree, verified in one target pass: the candidates at each depth (the last repeats deeper), "
              "as 3,2,1: the drafter's chain of K tokens and, beside each, its next best tokens (eagle, mtp, "
-             "draft-model); default: a chain")
+             "draft-model), or W1 continuations K deep (prompt-lookup, retrieval); default: a chain")
 DTYPE_HELP = ("the weights' precision. auto: bfloat16 on CUDA; on the CPU, for each kind of pass (one position; "
               "several), the fastest precision whose logits stay within 0.1 of float32's, measured once per model "
               "and machine and cached")

@@ -102,7 +102,7 @@ def test_seed_makes_sampling_repeatable(models, capsys):
         (["generate", PROMPT, "--temperature", "warm"], "invalid float"),
         (["generate", PROMPT, "--tree", "3,x"], "--tree takes candidates per depth"),
         (["generate", PROMPT, "--tree", "3,0"], "tree widths must be between 1 and 16"),
-        (["generate", PROMPT, "--tree", "3", "--drafter", "prompt-lookup"], "drafts chains only, not trees"),
+        (["generate", PROMPT, "--tree", "3", "--drafter", "none"], "drafts chains only, not trees"),
         (["frobnicate"], "invalid choice"),
     ],
 )

@@ -63,6 +63,36 @@ def test_greedy_speculation_is_token_for_token_plain_greedy(target_and_draft, k,
             assert greedy(engine, prompt, k) == expected, (name, prompt)
 
 
+@pytest.mark.parametrize("tree", [(1,), (3,), (3, 2, 1)])
+def test_greedy_tree_speculation_from_copies_is_plain_greedy(target_and_draft, tree):
+    """Prompt lookup's and retrieval's several continuations, and the draft model's ranked alternatives, as trees
+    scored in one pass of the lean runtime."""
+    target, draft = target_and_draft
+    target_backend = LlamaRuntime(target)
+    engines = {
+        "prompt-lookup": Engine(target_backend, PromptLookupProposer(min_ngram=1)),
+        "retrieval": Engine(target_backend, RetrievalProposer(min_order=1)),
+        "draft-model": Engine(target_backend, DraftModelProposer(LlamaRuntime(draft), target_backend.vocab_size)),
+    }
+    config = GenerationConfig(max_new_tokens=24, num_draft_tokens=3, stop_at_eos=False, tree=tree)
+    branched = 0
+    for prompt in PROMPTS:
+        expected = reference_greedy(target, prompt, 24)
+        for name, engine in engines.items():
+            result = engine.generate(prompt, config)
+            assert result.token_ids == expected, (name, prompt, tree)
+            if tree != (1,):
+                branched += sum(_branches(engine.proposer.propose_tree(prompt + expected[:i], config.tree_widths(3),
+                                                                       config.sampling, None))
+                                for i in range(0, 24, 4))
+    assert branched > 0 or tree == (1,)  # some drafts really were trees
+
+
+def _branches(draft) -> bool:
+    """Whether a draft tree has a node (or root) with more than one child."""
+    return draft.parents is not None and len(draft.parents) > len(set(draft.parents))
+
+
 def test_speculation_actually_accepts_and_rejects(target_and_draft):
     """The identity above must not hold vacuously: drafts are both accepted and rejected."""
     target, draft = target_and_draft

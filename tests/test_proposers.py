@@ -8,6 +8,7 @@ from tiny import tiny_llama
 
 from specdec.backends import HFCausalLM, LlamaRuntime
 from specdec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer, make_proposer
+from specdec.proposers.base import trie_draft
 from specdec.sampling import SamplingParams, logits_to_probs
 
 GREEDY = SamplingParams()
@@ -39,6 +40,21 @@ def test_prompt_lookup_without_a_match_drafts_nothing():
     assert lookup([1, 2, 3, 4, 5]).tokens == []
     assert lookup([7]).tokens == []
     assert lookup([1, 2, 1, 2], k=0).tokens == []
+
+
+def test_prompt_lookup_trees_branch_where_the_tail_was_followed_differently():
+    #          0  1  2  3  4  5  6  7  8  9 10 11
+    context = [1, 2, 3, 9, 4, 1, 2, 3, 7, 8, 1, 2, 3]
+    draft = PromptLookupProposer().propose_tree(context, [3, 1], GREEDY, None)
+    # the latest "1 2 3" was followed by 7 8, the one before by 9 4: two branches of two
+    assert (draft.tokens, draft.parents, draft.probs) == ([7, 8, 9, 4], [-1, 0, -1, 2], None)
+    assert PromptLookupProposer().propose_tree(context, [1, 1], GREEDY, None).tokens == [7, 8]  # one: a chain
+
+
+def test_a_trie_merges_the_shared_prefixes_of_continuations():
+    draft = trie_draft([[5, 6, 7], [5, 8], [9]])
+    assert (draft.tokens, draft.parents) == ([5, 6, 7, 8, 9], [-1, 0, 1, 0, -1])
+    assert trie_draft([]).tokens == [] and trie_draft([]).parents is None
 
 
 def test_none_drafts_nothing():

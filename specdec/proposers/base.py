@@ -87,3 +87,21 @@ def spine_tree(spine: list[int], rows: list[torch.Tensor | None], alternatives: 
         parent = spine_node
     kept = [row for row in node_rows if row is not None]
     return Draft(tokens=tokens, probs=torch.stack(kept) if kept else None, parents=parents)
+
+
+def trie_draft(continuations: list[list[int]]) -> Draft:
+    """A draft tree of several continuations (point masses), shared prefixes merged, the earlier continuation's
+    tokens first among siblings."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    node_of: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    for continuation in continuations:
+        parent = -1
+        for token in continuation:
+            node = node_of.get((parent, token))
+            if node is None:
+                node = node_of[(parent, token)] = len(tokens)
+                tokens.append(token)
+                parents.append(parent)
+            parent = node
+    return Draft(tokens=tokens, parents=parents) if tokens else EMPTY_DRAFT

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.proposers.base import EMPTY_DRAFT, Draft
+from specdec.proposers.base import EMPTY_DRAFT, Draft, trie_draft
 from specdec.sampling import SamplingParams
 
 
@@ -24,26 +24,43 @@ class PromptLookupProposer:
     def propose(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
     ) -> Draft:
-        if k == 0:
-            return EMPTY_DRAFT
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            continuation = _continuation_of_latest_match(context, n, k)
-            if continuation:
-                return Draft(tokens=continuation)
-        return EMPTY_DRAFT
+        found = self._continuations(context, k, 1)
+        return Draft(tokens=found[0]) if found else EMPTY_DRAFT
+
+    def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
+                     generator: torch.Generator | None) -> Draft:
+        """What followed up to ``widths[0]`` earlier occurrences of the context's tail (each with another next
+        token, the latest first), as a tree len(widths) deep; the deeper widths are not used."""
+        return trie_draft(self._continuations(context, len(widths), widths[0]))
 
     def clear_cache(self) -> None:
         pass
 
+    def _continuations(self, context: list[int], k: int, count: int) -> list[list[int]]:
+        """The continuations of the longest n-gram tail that occurred before (see ``continuations_of_matches``)."""
+        if k == 0:
+            return []
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            found = continuations_of_matches(context, n, k, count)
+            if found:
+                return found
+        return []
 
-def _continuation_of_latest_match(context: list[int], n: int, k: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the last n tokens, or []."""
+
+def continuations_of_matches(context: list[int], n: int, k: int, count: int) -> list[list[int]]:
+    """Up to ``count`` continuations of up to k tokens that followed earlier occurrences of the last n tokens, the
+    latest occurrence first, each starting with another token than those before it."""
     if len(context) <= n:
         return []
     tail = context[-n:]
     last = tail[-1]
+    found: list[list[int]] = []
     # candidate ends of an n-gram: positions before the tail's own end that hold the tail's last token
     for end in range(len(context) - 2, n - 2, -1):
         if context[end] == last and context[end - n + 1 : end + 1] == tail:
-            return context[end + 1 : end + 1 + k]
-    return []
+            following = context[end + 1 : end + 1 + k]
+            if all(following[0] != other[0] for other in found):
+                found.append(following)
+                if len(found) == count:
+                    break
+    return found

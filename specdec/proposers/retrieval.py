@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from specdec.proposers.base import EMPTY_DRAFT, Draft
+from specdec.proposers.base import EMPTY_DRAFT, Draft, trie_draft
 from specdec.sampling import SamplingParams
 
 MAX_ORDER = 8  # the longest suffix matched, in tokens
@@ -132,6 +132,12 @@ class RetrievalProposer:
             return EMPTY_DRAFT
         self._follow(context)
         return Draft(tokens=continuation(self._indexes(), context, k, self.min_order))
+
+    def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
+                     generator: torch.Generator | None) -> Draft:
+        """Up to ``widths[0]`` continuations, each from another best-supported first token, as a tree len(widths)
+        deep; the deeper widths are not used."""
+        return trie_draft(self.propose_many(context, len(widths), widths[0]))
 
     def propose_many(self, context: list[int], k: int, width: int) -> list[list[int]]:
         """Up to ``width`` different continuations, one per best-supported first token (for token trees)."""
