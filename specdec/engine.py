@@ -222,7 +222,7 @@ class Engine:
         context token but the last, which is scored next."""
         if not prompt_ids:
             raise UsageError("the prompt is empty")
-        self.check_tree(config)
+        self.check_tree(config.tree)
         params = config.sampling
         generator = make_generator(config.seed, self.target.device)
         stop_ids = self.eos_token_ids if config.stop_at_eos else frozenset()
@@ -275,16 +275,13 @@ class Engine:
             self.target.rollback(cached + 1 + verdict.accepted)
             return verdict
         logits = self.target.extend_tree([pending] + draft.tokens, [-1] + [p + 1 for p in draft.parents])  # [m+1, V]
-        if params.greedy:
-            verdict = verify_tree_greedy(draft.tokens, draft.parents, logits.argmax(-1).tolist())
-        else:
-            verdict = verify_tree(draft.tokens, draft.parents, draft.probs, logits_to_probs(logits, params), generator)
+        verdict = verify_draft_tree(draft, logits, params, generator)
         self.target.keep_path(cached, [0] + [node + 1 for node in verdict.path])
         return verdict
 
-    def check_tree(self, config: GenerationConfig) -> None:
+    def check_tree(self, tree: tuple[int, ...] | None) -> None:
         """Refuse a tree that this proposer cannot draft or this target cannot score."""
-        if config.tree is None:
+        if tree is None:
             return
         if not hasattr(self.proposer, "propose_tree"):
             raise UsageError(f"--drafter {self.proposer.name} drafts chains only, not trees")
@@ -310,6 +307,17 @@ def verify_draft(
     if params.greedy:
         return verify_greedy(draft_tokens, logits.argmax(-1))
     return verify(draft_tokens, draft.probs, logits_to_probs(logits, params), generator)
+
+
+def verify_draft_tree(
+    draft: Draft,  # with parents
+    logits: torch.Tensor,  # [m+1, vocab]: after the pending token, then after each node
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> TreeVerdict:
+    if params.greedy:
+        return verify_tree_greedy(draft.tokens, draft.parents, logits.argmax(-1).tolist())
+    return verify_tree(draft.tokens, draft.parents, draft.probs, logits_to_probs(logits, params), generator)
 
 
 def emitted_round(draft: Draft, verdict: Verdict, limit: int, stop_ids: frozenset[int], draft_seconds: float,

@@ -176,6 +176,14 @@ def test_a_tree_pass_scores_every_branch_as_its_own_chain_and_keeps_the_accepted
     after = runtime.extend([16, 17], 2)
     torch.testing.assert_close(after.float(), reference_logits(model, prefix + [10, 13, 15, 16, 17])[-2:], rtol=0,
                                atol=1e-5)
+    # a branch already in place (the first child's): only the rest is dropped
+    start = len(runtime.tokens)
+    runtime.extend_tree([18, 19, 20], [-1, 0, 0])
+    runtime.keep_path(start, [0, 1])
+    assert runtime.tokens == prefix + [10, 13, 15, 16, 17, 18, 19]
+    torch.testing.assert_close(runtime.extend([21], 1)[0].float(),
+                               reference_logits(model, prefix + [10, 13, 15, 16, 17, 18, 19, 21])[-1], rtol=0,
+                               atol=1e-5)
 
 
 def test_a_tree_whose_parent_comes_after_its_child_is_refused():

@@ -105,8 +105,7 @@ class LlamaRuntime:
         if not token_ids:
             return torch.empty(0, self.vocab_size, device=self.device)
         start, n = len(self.tokens), len(token_ids)
-        return self._forward(token_ids, num_logits, torch.arange(start, start + n, device=self.device),
-                             _causal_mask(start, n, self.device))
+        return self._forward(token_ids, num_logits, slice(start, start + n), _causal_mask(start, n, self.device))
 
     @torch.inference_mode()
     def extend_tree(self, token_ids: list[int], parents: list[int]) -> torch.Tensor:  # [n, vocab]
@@ -130,6 +129,9 @@ class LlamaRuntime:
     def keep_path(self, start: int, path: list[int]) -> None:
         """After :meth:`extend_tree` at cache length ``start``: keep the tree nodes ``path`` (indexes into that
         tree, root first, each a child of the one before) as the positions after ``start``; drop the rest."""
+        if path == list(range(len(path))):  # the branch already sits in place (a chain's prefix): nothing moves
+            del self.tokens[start + len(path) :]
+            return
         slots = torch.tensor([start + node for node in path], device=self.device)
         for buffers in (self._keys, self._values):
             for buffer in buffers:
@@ -138,10 +140,11 @@ class LlamaRuntime:
             self._hidden[start : start + len(path)] = self._hidden[slots]
         self.tokens[start:] = [self.tokens[start + node] for node in path]
 
-    def _forward(self, token_ids: list[int], num_logits: int, positions: torch.Tensor, mask: torch.Tensor | None
-                 ) -> torch.Tensor:  # [num_logits, vocab]
-        """One pass over ``token_ids``, written to the cache after it at their rotary ``positions`` [n], each query
-        attending to the keys ``mask`` [n, start+n] allows (None: all)."""
+    def _forward(self, token_ids: list[int], num_logits: int, positions: slice | torch.Tensor,
+                 mask: torch.Tensor | None) -> torch.Tensor:  # [num_logits, vocab]
+        """One pass over ``token_ids``, written to the cache after it at their rotary ``positions`` (a slice for a
+        chain: the tables are viewed, not copied; [n] for a tree), each query attending to the keys ``mask``
+        [n, start+n] allows (None: all)."""
         start, n = len(self.tokens), len(token_ids)
         if start + n > self._capacity:
             self._grow(start + n)

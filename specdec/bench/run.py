@@ -79,7 +79,7 @@ def build_contenders(specs: list[str], target, draft, num_draft_tokens: int | st
                 drafters[name] = drafter_of(name, target, backend, draft, precision,
                                             (drafter_paths or {}).get(name))
             engine = Engine(backend, make_proposer(name, backend, drafters[name], store), eos_token_ids=eos)
-            engine.check_tree(GenerationConfig(tree=tree))
+            engine.check_tree(tree)
             contenders.append(SpecdecContender(spec, engine, k, tree))
     return contenders, backend
 
