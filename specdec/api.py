@@ -38,7 +38,7 @@ class SpecDecoder:
         """``precision``: None runs the models in the dtype they were loaded in; "auto" lets the lean runtime pick,
         per kind of pass, the fastest weight precision that keeps the target's outputs (see backends/precision.py).
         ``datastore``: a loaded retrieval datastore (specdec.datastore.load), for the retrieval drafter.
-        ``drafter_path``: a trained drafter's directory (``specdec train``) for draft-model, mtp or eagle; without
+        ``drafter_path``: a trained drafter's directory (``specdec train``) for draft-model, mtp, eagle or early-exit; without
         it, the one shipped for the target.
         """
         if draft is not None:
@@ -151,7 +151,7 @@ class SpecDecoder:
 def drafter_of(drafter: str, target: LoadedModel, backend, draft: LoadedModel | None, precision: str | None,
                drafter_path: str | os.PathLike | None = None):
     """What the proposer ``drafter`` drafts with: a draft model's backend (a transformers model, or a trained draft
-    LM), a trained network (mtp, eagle), or None."""
+    LM), a trained network (mtp, eagle, early-exit), or None."""
     from specdec.drafters.loading import TRAINED_METHODS, load_trained
     from specdec.drafters.runtime import DraftLMRuntime
 
@@ -161,7 +161,7 @@ def drafter_of(drafter: str, target: LoadedModel, backend, draft: LoadedModel | 
         network = load_trained(drafter, target.model, drafter_path)
         return DraftLMRuntime(network, backend.max_length) if drafter == "draft-model" else network
     if drafter_path is not None:
-        raise UsageError(f"--drafter-path is for trained drafters (draft-model, mtp, eagle), not {drafter}")
+        raise UsageError(f"--drafter-path is for trained drafters (draft-model, mtp, eagle, early-exit), not {drafter}")
     return None
 
 

@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--html", metavar="FILE", default=None, help="also write the token-level view as an HTML page")
     gen.set_defaults(run=run_generate)
     _add_bench_parser(commands)
+    _add_bench_exits_parser(commands)
     _add_figures_parser(commands)
     _add_datastore_parser(commands)
     _add_serve_parser(commands)
@@ -73,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_train_parser(commands) -> None:
     from specdec.drafters.networks import METHODS
 
-    train = commands.add_parser("train", help="distil a drafter (draft-model, mtp or eagle) from a frozen target")
+    train = commands.add_parser("train", help="distil a drafter (draft-model, mtp, eagle or early-exit) from a "
+                                "frozen target")
     train.add_argument("--method", required=True, choices=METHODS)
     train.add_argument("--target", "--model", dest="target", default=None,
                        help="the target: a transformers directory or a .gguf file (default: SmolLM2-135M-Instruct)")
@@ -92,7 +94,11 @@ def _add_train_parser(commands) -> None:
                        help="where the target's data is built (once per target and slice, resumable; default: "
                        "under the specdec cache)")
     train.add_argument("--data-batch-size", type=int, default=64, help="prompts the target answers at once")
-    train.add_argument("--layers", type=int, default=None, help="decoder layers (draft-model: 2, eagle: 1)")
+    train.add_argument("--layers", type=int, default=None,
+                       help="decoder layers (draft-model: 2, eagle: 1); residual MLP blocks (early-exit: 1)")
+    train.add_argument("--exit-layer", type=int, default=None, metavar="L",
+                       help="early-exit: the target's first L layers draft (specdec bench-exits measures which L "
+                       "pays)")
     train.add_argument("--heads", type=int, default=4, help="mtp: prediction heads (the longest draft)")
     train.add_argument("--init-from-target", action=argparse.BooleanOptionalAction, default=True,
                        help="draft-model: start from the target's first layers and final norm (default) or from "
@@ -203,7 +209,8 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--drafters", default="none,prompt-lookup",
                        help="comma-separated, each NAME, NAME:K or NAME:K:TREE (K an integer, auto or heuristic; "
                             "default --num-draft-tokens; TREE the candidates per depth joined by '/', as 3/2/1): "
-                            "none, prompt-lookup, retrieval, draft-model, mtp, eagle, hf-prompt-lookup, hf-assisted")
+                            "none, prompt-lookup, retrieval, draft-model, mtp, eagle, early-exit, hf-prompt-lookup, "
+                            "hf-assisted")
     bench.add_argument("--num-draft-tokens", "-k", default="4", metavar="K", help=K_HELP)
     bench.add_argument("--datastore", default=None, metavar="DIR", help="datastore for the retrieval drafter")
     bench.add_argument("--temperature", type=float, default=0.0)
@@ -216,14 +223,41 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--model", default=None)
     bench.add_argument("--draft-model", default=None)
     bench.add_argument("--drafter-path", action="append", default=None, metavar="[METHOD=]DIR",
-                       help="a trained drafter for draft-model, mtp or eagle (repeatable; default: the ones "
-                       "shipped for the target)")
+                       help="a trained drafter for draft-model, mtp, eagle or early-exit (repeatable; default: the "
+                       "ones shipped for the target)")
     bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help=DTYPE_HELP)
     bench.add_argument("--device", default="auto")
     bench.add_argument("--threads", type=int, default=None)
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(run=_run_bench)
+
+
+def _add_bench_exits_parser(commands) -> None:
+    bench = commands.add_parser("bench-exits", help="self-speculation's trade-off: acceptance and cost of an early "
+                                "exit at each layer, and where it breaks even")
+    bench.add_argument("--prompts", required=True, help="MT-bench / Spec-Bench or HumanEval JSONL (.gz too)")
+    bench.add_argument("--category", default=None)
+    bench.add_argument("--limit", type=int, default=None)
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--layers", default=None, metavar="L1,L2,...",
+                       help="exit layers to measure (default: every second layer)")
+    bench.add_argument("--drafter-path", action="append", default=None, metavar="[early-exit=]DIR",
+                       help="a trained exit adapter, measured at its layer (repeatable)")
+    bench.add_argument("--out", default=None, help="also write the report as JSON here")
+    bench.add_argument("--model", default=None)
+    bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help=DTYPE_HELP)
+    bench.add_argument("--device", default="auto")
+    bench.add_argument("--threads", type=int, default=None)
+    bench.set_defaults(run=_run_bench_exits)
+
+
+def _run_bench_exits(args: argparse.Namespace) -> int:
+    from specdec.bench.exits import run_bench_exits
+
+    _set_threads(args.threads)
+    return run_bench_exits(args)
 
 
 def _add_figures_parser(commands) -> None:

@@ -144,3 +144,43 @@ def test_first_difference_of_two_outputs():
     assert first_difference([4, 5, 6], [4, 5, 6]) is None
     assert first_difference([4, 5, 6], [4, 7, 6]) == 1
     assert first_difference([4, 5], [4, 5, 6]) == 2  # one stopped early: they part where it stopped
+
+
+def test_accepted_lengths_are_the_runs_of_agreement_capped_at_k():
+    from specdec.bench.exits import accepted_lengths
+
+    # runs starting at each position: [2, 1, 0, 1] and [0, 3, 2, 1] -> capped at k = 1: 3/4 + 3/4; k = 2: ...
+    rows = [[True, True, False, True], [False, True, True, True]]
+    lengths = accepted_lengths(rows, max_k=3)
+    assert lengths == pytest.approx([6 / 8, (2 + 1 + 0 + 1 + 0 + 2 + 2 + 1) / 8, (2 + 1 + 0 + 1 + 0 + 3 + 2 + 1) / 8])
+    assert accepted_lengths([], max_k=2) == [0.0, 0.0]
+
+
+def test_bench_exits_on_a_tiny_target(tiny_models, tmp_path, capsys):
+    """The plain exit at each layer, and its costs, on a 2-layer target; the break-even arithmetic is the report's
+    own numbers. (Trained adapters are measured at their layer: tests/test_train.py trains one.)"""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"turns": ["w5 w9 w12 w9"]}\n{"turns": ["w3 w4 w60"]}\n')
+    out = tmp_path / "exits.json"
+    assert main(["bench-exits", "--prompts", str(prompts), "--model", str(tiny_models[0]), "--max-new-tokens", "10",
+                 "--layers", "1", "--out", str(out), "--dtype", "float32"]) == 0
+    report = json.loads(out.read_text())
+    (layer,) = report["layers"]
+    assert layer["layer"] == 1 and layer["trained"] is None and len(layer["untrained"]) == 4
+    assert 0 <= layer["untrained"][0] <= 1 and layer["untrained"] == sorted(layer["untrained"])
+    assert layer["draft_ms"] > 0 and len(layer["verify_ms"]) == 4 and layer["decode_ms"] > 0
+    assert layer["break_even"] == pytest.approx((layer["draft_ms"] + layer["verify_ms"][0]) / layer["decode_ms"] - 1)
+    assert "| 1 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--layers", "2"], "--layers must be in 1..1"),
+    (["--layers", "one"], "comma-separated layer counts"),
+    (["--drafter-path", "/nonexistent"], "no readable"),
+])
+def test_bench_exits_bad_input(tiny_models, tmp_path, capsys, args, message):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"turns": ["w5 w6"]}\n')
+    code = main(["bench-exits", "--prompts", str(prompts), "--model", str(tiny_models[0]), *args])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1

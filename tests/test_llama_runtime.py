@@ -191,3 +191,45 @@ def test_a_tree_whose_parent_comes_after_its_child_is_refused():
     runtime.extend(random_ids(4), 0)
     with pytest.raises(ValueError, match="does not come before"):
         runtime.extend_tree([5, 6, 7], [-1, 2, 0])
+
+
+def test_a_pass_after_shallow_runs_reuses_them_and_computes_the_same_logits(monkeypatch):
+    """Self-speculation's shared cache: tokens run through the first L layers by extend_shallow (one at a time, as
+    drafting does) are run only through the layers after L by the next extend over them; the logits equal those
+    of a plain pass (float64: to rounding), and so does every later pass (the shared layers' cache holds them)."""
+    model = tiny_llama(seed=5, layers=4, init_range=0.5).double()
+    prompt, draft = random_ids(9, seed=1), random_ids(4, seed=2)
+    plain = LlamaRuntime(model)
+    plain.extend(prompt, 0)
+    expected = plain.extend(draft, len(draft))
+    after = plain.extend([9, 10], 2)
+
+    runtime = LlamaRuntime(model)
+    runtime.extend(prompt, 0)
+    states = [runtime.extend_shallow([token], 2) for token in draft[:3]]  # [1, hidden] each
+    assert all(s.shape == (1, 32) for s in states) and len(runtime.tokens) == len(prompt)  # not yet in the cache
+    ran = []
+    layers = LlamaRuntime._layers
+    monkeypatch.setattr(LlamaRuntime, "_layers", lambda self, x, first, end, *rest: ran.append(
+        (first, end, x.shape[0])) or layers(self, x, first, end, *rest))
+    logits = runtime.extend(draft, len(draft))
+    assert ran == [(0, 2, 1), (2, 4, 4)]  # the last draft token through the shared layers, then all four deeper
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-10)
+    torch.testing.assert_close(runtime.extend([9, 10], 2), after, rtol=0, atol=1e-10)
+
+
+def test_shallow_runs_are_dropped_by_a_rollback_or_other_tokens():
+    model = tiny_llama(seed=5, layers=4, init_range=0.5).double()
+    prompt = random_ids(6, seed=3)
+    plain = LlamaRuntime(model)
+    expected = plain.extend(prompt + [11, 12], 2)
+    runtime = LlamaRuntime(model)
+    runtime.extend(prompt, 0)
+    runtime.extend_shallow([40, 41], 3)  # other tokens than the pass will bring
+    torch.testing.assert_close(runtime.extend([11, 12], 2), expected, rtol=0, atol=1e-10)
+    runtime.rollback(len(prompt))
+    runtime.extend_shallow([11], 3)
+    runtime.rollback(len(prompt))  # the round was abandoned
+    torch.testing.assert_close(runtime.extend([11, 12], 2), expected, rtol=0, atol=1e-10)
+    with pytest.raises(ValueError, match="layers must be in 1..4"):
+        runtime.extend_shallow([3], 5)

@@ -88,6 +88,31 @@ class BatchedLlama:
                        ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """As :meth:`forward`, and (when ``hidden``) each row's final hidden states, normed as the LM head reads
         them, at every one of its new tokens: per row [num_logits, vocab] and [n, hidden]."""
+        rt = self.runtime
+        given, rows, layout, x = self._pass(rows, rt.num_layers)
+        lm_head = rt.weights_for(layout.total)[1]
+        if hidden:
+            normed = rms_norm(x, rt.final_norm, rt.eps)  # [T, hidden]
+            picked = normed[layout.logit_rows]
+            by_row_hidden = dict(zip((id(row) for row in rows), normed.split(layout.lengths)))
+        else:
+            picked = rms_norm(x[layout.logit_rows], rt.final_norm, rt.eps)  # [sum num_logits, hidden]
+        logits = lm_head(picked) if len(picked) else picked.new_empty(0, 0)
+        by_row = dict(zip((id(row) for row in rows), logits.split([row.num_logits for row in rows])))
+        return ([by_row[id(row)] for row in given],
+                [by_row_hidden[id(row)] for row in given] if hidden else None)
+
+    @torch.inference_mode()
+    def states_after(self, rows: list[Row], layers: int) -> list[torch.Tensor]:  # per row [n, hidden]
+        """Each row's hidden states (the residual stream, unnormed) after the first ``layers`` layers only, at every
+        one of its new tokens. The deeper layers' caches are not written: a pool used so serves only this."""
+        given, rows, layout, x = self._pass(rows, layers)
+        by_row = dict(zip((id(row) for row in rows), x.split(layout.lengths)))
+        return [by_row[id(row)] for row in given]
+
+    def _pass(self, rows: list[Row], layers: int) -> tuple[list[Row], list[Row], "_Layout", torch.Tensor]:
+        """The rows' tokens through the first ``layers`` layers: (rows as given, rows by slot, layout, the hidden
+        states [T, hidden] in slot order)."""
         given, rows = rows, sorted(rows, key=lambda row: row.slot.index)
         lengths = [len(row.token_ids) for row in rows]
         if any(n == 0 for n in lengths):
@@ -98,10 +123,9 @@ class BatchedLlama:
         layout = _Layout(rows, starts, lengths, self.device)
         self._clear_up_to(layout.span, rows)
         rt = self.runtime
-        layers, lm_head = rt.weights_for(layout.total)
         cos, sin = self._cos[layout.positions], self._sin[layout.positions]  # [T, head_dim] each
         x = rt.embed[layout.token_ids]  # [T, hidden]
-        for layer, keys, values in zip(layers, self._keys, self._values):
+        for layer, keys, values in zip(rt.weights_for(layout.total)[0][:layers], self._keys, self._values):
             h = rms_norm(x, layer.input_norm, rt.eps)
             q, k, v = project_qkv(layer, h, cos, sin, rt.heads, rt.kv_heads, rt.head_dim)  # [T, *, hd]
             keys[layout.slot_of_token, :, layout.positions] = k
@@ -110,16 +134,7 @@ class BatchedLlama:
             x = x + mlp(layer, x, rt.eps)
         for row, n in zip(rows, lengths):
             row.slot.length += n
-        if hidden:
-            normed = rms_norm(x, rt.final_norm, rt.eps)  # [T, hidden]
-            picked = normed[layout.logit_rows]
-            by_row_hidden = dict(zip((id(row) for row in rows), normed.split(lengths)))
-        else:
-            picked = rms_norm(x[layout.logit_rows], rt.final_norm, rt.eps)  # [sum num_logits, hidden]
-        logits = lm_head(picked) if len(picked) else picked.new_empty(0, 0)
-        by_row = dict(zip((id(row) for row in rows), logits.split([row.num_logits for row in rows])))
-        return ([by_row[id(row)] for row in given],
-                [by_row_hidden[id(row)] for row in given] if hidden else None)
+        return given, rows, layout, x
 
     def _clear_up_to(self, span: int, rows: list[Row]) -> None:
         """Zero the never-written positions below ``span`` of the rows' slots: the pass reads them, masked."""

@@ -10,7 +10,7 @@ may hold its weights in its own precision.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +79,7 @@ class LlamaRuntime:
         self._values: list[torch.Tensor] = []
         self._cos = self._sin = torch.empty(0, self.head_dim, device=self.device)  # [capacity, head_dim]
         self._capacity = 0
+        self._shallow = _Shallow()  # positions after the cache run through the first layers only (extend_shallow)
 
     def reserve(self, length: int) -> None:
         """Hold at least ``length`` positions (capped at max_length), so that no pass reallocates the cache."""
@@ -86,6 +87,7 @@ class LlamaRuntime:
 
     def rollback(self, length: int) -> None:
         del self.tokens[length:]  # positions past the length are overwritten by the next extend
+        self._shallow = _Shallow()
 
     def keep_hidden_states(self) -> None:
         """From now on keep every cached position's final hidden state (what drafters that read the target's
@@ -102,10 +104,49 @@ class LlamaRuntime:
 
     @torch.inference_mode()
     def extend(self, token_ids: list[int], num_logits: int) -> torch.Tensor:  # [num_logits, vocab]
+        """Append ``token_ids``; the logits after the last ``num_logits`` of them. Tokens that
+        :meth:`extend_shallow` ran through the first layers since the last extend are not run there again."""
         if not token_ids:
             return torch.empty(0, self.vocab_size, device=self.device)
         start, n = len(self.tokens), len(token_ids)
         return self._forward(token_ids, num_logits, slice(start, start + n), _causal_mask(start, n, self.device))
+
+    @torch.inference_mode()
+    def extend_shallow(self, token_ids: list[int], layers: int) -> torch.Tensor:  # [n, hidden]
+        """Run ``token_ids`` through the first ``layers`` layers only, after the cache and the tokens run so since
+        the last extend; the hidden states they leave (the residual stream, unnormed). Their keys and values stay
+        in those layers' cache: the next :meth:`extend` over the same tokens starts at layer ``layers`` for them
+        (self-speculation's shared cache). Anything else (a rollback, a tree, other tokens) drops them."""
+        if not 1 <= layers <= self.num_layers:
+            raise ValueError(f"layers must be in 1..{self.num_layers}, got {layers}")
+        if self._shallow.layers not in (0, layers):
+            self._shallow = _Shallow()
+        start, n = len(self.tokens) + len(self._shallow.tokens), len(token_ids)
+        if start + n > self._capacity:
+            self._grow(start + n)
+        x = self._layers(self.embed[torch.tensor(token_ids, dtype=torch.long, device=self.device)], 0, layers,
+                         start, slice(start, start + n), _causal_mask(start, n, self.device))
+        self._shallow.layers = layers
+        self._shallow.tokens += token_ids
+        self._shallow.states.append(x)
+        return x
+
+    @torch.inference_mode()
+    def layer_states(self, token_ids: list[int]) -> torch.Tensor:  # [num_layers + 1, n, hidden]
+        """Append ``token_ids`` (as :meth:`extend` would, without logits) and return the residual stream of the
+        pass after every layer (index 0: the embeddings; L: after the first L layers), as early exits read it."""
+        start, n = len(self.tokens), len(token_ids)
+        if start + n > self._capacity:
+            self._grow(start + n)
+        self._shallow = _Shallow()
+        positions, mask = slice(start, start + n), _causal_mask(start, n, self.device)
+        states = [self.embed[torch.tensor(token_ids, dtype=torch.long, device=self.device)]]
+        for index in range(self.num_layers):
+            states.append(self._layers(states[-1], index, index + 1, start, positions, mask))
+        self.tokens += token_ids
+        if self._hidden is not None:
+            self._hidden[start : start + n] = rms_norm(states[-1], self.final_norm, self.eps)
+        return torch.stack(states)
 
     @torch.inference_mode()
     def extend_tree(self, token_ids: list[int], parents: list[int]) -> torch.Tensor:  # [n, vocab]
@@ -148,14 +189,21 @@ class LlamaRuntime:
         start, n = len(self.tokens), len(token_ids)
         if start + n > self._capacity:
             self._grow(start + n)
-        layers, lm_head = self.weights_for(n)
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)  # [n]
-        cos, sin = self._cos[positions], self._sin[positions]  # [n, head_dim] each
-        x = self.embed[ids]  # [n, hidden]
-        for layer, keys, values in zip(layers, self._keys, self._values):
-            x = x + self._attention(layer, rms_norm(x, layer.input_norm, self.eps), keys, values, start, cos, sin,
-                                    mask)
-            x = x + mlp(layer, x, self.eps)
+        lm_head = self.weights_for(n)[1]
+        reused, shallow = self._reusable_shallow(token_ids, positions), self._shallow
+        self._shallow = _Shallow()
+        if reused:  # the first positions' shallow layers ran already: run the rest there, then all deeper
+            rest = token_ids[reused:]
+            x = torch.cat(shallow.states)[:reused]
+            if rest:
+                first = self._layers(self.embed[torch.tensor(rest, dtype=torch.long, device=self.device)], 0,
+                                     shallow.layers, start + reused, slice(start + reused, start + n),
+                                     _causal_mask(start + reused, len(rest), self.device))
+                x = torch.cat([x, first])
+            x = self._layers(x, shallow.layers, self.num_layers, start, positions, mask)
+        else:
+            ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)  # [n]
+            x = self._layers(self.embed[ids], 0, self.num_layers, start, positions, mask)  # [n, hidden]
         self.tokens += token_ids
         if self._hidden is not None:  # every position normed, kept; else only where logits are wanted
             self._hidden[start : start + n] = rms_norm(x, self.final_norm, self.eps)
@@ -164,6 +212,26 @@ class LlamaRuntime:
         normed = self._hidden[start + n - num_logits : start + n] if self._hidden is not None else \
             rms_norm(x[n - num_logits :], self.final_norm, self.eps)  # [num_logits, hidden]
         return lm_head(normed)  # [num_logits, vocab]
+
+    def _layers(self, x: torch.Tensor, first: int, end: int, start: int, positions: slice | torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
+        """Layers ``first``..``end-1`` over the hidden states x of the positions after ``start`` (their keys and
+        values written to those layers' cache), in the precision of a pass over that many positions."""
+        layers = self.weights_for(x.shape[0])[0]
+        cos, sin = self._cos[positions], self._sin[positions]  # [n, head_dim] each
+        for index in range(first, end):
+            layer = layers[index]
+            x = x + self._attention(layer, rms_norm(x, layer.input_norm, self.eps), self._keys[index],
+                                    self._values[index], start, cos, sin, mask)
+            x = x + mlp(layer, x, self.eps)
+        return x
+
+    def _reusable_shallow(self, token_ids: list[int], positions: slice | torch.Tensor) -> int:
+        """How many of a chain pass's first tokens :meth:`extend_shallow` already ran (0 when not these tokens)."""
+        shallow = self._shallow
+        if not shallow.tokens or not isinstance(positions, slice) or len(shallow.tokens) > len(token_ids):
+            return 0
+        return len(shallow.tokens) if token_ids[: len(shallow.tokens)] == shallow.tokens else 0
 
     def weights_for(self, positions: int) -> tuple[list[_Layer], Linear]:
         """The layers and LM head of a pass over ``positions`` new tokens, in that kind of pass's precision."""
@@ -217,6 +285,15 @@ class LlamaRuntime:
     @property
     def num_layers(self) -> int:
         return len(self.weights_for(1)[0])
+
+
+@dataclass
+class _Shallow:
+    """Tokens after the cache that ran through the first ``layers`` layers only, and the states they left."""
+
+    layers: int = 0
+    tokens: list[int] = field(default_factory=list)
+    states: list[torch.Tensor] = field(default_factory=list)  # [n, hidden] per extend_shallow call
 
 
 @torch.no_grad()

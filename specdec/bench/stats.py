@@ -26,8 +26,15 @@ def ideal_speedup(
     """Speedup over plain decoding implied by the acceptance and the measured costs, with no other overhead:
     expected tokens per round, divided by the cost of a round (drafting plus one target pass over k+1
     positions) in units of one plain decoding step."""
-    round_cost = (draft_seconds_per_round + score_seconds_per_round) / plain_seconds_per_token
-    return expected_tokens_per_round(acceptance_rate, k) / round_cost
+    return round_speedup(expected_tokens_per_round(acceptance_rate, k), draft_seconds_per_round,
+                         score_seconds_per_round, plain_seconds_per_token)
+
+
+def round_speedup(tokens_per_round: float, draft_seconds_per_round: float, score_seconds_per_round: float,
+                  plain_seconds_per_token: float) -> float:
+    """Speedup over plain decoding of rounds that emit ``tokens_per_round`` tokens and cost drafting plus one
+    target pass, with no other overhead: tokens per round over a round's cost in plain decoding steps."""
+    return tokens_per_round * plain_seconds_per_token / (draft_seconds_per_round + score_seconds_per_round)
 
 
 def median(values: Iterable[float]) -> float:

@@ -8,6 +8,9 @@ target's LM head (``DraftVocab``), which cuts the cost of a drafting step severa
   of the token j+1 positions ahead (t + j + 1): one target pass gives the next token and a draft after it.
 - ``EagleHead`` (eagle, EAGLE-style): one decoder layer over [embedding of token t+1; target feature at t] that
   predicts the target's feature at t+1, read by the target's LM head; drafting feeds its own predictions back.
+- ``ExitAdapter`` (early-exit, Kangaroo-style self-speculation): maps the target's residual stream after its first
+  ``exit_layer`` layers to what its final norm hands the LM head. The target's shallow layers draft (the lean
+  runtime runs them, and keeps their KV cache for the verifying pass); the adapter stands in for the rest.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from specdec.drafters.layers import DecoderLayer, KVCache, LayerShape, RMSNorm, rope_tables
+from specdec.drafters.layers import MLP, DecoderLayer, KVCache, LayerShape, RMSNorm, rope_tables
 
-METHODS = ("draft-model", "mtp", "eagle")
+METHODS = ("draft-model", "mtp", "eagle", "early-exit")
 
 
 @dataclass
@@ -29,11 +32,12 @@ class DrafterConfig:
     method: str
     shape: LayerShape
     vocab_size: int  # the target's
-    layers: int = 1  # decoder layers (draft-model, eagle)
+    layers: int = 1  # decoder layers (draft-model, eagle); residual MLP blocks (early-exit)
     heads: int = 4  # prediction heads (mtp)
     head_layers: int = 1  # residual blocks per head (mtp)
     draft_vocab: int = 0  # ids the drafter predicts over (0: the whole vocabulary)
     own_lm_head: bool = False  # published Medusa heads carry their own LM head
+    exit_layer: int = 0  # early-exit: the target's layers that draft
     target: dict = field(default_factory=dict)  # {"name": ..., "fingerprint": ..., "probe": [weights]}
     training: dict = field(default_factory=dict)  # how it was made: command, data slice, seed, tokens, results
 
@@ -88,15 +92,20 @@ class DraftVocab(nn.Module):
 
 
 class TargetParts:
-    """The frozen pieces of the target a drafter reads: input embedding and LM head (one matrix when tied)."""
+    """The frozen pieces of the target a drafter reads: input embedding and LM head (one matrix when tied), and
+    the final norm's weight, which an early exit starts from."""
 
-    def __init__(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:  # [vocab, hidden] each
+    def __init__(self, embed: torch.Tensor, lm_head: torch.Tensor, final_norm: torch.Tensor | None = None
+                 ) -> None:  # [vocab, hidden] each; [hidden]
         self.embed = embed.detach().float()
         self.lm_head = self.embed if lm_head.data_ptr() == embed.data_ptr() else lm_head.detach().float()
+        self.final_norm = None if final_norm is None else final_norm.detach().float()
 
     @classmethod
     def of(cls, model) -> "TargetParts":
-        return cls(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+        norm = getattr(getattr(model, "model", None), "norm", None)
+        return cls(model.get_input_embeddings().weight, model.get_output_embeddings().weight,
+                   None if norm is None else norm.weight)
 
 
 def _run_layers(layers: nn.ModuleList, shape: LayerShape, x: torch.Tensor, cache: KVCache | None, start: int
@@ -195,7 +204,48 @@ class EagleHead(nn.Module):
         return _run_layers(self.layers, self.config.shape, x, cache, start)
 
 
-NETWORKS = {"draft-model": DraftLM, "mtp": MTPHeads, "eagle": EagleHead}
+class ExitBlock(nn.Module):
+    """x + MLP(norm(x)), starting as the identity (the MLP's output projection is zero)."""
+
+    def __init__(self, shape: LayerShape) -> None:
+        super().__init__()
+        self.norm = RMSNorm(shape.hidden, shape.eps)
+        self.mlp = MLP(shape)
+        nn.init.zeros_(self.mlp.down_proj.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class ExitAdapter(nn.Module):
+    """Residual MLP blocks and a final norm over the target's hidden state after its first ``exit_layer`` layers:
+    [..., hidden] -> [..., hidden], normed as the target's LM head reads it. Untrained (blocks the identity, the
+    norm the target's own), it is the plain early exit: the target's final norm and LM head on a shallow layer."""
+
+    def __init__(self, config: DrafterConfig, target: TargetParts, vocab_ids: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if config.exit_layer < 1:
+            raise ValueError(f"an early exit needs exit_layer >= 1, got {config.exit_layer}")
+        self.config = config
+        self.blocks = nn.ModuleList(ExitBlock(config.shape) for _ in range(config.layers))
+        self.norm = RMSNorm(config.shape.hidden, config.shape.eps)
+        if target.final_norm is not None:
+            with torch.no_grad():
+                self.norm.weight.copy_(target.final_norm)
+        self.vocab = DraftVocab(vocab_ids, config.vocab_size)
+        self.attach(target)
+
+    def attach(self, target: TargetParts) -> None:
+        self.vocab.attach(target.lm_head)
+
+    def forward(self, states: torch.Tensor) -> torch.Tensor:
+        x = states.float()
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+NETWORKS = {"draft-model": DraftLM, "mtp": MTPHeads, "eagle": EagleHead, "early-exit": ExitAdapter}
 
 
 class _Packed(nn.Module):

@@ -8,6 +8,7 @@ from specdec.backends.base import CausalLM
 from specdec.errors import UsageError
 from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from specdec.proposers.draft_model import DraftModelProposer
+from specdec.proposers.early_exit import EarlyExitProposer
 from specdec.proposers.eagle import EagleProposer
 from specdec.proposers.mtp import MTPProposer
 from specdec.proposers.none import NoProposer
@@ -23,7 +24,8 @@ def _draft_model(target: CausalLM, drafter, datastore: ContinuationIndex | None)
 
 
 def _feature_drafter(proposer: type) -> Callable:
-    """A factory for a drafter that reads the target's hidden states (the lean llama runtime keeps them)."""
+    """A factory for a drafter that reads the target's hidden states or runs its layers (the lean llama runtime
+    keeps the one and runs the other)."""
 
     def factory(target: CausalLM, drafter, datastore: ContinuationIndex | None) -> Proposer:
         if not hasattr(target, "keep_hidden_states"):
@@ -45,6 +47,7 @@ PROPOSERS: dict[str, Callable[[CausalLM, object, ContinuationIndex | None], Prop
     "draft-model": _draft_model,
     "mtp": _feature_drafter(MTPProposer),
     "eagle": _feature_drafter(EagleProposer),
+    "early-exit": _feature_drafter(EarlyExitProposer),
 }
 
 
@@ -61,6 +64,7 @@ __all__ = [
     "Draft",
     "DraftModelProposer",
     "EagleProposer",
+    "EarlyExitProposer",
     "MTPProposer",
     "EMPTY_DRAFT",
     "NoProposer",

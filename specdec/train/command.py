@@ -19,7 +19,7 @@ from specdec.drafters.networks import NETWORKS, DrafterConfig, TargetParts
 from specdec.errors import UsageError
 from specdec.train import loop, targetdata
 
-DEFAULT_LAYERS = {"draft-model": 2, "eagle": 1, "mtp": 1}
+DEFAULT_LAYERS = {"draft-model": 2, "eagle": 1, "mtp": 1, "early-exit": 1}
 
 
 def run_train(args) -> int:
@@ -37,6 +37,8 @@ def run_train(args) -> int:
     target = load_model(args.target, device=args.device)
     if not llama.supports(target.model):
         raise UsageError("specdec train needs a llama-family target (llama, mistral, qwen2)")
+    if args.method == "early-exit":
+        _check_exit_layer(args.exit_layer, target.model.config.num_hidden_layers)
     target_id = fingerprint(target.model)
     data_root = Path(args.data_dir) if args.data_dir else cache_root() / "targetdata"
     slices = ([fed_slice] if args.conversations else []) + [data_slice]  # the cheap one first: it may be refused
@@ -44,9 +46,13 @@ def run_train(args) -> int:
     for built in slices:
         targetdata.build(runtime, target.tokenizer, eos_token_ids(target), built,
                          _data_dir(data_root, target_id, built), target_id, batch_size=args.data_batch_size)
-    del runtime
     sequences = _sequences(data_root, target_id, data_slice)
     fed = _sequences(data_root, target_id, fed_slice) if args.conversations else []
+    if args.method == "early-exit":
+        for sequence, states in zip(sequences + fed, targetdata.exit_states(
+                runtime, [s.tokens.tolist() for s in sequences + fed], args.exit_layer)):
+            sequence.exit_states = states
+    del runtime
     settings = loop.TrainSettings(epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed,
                                   eval_every=args.eval_every, checkpoint_minutes=args.checkpoint_minutes,
                                   heldout_sequences=min(args.heldout, max(1, len(sequences) // 10)))
@@ -56,6 +62,7 @@ def run_train(args) -> int:
     config = DrafterConfig(
         method=args.method, shape=LayerShape.of(target.model.config), vocab_size=target.model.config.vocab_size,
         layers=args.layers or DEFAULT_LAYERS[args.method], heads=args.heads, draft_vocab=args.draft_vocab,
+        exit_layer=args.exit_layer or 0,
         target={"name": target.path.name, "fingerprint": target_id, "probe": weight_probe(target.model)},
     )
     vocab_ids = draft_vocabulary(training, config.vocab_size, args.draft_vocab, eos_token_ids(target))
@@ -134,6 +141,15 @@ def _slice_id(data_slice: targetdata.DataSlice) -> str:
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:10]
 
 
+def _check_exit_layer(exit_layer: int | None, num_layers: int) -> None:
+    if exit_layer is None:
+        raise UsageError("--method early-exit needs --exit-layer L: the target's first L layers draft "
+                         "(specdec bench-exits measures which L pays)")
+    if not 1 <= exit_layer < num_layers:
+        raise UsageError(f"--exit-layer must be in 1..{num_layers - 1} (the target has {num_layers} layers), "
+                         f"got {exit_layer}")
+
+
 def _check_args(args) -> None:
     if args.conversations < 0:
         raise UsageError(f"--conversations must be >= 0, got {args.conversations}")
@@ -141,6 +157,8 @@ def _check_args(args) -> None:
                  "data_batch_size", "heldout"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.exit_layer is not None and args.method != "early-exit":
+        raise UsageError(f"--exit-layer is for --method early-exit, not {args.method}")
     if args.layers is not None and args.layers < 1:
         raise UsageError(f"--layers must be >= 1, got {args.layers}")
     if not args.epochs > 0:

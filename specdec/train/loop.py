@@ -7,8 +7,9 @@ own output, which is what drafting must predict); the prompts serve as context.
 
 The held-out estimate is the greedy agreement on the held-out answers: how often the drafter's first choice is the
 target's greedy token, for each draft position a method can measure without running the target (draft-model: the
-first; eagle: the first, and the second after its own predicted feature; mtp: one per head). At temperature 0 that is
-the acceptance rate of that draft position, given the ones before were accepted.
+first; eagle: the first, and the second after its own predicted feature; mtp: one per head; early-exit: the first, which is each
+draft position's too, since its draft reads the target's own shallow layers). At temperature 0 that is the
+acceptance rate of that draft position, given the ones before were accepted.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from specdec.drafters.networks import DraftLM, EagleHead, MTPHeads
+from specdec.drafters.networks import DraftLM, EagleHead, ExitAdapter, MTPHeads
 
 CHECKPOINT_WEIGHTS = "checkpoint.safetensors"
 CHECKPOINT_STATE = "checkpoint.json"
@@ -54,6 +55,7 @@ class Batch:
     lse: torch.Tensor  # [B, T]
     valid: torch.Tensor  # [B, T] bool: t <= L-2 (the target's distribution at t is known: a token follows)
     answer: torch.Tensor  # [B, T] bool: the token after t is the target's answer (so t <= L-2, as valid)
+    exit_states: torch.Tensor | None = None  # [B, T, hidden] float32: early-exit's inputs
 
 
 @dataclass
@@ -62,6 +64,7 @@ class Sequence:
     features: torch.Tensor  # [L, hidden] float16 (the last row is zero: never fed)
     lse: torch.Tensor  # [L]
     prompt_length: int
+    exit_states: torch.Tensor | None = None  # [L, hidden] float16: the target's state after its exit layer
 
 
 def sequences_of(shards: list[dict[str, torch.Tensor]], max_index: int | None = None) -> list[Sequence]:
@@ -92,7 +95,16 @@ def collate(sequences: list[Sequence]) -> Batch:
         lse[i, :n] = s.lse
         valid[i, : n - 1] = True
         answer[i, s.prompt_length - 1 : n - 1] = True
-    return Batch(tokens, features, lse, valid, answer)
+    return Batch(tokens, features, lse, valid, answer, _padded([s.exit_states for s in sequences], width))
+
+
+def _padded(rows: list[torch.Tensor | None], width: int) -> torch.Tensor | None:  # each [L, hidden] -> [B, T, hidden]
+    if any(row is None for row in rows):
+        return None
+    padded = torch.zeros(len(rows), width, rows[0].shape[1])
+    for i, row in enumerate(rows):
+        padded[i, : len(row)] = row.float()
+    return padded
 
 
 def batches(sequences: list[Sequence], batch_tokens: int, rng: random.Random) -> list[list[int]]:
@@ -208,7 +220,22 @@ class MTPObjective(Objective):
         return rates
 
 
-OBJECTIVES = {"draft-model": DraftModelObjective, "eagle": EagleObjective, "mtp": MTPObjective}
+class EarlyExitObjective(Objective):
+    """The adapter at t reads the target's state after its exit layer and predicts the token after t."""
+
+    def loss(self, net: ExitAdapter, batch: Batch) -> torch.Tensor:
+        mask = trained_positions(batch, 0)
+        return distill_loss(net.vocab, net(batch.exit_states[mask]), batch.features[mask], batch.lse[mask])
+
+    @torch.no_grad()
+    def agreement(self, net: ExitAdapter, batch: Batch) -> list[tuple[int, int]]:
+        mask = trained_positions(batch, 0)[:, :-1]
+        states = batch.exit_states[:, :-1][mask]
+        return [agreement(net.vocab.logits(net(states)), net.vocab, batch.tokens[:, 1:][mask])]
+
+
+OBJECTIVES = {"draft-model": DraftModelObjective, "eagle": EagleObjective, "mtp": MTPObjective,
+              "early-exit": EarlyExitObjective}
 
 
 def bigram_agreement(training: list[Sequence], heldout: list[Sequence], depth: int = 2) -> list[float]:

@@ -222,6 +222,32 @@ def _write_shard(path: Path, sequences: list[Answer], runtime) -> None:
     partial.rename(path)
 
 
+def exit_states(runtime, token_lists: list[list[int]], layers: int) -> list[torch.Tensor]:
+    """The target's hidden states (residual stream, float16) after its first ``layers`` layers along each token
+    list, as an early exit reads them: [L, hidden] each, in order. Groups of similar length share a pass."""
+    from specdec.backends.batch import BatchedLlama, Row
+
+    order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))
+    found: dict[int, torch.Tensor] = {}
+    started = reported = time.perf_counter()
+    done = 0
+    while order:
+        width = len(token_lists[order[0]])
+        group = [order.pop(0)]
+        while order and len(token_lists[order[0]]) * (len(group) + 1) <= max(FEED_POSITIONS, width):
+            group.append(order.pop(0))
+        pool = BatchedLlama(runtime, len(group), max(len(token_lists[i]) for i in group))
+        states = pool.states_after([Row(pool.open(), token_lists[i], 1) for i in group], layers)
+        for i, state in zip(group, states):
+            found[i] = state.to(torch.float16)
+            done += len(state)
+        if time.perf_counter() - reported > PROGRESS_SECONDS:
+            reported = time.perf_counter()
+            print(f"specdec: the target's first {layers} layers ran {done:,} positions, "
+                  f"{done / (reported - started):.0f} positions/s", file=sys.stderr, flush=True)
+    return [found[i] for i in range(len(token_lists))]
+
+
 def load_shards(directory: Path) -> list[dict[str, torch.Tensor]]:
     shards = [load_file(str(path)) for path in sorted(Path(directory).glob("shard-*.safetensors"))]
     if not shards:
