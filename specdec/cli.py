@@ -17,7 +17,9 @@ K_HELP = (f"draft tokens per round: 1..{MAX_DRAFT_TOKENS} (default 4); auto: the
           "does not pay); heuristic: transformers' schedule (+2 after a fully accepted draft, -1 after a rejection)")
 TREE_HELP = ("draft a token tree, verified in one target pass: the candidates at each depth (the last repeats deeper), "
              "as 3,2,1: the drafter's chain of K tokens and, beside each, its next best tokens (eagle, mtp, "
-             "draft-model), or W1 continuations K deep (prompt-lookup, retrieval); default: a chain")
+             "draft-model), or W1 continuations K deep (prompt-lookup, retrieval); auto: the cost model chooses "
+             "each round's shape from the acceptance of each candidate and the cost of each pass size, measured as "
+             "it runs (K caps the depth); default: a chain")
 DTYPE_HELP = ("the weights' precision. auto: bfloat16 on CUDA; on the CPU, for each kind of pass (one position; "
               "several), the fastest precision whose logits stay within 0.1 of float32's, measured once per model "
               "and machine and cached")
@@ -42,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--drafter-path", default=None, metavar="DIR",
                      help="a trained drafter (specdec train), or a published EAGLE / Medusa checkpoint")
     gen.add_argument("--num-draft-tokens", "-k", default="4", metavar="K", help=K_HELP)
-    gen.add_argument("--tree", default=None, metavar="W1,W2,...", help=TREE_HELP)
+    gen.add_argument("--tree", default=None, metavar="W1,W2,...|auto", help=TREE_HELP)
     gen.add_argument("--datastore", default=None, metavar="DIR",
                      help="retrieval drafter: also draft from this datastore (specdec datastore build)")
     gen.add_argument("--max-new-tokens", type=int, default=128)

@@ -14,7 +14,7 @@ import torch
 
 from specdec.backends.base import CausalLM, sync
 from specdec.errors import UsageError
-from specdec.policy import AUTO_MAX_K, POLICY_NAMES, Policy, make_policy
+from specdec.policy import AUTO_MAX_K, AUTO_TREE_MAX_NODES, POLICY_NAMES, Policy, make_policy
 from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.verify import TreeVerdict, Verdict, verify, verify_greedy, verify_tree, verify_tree_greedy
@@ -23,15 +23,15 @@ MAX_DRAFT_TOKENS = 64
 MAX_TREE_WIDTH = 16
 
 
-def parse_tree(text: str | None) -> tuple[int, ...] | None:
-    """``--tree``: candidates at each depth, joined by ``,`` or ``/`` (``3,2,1``; the last repeats deeper); None: a
-    chain."""
-    if text is None:
-        return None
+def parse_tree(text: str | None) -> tuple[int, ...] | str | None:
+    """``--tree``: candidates at each depth, joined by ``,`` or ``/`` (``3,2,1``; the last repeats deeper), or
+    ``auto`` (the cost model chooses each round's shape); None: a chain."""
+    if text is None or text == "auto":
+        return text
     try:
         widths = tuple(int(part) for part in text.replace("/", ",").split(","))
     except ValueError:
-        raise UsageError(f"--tree takes candidates per depth, such as 3,2,1; got {text!r}") from None
+        raise UsageError(f"--tree takes candidates per depth, such as 3,2,1, or auto; got {text!r}") from None
     GenerationConfig(tree=widths)  # checks the widths
     return widths
 
@@ -63,18 +63,25 @@ class GenerationConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None
     stop_at_eos: bool = True
-    tree: tuple[int, ...] | None = None  # draft a tree: candidates at each depth (the last repeats); None: a chain
+    # draft a tree: candidates at each depth (the last repeats), or "auto" (the cost model's shape); None: a chain
+    tree: tuple[int, ...] | str | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise UsageError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
         _check_num_draft_tokens(self.num_draft_tokens)
-        if self.tree is not None and not (self.tree and all(1 <= w <= MAX_TREE_WIDTH for w in self.tree)):
+        if isinstance(self.tree, str) and self.tree != "auto":
+            raise UsageError(f"a tree is candidates per depth or auto, got {self.tree!r}")
+        if isinstance(self.tree, tuple) and not (self.tree and all(1 <= w <= MAX_TREE_WIDTH for w in self.tree)):
             raise UsageError(f"tree widths must be between 1 and {MAX_TREE_WIDTH}, got {self.tree}")
 
-    def tree_widths(self, depth: int) -> list[int]:
-        """The candidates at each depth of a tree ``depth`` deep."""
-        assert self.tree is not None
+    def tree_widths(self, depth: int, policy: Policy | None = None) -> list[int] | None:
+        """The candidates at each depth of a tree ``depth`` deep (with ``auto``, the shape ``policy`` chose);
+        None for a chain."""
+        if self.tree is None:
+            return None
+        if self.tree == "auto":
+            return policy.tree_widths(depth)
         return [self.tree[min(d, len(self.tree) - 1)] for d in range(depth)]
 
     @property
@@ -83,7 +90,9 @@ class GenerationConfig:
         return AUTO_MAX_K if isinstance(self.num_draft_tokens, str) else self.num_draft_tokens
 
     def draft_positions(self, depth: int) -> int:
-        """Positions a draft ``depth`` deep takes in the target's pass: its tokens, or its tree's nodes."""
+        """Positions a draft ``depth`` deep takes in the target's pass, at most: its tokens, or its tree's nodes."""
+        if self.tree == "auto":
+            return min(depth * MAX_TREE_WIDTH, AUTO_TREE_MAX_NODES)
         return depth if self.tree is None else sum(self.tree_widths(depth))
 
 
@@ -91,13 +100,14 @@ class GenerationConfig:
 class Round:
     """One round of the loop: what was drafted, what survived, what was emitted."""
 
-    draft_tokens: int  # k actually drafted this round
+    draft_tokens: int  # k actually drafted this round (a tree's depth)
     accepted: int  # draft tokens accepted
     tokens: list[int]  # tokens emitted (accepted prefix + recovered/bonus), cut at EOS or the token limit
     kinds: list[str]  # per emitted token: "accepted", "recovered", "bonus" or "plain"
     draft_seconds: float = 0.0  # time spent drafting
     target_seconds: float = 0.0  # time spent scoring, verifying and rolling back
     asked: int = 0  # the draft length the policy chose (the drafter may offer fewer)
+    draft_nodes: int = 0  # draft positions the target scored: the draft tokens, or a tree's nodes
 
 
 @dataclass
@@ -106,6 +116,7 @@ class GenerationStats:
 
     rounds: int = 0
     draft_tokens: int = 0
+    draft_nodes: int = 0  # draft positions scored (a tree scores more than its depth)
     accepted_tokens: int = 0
     new_tokens: int = 0
     seconds: float = 0.0  # the whole generation, prefill included
@@ -127,6 +138,7 @@ class GenerationStats:
             self.accepted_at[i] += i < round_.accepted
         self.chosen_k[round_.asked] = self.chosen_k.get(round_.asked, 0) + 1
         self.draft_tokens += round_.draft_tokens
+        self.draft_nodes += round_.draft_nodes
         self.accepted_tokens += round_.accepted
         self.new_tokens += len(round_.tokens)
         self.draft_seconds += round_.draft_seconds
@@ -156,6 +168,8 @@ class GenerationStats:
         return {
             "rounds": self.rounds,
             "draft_tokens": self.draft_tokens,
+            "draft_nodes": self.draft_nodes,
+            "draft_nodes_per_round": self.draft_nodes / self.rounds if self.rounds else 0.0,
             "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
@@ -203,7 +217,7 @@ class Engine:
         on_round: Callable[[Round], None] | None = None,
     ) -> GenerationResult:
         """Generate up to config.max_new_tokens tokens; ``on_round`` sees each round as it is emitted."""
-        policy = self.policy(config.num_draft_tokens)
+        policy = self.policy(config.num_draft_tokens, config.tree)
         stats = GenerationStats(policy=policy.name)
         token_ids: list[int] = []
         kinds: list[str] = []
@@ -243,7 +257,7 @@ class Engine:
                 k -= 1
             # 2. draft
             started = time.perf_counter()
-            draft = self._propose(context, k, config, generator)
+            draft = self._propose(context, k, config.tree_widths(k, policy), config.sampling, generator)
             drafted = time.perf_counter()
             # 3-5. score the pending token and the draft in one target pass, verify, keep the accepted tokens
             verdict = self._score_and_verify(context[-1], draft, params, generator)
@@ -257,12 +271,13 @@ class Engine:
             if round_.tokens[-1] in stop_ids or len(context) >= max_length:
                 return
 
-    def _propose(self, context: list[int], k: int, config: GenerationConfig, generator: torch.Generator) -> Draft:
+    def _propose(self, context: list[int], k: int, widths: list[int] | None, params: SamplingParams,
+                 generator: torch.Generator) -> Draft:
         if k == 0:
             return EMPTY_DRAFT
-        if config.tree is None:
-            return self.proposer.propose(context, k, config.sampling, generator)
-        return self.proposer.propose_tree(context, config.tree_widths(k), config.sampling, generator)
+        if widths is None:
+            return self.proposer.propose(context, k, params, generator)
+        return self.proposer.propose_tree(context, widths, params, generator)
 
     def _score_and_verify(self, pending: int, draft: Draft, params: SamplingParams, generator: torch.Generator
                           ) -> Verdict | TreeVerdict:
@@ -279,7 +294,7 @@ class Engine:
         self.target.keep_path(cached, [0] + [node + 1 for node in verdict.path])
         return verdict
 
-    def check_tree(self, tree: tuple[int, ...] | None) -> None:
+    def check_tree(self, tree: tuple[int, ...] | str | None) -> None:
         """Refuse a tree that this proposer cannot draft or this target cannot score."""
         if tree is None:
             return
@@ -288,13 +303,15 @@ class Engine:
         if not hasattr(self.target, "extend_tree"):
             raise UsageError("token trees need the lean runtime of llama-family targets")
 
-    def policy(self, num_draft_tokens: int | str) -> Policy:
-        """A fixed draft length, or the engine's adaptive policy of that name (kept, so it learns across requests)."""
-        if isinstance(num_draft_tokens, int):
+    def policy(self, num_draft_tokens: int | str, tree: tuple[int, ...] | str | None = None) -> Policy:
+        """A fixed draft length, or the engine's adaptive policy of that name (kept, so it learns across requests);
+        with ``tree="auto"``, its tree policy (the depth capped at a fixed k)."""
+        if isinstance(num_draft_tokens, int) and tree != "auto":
             return make_policy(num_draft_tokens)
-        if num_draft_tokens not in self.policies:
-            self.policies[num_draft_tokens] = make_policy(num_draft_tokens)
-        return self.policies[num_draft_tokens]
+        name = "auto-tree" if tree == "auto" else num_draft_tokens
+        if name not in self.policies:
+            self.policies[name] = make_policy(num_draft_tokens, tree)
+        return self.policies[name]
 
 
 def verify_draft(
@@ -332,7 +349,7 @@ def emitted_round(draft: Draft, verdict: Verdict, limit: int, stop_ids: frozense
             cut = i + 1
             break
     return Round(draft_tokens=verdict.num_draft, accepted=verdict.accepted, tokens=tokens[:cut], kinds=kinds[:cut],
-                 draft_seconds=draft_seconds, target_seconds=target_seconds, asked=asked)
+                 draft_seconds=draft_seconds, target_seconds=target_seconds, asked=asked, draft_nodes=len(draft))
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:

@@ -9,6 +9,7 @@ the round cost (drafting, and the target's pass over k+1 positions).
 - ``CostModelPolicy`` (``--num-draft-tokens auto``): the k that maximises expected tokens per second, from the
   acceptance measured online at each draft position and the measured costs of drafting and of scoring; 0 when
   speculation would not pay.
+- ``TreePolicy`` (``--tree auto``): the same for a token tree's whole shape, candidates per depth.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Protocol
 from specdec.verify import Verdict
 
 AUTO_MAX_K = 16  # the longest draft the cost-model policy considers
+AUTO_TREE_MAX_NODES = 15  # the most nodes the tree policy considers (a pass over 16 positions)
 POLICY_NAMES = ("auto", "heuristic")
 
 
@@ -69,6 +71,54 @@ class HeuristicDraftLength:
             self.k = max(self.k - 1, 1)
 
 
+class PassCosts:
+    """What a round costs, measured as rounds run: the target's pass by the positions it scores (a moving average
+    per size, and a line through the sizes seen for the others), and drafting per draft step."""
+
+    def __init__(self, prior_slope: float = 0.05) -> None:
+        self.prior_slope = prior_slope  # extra cost per scored position, relative to one, before two sizes are seen
+        self.score_seconds: dict[int, float] = {}  # positions scored -> moving average of the target's pass
+        self.draft_seconds_per_step: float | None = None
+
+    def observe(self, positions: int, target_seconds: float, draft_steps: int, draft_seconds: float) -> None:
+        previous = self.score_seconds.get(positions)
+        self.score_seconds[positions] = target_seconds if previous is None else 0.8 * previous + 0.2 * target_seconds
+        if draft_steps:
+            per_step = draft_seconds / draft_steps
+            previous = self.draft_seconds_per_step
+            self.draft_seconds_per_step = per_step if previous is None else 0.8 * previous + 0.2 * per_step
+
+    def round_seconds(self, draft_steps: int, positions: int, line: tuple[float, float] | None = None) -> float:
+        return (self.draft_seconds_per_step or 0.0) * draft_steps + self.scoring_seconds(positions, line)
+
+    def scoring_seconds(self, positions: int, line: tuple[float, float] | None = None) -> float:
+        """The target's pass over ``positions`` positions: measured; between sizes measured, the dearest smaller
+        one (a pass costs no less than a smaller one: the optimistic bound, so that the size gets tried and
+        measured, since pass costs can step, as row-blocked kernels do); beyond them, from a line through the
+        sizes measured (``line``: that line's (intercept, slope), when the caller has it already)."""
+        seen = self.score_seconds
+        if positions in seen:
+            return seen[positions]
+        below = [seconds for size, seconds in seen.items() if size < positions]
+        if below and any(size > positions for size in seen):
+            return max(below)
+        intercept, slope = line or self.score_line()
+        return max(intercept + slope * positions, 1e-9)
+
+    def score_line(self) -> tuple[float, float]:
+        """(intercept, slope) of the cost of a pass against its positions; a prior slope until two sizes are seen."""
+        seen = self.score_seconds
+        if len(seen) < 2:
+            n, seconds = next(iter(seen.items()), (1, 1.0))  # arbitrary units until measured: only ratios matter
+            base = seconds / (1 + self.prior_slope * (n - 1))
+            return base * (1 - self.prior_slope), base * self.prior_slope
+        xs, ys = list(seen), list(seen.values())
+        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+        slope = max(slope, 0.0)
+        return mean_y - slope * mean_x, slope
+
+
 class CostModelPolicy:
     """Maximise expected tokens per second over k = 0..max_k.
 
@@ -76,8 +126,8 @@ class CostModelPolicy:
     probability that draft position i is accepted once position i-1 was (each estimate shrunk towards the one
     before it while it has few observations, and old drafting rounds fading with ``decay``). Cost of the round: the
     measured drafting cost per draft token x k, plus the measured time of a target pass over k+1 positions
-    (fitted as a line in the number of positions over the sizes seen so far). k = 0 is plain decoding; while it
-    wins, one round in ``explore_every`` drafts anyway, so that acceptance keeps being measured.
+    (``PassCosts``). k = 0 is plain decoding; while it wins, one round in ``explore_every`` drafts anyway, so that
+    acceptance keeps being measured.
     """
 
     name = "auto"
@@ -89,18 +139,16 @@ class CostModelPolicy:
         self.decay = decay
         self.prior_acceptance = prior_acceptance
         self.prior_weight = prior_weight
-        self.prior_slope = prior_slope  # extra cost per scored position, relative to one, before two sizes are seen
+        self.costs = PassCosts(prior_slope)
         self.reached = [0.0] * (max_k + 1)  # [i]: rounds whose draft position i was verified (decayed)
         self.accepted = [0.0] * (max_k + 1)  # [i]: ... and accepted
-        self.score_seconds: dict[int, float] = {}  # positions scored -> moving average of the target's pass
-        self.draft_seconds_per_token: float | None = None
         self.plain_streak = 0
 
     def next_k(self, max_k: int) -> int:
         limit = min(max_k, self.max_k)
         tokens = self.expected_tokens_by_k()
-        line = self._score_line()
-        rates = [tokens[k] / self.round_seconds(k, line) for k in range(limit + 1)]
+        line = self.costs.score_line()
+        rates = [tokens[k] / self.costs.round_seconds(k, k + 1, line) for k in range(limit + 1)]
         k = max(range(limit + 1), key=lambda i: rates[i])
         if k == 0 and limit > 0:
             self.plain_streak += 1
@@ -121,13 +169,7 @@ class CostModelPolicy:
                 break  # positions after the first rejection were never tested
             self.reached[i] += 1
             self.accepted[i] += i <= verdict.accepted
-        positions = verdict.num_draft + 1
-        previous = self.score_seconds.get(positions)
-        self.score_seconds[positions] = target_seconds if previous is None else 0.8 * previous + 0.2 * target_seconds
-        if verdict.num_draft:
-            per_token = draft_seconds / verdict.num_draft
-            previous = self.draft_seconds_per_token
-            self.draft_seconds_per_token = per_token if previous is None else 0.8 * previous + 0.2 * per_token
+        self.costs.observe(verdict.num_draft + 1, target_seconds, verdict.num_draft, draft_seconds)
 
     def acceptances(self) -> list[float]:
         """[i-1]: estimated probability that draft position i is accepted, given that position i-1 was."""
@@ -148,33 +190,122 @@ class CostModelPolicy:
     def expected_tokens(self, k: int) -> float:
         return self.expected_tokens_by_k()[k]
 
-    def round_seconds(self, k: int, line: tuple[float, float] | None = None) -> float:
-        draft = (self.draft_seconds_per_token or 0.0) * k
-        return draft + self.scoring_seconds(k + 1, line)
 
-    def scoring_seconds(self, positions: int, line: tuple[float, float] | None = None) -> float:
-        """The target's pass over ``positions`` positions: measured, or from a line through the sizes measured
-        (``line``: that line's (intercept, slope), when the caller has it already)."""
-        if positions in self.score_seconds:
-            return self.score_seconds[positions]
-        intercept, slope = line or self._score_line()
-        return max(intercept + slope * positions, 1e-9)
+class TreePolicy:
+    """``--tree auto``: each round's tree shape (candidates per depth, so its depth and size) by the same cost
+    model as ``-k auto``: the shape that maximises expected tokens per second.
 
-    def _score_line(self) -> tuple[float, float]:
-        """(intercept, slope) of the cost of a pass against its positions; a prior slope until two sizes are seen."""
-        seen = self.score_seconds
-        if len(seen) < 2:
-            n, seconds = next(iter(seen.items()), (1, 1.0))  # arbitrary units until measured: only ratios matter
-            base = seconds / (1 + self.prior_slope * (n - 1))
-            return base * (1 - self.prior_slope), base * self.prior_slope
-        xs, ys = list(seen), list(seen.values())
-        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
-        slope = max(slope, 0.0)
-        return mean_y - slope * mean_x, slope
+    At each depth d the candidates are tried in order (the drafter's first choice, then its next ones). Measured:
+    h_d(r), the probability that candidate r is accepted when depth d was reached and candidates 1..r-1 were
+    refused (shrunk towards h_(d-1)(r) while observations are few; old rounds fade with ``decay``). A depth's
+    first candidate continues the tree (the drafters' trees grow along their first choices), so a tree of widths
+    w_1..w_D emits 1 + sum_d S_(d-1) x (1 - prod_(r <= w_d) (1 - h_d(r))) tokens, where S_d = h_1(1) x ... x h_d(1).
+    For each depth and node count the best widths come from a small dynamic programme; the round's cost is the
+    drafting per depth plus the target's pass over the nodes and the pending token (``PassCosts``). No tree (plain
+    decoding) while it wins, except one round in ``explore_every``.
+    """
+
+    name = "auto-tree"
+
+    def __init__(self, max_depth: int = 6, max_width: int = 8, max_nodes: int = AUTO_TREE_MAX_NODES,
+                 explore_every: int = 16,
+                 decay: float = 0.98, prior_first: float = 0.5, prior_next: float = 0.2, prior_weight: float = 2.0
+                 ) -> None:
+        self.max_depth, self.max_width, self.max_nodes = max_depth, max_width, max_nodes
+        self.explore_every = explore_every
+        self.decay = decay
+        self.prior = [prior_first] + [prior_next] * (max_width - 1)  # h(r) before anything is measured
+        self.prior_weight = prior_weight
+        self.costs = PassCosts()
+        self.tried = [[0.0] * max_width for _ in range(max_depth)]  # [d-1][r-1]: candidate r tried at depth d
+        self.hits = [[0.0] * max_width for _ in range(max_depth)]  # ... and accepted
+        self.widths: list[int] = []  # the shape chosen for the round
+        self.plain_streak = 0
+
+    def next_k(self, max_k: int) -> int:
+        """The depth of the next round's tree (its widths: :meth:`tree_widths`)."""
+        depth_limit = min(max_k, self.max_depth)
+        best, shapes = self._shapes(depth_limit)
+        plain = 1.0 / self.costs.scoring_seconds(1)
+        if best < plain and shapes:
+            self.plain_streak += 1
+            if self.plain_streak < self.explore_every:
+                self.widths = []
+                return 0
+            self.plain_streak = 0
+        else:
+            self.plain_streak = 0
+        self.widths = shapes[0] if shapes else []
+        return len(self.widths)
+
+    def tree_widths(self, depth: int) -> list[int]:
+        """The chosen shape's widths, cut to ``depth`` (the engine may shorten a round near the length limit)."""
+        return self.widths[:depth]
+
+    def observe(self, verdict, draft_seconds: float, target_seconds: float) -> None:
+        nodes = getattr(verdict, "nodes", verdict.num_draft)  # a chain's tokens are its nodes
+        self.costs.observe(nodes + 1, target_seconds, verdict.num_draft, draft_seconds)
+        offered = getattr(verdict, "offered", ())
+        if not verdict.num_draft or not offered:
+            return
+        for row_tried, row_hits in zip(self.tried, self.hits):
+            for r in range(self.max_width):
+                row_tried[r] *= self.decay
+                row_hits[r] *= self.decay
+        ranks = list(verdict.ranks)
+        for d, width in enumerate(offered[: self.max_depth]):
+            rank = ranks[d] if d < len(ranks) else None  # None: every candidate there was refused
+            for r in range(min(width, rank or width, self.max_width)):
+                self.tried[d][r] += 1
+            if rank is not None and rank <= self.max_width:
+                self.hits[d][rank - 1] += 1
+
+    def acceptances(self) -> list[list[float]]:
+        """[d-1][r-1]: the estimated h_d(r)."""
+        estimates, previous = [], self.prior
+        for row_tried, row_hits in zip(self.tried, self.hits):
+            row = [(hits + self.prior_weight * prior) / (tried + self.prior_weight)
+                   for tried, hits, prior in zip(row_tried, row_hits, previous)]
+            estimates.append(row)
+            previous = row
+        return estimates
+
+    def _shapes(self, depth_limit: int) -> tuple[float, list[list[int]]]:
+        """The best rate (tokens per second) of a tree, and the shapes ordered best first (one per depth and node
+        count)."""
+        h = self.acceptances()
+        gain_by_width = []  # [d][w]: S_(d-1) x coverage of w candidates at depth d
+        survive = 1.0
+        for d in range(depth_limit):
+            coverage, refused = [0.0], 1.0
+            for r in range(self.max_width):
+                refused *= 1 - h[d][r]
+                coverage.append(1 - refused)
+            gain_by_width.append([survive * c for c in coverage])
+            survive *= h[d][0]
+        # best[b]: (gain, widths) of trees exactly d deep with b nodes, for the depth d reached so far
+        best: dict[int, tuple[float, list[int]]] = {0: (0.0, [])}
+        line = self.costs.score_line()
+        rated: list[tuple[float, list[int]]] = []
+        for d in range(depth_limit):
+            grown: dict[int, tuple[float, list[int]]] = {}
+            for used, (gain, widths) in best.items():
+                for w in range(1, self.max_width + 1):
+                    if used + w > self.max_nodes:
+                        break
+                    candidate = (gain + gain_by_width[d][w], widths + [w])
+                    if used + w not in grown or candidate[0] > grown[used + w][0]:
+                        grown[used + w] = candidate
+            best = grown
+            for nodes, (gain, widths) in best.items():
+                rated.append(((1 + gain) / self.costs.round_seconds(d + 1, nodes + 1, line), widths))
+        rated.sort(key=lambda pair: -pair[0])
+        return (rated[0][0] if rated else 0.0), [widths for _, widths in rated]
 
 
-def make_policy(num_draft_tokens: int | str) -> Policy:
+def make_policy(num_draft_tokens: int | str, tree: tuple[int, ...] | str | None = None) -> Policy:
+    if tree == "auto":
+        return TreePolicy()
     if num_draft_tokens == "auto":
         return CostModelPolicy()
     if num_draft_tokens == "heuristic":

@@ -118,6 +118,9 @@ class TreeVerdict:
     path: list[int]  # accepted nodes, each a child of the one before (the first a child of the root)
     token: int  # recovered token (no child of the path's last node accepted) or bonus token (it has no child)
     bonus: bool
+    nodes: int = 0  # the tree's nodes: the draft positions the target scored
+    offered: tuple[int, ...] = ()  # candidates tried at each node visited (the root, then the path's nodes)
+    ranks: tuple[int, ...] = ()  # each accepted node's place among the candidates tried there (1: the first)
 
     @property
     def accepted(self) -> int:
@@ -176,16 +179,21 @@ def verify_tree(
     children picks the child to descend into, or the recovered token (the bonus token at a leaf)."""
     children = children_of(parents)
     path: list[int] = []
+    offered: list[int] = []
+    ranks: list[int] = []
     node = -1
     while True:
         tried = children.get(node, [])
         rows = [None if draft_probs is None else draft_probs[child] for child in tried]
         chances, residual = candidate_outcomes(target_probs[node + 1], [draft_tokens[c] for c in tried], rows)
         outcome = sample(chances, generator) if tried else 0
+        offered.append(len(tried))
         if outcome == len(tried):
-            return TreeVerdict(tree_depth(parents), path, sample(residual, generator), bonus=not tried)
+            return TreeVerdict(tree_depth(parents), path, sample(residual, generator), bonus=not tried,
+                               nodes=len(parents), offered=tuple(offered), ranks=tuple(ranks))
         node = tried[outcome]
         path.append(node)
+        ranks.append(outcome + 1)
 
 
 def verify_tree_greedy(
@@ -197,11 +205,17 @@ def verify_tree_greedy(
     is the target's own greedy continuation."""
     children = children_of(parents)
     path: list[int] = []
+    offered: list[int] = []
+    ranks: list[int] = []
     node = -1
     while True:
         wanted = target_argmax[node + 1]
-        match = next((child for child in children.get(node, []) if draft_tokens[child] == wanted), None)
-        if match is None:
-            return TreeVerdict(tree_depth(parents), path, wanted, bonus=node not in children)
-        path.append(match)
-        node = match
+        tried = children.get(node, [])
+        offered.append(len(tried))
+        rank = next((i for i, child in enumerate(tried) if draft_tokens[child] == wanted), None)
+        if rank is None:
+            return TreeVerdict(tree_depth(parents), path, wanted, bonus=not tried, nodes=len(parents),
+                               offered=tuple(offered), ranks=tuple(ranks))
+        node = tried[rank]
+        path.append(node)
+        ranks.append(rank + 1)

@@ -88,6 +88,22 @@ def test_greedy_tree_speculation_from_copies_is_plain_greedy(target_and_draft, t
     assert branched > 0 or tree == (1,)  # some drafts really were trees
 
 
+def test_greedy_speculation_with_trees_of_auto_shape_is_plain_greedy(target_and_draft):
+    """``tree="auto"``: the tree policy chooses each round's shape; the output stays the target's greedy output,
+    and the shapes it chose were trees (more nodes scored than depth drafted) in some rounds."""
+    target, draft = target_and_draft
+    target_backend = LlamaRuntime(target)
+    engine = Engine(target_backend, DraftModelProposer(LlamaRuntime(draft), target_backend.vocab_size))
+    config = GenerationConfig(max_new_tokens=24, num_draft_tokens="auto", stop_at_eos=False, tree="auto")
+    nodes = depth = 0
+    for prompt in PROMPTS:
+        result = engine.generate(prompt, config)
+        assert result.token_ids == reference_greedy(target, prompt, 24), prompt
+        assert result.stats.policy == "auto-tree"
+        nodes, depth = nodes + result.stats.draft_nodes, depth + result.stats.draft_tokens
+    assert nodes > depth > 0
+
+
 def _branches(draft) -> bool:
     """Whether a draft tree has a node (or root) with more than one child."""
     return draft.parents is not None and len(draft.parents) > len(set(draft.parents))

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from specdec.policy import CostModelPolicy, FixedDraftLength, HeuristicDraftLength, make_policy
-from specdec.verify import Verdict
+from specdec.policy import CostModelPolicy, FixedDraftLength, HeuristicDraftLength, TreePolicy, make_policy
+from specdec.verify import TreeVerdict, Verdict
 
 
 def verdict(num_draft: int, accepted: int) -> Verdict:
@@ -84,3 +84,57 @@ def test_drafting_cost_shortens_the_draft():
     costly = run_trace(CostModelPolicy(), 600, acceptance=0.8, score_seconds=lambda n: 1 + 0.05 * (n - 1),
                        draft_seconds_per_token=0.4)
     assert sum(costly[300:]) < sum(cheap[300:])
+
+
+def run_tree_trace(policy: TreePolicy, rounds: int, candidate_acceptance: list[float], score_seconds,
+                   seed: int = 0) -> list[list[int]]:
+    """Drive the tree policy: at every depth, candidate r (1-based) is accepted with probability
+    ``candidate_acceptance[r-1]`` when those before it were refused; the first candidate continues the tree. The
+    target's pass costs ``score_seconds(positions)``. The widths chosen, round by round."""
+    rng = random.Random(seed)
+    chosen = []
+    for _ in range(rounds):
+        depth = policy.next_k(16)
+        widths = policy.tree_widths(depth)
+        offered, ranks = [], []
+        for width in widths:
+            offered.append(width)
+            rank = next((r + 1 for r in range(width) if rng.random() < candidate_acceptance[r]), None)
+            if rank is None:
+                break
+            ranks.append(rank)
+            if rank > 1:
+                break  # a sibling of the first candidate is a leaf
+        else:
+            offered.append(0)  # the last accepted node has no child: a bonus token
+        verdict = TreeVerdict(num_draft=depth, path=list(range(len(ranks))), token=0, bonus=False,
+                              nodes=sum(widths), offered=tuple(offered), ranks=tuple(ranks))
+        policy.observe(verdict, 0.0, score_seconds(sum(widths) + 1))
+        chosen.append(widths)
+    return chosen
+
+
+def test_tree_policy_widens_within_the_pass_sizes_that_cost_no_more():
+    """A pass costs the same up to 6 positions and twice as much past them (as fbgemm's half-precision kernel
+    here, whose row blocks are 6): the policy learns to use the 5 free nodes, on several candidates at the first
+    depth where the first is often refused, and to stay under the step."""
+    step = lambda n: 1.0 if n <= 6 else 2.0  # noqa: E731
+    chosen = run_tree_trace(TreePolicy(), 800, [0.4, 0.3, 0.2, 0.1, 0.05, 0.05, 0.05, 0.05], step)
+    late = chosen[400:]
+    assert sum(sum(w) == 5 for w in late) >= 0.9 * len(late)
+    assert sum(w[0] >= 2 for w in late) >= 0.9 * len(late)
+
+
+def test_tree_policy_turns_speculation_off_where_nothing_is_accepted():
+    policy = TreePolicy()
+    chosen = run_tree_trace(policy, 400, [0.01] * 8, lambda n: 1 + 0.2 * (n - 1))
+    late = chosen[200:]
+    assert sum(not w for w in late) >= 0.9 * len(late)
+    assert 0 < sum(bool(w) for w in late) <= len(late) / policy.explore_every + 1
+
+
+def test_tree_policy_grows_a_deep_chain_where_first_choices_are_accepted_and_passes_are_cheap():
+    chosen = run_tree_trace(TreePolicy(), 600, [0.9] + [0.05] * 7, lambda n: 1 + 0.02 * (n - 1))
+    late = chosen[300:]
+    assert sum(len(w) == 6 for w in late) >= 0.9 * len(late)  # its deepest tree, max_depth
+    assert make_policy(4, "auto").name == "auto-tree"

@@ -21,7 +21,8 @@ class Outcome:
     token_ids: list[int]
     seconds: float
     rounds: int | None = None
-    draft_tokens: int | None = None
+    draft_tokens: int | None = None  # a tree counts its depth
+    draft_nodes: int | None = None  # draft positions scored: a tree counts its nodes
     accepted_tokens: int | None = None
     draft_seconds: float | None = None
     target_seconds: float | None = None
@@ -41,7 +42,7 @@ class SpecdecContender:
     baseline, which drafts nothing)."""
 
     def __init__(self, name: str, engine: Engine, num_draft_tokens: int | str,
-                 tree: tuple[int, ...] | None = None) -> None:
+                 tree: tuple[int, ...] | str | None = None) -> None:
         self.name = name
         self.engine = engine
         self.num_draft_tokens = num_draft_tokens
@@ -54,7 +55,7 @@ class SpecdecContender:
         result = self.engine.generate(prompt_ids, config)
         s = result.stats
         return Outcome(token_ids=result.token_ids, seconds=s.seconds, rounds=s.rounds, draft_tokens=s.draft_tokens,
-                       accepted_tokens=s.accepted_tokens, draft_seconds=s.draft_seconds,
+                       draft_nodes=s.draft_nodes, accepted_tokens=s.accepted_tokens, draft_seconds=s.draft_seconds,
                        target_seconds=s.target_seconds, drafted_at=tuple(s.drafted_at),
                        accepted_at=tuple(s.accepted_at))
 

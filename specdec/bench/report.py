@@ -31,6 +31,7 @@ def summarise(runs: list[Run], config: str, greedy: bool) -> dict:
         "acceptance_rate": None,
         "mean_accepted_length": None,
         "mean_draft_length": None,
+        "mean_draft_nodes": None,
         "ideal_speedup": None,
         "fraction_of_ideal": None,
         "greedy_mismatches": _greedy_mismatches(mine, baseline) if greedy else None,
@@ -46,8 +47,10 @@ def _acceptance_fields(mine: list[Run], baseline: list[Run], speedup: float) -> 
     drafted = sum(r.outcome.draft_tokens for r in mine)
     accepted = sum(r.outcome.accepted_tokens for r in mine)
     emitted = sum(len(r.outcome.token_ids) for r in mine)
+    nodes = sum(r.outcome.draft_nodes or 0 for r in mine)
     fields = {"mean_accepted_length": emitted / rounds if rounds else 0.0,
-              "mean_draft_length": drafted / rounds if rounds else 0.0}
+              "mean_draft_length": drafted / rounds if rounds else 0.0,
+              "mean_draft_nodes": nodes / rounds if rounds else 0.0}
     if not drafted:  # nothing drafted (the baseline): no acceptance, and no speculation to idealise
         return fields
     fields["acceptance_rate"] = accepted / drafted
@@ -110,6 +113,7 @@ COLUMNS = [
     ("tokens_per_second", "tokens/s", "{:.2f}"),
     ("speedup", "speedup (median)", "{:.2f}x"),
     ("mean_draft_length", "draft tokens/round", "{:.2f}"),
+    ("mean_draft_nodes", "scored nodes/round", "{:.2f}"),
     ("acceptance_rate", "acceptance", "{:.1%}"),
     ("mean_accepted_length", "tokens/round", "{:.2f}"),
     ("ideal_speedup", "ideal speedup", "{:.2f}x"),

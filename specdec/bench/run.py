@@ -44,9 +44,9 @@ REFERENCE_CONTENDERS = {"hf-prompt-lookup": _hf_prompt_lookup, "hf-assisted": _h
 NEEDS_DRAFT_MODEL = {"hf-assisted"}
 
 
-def parse_contender(spec: str, default_k: int | str) -> tuple[str, int | str, tuple[int, ...] | None]:
+def parse_contender(spec: str, default_k: int | str) -> tuple[str, int | str, tuple[int, ...] | str | None]:
     """``name``, ``name:k`` or ``name:k:tree`` (k an integer, auto or heuristic; tree the candidates per depth,
-    as 3/2/1) -> (drafter name, k, tree widths or None)."""
+    as 3/2/1, or auto) -> (drafter name, k, tree widths, "auto" or None)."""
     name, _, rest = spec.partition(":")
     k, _, tree = rest.partition(":")
     if name not in PROPOSERS and name not in REFERENCE_CONTENDERS:
