@@ -8,9 +8,9 @@ For each exit layer L, on the target's own greedy answers to the prompts:
   when it is the target's token, and then the next shallow state is the target's own), so the mean accepted length
   of a k-token draft is the mean, over the answers' positions, of that run capped at k;
 - **cost**, timed in this process, every size interleaved: a plain decode pass; one drafting step (the first L
-  layers over one token, an exit adapter and the LM head over a draft vocabulary of ``DRAFT_VOCAB`` ids); the
-  verifying pass over the pending token and k drafts (the first L layers over the last draft only, all deeper
-  layers over k+1 positions: what the shared cache leaves to do);
+  layers over one token, an exit adapter (the given one, else one of ``ADAPTER_BLOCKS`` blocks) and the LM head
+  over a draft vocabulary of ``DRAFT_VOCAB`` ids); the verifying pass over the pending token and k drafts (the
+  first L layers over the last draft only, all deeper layers over k+1 positions: what the shared cache leaves);
 - the **predicted speedup** of a k-token chain: (1 + accepted) x decode / (k x drafting step + verifying pass),
   and the first-position acceptance at which a one-token draft breaks even.
 """
@@ -30,6 +30,7 @@ from specdec.bench.stats import round_speedup
 from specdec.errors import UsageError
 
 DRAFT_VOCAB = 8192  # the draft vocabulary timed (specdec train's default)
+ADAPTER_BLOCKS = 2  # the adapter's blocks timed where no trained adapter is given (the shipped one's)
 MAX_K = 4
 REPEATS = 7
 
@@ -200,17 +201,18 @@ def run_bench_exits(args) -> int:
     from specdec.drafters.networks import DrafterConfig, ExitAdapter, TargetParts, prepare_for_drafting
     from specdec.models import load_model
 
-    paths = [path for method, path in _exit_paths(args.drafter_path, parse_drafter_paths)]
+    paths = _exit_paths(args.drafter_path, parse_drafter_paths)
     bench_prompts = read_prompts(args.prompts, category=args.category, limit=args.limit)
     target = load_model(args.model, dtype=args.dtype, device=args.device)
     runtime = make_backend(target.model, "auto" if args.dtype == "auto" else None)
     if not isinstance(runtime, LlamaRuntime):
         raise UsageError("bench-exits needs the lean runtime of llama-family targets")
     layers = _parse_layers(args.layers, runtime.num_layers)
-    adapters = {}
+    adapters, adapter_paths = {}, {}
     for path in paths:
         adapter = prepare_for_drafting(checkpoint.load(path, "early-exit", target.model))
         adapters[adapter.config.exit_layer] = adapter
+        adapter_paths[str(adapter.config.exit_layer)] = str(path)
     layers = sorted(set(layers) | set(adapters))
     encoder = SpecDecoder(target, drafter="none")
     prompts = [encoder.encode(p.text, None if p.chat else False) for p in bench_prompts]
@@ -219,16 +221,17 @@ def run_bench_exits(args) -> int:
     sequences = [(prompt, greedy_answer(runtime, prompt, args.max_new_tokens, stop_ids)) for prompt in prompts]
     plain, trained = measure_agreement(runtime, sequences, layers, adapters)
     print("specdec: timing the passes", file=sys.stderr, flush=True)
-    config = lambda layer: DrafterConfig(method="early-exit", shape=LayerShape.of(target.model.config),  # noqa: E731
-                                         vocab_size=runtime.vocab_size, exit_layer=layer)
-    fresh = ExitAdapter(config(1), TargetParts.of(target.model), torch.arange(min(DRAFT_VOCAB, runtime.vocab_size)))
+    # an untrained adapter of the trained ones' size costs what they do: it times the layers that have none
+    config = DrafterConfig(method="early-exit", shape=LayerShape.of(target.model.config),
+                           vocab_size=runtime.vocab_size, layers=ADAPTER_BLOCKS, exit_layer=1)
+    fresh = ExitAdapter(config, TargetParts.of(target.model), torch.arange(min(DRAFT_VOCAB, runtime.vocab_size)))
     fresh = prepare_for_drafting(fresh.eval())
     decode, draft, verify = measure_costs(runtime, prompts[0], layers, lambda layer: adapters.get(layer, fresh))
     report = ExitReport(settings={
         "prompts": str(args.prompts), "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
         "positions": sum(len(answer) for _, answer in sequences), "model": args.model or "default",
         "dtype": str(runtime.precisions), "threads": torch.get_num_threads(),
-        "adapters": {str(layer): str(path) for layer, path in zip(adapters, paths)}})
+        "adapters": adapter_paths})
     for layer in layers:
         report.layers.append(ExitLayer(layer, plain[layer], trained.get(layer), draft[layer], verify[layer], decode))
     print(markdown(report))
@@ -237,14 +240,14 @@ def run_bench_exits(args) -> int:
     return 0
 
 
-def _exit_paths(entries: list[str] | None, parse) -> list[tuple[str, str]]:
-    """The ``--drafter-path`` entries, each an early-exit adapter (METHOD=DIR or DIR), in order."""
+def _exit_paths(entries: list[str] | None, parse) -> list[str]:
+    """The ``--drafter-path`` entries' directories, each an early-exit adapter (early-exit=DIR or DIR), in order."""
     found = []
     for entry in entries or []:
         method, path = next(iter(parse([entry]).items()))
         if method != "early-exit":
             raise UsageError(f"--drafter-path {entry}: bench-exits takes early-exit adapters, not {method}")
-        found.append((method, path))
+        found.append(path)
     return found
 
 

@@ -70,7 +70,7 @@ def run_train(args) -> int:
     net = NETWORKS[args.method](config, TargetParts.of(target.model), vocab_ids)
     if args.method == "draft-model" and args.init_from_target:
         start_from_target_layers(net, target.model)
-    print(f"specdec: training a {args.method} drafter ({sum(p.numel() for p in net.parameters()):,} parameters, "
+    print(f"specdec: training the {args.method} drafter ({sum(p.numel() for p in net.parameters()):,} parameters, "
           f"draft vocabulary {len(net.vocab.ids):,}) on {sum(len(s.tokens) for s in training):,} positions of "
           f"{len(training) - len(fed):,} target answers and {len(fed):,} fed sequences; {settings.heldout_sequences} "
           f"answers held out", file=sys.stderr)
