@@ -109,12 +109,12 @@ class SpecDecoder:
         top_p: float = 1.0,
         seed: int | None = None,
         num_draft_tokens: int | str = 4,
-        tree: tuple[int, ...] | None = None,
+        tree: tuple[int, ...] | str | None = None,
         chat: bool | None = None,
         on_text: Callable[[str], None] | None = None,
     ) -> Completion:
         """Generate a completion; ``on_text`` receives the text as it is produced. ``tree``: draft token trees,
-        the candidates at each depth (as ``--tree``)."""
+        the candidates at each depth, or "auto" (as ``--tree``)."""
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
             num_draft_tokens=num_draft_tokens,
