@@ -177,23 +177,14 @@ def verify_tree(
 ) -> TreeVerdict:
     """Exact multi-candidate rejection sampling down a draft tree: at each node, :func:`candidate_outcomes` over its
     children picks the child to descend into, or the recovered token (the bonus token at a leaf)."""
-    children = children_of(parents)
-    path: list[int] = []
-    offered: list[int] = []
-    ranks: list[int] = []
-    node = -1
-    while True:
-        tried = children.get(node, [])
+
+    def choose(node: int, tried: list[int]) -> tuple[int | None, int]:
         rows = [None if draft_probs is None else draft_probs[child] for child in tried]
         chances, residual = candidate_outcomes(target_probs[node + 1], [draft_tokens[c] for c in tried], rows)
         outcome = sample(chances, generator) if tried else 0
-        offered.append(len(tried))
-        if outcome == len(tried):
-            return TreeVerdict(tree_depth(parents), path, sample(residual, generator), bonus=not tried,
-                               nodes=len(parents), offered=tuple(offered), ranks=tuple(ranks))
-        node = tried[outcome]
-        path.append(node)
-        ranks.append(outcome + 1)
+        return (outcome, -1) if outcome < len(tried) else (None, sample(residual, generator))
+
+    return _descend(parents, choose)
 
 
 def verify_tree_greedy(
@@ -203,19 +194,29 @@ def verify_tree_greedy(
 ) -> TreeVerdict:
     """Greedy tree verification: descend into the child that is the target's argmax while there is one; the output
     is the target's own greedy continuation."""
+
+    def choose(node: int, tried: list[int]) -> tuple[int | None, int]:
+        wanted = target_argmax[node + 1]
+        return next((i for i, child in enumerate(tried) if draft_tokens[child] == wanted), None), wanted
+
+    return _descend(parents, choose)
+
+
+def _descend(parents: list[int], choose) -> TreeVerdict:
+    """Walk down a draft tree from the root: ``choose(node, its children)`` gives the index of the child accepted
+    there, or None and the token that ends the round (recovered; bonus when the node has no child)."""
     children = children_of(parents)
     path: list[int] = []
     offered: list[int] = []
     ranks: list[int] = []
     node = -1
     while True:
-        wanted = target_argmax[node + 1]
         tried = children.get(node, [])
         offered.append(len(tried))
-        rank = next((i for i, child in enumerate(tried) if draft_tokens[child] == wanted), None)
-        if rank is None:
-            return TreeVerdict(tree_depth(parents), path, wanted, bonus=not tried, nodes=len(parents),
+        index, token = choose(node, tried)
+        if index is None:
+            return TreeVerdict(tree_depth(parents), path, token, bonus=not tried, nodes=len(parents),
                                offered=tuple(offered), ranks=tuple(ranks))
-        node = tried[rank]
+        node = tried[index]
         path.append(node)
-        ranks.append(rank + 1)
+        ranks.append(index + 1)
