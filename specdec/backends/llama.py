@@ -122,10 +122,9 @@ class LlamaRuntime:
         if self._shallow.layers not in (0, layers):
             self._shallow = _Shallow()
         start, n = len(self.tokens) + len(self._shallow.tokens), len(token_ids)
-        if start + n > self._capacity:
-            self._grow(start + n)
-        x = self._layers(self.embed[torch.tensor(token_ids, dtype=torch.long, device=self.device)], 0, layers,
-                         start, slice(start, start + n), _causal_mask(start, n, self.device))
+        self._make_room(start + n)
+        x = self._layers(self._embedded(token_ids), 0, layers, start, slice(start, start + n),
+                         _causal_mask(start, n, self.device))
         self._shallow.layers = layers
         self._shallow.tokens += token_ids
         self._shallow.states.append(x)
@@ -136,11 +135,10 @@ class LlamaRuntime:
         """Append ``token_ids`` (as :meth:`extend` would, without logits) and return the residual stream of the
         pass after every layer (index 0: the embeddings; L: after the first L layers), as early exits read it."""
         start, n = len(self.tokens), len(token_ids)
-        if start + n > self._capacity:
-            self._grow(start + n)
+        self._make_room(start + n)
         self._shallow = _Shallow()
         positions, mask = slice(start, start + n), _causal_mask(start, n, self.device)
-        states = [self.embed[torch.tensor(token_ids, dtype=torch.long, device=self.device)]]
+        states = [self._embedded(token_ids)]
         for index in range(self.num_layers):
             states.append(self._layers(states[-1], index, index + 1, start, positions, mask))
         self.tokens += token_ids
@@ -187,23 +185,19 @@ class LlamaRuntime:
         chain: the tables are viewed, not copied; [n] for a tree), each query attending to the keys ``mask``
         [n, start+n] allows (None: all)."""
         start, n = len(self.tokens), len(token_ids)
-        if start + n > self._capacity:
-            self._grow(start + n)
+        self._make_room(start + n)
         lm_head = self.weights_for(n)[1]
         reused, shallow = self._reusable_shallow(token_ids, positions), self._shallow
         self._shallow = _Shallow()
-        if reused:  # the first positions' shallow layers ran already: run the rest there, then all deeper
-            rest = token_ids[reused:]
+        if reused:  # the first positions ran the shared layers while drafting: the rest run them now (a chain)
             x = torch.cat(shallow.states)[:reused]
-            if rest:
-                first = self._layers(self.embed[torch.tensor(rest, dtype=torch.long, device=self.device)], 0,
-                                     shallow.layers, start + reused, slice(start + reused, start + n),
-                                     _causal_mask(start + reused, len(rest), self.device))
-                x = torch.cat([x, first])
-            x = self._layers(x, shallow.layers, self.num_layers, start, positions, mask)
+            if reused < n:
+                rest = self._layers(self._embedded(token_ids[reused:]), 0, shallow.layers, start + reused,
+                                    slice(start + reused, start + n), mask[reused:])
+                x = torch.cat([x, rest])
         else:
-            ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)  # [n]
-            x = self._layers(self.embed[ids], 0, self.num_layers, start, positions, mask)  # [n, hidden]
+            x = self._embedded(token_ids)  # [n, hidden]
+        x = self._layers(x, shallow.layers if reused else 0, self.num_layers, start, positions, mask)
         self.tokens += token_ids
         if self._hidden is not None:  # every position normed, kept; else only where logits are wanted
             self._hidden[start : start + n] = rms_norm(x, self.final_norm, self.eps)
@@ -225,6 +219,14 @@ class LlamaRuntime:
                                     self._values[index], start, cos, sin, mask)
             x = x + mlp(layer, x, self.eps)
         return x
+
+    def _embedded(self, token_ids: list[int]) -> torch.Tensor:  # [n, hidden]
+        return self.embed[torch.tensor(token_ids, dtype=torch.long, device=self.device)]
+
+    def _make_room(self, end: int) -> None:
+        """Grow the cache to hold positions up to ``end``."""
+        if end > self._capacity:
+            self._grow(end)
 
     def _reusable_shallow(self, token_ids: list[int], positions: slice | torch.Tensor) -> int:
         """How many of a chain pass's first tokens :meth:`extend_shallow` already ran (0 when not these tokens)."""

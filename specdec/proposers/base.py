@@ -56,10 +56,10 @@ def draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     return sample(probs, generator), probs
 
 
-def draft_of(tokens: list[int], rows: list[torch.Tensor | None]) -> Draft:
-    """A Draft from tokens and the distribution each came from (all None when greedy)."""
+def draft_of(tokens: list[int], rows: list[torch.Tensor | None], parents: list[int] | None = None) -> Draft:
+    """A Draft (a tree with ``parents``) from tokens and the distribution each came from (all None when greedy)."""
     kept = [row for row in rows if row is not None]
-    return Draft(tokens=tokens, probs=torch.stack(kept) if kept else None)
+    return Draft(tokens=tokens, probs=torch.stack(kept) if kept else None, parents=parents)
 
 
 def ranked(logits: torch.Tensor, count: int, exclude: int) -> list[int]:  # logits [vocab]
@@ -85,8 +85,7 @@ def spine_tree(spine: list[int], rows: list[torch.Tensor | None], alternatives: 
             node_rows.append(None if row is None else F.one_hot(torch.tensor(other, device=row.device),
                                                                 row.shape[-1]).to(row.dtype))
         parent = spine_node
-    kept = [row for row in node_rows if row is not None]
-    return Draft(tokens=tokens, probs=torch.stack(kept) if kept else None, parents=parents)
+    return draft_of(tokens, node_rows, parents)
 
 
 def trie_draft(continuations: list[list[int]]) -> Draft:
