@@ -119,6 +119,21 @@ class PassCosts:
         return mean_y - slope * mean_x, slope
 
 
+class Exploration:
+    """While plain decoding wins, one round in ``every`` drafts anyway, so that acceptance keeps being measured."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.plain_streak = 0
+
+    def stays_plain(self, plain_wins: bool) -> bool:
+        """Whether this round decodes plainly, given whether plain decoding is the model's best choice."""
+        self.plain_streak = self.plain_streak + 1 if plain_wins else 0
+        if self.plain_streak >= self.every:
+            self.plain_streak = 0
+        return plain_wins and self.plain_streak > 0
+
+
 class CostModelPolicy:
     """Maximise expected tokens per second over k = 0..max_k.
 
@@ -135,14 +150,13 @@ class CostModelPolicy:
     def __init__(self, max_k: int = AUTO_MAX_K, explore_every: int = 16, decay: float = 0.98,
                  prior_acceptance: float = 0.5, prior_weight: float = 2.0, prior_slope: float = 0.05) -> None:
         self.max_k = max_k
-        self.explore_every = explore_every
+        self.exploration = Exploration(explore_every)
         self.decay = decay
         self.prior_acceptance = prior_acceptance
         self.prior_weight = prior_weight
         self.costs = PassCosts(prior_slope)
         self.reached = [0.0] * (max_k + 1)  # [i]: rounds whose draft position i was verified (decayed)
         self.accepted = [0.0] * (max_k + 1)  # [i]: ... and accepted
-        self.plain_streak = 0
 
     def next_k(self, max_k: int) -> int:
         limit = min(max_k, self.max_k)
@@ -150,14 +164,13 @@ class CostModelPolicy:
         line = self.costs.score_line()
         rates = [tokens[k] / self.costs.round_seconds(k, k + 1, line) for k in range(limit + 1)]
         k = max(range(limit + 1), key=lambda i: rates[i])
-        if k == 0 and limit > 0:
-            self.plain_streak += 1
-            if self.plain_streak >= self.explore_every:
-                self.plain_streak = 0
-                k = max(range(1, limit + 1), key=lambda i: rates[i])
-        else:
-            self.plain_streak = 0
-        return k
+        if self.exploration.stays_plain(k == 0 and limit > 0) or k > 0 or limit == 0:
+            return k
+        return max(range(1, limit + 1), key=lambda i: rates[i])  # exploring: the best draft length
+
+    @property
+    def explore_every(self) -> int:
+        return self.exploration.every
 
     def observe(self, verdict: Verdict, draft_seconds: float, target_seconds: float) -> None:
         if verdict.num_draft:  # old evidence fades per drafting round, so sparse exploration keeps its memory
@@ -212,7 +225,7 @@ class TreePolicy:
                  decay: float = 0.98, prior_first: float = 0.5, prior_next: float = 0.2, prior_weight: float = 2.0
                  ) -> None:
         self.max_depth, self.max_width, self.max_nodes = max_depth, max_width, max_nodes
-        self.explore_every = explore_every
+        self.exploration = Exploration(explore_every)
         self.decay = decay
         self.prior = [prior_first] + [prior_next] * (max_width - 1)  # h(r) before anything is measured
         self.prior_weight = prior_weight
@@ -220,23 +233,17 @@ class TreePolicy:
         self.tried = [[0.0] * max_width for _ in range(max_depth)]  # [d-1][r-1]: candidate r tried at depth d
         self.hits = [[0.0] * max_width for _ in range(max_depth)]  # ... and accepted
         self.widths: list[int] = []  # the shape chosen for the round
-        self.plain_streak = 0
 
     def next_k(self, max_k: int) -> int:
         """The depth of the next round's tree (its widths: :meth:`tree_widths`)."""
-        depth_limit = min(max_k, self.max_depth)
-        best, shapes = self._shapes(depth_limit)
-        plain = 1.0 / self.costs.scoring_seconds(1)
-        if best < plain and shapes:
-            self.plain_streak += 1
-            if self.plain_streak < self.explore_every:
-                self.widths = []
-                return 0
-            self.plain_streak = 0
-        else:
-            self.plain_streak = 0
-        self.widths = shapes[0] if shapes else []
+        rate, widths = self._best_shape(min(max_k, self.max_depth))
+        plain_wins = bool(widths) and rate < 1.0 / self.costs.scoring_seconds(1)
+        self.widths = [] if self.exploration.stays_plain(plain_wins) else widths
         return len(self.widths)
+
+    @property
+    def explore_every(self) -> int:
+        return self.exploration.every
 
     def tree_widths(self, depth: int) -> list[int]:
         """The chosen shape's widths, cut to ``depth`` (the engine may shorten a round near the length limit)."""
@@ -270,9 +277,8 @@ class TreePolicy:
             previous = row
         return estimates
 
-    def _shapes(self, depth_limit: int) -> tuple[float, list[list[int]]]:
-        """The best rate (tokens per second) of a tree, and the shapes ordered best first (one per depth and node
-        count)."""
+    def _best_shape(self, depth_limit: int) -> tuple[float, list[int]]:
+        """The tree with the best expected rate (tokens per second): (that rate, its widths); (0, []) for none."""
         h = self.acceptances()
         gain_by_width = []  # [d][w]: S_(d-1) x coverage of w candidates at depth d
         survive = 1.0
@@ -286,7 +292,7 @@ class TreePolicy:
         # best[b]: (gain, widths) of trees exactly d deep with b nodes, for the depth d reached so far
         best: dict[int, tuple[float, list[int]]] = {0: (0.0, [])}
         line = self.costs.score_line()
-        rated: list[tuple[float, list[int]]] = []
+        chosen: tuple[float, list[int]] = (0.0, [])
         for d in range(depth_limit):
             grown: dict[int, tuple[float, list[int]]] = {}
             for used, (gain, widths) in best.items():
@@ -298,9 +304,10 @@ class TreePolicy:
                         grown[used + w] = candidate
             best = grown
             for nodes, (gain, widths) in best.items():
-                rated.append(((1 + gain) / self.costs.round_seconds(d + 1, nodes + 1, line), widths))
-        rated.sort(key=lambda pair: -pair[0])
-        return (rated[0][0] if rated else 0.0), [widths for _, widths in rated]
+                rate = (1 + gain) / self.costs.round_seconds(d + 1, nodes + 1, line)
+                if rate > chosen[0]:
+                    chosen = (rate, widths)
+        return chosen
 
 
 def make_policy(num_draft_tokens: int | str, tree: tuple[int, ...] | str | None = None) -> Policy:
