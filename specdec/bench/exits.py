@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.backends.base import pass_seconds
 from specdec.bench.stats import round_speedup
 from specdec.errors import UsageError
 
@@ -96,19 +97,6 @@ def adapter_exit(adapter, states: torch.Tensor) -> torch.Tensor:  # [n, hidden] 
         return adapter.vocab.ids[adapter.vocab.logits(adapter(states.float())).argmax(-1)]
 
 
-def greedy_answer(runtime, prompt: list[int], new_tokens: int, stop_ids: set[int]) -> list[int]:
-    runtime.rollback(0)
-    logits = runtime.extend(prompt, 1)
-    answer = []
-    while len(answer) < new_tokens:
-        token = int(logits[-1].argmax())
-        answer.append(token)
-        if token in stop_ids:
-            break
-        logits = runtime.extend([token], 1)
-    return answer
-
-
 def measure_agreement(runtime, sequences: list[tuple[list[int], list[int]]], layers: list[int],
                       adapters: dict[int, torch.nn.Module]) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
     """Mean accepted lengths per k, for each exit layer's plain exit and each adapter, on (prompt, answer)s."""
@@ -129,6 +117,7 @@ def measure_agreement(runtime, sequences: list[tuple[list[int], list[int]]], lay
             {layer: accepted_lengths(rows) for layer, rows in trained.items()})
 
 
+@torch.inference_mode()
 def measure_costs(runtime, context: list[int], layers: list[int], adapter_for, repeats: int = REPEATS
                   ) -> tuple[float, dict[int, float], dict[int, list[float]]]:
     """Median milliseconds of a decode pass, of a drafting step at each layer, and of the verifying pass after
@@ -136,41 +125,31 @@ def measure_costs(runtime, context: list[int], layers: list[int], adapter_for, r
     runtime.rollback(0)
     runtime.extend(context, 0)
     cached = len(runtime.tokens)
-    token = context[-1]
+    token = runtime.tokens[-1]  # what pass_seconds appends: the drafts repeat it, so that the pass reuses them
     decode, draft = [], {layer: [] for layer in layers}
     verify = {layer: [[] for _ in range(MAX_K)] for layer in layers}
-
-    def timed(fn) -> float:
-        started = time.perf_counter()
-        fn()
-        return 1000 * (time.perf_counter() - started)
-
-    def step(layer: int) -> None:
-        adapter = adapter_for(layer)
-        state = runtime.extend_shallow([token], layer)[-1]
-        adapter.vocab.logits(adapter(state)).argmax()
-
     for repeat in range(repeats + 1):  # the first round warms up, and is dropped
         keep = repeat > 0
-        seconds = timed(lambda: runtime.extend([token], 1))
-        runtime.rollback(cached)
+        seconds = pass_seconds(runtime, 1)
         if keep:
             decode.append(seconds)
         for layer in layers:
-            seconds = timed(lambda: step(layer))
+            adapter = adapter_for(layer)
+            started = time.perf_counter()
+            adapter.vocab.logits(adapter(runtime.extend_shallow([token], layer)[-1])).argmax()
+            seconds = time.perf_counter() - started
             runtime.rollback(cached)
             if keep:
                 draft[layer].append(seconds)
             for k in range(1, MAX_K + 1):
                 for _ in range(k):
                     runtime.extend_shallow([token], layer)
-                seconds = timed(lambda: runtime.extend([token] * (k + 1), k + 1))
-                runtime.rollback(cached)
+                seconds = pass_seconds(runtime, k + 1)  # rolls back to the cache, the shallow runs with it
                 if keep:
                     verify[layer][k - 1].append(seconds)
-    median = statistics.median
-    return (median(decode), {layer: median(times) for layer, times in draft.items()},
-            {layer: [median(times) for times in per_k] for layer, per_k in verify.items()})
+    ms = lambda times: 1000 * statistics.median(times)  # noqa: E731
+    return ms(decode), {layer: ms(times) for layer, times in draft.items()}, \
+        {layer: [ms(times) for times in per_k] for layer, per_k in verify.items()}
 
 
 def markdown(report: ExitReport) -> str:
@@ -185,8 +164,7 @@ def markdown(report: ExitReport) -> str:
             f"| {layer.layer} | {layer.untrained[0]:.3f} | {f'{layer.trained[0]:.3f}' if layer.trained else ''} | "
             f"{layer.draft_ms:.1f} | {' / '.join(f'{v:.1f}' for v in layer.verify_ms)} | {layer.break_even:.2f} | "
             f"{best(plain)} | {best(trained) if trained else ''} |")
-    decode = statistics.median(layer.decode_ms for layer in report.layers)
-    lines.append(f"\nA plain decode pass: {decode:.1f} ms. Accepted lengths are on the target's greedy answers to "
+    lines.append(f"\nA plain decode pass: {report.layers[0].decode_ms:.1f} ms. Accepted lengths are on the target's greedy answers to "
                  f"{report.settings.get('num_prompts')} prompts ({report.settings.get('positions')} positions).")
     return "\n".join(lines)
 
@@ -199,7 +177,9 @@ def run_bench_exits(args) -> int:
     from specdec.drafters.layers import LayerShape
     from specdec.drafters.loading import parse_drafter_paths
     from specdec.drafters.networks import DrafterConfig, ExitAdapter, TargetParts, prepare_for_drafting
+    from specdec.engine import Engine, GenerationConfig
     from specdec.models import load_model
+    from specdec.proposers import NoProposer
 
     paths = _exit_paths(args.drafter_path, parse_drafter_paths)
     bench_prompts = read_prompts(args.prompts, category=args.category, limit=args.limit)
@@ -216,9 +196,10 @@ def run_bench_exits(args) -> int:
     layers = sorted(set(layers) | set(adapters))
     encoder = SpecDecoder(target, drafter="none")
     prompts = [encoder.encode(p.text, None if p.chat else False) for p in bench_prompts]
-    stop_ids = eos_token_ids(target)
     print(f"specdec: the target answers {len(prompts)} prompts", file=sys.stderr, flush=True)
-    sequences = [(prompt, greedy_answer(runtime, prompt, args.max_new_tokens, stop_ids)) for prompt in prompts]
+    decoder = Engine(runtime, NoProposer(), eos_token_ids(target))
+    sequences = [(prompt, decoder.generate(prompt, GenerationConfig(max_new_tokens=args.max_new_tokens)).token_ids)
+                 for prompt in prompts]
     plain, trained = measure_agreement(runtime, sequences, layers, adapters)
     print("specdec: timing the passes", file=sys.stderr, flush=True)
     # an untrained adapter of the trained ones' size costs what they do: it times the layers that have none
