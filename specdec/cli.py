@@ -102,6 +102,9 @@ def _add_train_parser(commands) -> None:
                        help="early-exit: the target's first L layers draft (specdec bench-exits measures which L "
                        "pays)")
     train.add_argument("--heads", type=int, default=4, help="mtp: prediction heads (the longest draft)")
+    train.add_argument("--token-input", action=argparse.BooleanOptionalAction, default=True,
+                       help="mtp: the heads also read the embedding of the token the target just chose (default; "
+                       "Hydra-style) or the target's feature alone (Medusa's heads)")
     train.add_argument("--init-from-target", action=argparse.BooleanOptionalAction, default=True,
                        help="draft-model: start from the target's first layers and final norm (default) or from "
                        "random weights")

@@ -92,6 +92,29 @@ def test_an_untrained_exit_adapter_is_the_plain_exit():
         torch.testing.assert_close(adapter(states), model.model.norm(states))
 
 
+def test_token_reading_mtp_heads_start_as_feature_heads_and_read_the_token():
+    """specdec's mtp heads read [embedding of token t+1; feature t]; untrained, they are Medusa's heads on the
+    feature alone (the same blocks give the same logits), and once the input layer learns, the token matters."""
+    from specdec.drafters.networks import MTPHeads
+
+    model = tiny_llama(4)
+    parts = TargetParts.of(model)
+    config = DrafterConfig(method="mtp", shape=LayerShape.of(model.config), vocab_size=64, heads=2)
+    torch.manual_seed(0)
+    feature_only = MTPHeads(config, parts)
+    reading = MTPHeads(replace(config, token_input=True), parts)
+    reading.heads.load_state_dict(feature_only.heads.state_dict())
+    with torch.no_grad():
+        for block in reading.heads.parameters():
+            block.normal_(0, 0.3)
+        feature_only.heads.load_state_dict(reading.heads.state_dict())
+        features, tokens = torch.randn(5, 32), torch.randint(0, 64, (5,))
+        torch.testing.assert_close(reading(features, tokens), feature_only(features))
+        reading.fc.weight[:, :32].normal_(0, 0.3)  # the embedding's half, zero at the start
+        assert not torch.allclose(reading(features, tokens), reading(features, (tokens + 1) % 64))
+    assert feature_only.config.token_input is False and not hasattr(feature_only, "fc")
+
+
 TREES = {"eagle": (3, 2), "mtp": (3, 2), "draft-model": (3, 2)}  # drafters of token trees, and a tree for each
 
 

@@ -5,7 +5,9 @@ target's LM head (``DraftVocab``), which cuts the cost of a drafting step severa
 - ``DraftLM`` (draft-model): a small causal LM over the target's embeddings: a few llama layers, a final norm and
   the target's LM head.
 - ``MTPHeads`` (mtp, Medusa-style): head j maps the target's last hidden state at position t to the distribution
-  of the token j+1 positions ahead (t + j + 1): one target pass gives the next token and a draft after it.
+  of the token j+1 positions ahead (t + j + 1): one target pass gives the next token and a draft after it. With
+  ``token_input`` (Hydra-style, what ``specdec train`` makes) the heads also read the embedding of token t+1, the
+  token that pass chose, which the engine knows before it drafts; published Medusa heads read the feature alone.
 - ``EagleHead`` (eagle, EAGLE-style): one decoder layer over [embedding of token t+1; target feature at t] that
   predicts the target's feature at t+1, read by the target's LM head; drafting feeds its own predictions back.
 - ``ExitAdapter`` (early-exit, Kangaroo-style self-speculation): maps the target's residual stream after its first
@@ -37,6 +39,7 @@ class DrafterConfig:
     head_layers: int = 1  # residual blocks per head (mtp)
     draft_vocab: int = 0  # ids the drafter predicts over (0: the whole vocabulary)
     own_lm_head: bool = False  # published Medusa heads carry their own LM head
+    token_input: bool = False  # mtp: the heads also read the embedding of the token after the feature
     exit_layer: int = 0  # early-exit: the target's layers that draft
     target: dict = field(default_factory=dict)  # {"name": ..., "fingerprint": ..., "probe": [weights]}
     training: dict = field(default_factory=dict)  # how it was made: command, data slice, seed, tokens, results
@@ -162,24 +165,41 @@ class MTPHeads(nn.Module):
                 blocks.append(nn.Linear(hidden, config.vocab_size, bias=False))
             return nn.Sequential(*blocks)
 
+        if config.token_input:  # [embedding; feature] -> hidden, starting as the feature alone
+            self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+            with torch.no_grad():
+                self.fc.weight.zero_()
+                self.fc.weight[:, hidden:].copy_(torch.eye(hidden))
+                self.fc.bias.zero_()
         self.heads = nn.ModuleList(head() for _ in range(config.heads))
         self.vocab = DraftVocab(vocab_ids, config.vocab_size)
         self.attach(target)
 
     def attach(self, target: TargetParts) -> None:
+        self.embed = target.embed
         self.vocab.attach(target.lm_head)
 
-    def forward(self, features: torch.Tensor, count: int | None = None) -> torch.Tensor:
-        """The first ``count`` heads' (all by default) draft-vocabulary logits: [..., hidden] -> [count, ..., V']."""
+    def forward(self, features: torch.Tensor, next_tokens: torch.Tensor | None = None, count: int | None = None
+                ) -> torch.Tensor:
+        """The first ``count`` heads' (all by default) draft-vocabulary logits: features [..., hidden] and the
+        tokens after them [...] -> [count, ..., V']."""
         if self.config.own_lm_head:
             heads = self.heads[:count] if count is not None else self.heads
-            return torch.stack([head(features.float())[..., self.vocab.ids] for head in heads])
-        return self.vocab.logits(self.head_states(features, count))  # one pass over the LM head for all heads
+            x = self._input(features, next_tokens)
+            return torch.stack([head(x)[..., self.vocab.ids] for head in heads])
+        return self.vocab.logits(self.head_states(features, next_tokens, count))  # one LM-head pass for all
 
-    def head_states(self, features: torch.Tensor, count: int | None = None) -> torch.Tensor:
-        """What each head hands the target's LM head: [..., hidden] -> [count, ..., hidden] (heads sharing it)."""
+    def head_states(self, features: torch.Tensor, next_tokens: torch.Tensor | None = None,
+                    count: int | None = None) -> torch.Tensor:
+        """What each head hands the target's LM head: [..., hidden], [...] -> [count, ..., hidden]."""
         heads = self.heads[:count] if count is not None else self.heads
-        return torch.stack([head(features.float()) for head in heads])
+        x = self._input(features, next_tokens)
+        return torch.stack([head(x) for head in heads])
+
+    def _input(self, features: torch.Tensor, next_tokens: torch.Tensor | None) -> torch.Tensor:
+        if not self.config.token_input:
+            return features.float()
+        return self.fc(torch.cat([self.embed[next_tokens], features.float()], dim=-1))
 
 
 class EagleHead(nn.Module):

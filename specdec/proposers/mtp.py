@@ -44,7 +44,7 @@ class MTPProposer:
         widths = widths[: len(self.heads.heads)]
         if not widths or features.shape[0] != len(context) - 1 or len(context) < 2:
             return [], [], []
-        logits = self.heads(features[-1], count=len(widths))  # [k, V']
+        logits = self.heads(features[-1], torch.tensor(context[-1]), count=len(widths))  # [k, V']
         tokens: list[int] = []
         rows: list[torch.Tensor | None] = []
         alternatives: list[list[int]] = []

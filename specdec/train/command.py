@@ -62,7 +62,7 @@ def run_train(args) -> int:
     config = DrafterConfig(
         method=args.method, shape=LayerShape.of(target.model.config), vocab_size=target.model.config.vocab_size,
         layers=args.layers or DEFAULT_LAYERS[args.method], heads=args.heads, draft_vocab=args.draft_vocab,
-        exit_layer=args.exit_layer or 0,
+        exit_layer=args.exit_layer or 0, token_input=args.method == "mtp" and args.token_input,
         target={"name": target.path.name, "fingerprint": target_id, "probe": weight_probe(target.model)},
     )
     vocab_ids = draft_vocabulary(training, config.vocab_size, args.draft_vocab, eos_token_ids(target))

@@ -198,24 +198,31 @@ class EagleObjective(Objective):
 
 
 class MTPObjective(Objective):
-    """Head j (1-based) at t predicts the token j+1 positions after t (the target itself gives the one after t)."""
+    """Head j (1-based) at t predicts the token j+1 positions after t (the target itself gives the one after t,
+    which token-reading heads see)."""
+
+    @staticmethod
+    def _states(net: MTPHeads, batch: Batch) -> torch.Tensor:  # [heads, B, T-1, hidden]: t < T-1
+        return net.head_states(batch.features[:, :-1], batch.tokens[:, 1:])
 
     def loss(self, net: MTPHeads, batch: Batch) -> torch.Tensor:
-        states = net.head_states(batch.features)  # [heads, B, T, hidden]
+        states = self._states(net, batch)
         total = torch.zeros(())
+        length = batch.tokens.shape[1]
         for j in range(1, states.shape[0] + 1):
             mask = trained_positions(batch, j)  # [B, T-j]
-            total = total + distill_loss(net.vocab, states[j - 1][:, :-j][mask], batch.features[:, j:][mask],
-                                         batch.lse[:, j:][mask])
+            total = total + distill_loss(net.vocab, states[j - 1][:, : length - j][mask],
+                                         batch.features[:, j:][mask], batch.lse[:, j:][mask])
         return total / states.shape[0]
 
     @torch.no_grad()
     def agreement(self, net: MTPHeads, batch: Batch) -> list[tuple[int, int]]:
-        states = net.head_states(batch.features)
+        states = self._states(net, batch)
+        length = batch.tokens.shape[1]
         rates = []
         for j in range(1, states.shape[0] + 1):
             mask = trained_positions(batch, j)[:, :-1]  # [B, T-j-1]
-            rates.append(agreement(net.vocab.logits(states[j - 1][:, : -j - 1][mask]), net.vocab,
+            rates.append(agreement(net.vocab.logits(states[j - 1][:, : length - j - 1][mask]), net.vocab,
                                    batch.tokens[:, j + 1 :][mask]))
         return rates
 
