@@ -9,7 +9,8 @@ from tiny import perturbed_copy, save_with_tokenizer, tiny_llama
 
 from specdec.bench.contenders import Outcome
 from specdec.bench.report import Run, summarise
-from specdec.bench.stats import expected_tokens_per_round, ideal_speedup, median, per_prompt_speedups
+from specdec.bench.stats import (expected_tokens_per_round, ideal_speedup, median, needed_acceptance,
+                                 per_prompt_speedups)
 from specdec.cli import main
 
 
@@ -27,6 +28,19 @@ def test_ideal_speedup_divides_tokens_per_round_by_round_cost():
     assert ideal_speedup(0.5, 2, 0.1, 0.15, 0.1) == pytest.approx(1.75 / 2.5)
     # free drafting and free extra positions: the speedup is the tokens per round
     assert ideal_speedup(0.8, 4, 0.0, 0.1, 0.1) == pytest.approx(expected_tokens_per_round(0.8, 4))
+
+
+def test_needed_acceptance_is_the_lowest_rate_whose_best_chain_reaches_the_speedup():
+    # one draft token at no extra cost: 1 + a tokens per round, so 1.3x needs a = 0.3
+    rate, k = needed_acceptance(1.3, {1: 1.0})
+    assert rate == pytest.approx(0.3, abs=1e-3) and k == 1
+    # a second position that costs 1.5x is worth it only at high acceptance: 1.6x is reached by k = 1 at 0.6,
+    # while k = 2 needs 1 + a + a^2 >= 2.4 (a = 0.78)
+    assert needed_acceptance(1.6, {1: 1.0, 2: 1.5}) == (pytest.approx(0.6, abs=1e-3), 1)
+    # free positions make longer chains the cheaper way: k = 4 reaches 1.3x at a lower rate than k = 1
+    rate, k = needed_acceptance(1.3, {1: 1.0, 4: 1.0})
+    assert k == 4 and rate < 0.3 and expected_tokens_per_round(rate, 4) == pytest.approx(1.3, abs=1e-3)
+    assert needed_acceptance(2.5, {1: 1.0}) is None  # two tokens a round at most
 
 
 def test_median_and_per_prompt_speedups():
@@ -104,6 +118,7 @@ def test_bench_smoke_on_tiny_models(tiny_models, tmp_path, capsys):
     assert sorted(map(int, roofline["score_ratios"])) == list(range(1, 17))
     assert roofline["floor_seconds"] > 0 and roofline["step_seconds"] > 0
     assert "**roofline — float32" in printed and "| cost of k+1 positions / one |" in printed
+    assert "Per-position acceptance a chain needs at these costs" in printed
 
 
 @pytest.mark.parametrize("args, message", [

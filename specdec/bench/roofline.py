@@ -16,8 +16,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from specdec.backends.base import CausalLM, pass_seconds, sync
+from specdec.bench.stats import needed_acceptance
 
 MAX_K = 16
+BARS = (1.3, 1.6)  # speedups whose needed acceptance the roofline reports
 
 
 @dataclass(frozen=True)
@@ -78,4 +80,12 @@ def roofline_markdown(roofline: Roofline, label: str = "") -> str:
         "|---|" + "---:|" * len(ratios),
         "| cost of k+1 positions / one | " + " | ".join(f"{r:.2f}" for r in ratios.values()) + " |",
         "",
+        "Per-position acceptance a chain needs at these costs, from a drafter that costs nothing: "
+        + "; ".join(_needed(bar, ratios) for bar in BARS) + ".",
+        "",
     ])
+
+
+def _needed(speedup: float, ratios: dict[int, float]) -> str:
+    needed = needed_acceptance(speedup, ratios)
+    return f"{speedup}x: " + ("out of reach" if needed is None else f"{needed[0]:.0%} (k = {needed[1]})")

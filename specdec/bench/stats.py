@@ -37,6 +37,25 @@ def round_speedup(tokens_per_round: float, draft_seconds_per_round: float, score
     return tokens_per_round * plain_seconds_per_token / (draft_seconds_per_round + score_seconds_per_round)
 
 
+def needed_acceptance(speedup: float, score_ratios: dict[int, float], tolerance: float = 1e-4
+                      ) -> tuple[float, int] | None:
+    """The lowest per-position acceptance at which a chain from a drafter that costs nothing reaches ``speedup``
+    over plain decoding, given what a pass over k+1 positions costs against one (``score_ratios``, k -> ratio),
+    and the draft length k that reaches it; None if no acceptance below 1 does. Real drafters cost something
+    and accept less further down a draft, so this is a lower bound on what they need."""
+
+    def best(rate: float) -> tuple[float, int]:
+        return max((expected_tokens_per_round(rate, k) / ratio, k) for k, ratio in score_ratios.items())
+
+    if not score_ratios or best(1.0)[0] < speedup:
+        return None
+    low, high = 0.0, 1.0
+    while high - low > tolerance:
+        middle = (low + high) / 2
+        low, high = (low, middle) if best(middle)[0] >= speedup else (middle, high)
+    return high, best(high)[1]
+
+
 def median(values: Iterable[float]) -> float:
     values = list(values)
     return statistics.median(values) if values else float("nan")
