@@ -113,6 +113,8 @@ def test_token_reading_mtp_heads_start_as_feature_heads_and_read_the_token():
         reading.fc.weight[:, :32].normal_(0, 0.3)  # the embedding's half, zero at the start
         assert not torch.allclose(reading(features, tokens), reading(features, (tokens + 1) % 64))
     assert feature_only.config.token_input is False and not hasattr(feature_only, "fc")
+    with pytest.raises(ValueError, match="next_tokens"):
+        reading(features)
 
 
 TREES = {"eagle": (3, 2), "mtp": (3, 2), "draft-model": (3, 2)}  # drafters of token trees, and a tree for each

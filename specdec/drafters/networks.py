@@ -199,6 +199,8 @@ class MTPHeads(nn.Module):
     def _input(self, features: torch.Tensor, next_tokens: torch.Tensor | None) -> torch.Tensor:
         if not self.config.token_input:
             return features.float()
+        if next_tokens is None:
+            raise ValueError("these mtp heads read the token after each feature: pass next_tokens")
         return self.fc(torch.cat([self.embed[next_tokens], features.float()], dim=-1))
 
 

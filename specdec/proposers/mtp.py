@@ -44,7 +44,8 @@ class MTPProposer:
         widths = widths[: len(self.heads.heads)]
         if not widths or features.shape[0] != len(context) - 1 or len(context) < 2:
             return [], [], []
-        logits = self.heads(features[-1], torch.tensor(context[-1]), count=len(widths))  # [k, V']
+        pending = torch.tensor(context[-1], device=features.device)  # the token after the last feature
+        logits = self.heads(features[-1], pending, count=len(widths))  # [k, V']
         tokens: list[int] = []
         rows: list[torch.Tensor | None] = []
         alternatives: list[list[int]] = []
