@@ -164,13 +164,10 @@ class CostModelPolicy:
         line = self.costs.score_line()
         rates = [tokens[k] / self.costs.round_seconds(k, k + 1, line) for k in range(limit + 1)]
         k = max(range(limit + 1), key=lambda i: rates[i])
-        if self.exploration.stays_plain(k == 0 and limit > 0) or k > 0 or limit == 0:
+        plain_wins = k == 0 and limit > 0
+        if not plain_wins or self.exploration.stays_plain(plain_wins):
             return k
         return max(range(1, limit + 1), key=lambda i: rates[i])  # exploring: the best draft length
-
-    @property
-    def explore_every(self) -> int:
-        return self.exploration.every
 
     def observe(self, verdict: Verdict, draft_seconds: float, target_seconds: float) -> None:
         if verdict.num_draft:  # old evidence fades per drafting round, so sparse exploration keeps its memory
@@ -240,10 +237,6 @@ class TreePolicy:
         plain_wins = bool(widths) and rate < 1.0 / self.costs.scoring_seconds(1)
         self.widths = [] if self.exploration.stays_plain(plain_wins) else widths
         return len(self.widths)
-
-    @property
-    def explore_every(self) -> int:
-        return self.exploration.every
 
     def tree_widths(self, depth: int) -> list[int]:
         """The chosen shape's widths, cut to ``depth`` (the engine may shorten a round near the length limit)."""

@@ -54,7 +54,7 @@ def test_cost_model_turns_speculation_off_where_drafts_are_rejected():
     chosen = run_trace(policy, 400, acceptance=0.02, score_seconds=lambda n: 1 + 0.2 * (n - 1))
     late = chosen[200:]
     assert late.count(0) >= 0.9 * len(late)  # plain decoding, but for the exploring rounds
-    assert 0 < sum(k > 0 for k in late) <= len(late) / policy.explore_every + 1
+    assert 0 < sum(k > 0 for k in late) <= len(late) / policy.exploration.every + 1
 
 
 def test_cost_model_drafts_long_where_drafts_are_accepted_and_scoring_is_cheap():
@@ -130,7 +130,7 @@ def test_tree_policy_turns_speculation_off_where_nothing_is_accepted():
     chosen = run_tree_trace(policy, 400, [0.01] * 8, lambda n: 1 + 0.2 * (n - 1))
     late = chosen[200:]
     assert sum(not w for w in late) >= 0.9 * len(late)
-    assert 0 < sum(bool(w) for w in late) <= len(late) / policy.explore_every + 1
+    assert 0 < sum(bool(w) for w in late) <= len(late) / policy.exploration.every + 1
 
 
 def test_tree_policy_grows_a_deep_chain_where_first_choices_are_accepted_and_passes_are_cheap():

@@ -164,8 +164,9 @@ def markdown(report: ExitReport) -> str:
             f"| {layer.layer} | {layer.untrained[0]:.3f} | {f'{layer.trained[0]:.3f}' if layer.trained else ''} | "
             f"{layer.draft_ms:.1f} | {' / '.join(f'{v:.1f}' for v in layer.verify_ms)} | {layer.break_even:.2f} | "
             f"{best(plain)} | {best(trained) if trained else ''} |")
-    lines.append(f"\nA plain decode pass: {report.layers[0].decode_ms:.1f} ms. Accepted lengths are on the target's greedy answers to "
-                 f"{report.settings.get('num_prompts')} prompts ({report.settings.get('positions')} positions).")
+    lines.append(f"\nA plain decode pass: {report.layers[0].decode_ms:.1f} ms. Accepted lengths are on the "
+                 f"target's greedy answers to {report.settings.get('num_prompts')} prompts "
+                 f"({report.settings.get('positions')} positions).")
     return "\n".join(lines)
 
 

@@ -183,15 +183,15 @@ class MTPHeads(nn.Module):
                 ) -> torch.Tensor:
         """The first ``count`` heads' (all by default) draft-vocabulary logits: features [..., hidden] and the
         tokens after them [...] -> [count, ..., V']."""
-        if self.config.own_lm_head:
-            heads = self.heads[:count] if count is not None else self.heads
-            x = self._input(features, next_tokens)
-            return torch.stack([head(x)[..., self.vocab.ids] for head in heads])
-        return self.vocab.logits(self.head_states(features, next_tokens, count))  # one LM-head pass for all
+        states = self.head_states(features, next_tokens, count)
+        if self.config.own_lm_head:  # the heads' own LM heads gave full-vocabulary logits
+            return states[..., self.vocab.ids]
+        return self.vocab.logits(states)  # one pass over the target's LM head for all heads
 
     def head_states(self, features: torch.Tensor, next_tokens: torch.Tensor | None = None,
                     count: int | None = None) -> torch.Tensor:
-        """What each head hands the target's LM head: [..., hidden], [...] -> [count, ..., hidden]."""
+        """What each head hands the target's LM head: [..., hidden], [...] -> [count, ..., hidden] (heads with an
+        LM head of their own: their logits, [count, ..., vocab])."""
         heads = self.heads[:count] if count is not None else self.heads
         x = self._input(features, next_tokens)
         return torch.stack([head(x) for head in heads])

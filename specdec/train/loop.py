@@ -7,9 +7,9 @@ own output, which is what drafting must predict); the prompts serve as context.
 
 The held-out estimate is the greedy agreement on the held-out answers: how often the drafter's first choice is the
 target's greedy token, for each draft position a method can measure without running the target (draft-model: the
-first; eagle: the first, and the second after its own predicted feature; mtp: one per head; early-exit: the first, which is each
-draft position's too, since its draft reads the target's own shallow layers). At temperature 0 that is the
-acceptance rate of that draft position, given the ones before were accepted.
+first; eagle: the first, and the second after its own predicted feature; mtp: one per head; early-exit: the
+first, which is each draft position's too, since its draft reads the target's own shallow layers). At temperature
+0 that is the acceptance rate of that draft position, given the ones before were accepted.
 """
 
 from __future__ import annotations
