@@ -6,10 +6,10 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specdec.backends import make_backend
+from specdec.backends import target_backend
 from specdec.engine import Engine, GenerationConfig, GenerationStats, Round
 from specdec.errors import UsageError
-from specdec.models import LoadedModel, load_model
+from specdec.models import LoadedModel, load_model, resolve_backend
 from specdec.proposers import make_proposer
 from specdec.sampling import SamplingParams
 from specdec.view import Detokenizer
@@ -46,7 +46,7 @@ class SpecDecoder:
         self.target = target
         self.tokenizer = target.tokenizer
         self.drafter = drafter
-        backend = make_backend(target.model, precision)
+        backend = target_backend(target, precision)
         proposer = make_proposer(drafter, backend, drafter_of(drafter, target, backend, draft, precision,
                                                               drafter_path), datastore)
         self.engine = Engine(backend, proposer, eos_token_ids=eos_token_ids(target))
@@ -61,8 +61,13 @@ class SpecDecoder:
         device: str = "auto",
         datastore: str | os.PathLike | None = None,
         drafter_path: str | os.PathLike | None = None,
+        backend: str = "auto",
+        threads: int | None = None,
     ) -> "SpecDecoder":
         """Load from local paths (a transformers directory or a .gguf file); ``model=None`` is the default model.
+
+        ``backend``: torch (specdec's runtime), llama.cpp (the GGUF's weights as stored) or auto (llama.cpp for a
+        .gguf file on the CPU with ``dtype="auto"``, else torch); ``threads``: llama.cpp's CPU threads.
 
         ``drafter`` defaults to ``draft-model`` when a draft model is given, ``retrieval`` when a datastore is,
         the method of the drafter at ``drafter_path`` when one is given, else ``prompt-lookup``.
@@ -80,11 +85,12 @@ class SpecDecoder:
         if datastore is not None and drafter != "retrieval":
             raise UsageError(f"--datastore drafts only with --drafter retrieval, not {drafter}")
         store = None if datastore is None else datastores.load(datastore)  # checked before the slow model load
-        target = load_model(model, dtype=dtype, device=device)
-        draft = load_model(draft_model, dtype=dtype, device=device) \
+        check_backend_serves(drafter, resolve_backend(backend, model, dtype, device))
+        target = load_model(model, dtype=dtype, device=device, backend=backend, threads=threads)
+        draft = load_model(draft_model, dtype=dtype, device=device, backend=draft_backend(target), threads=threads) \
             if drafter == "draft-model" and draft_model is not None else None
         if store is not None:
-            store.check_vocabulary(target.model.config.vocab_size)
+            store.check_vocabulary(target.vocab_size)
         return cls(target, drafter=drafter, draft=draft, precision="auto" if dtype == "auto" else None,
                    datastore=store, drafter_path=drafter_path)
 
@@ -155,14 +161,36 @@ def drafter_of(drafter: str, target: LoadedModel, backend, draft: LoadedModel | 
     from specdec.drafters.loading import TRAINED_METHODS, load_trained
     from specdec.drafters.runtime import DraftLMRuntime
 
+    check_backend_serves(drafter, target.backend_name)
     if drafter == "draft-model" and draft is not None:
-        return make_backend(draft.model, precision)
+        return target_backend(draft, precision)
     if drafter in TRAINED_METHODS:
-        network = load_trained(drafter, target.model, drafter_path)
+        network = load_trained(drafter, target.transformers_model(), drafter_path)
         return DraftLMRuntime(network, backend.max_length) if drafter == "draft-model" else network
     if drafter_path is not None:
         raise UsageError(f"--drafter-path is for trained drafters (draft-model, mtp, eagle, early-exit), not {drafter}")
     return None
+
+
+# drafters that need the target's hidden states or its first layers alone, which llama.cpp's runtime does not run
+TORCH_ONLY_DRAFTERS = {
+    "early-exit": "drafts with the target's first layers alone",
+    "eagle": "reads the target's hidden states",
+    "mtp": "reads the target's hidden states",
+}
+
+
+def check_backend_serves(drafter: str, backend: str) -> None:
+    """Refuse, in one line, a drafter that the target's backend cannot serve."""
+    if backend == "llama.cpp" and drafter in TORCH_ONLY_DRAFTERS:
+        raise UsageError(f"--drafter {drafter} {TORCH_ONLY_DRAFTERS[drafter]}, which the llama.cpp backend does "
+                         "not give: use --backend torch")
+
+
+def draft_backend(target: LoadedModel) -> str:
+    """Where a draft model runs: on llama.cpp too when it is a GGUF file and the target runs there (auto), else on
+    torch, as the target."""
+    return "auto" if target.backend_name == "llama.cpp" else "torch"
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:

@@ -20,6 +20,10 @@ TREE_HELP = ("draft a token tree, verified in one target pass: the candidates at
              "draft-model), or W1 continuations K deep (prompt-lookup, retrieval); auto: the cost model chooses "
              "each round's shape from the acceptance of each candidate and the cost of each pass size, measured as "
              "it runs (K caps the depth); default: a chain")
+BACKEND_HELP = ("what runs the target: torch (specdec's runtime), llama.cpp (a .gguf file's weights as stored, on "
+                "llama.cpp's CPU kernels), or auto (default: llama.cpp for a .gguf target on the CPU with --dtype auto, "
+                "the default model among them; torch otherwise)")
+THREADS_HELP = "CPU threads (torch's, and llama.cpp's; default: every core this process may use)"
 DTYPE_HELP = ("the weights' precision. auto: bfloat16 on CUDA; on the CPU, for each kind of pass (one position; "
               "several), the fastest precision whose logits stay within 0.1 of float32's, measured once per model "
               "and machine and cached")
@@ -55,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                      help=DTYPE_HELP)
     gen.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    gen.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    gen.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp"], help=BACKEND_HELP)
+    gen.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="apply the chat template (default: when the model has one)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -194,7 +199,8 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help=DTYPE_HELP)
     serve.add_argument("--device", default="auto")
-    serve.add_argument("--threads", type=int, default=None)
+    serve.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp"], help=BACKEND_HELP)
+    serve.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(run=_run_serve)
 
@@ -214,8 +220,9 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--drafters", default="none,prompt-lookup",
                        help="comma-separated, each NAME, NAME:K or NAME:K:TREE (K an integer, auto or heuristic; "
                             "default --num-draft-tokens; TREE the candidates per depth joined by '/', as 3/2/1): "
-                            "none, prompt-lookup, retrieval, draft-model, mtp, eagle, early-exit, hf-prompt-lookup, "
-                            "hf-assisted")
+                            "none, prompt-lookup, retrieval, draft-model, mtp, eagle, early-exit, hf-prompt-lookup, hf-assisted, "
+                            "llamacpp (llama-cpp-python's own decoding of the same GGUF), llamacpp-prompt-lookup"
+                            )
     bench.add_argument("--num-draft-tokens", "-k", default="4", metavar="K", help=K_HELP)
     bench.add_argument("--datastore", default=None, metavar="DIR", help="datastore for the retrieval drafter")
     bench.add_argument("--temperature", type=float, default=0.0)
@@ -233,7 +240,8 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help=DTYPE_HELP)
     bench.add_argument("--device", default="auto")
-    bench.add_argument("--threads", type=int, default=None)
+    bench.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp"], help=BACKEND_HELP)
+    bench.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(run=_run_bench)
 
@@ -344,7 +352,8 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     _set_threads(args.threads)
     decoder = SpecDecoder.load(args.model, args.draft_model, args.drafter, dtype=args.dtype, device=args.device,
-                               datastore=args.datastore, drafter_path=args.drafter_path)
+                               datastore=args.datastore, drafter_path=args.drafter_path, backend=args.backend,
+                               threads=args.threads)
     prompt_ids = decoder.encode(prompt, args.chat)
     pieces: list[str] = []
 

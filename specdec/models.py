@@ -28,9 +28,32 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class LoadedModel:
-    model: "torch.nn.Module"  # a transformers PreTrainedModel
-    tokenizer: object  # a transformers tokenizer
-    path: Path  # the transformers directory it was loaded from
+    model: "torch.nn.Module | None"  # a transformers PreTrainedModel; None where llama.cpp runs the model
+    tokenizer: object  # a transformers tokenizer, or the GGUF's own (backends/gguf_tokenizer.py)
+    path: Path  # the transformers directory it was loaded from, or the GGUF file llama.cpp runs
+    runtime: object | None = None  # llama.cpp's CausalLM; None: the backend is built from ``model``
+    source: Path | None = None  # the path given: a transformers directory or a .gguf file
+
+    @property
+    def gguf(self) -> Path | None:
+        """The GGUF file these weights came from, if any (llama-cpp-python's own contenders run it)."""
+        return self.source if self.source is not None and self.source.suffix.lower() == ".gguf" else None
+
+    @property
+    def backend_name(self) -> str:
+        return "torch" if self.runtime is None else "llama.cpp"
+
+    @property
+    def vocab_size(self) -> int:
+        """The width of the model's logits."""
+        return self.runtime.vocab_size if self.runtime is not None else self.model.config.vocab_size
+
+    def transformers_model(self) -> "torch.nn.Module":
+        """The transformers module of these weights: the model itself, or (for a GGUF on llama.cpp) its converted
+        copy, loaded in float32 on the CPU when something first needs it (a trained drafter's embedding and head)."""
+        if self.model is None:
+            self.model = load_model(self.path, dtype="float32", device="cpu").model
+        return self.model
 
 
 def default_model_path() -> Path:
@@ -67,20 +90,64 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str = "auto") -> LoadedModel:
-    """Load a causal LM and its tokenizer from a local directory or GGUF file; None means the default model."""
+def resolve_backend(backend: str, path: str | os.PathLike | None, dtype: str = "auto", device: str = "auto") -> str:
+    """``--backend``: torch or llama.cpp; auto is llama.cpp for a .gguf target on the CPU (the default model among
+    them) with the weights' precision left to the backend (--dtype auto), torch otherwise."""
+    from specdec.backends import BACKENDS
+
+    if backend not in BACKENDS:
+        raise UsageError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    gguf = path is None or Path(path).suffix.lower() == ".gguf"
+    if backend == "llama.cpp":
+        if not gguf:
+            raise UsageError(f"--backend llama.cpp runs a .gguf file, and {path} is not one (a transformers "
+                             "directory runs with --backend torch)")
+        if device not in ("auto", "cpu"):
+            raise UsageError(f"--backend llama.cpp runs on the CPU here, not on {device}")
+        if dtype != "auto":
+            raise UsageError(f"--backend llama.cpp runs the GGUF's weights as stored; --dtype {dtype} is for "
+                             "--backend torch")
+        return backend
+    if backend == "auto":
+        on_cpu = device == "cpu" or (device == "auto" and not _cuda_available())
+        return "llama.cpp" if gguf and on_cpu and dtype == "auto" else "torch"
+    return backend
+
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str = "auto", backend: str = "torch",
+               threads: int | None = None) -> LoadedModel:
+    """Load a causal LM and its tokenizer from a local directory or GGUF file; None means the default model.
+
+    ``backend`` (torch, llama.cpp or auto; see resolve_backend): on llama.cpp the GGUF file's weights run as stored,
+    with its own vocabulary, and no transformers model is made; ``threads`` are llama.cpp's."""
+    source = default_model_path() if path is None else Path(path)
+    if resolve_backend(backend, path, dtype, device) == "llama.cpp":
+        return load_gguf(source, threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     resolved_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, resolved_device)
-    directory = transformers_directory(default_model_path() if path is None else Path(path))
+    directory = transformers_directory(source)
     with _quiet_transformers():
         try:
             tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
             model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, local_files_only=True)
         except Exception as error:  # any failure to read the files is the user's input, reported in one line
             raise UsageError(f"cannot load a causal language model from {directory}: {_first_line(error)}") from None
-    return LoadedModel(model=model.to(resolved_device).eval(), tokenizer=tokenizer, path=directory)
+    return LoadedModel(model=model.to(resolved_device).eval(), tokenizer=tokenizer, path=directory, source=source)
+
+
+def load_gguf(path: Path, threads: int | None = None) -> LoadedModel:
+    """A GGUF file on llama.cpp: its runtime and its own tokenizer."""
+    from specdec.backends.gguf_tokenizer import GGUFTokenizer
+    from specdec.backends.llamacpp import LlamaCppLM
+
+    runtime = LlamaCppLM.load(path, threads=threads)
+    return LoadedModel(model=None, tokenizer=GGUFTokenizer(runtime.model), path=path, runtime=runtime, source=path)
 
 
 def load_tokenizer(path: str | os.PathLike | None) -> tuple[object, int]:

@@ -1,37 +1,55 @@
-"""Model backends behind the CausalLM protocol (base.py): a lean llama-family runtime, and transformers as it is."""
+"""Model backends behind the CausalLM protocol (base.py): a lean llama-family runtime, transformers as it is, and
+llama.cpp over a GGUF file's stored weights (llamacpp.py).
+
+Nothing here imports transformers until a transformers model is wrapped: the llama.cpp path never pays for it.
+"""
 
 from __future__ import annotations
 
-from specdec.backends import llama
 from specdec.backends.base import CausalLM, sync
-from specdec.backends.hf import HFCausalLM
-from specdec.backends.linear import PassPrecisions
-from specdec.backends.llama import LlamaRuntime
+
+BACKENDS = ("auto", "torch", "llama.cpp")
 
 
 def make_backend(model, precision: str | None = None) -> CausalLM:
-    """The fastest backend that computes this model: the lean runtime for llama-family models, else the
-    transformers module itself.
+    """The fastest backend that computes this transformers model: the lean runtime for llama-family models, else
+    the transformers module itself.
 
     ``precision`` is the runtime's weight precision: None keeps the model's dtype; "auto" measures, on the CPU,
     the fastest precision for each kind of pass that keeps the target's outputs (``precision.py``). The
     transformers backend runs in the model's dtype whatever is asked.
     """
+    from specdec.backends import llama
+
     if not llama.supports(model):
+        from specdec.backends.hf import HFCausalLM
+
         return HFCausalLM(model)
     if precision == "auto":
-        return LlamaRuntime(model, _auto_precisions(model))
-    return LlamaRuntime(model, precision)
+        return llama.LlamaRuntime(model, _auto_precisions(model))
+    return llama.LlamaRuntime(model, precision)
+
+
+def target_backend(loaded, precision: str | None = None) -> CausalLM:
+    """The backend that runs a loaded model: llama.cpp's runtime where it was loaded on llama.cpp, else one built
+    from its transformers module (``make_backend``)."""
+    return loaded.runtime if loaded.runtime is not None else make_backend(loaded.model, precision)
 
 
 def precision_of(backend: CausalLM) -> str:
-    """The weight precision(s) a backend runs in: per kind of pass on the lean runtime, else the model's dtype."""
+    """The weights' precision a backend runs in: per kind of pass on the lean runtime, the GGUF's stored type on
+    llama.cpp, else the model's dtype."""
+    from specdec.backends.llama import LlamaRuntime
+    from specdec.backends.llamacpp import LlamaCppLM
+
     if isinstance(backend, LlamaRuntime):
         return str(backend.precisions)
+    if isinstance(backend, LlamaCppLM):
+        return f"{backend.model.weight_type} (GGUF, as stored)"
     return str(backend.model.dtype).removeprefix("torch.")
 
 
-def _auto_precisions(model) -> PassPrecisions | None:
+def _auto_precisions(model):
     if next(model.parameters()).device.type != "cpu":
         return None  # on CUDA the model's own dtype, as loaded
     from specdec.backends.precision import auto_precisions
@@ -39,4 +57,21 @@ def _auto_precisions(model) -> PassPrecisions | None:
     return auto_precisions(model)
 
 
-__all__ = ["CausalLM", "HFCausalLM", "LlamaRuntime", "PassPrecisions", "make_backend", "precision_of", "sync"]
+def __getattr__(name: str):  # the runtimes' classes, imported when first asked for
+    if name == "HFCausalLM":
+        from specdec.backends.hf import HFCausalLM
+
+        return HFCausalLM
+    if name in ("LlamaRuntime", "PassPrecisions"):
+        from specdec.backends import linear, llama
+
+        return getattr(llama if name == "LlamaRuntime" else linear, name)
+    if name in ("llama", "precision", "hf", "linear", "batch", "llamacpp"):
+        import importlib
+
+        return importlib.import_module(f"specdec.backends.{name}")
+    raise AttributeError(name)
+
+
+__all__ = ["BACKENDS", "CausalLM", "HFCausalLM", "LlamaRuntime", "PassPrecisions", "make_backend", "precision_of",
+           "sync", "target_backend"]

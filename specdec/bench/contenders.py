@@ -91,3 +91,33 @@ class TransformersContender:
             )
             seconds = time.perf_counter() - start
         return Outcome(token_ids=out[0, len(prompt_ids):].tolist(), seconds=seconds)
+
+
+class LlamaCppContender:
+    """llama-cpp-python's own ``Llama.generate`` on the same GGUF file and threads: plain greedy decoding, or its
+    prompt-lookup speculation (``LlamaPromptLookupDecoding``) with ``num_draft_tokens`` tokens per draft."""
+
+    def __init__(self, name: str, gguf: str, num_draft_tokens: int, eos_token_ids: set[int], threads: int,
+                 context: int = 4096) -> None:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        self.name = name
+        self.num_draft_tokens = num_draft_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=num_draft_tokens) if num_draft_tokens else None
+        self.llama = Llama(model_path=gguf, n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                           draft_model=draft, verbose=False)
+
+    def run(self, prompt_ids: list[int], config: GenerationConfig) -> Outcome:
+        params = config.sampling
+        if not params.greedy:
+            raise ValueError("the llama.cpp contenders decode greedily only")
+        self.llama.reset()  # a cold cache, as every contender
+        tokens: list[int] = []
+        start = time.perf_counter()
+        for token in self.llama.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, reset=True):
+            tokens.append(int(token))
+            if len(tokens) >= config.max_new_tokens or (config.stop_at_eos and token in self.eos_token_ids):
+                break
+        return Outcome(token_ids=tokens, seconds=time.perf_counter() - start)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from specdec.api import SpecDecoder, check_same_vocabulary, drafter_of, eos_token_ids
-from specdec.backends import CausalLM, make_backend, precision_of
-from specdec.bench.contenders import Contender, SpecdecContender, TransformersContender
+from specdec.api import SpecDecoder, check_backend_serves, check_same_vocabulary, draft_backend, drafter_of, eos_token_ids
+from specdec.backends import CausalLM, precision_of, target_backend
+from specdec.bench.contenders import Contender, LlamaCppContender, SpecdecContender, TransformersContender
 from specdec.bench.prompts import read_prompts
 from specdec.bench.report import BASELINE, Run, build_report, markdown
 from specdec.bench.roofline import measure_roofline, roofline_markdown
@@ -20,7 +20,7 @@ from specdec import datastore as datastores
 from specdec.engine import Engine, GenerationConfig, parse_num_draft_tokens, parse_tree
 from specdec.errors import UsageError
 from specdec.drafters.loading import parse_drafter_paths
-from specdec.models import load_model
+from specdec.models import load_model, resolve_backend
 from specdec.proposers import PROPOSERS, NoProposer, make_proposer
 from specdec.sampling import SamplingParams
 
@@ -39,8 +39,25 @@ def _hf_assisted(name: str, target, draft, k: int | str, eos: set[int]) -> Conte
     return TransformersContender(name, target.model, k, eos, assistant_model=draft.model)
 
 
-# transformers' own assisted generation, as the field's reference: name -> factory(label, target, draft, k, eos ids)
-REFERENCE_CONTENDERS = {"hf-prompt-lookup": _hf_prompt_lookup, "hf-assisted": _hf_assisted}
+def _llamacpp(name: str, target, draft, k: int | str, eos: set[int]) -> Contender:
+    return LlamaCppContender(name, str(target.gguf), 0, eos, _llamacpp_threads(target))
+
+
+def _llamacpp_prompt_lookup(name: str, target, draft, k: int | str, eos: set[int]) -> Contender:
+    tokens = k if isinstance(k, int) else HF_DEFAULT_PROMPT_LOOKUP_TOKENS  # llama-cpp-python's default, too
+    return LlamaCppContender(name, str(target.gguf), tokens, eos, _llamacpp_threads(target))
+
+
+def _llamacpp_threads(target) -> int:
+    return target.runtime.context.threads if target.runtime is not None else torch.get_num_threads()
+
+
+# the field's references: transformers' own assisted generation, and llama-cpp-python's own decoding on the same
+# GGUF; name -> factory(label, target, draft, k, eos ids)
+REFERENCE_CONTENDERS = {"hf-prompt-lookup": _hf_prompt_lookup, "hf-assisted": _hf_assisted, "llamacpp": _llamacpp,
+                        "llamacpp-prompt-lookup": _llamacpp_prompt_lookup}
+NEEDS_TRANSFORMERS = {"hf-prompt-lookup", "hf-assisted"}
+NEEDS_GGUF = {"llamacpp", "llamacpp-prompt-lookup"}
 NEEDS_DRAFT_MODEL = {"hf-assisted"}
 
 
@@ -64,9 +81,14 @@ def build_contenders(specs: list[str], target, draft, num_draft_tokens: int | st
     specdec's contenders share. Trained drafters come from ``drafter_paths`` (method -> directory), else from
     those shipped for the target; one drafter serves every spec of its method."""
     parsed = {spec: parse_contender(spec, num_draft_tokens) for spec in dict.fromkeys(specs) if spec != BASELINE}
-    if draft is None and NEEDS_DRAFT_MODEL & {name for name, _, _ in parsed.values()}:
+    names = {name for name, _, _ in parsed.values()}
+    if draft is None and NEEDS_DRAFT_MODEL & names:
         raise UsageError("the hf-assisted configuration needs --draft-model PATH")
-    backend = make_backend(target.model, precision)
+    if target.model is None and NEEDS_TRANSFORMERS & names:
+        raise UsageError(f"{', '.join(sorted(NEEDS_TRANSFORMERS & names))} run transformers: use --backend torch")
+    if target.gguf is None and NEEDS_GGUF & names:
+        raise UsageError(f"{', '.join(sorted(NEEDS_GGUF & names))} run a .gguf file: the target is not one")
+    backend = target_backend(target, precision)
     eos = eos_token_ids(target)
     drafters: dict[str, object] = {}
     contenders: list[Contender] = [SpecdecContender(BASELINE, Engine(backend, NoProposer(), eos), 0)]
@@ -115,12 +137,16 @@ def run_bench(args) -> int:
     bench_prompts = read_prompts(args.prompts, category=args.category, limit=args.limit)
 
     store = None if args.datastore is None else datastores.load(args.datastore)
-    target = load_model(args.model, dtype=args.dtype, device=args.device)
-    draft = load_model(args.draft_model, dtype=args.dtype, device=args.device) if args.draft_model else None
+    backend_name = resolve_backend(args.backend, args.model, args.dtype, args.device)
+    for name in names:
+        check_backend_serves(name.partition(":")[0], backend_name)
+    target = load_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend, threads=args.threads)
+    draft = load_model(args.draft_model, dtype=args.dtype, device=args.device, backend=draft_backend(target),
+                       threads=args.threads) if args.draft_model else None
     if draft is not None:
         check_same_vocabulary(target, draft)
     if store is not None:
-        store.check_vocabulary(target.model.config.vocab_size)
+        store.check_vocabulary(target.vocab_size)
     contenders, backend = build_contenders(names, target, draft, k, "auto" if args.dtype == "auto" else None, store,
                                            drafter_paths)
     encoder = SpecDecoder(target, drafter=BASELINE)
@@ -135,7 +161,9 @@ def run_bench(args) -> int:
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "model": args.model or "default",
         "draft_model": args.draft_model, "drafter_paths": drafter_paths,
         "dtype": precision_of(backend),
-        "device": str(target.model.device), "threads": torch.get_num_threads(), "machine": platform.machine(),
+        "device": str(backend.device), "backend": target.backend_name,
+        "threads": _llamacpp_threads(target) if target.runtime is not None else torch.get_num_threads(),
+        "machine": platform.machine(),
     }
     report = build_report(runs, contenders, settings)
     report["roofline"] = roofline.to_dict()

@@ -40,18 +40,28 @@ class BatchSettings:
                 raise UsageError(f"{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
 
 
-def build_scheduler(runtime: LlamaRuntime, settings: BatchSettings, eos_token_ids: set[int], datastore=None
-                    ) -> Scheduler:
-    """A scheduler over a pool of ``max_batch_size`` KV-cache slots on the runtime's weights; ``auto`` first
-    measures what passes over 1 to max_batch_size x (k+1) positions cost here."""
-    if not isinstance(runtime, LlamaRuntime):
-        raise UsageError("the server runs llama-family models (llama, mistral, qwen2) on specdec's runtime")
+def build_scheduler(runtime, settings: BatchSettings, eos_token_ids: set[int], datastore=None) -> Scheduler:
+    """A scheduler over a pool of ``max_batch_size`` KV-cache slots on the runtime's weights (specdec's runtime, or
+    llama.cpp's with a ``seq_id`` per slot); ``auto`` first measures what passes over 1 to max_batch_size x (k+1)
+    positions cost here."""
     if datastore is not None and settings.drafter != "retrieval":
         raise UsageError(f"a datastore drafts only with --drafter retrieval, not {settings.drafter}")
-    pool = BatchedLlama(runtime, settings.max_batch_size, settings.max_model_len)
+    pool = make_pool(runtime, settings)
     cost = None
     if settings.speculation == "auto":
         cost = PassCost.measure(pool, settings.max_batch_size * (settings.num_draft_tokens + 1))
-    factory = PROPOSERS[settings.drafter]
+    factory = PROPOSERS[settings.drafter]  # drafters of the served kinds read only the context
     return Scheduler(pool, lambda: factory(runtime, None, datastore), SpeculationPlanner(settings.speculation, cost),
                      eos_token_ids, max_draft_tokens=settings.num_draft_tokens, max_waiting=settings.max_waiting)
+
+
+def make_pool(runtime, settings: BatchSettings):
+    """The KV-cache slots a batch runs in, over the weights the runtime holds."""
+    from specdec.backends.llamacpp import LlamaCppLM, LlamaCppPool
+
+    if isinstance(runtime, LlamaCppLM):
+        return LlamaCppPool(runtime.model, settings.max_batch_size, settings.max_model_len, runtime.context.threads)
+    if not isinstance(runtime, LlamaRuntime):
+        raise UsageError("the server runs llama-family models (llama, mistral, qwen2) on specdec's runtime, or a "
+                         "GGUF file on llama.cpp")
+    return BatchedLlama(runtime, settings.max_batch_size, settings.max_model_len)

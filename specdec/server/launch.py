@@ -17,18 +17,19 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def load_server(model: str | None, batch: BatchSettings, settings: ServerSettings, datastore: str | None = None,
-                dtype: str = "auto", device: str = "auto", served_model_name: str | None = None) -> OpenAIServer:
+                dtype: str = "auto", device: str = "auto", served_model_name: str | None = None,
+                backend: str = "torch", threads: int | None = None) -> OpenAIServer:
     """Load the model (checks first, the slow load last) and bind the server; ``start()`` it to serve."""
     from specdec import datastore as datastores
     from specdec.api import eos_token_ids
-    from specdec.backends import make_backend
+    from specdec.backends import target_backend
     from specdec.models import load_model
 
     store = None if datastore is None else datastores.load(datastore)
-    loaded = load_model(model, dtype=dtype, device=device)
+    loaded = load_model(model, dtype=dtype, device=device, backend=backend, threads=threads)
     if store is not None:
-        store.check_vocabulary(loaded.model.config.vocab_size)
-    runtime = make_backend(loaded.model, "auto" if dtype == "auto" else None)
+        store.check_vocabulary(loaded.vocab_size)
+    runtime = target_backend(loaded, "auto" if dtype == "auto" else None)
     scheduler = build_scheduler(runtime, batch, eos_token_ids(loaded), store)
     name = served_model_name or (DEFAULT_MODEL_NAME if model is None else Path(model).name.removesuffix(".gguf"))
     try:
@@ -49,7 +50,7 @@ def run_serve(args) -> int:
     settings = ServerSettings(host=args.host, port=args.port, max_body_bytes=args.max_body_bytes,
                               api_key=args.api_key or os.environ.get("SPECDEC_API_KEY") or None)
     server = load_server(args.model, batch, settings, args.datastore, args.dtype, args.device,
-                         args.served_model_name)
+                         args.served_model_name, args.backend, args.threads)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())

@@ -1,0 +1,307 @@
+"""The llama.cpp backend on a tiny random GGUF written by the tests (tests/tiny_gguf.py): its logits against
+llama-cpp-python's own eval, rollback and prefix reuse, many sequences in one pass, greedy identity for each
+drafter, exact sampling by chi-square, and every refusal."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from tiny_gguf import write_tiny_gguf
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+from specdec.api import SpecDecoder  # noqa: E402
+from specdec.backends.batch import PoolFull, Row  # noqa: E402
+from specdec.backends.llamacpp import GGUFModel, LlamaCppLM, LlamaCppPool  # noqa: E402
+from specdec.cli import main  # noqa: E402
+from specdec.engine import Engine, GenerationConfig  # noqa: E402
+from specdec.errors import UsageError  # noqa: E402
+from specdec.models import load_model  # noqa: E402
+from specdec.proposers import make_proposer  # noqa: E402
+from specdec.sampling import SamplingParams, logits_to_probs  # noqa: E402
+
+# Two passes over the same tokens that differ only in how llama.cpp groups its work (one row or several, or
+# where the cache's cells lie after a rollback) differ by float rounding only: the tiny model's F16 KV cache
+# bounds that by about four half-precision roundings of the logits (|logit| < 12: 12 * 4 * 2**-11 = 0.023).
+# A greedy choice may then differ only where the top two logits are within twice that: a near-tie.
+PASS_TOLERANCE = 0.025
+NEAR_TIE = 2 * PASS_TOLERANCE
+PROMPT = [1, 504, 3458, 314, 260, 5246, 30, 378, 29, 504, 3458, 314, 260]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("llamacpp") / "tiny.gguf", context=512, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tiny) -> Path:
+    """The same weights in Q8_0: a draft model close to the target but not equal to it, so that drafts are
+    accepted and rejected."""
+    return write_tiny_gguf(tiny.parent / "tiny-q8.gguf", context=512, seed=0, tensor_type="Q8_0")
+
+
+@pytest.fixture(scope="module")
+def lm(tiny) -> LlamaCppLM:
+    return LlamaCppLM.load(tiny, threads=2)
+
+
+def test_logits_equal_llama_cpp_pythons_own_eval(tiny, lm):
+    reference = llama_cpp.Llama(model_path=str(tiny), n_ctx=512, logits_all=True, verbose=False, n_threads=2)
+    reference.eval(PROMPT)
+    expected = torch.from_numpy(np.array(reference.scores[: len(PROMPT)]))  # [n, vocab]
+    lm.rollback(0)
+    ours = lm.extend(PROMPT, len(PROMPT))  # [n, vocab]
+    assert ours.shape == (len(PROMPT), lm.vocab_size)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)  # the same kernels on the same batch
+
+
+def test_rollback_then_extend_equals_a_fresh_pass(lm):
+    lm.rollback(0)
+    fresh = lm.extend(PROMPT[:6] + [7, 8, 9], 3)
+    lm.rollback(0)
+    lm.extend(PROMPT, 1)
+    lm.rollback(6)  # forget what followed the first six tokens
+    assert lm.tokens == PROMPT[:6]
+    again = lm.extend([7, 8, 9], 3)
+    assert (again - fresh).abs().max() < PASS_TOLERANCE
+    assert torch.equal(again.argmax(-1), fresh.argmax(-1))
+
+
+def test_sync_reuses_the_cached_prefix(lm):
+    from specdec.backends import sync
+
+    lm.rollback(0)
+    lm.extend(PROMPT, 1)
+    calls = []
+    original = lm.context.decode
+    lm.context.decode = lambda entries: calls.append(len(entries)) or original(entries)
+    try:
+        sync(lm, PROMPT + [5, 6], num_logits=1)
+    finally:
+        lm.context.decode = original
+    assert calls == [2]  # only the two new tokens ran
+    assert lm.tokens == PROMPT + [5, 6]
+
+
+def test_many_sequences_in_one_pass_equal_each_alone(tiny, lm):
+    model = GGUFModel(tiny)
+    pool = LlamaCppPool(model, max_slots=3, max_length=128, threads=2)
+    prompts = [PROMPT, PROMPT[3:], [1, 42, 43, 44]]
+    slots = [pool.open() for _ in prompts]
+    together = pool.forward([Row(slot, p, 2) for slot, p in zip(slots, prompts)])
+    for prompt, logits in zip(prompts, together):
+        lm.rollback(0)
+        alone = lm.extend(prompt, 2)
+        assert logits.shape == alone.shape
+        assert (logits - alone).abs().max() < PASS_TOLERANCE
+    # a slot cut back (rejected draft tokens) and extended again sees only its own accepted tokens
+    slots[0].length = 5
+    after_cut = pool.forward([Row(slots[0], [77, 78], 1)])[0]
+    lm.rollback(0)
+    assert (after_cut - lm.extend(PROMPT[:5] + [77, 78], 1)).abs().max() < PASS_TOLERANCE
+    # closing frees the sequence for a new slot; a full pool refuses another
+    pool.close(slots[1])
+    reopened = pool.open()
+    assert reopened.length == 0 and len(pool.slots) == 3
+    with pytest.raises(PoolFull):
+        pool.open()
+
+
+def test_bad_input_is_refused_before_llama_cpp_sees_it(lm):
+    lm.rollback(0)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        lm.extend([lm.vocab_size], 1)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        lm.extend([-1], 1)
+    with pytest.raises(ValueError, match="exceed the context"):
+        lm.extend([5] * (lm.max_length + 1), 1)
+    assert lm.tokens == []
+    assert lm.extend([1, 5], 1).shape == (1, lm.vocab_size)  # and it still works
+
+
+def greedy_or_near_tie(lm: LlamaCppLM, prompt: list[int], plain: list[int], other: list[int]) -> None:
+    """``other`` equals ``plain`` token for token, or parts from it first where plain decoding's top two logits
+    are within NEAR_TIE of each other."""
+    if other == plain:
+        return
+    i = next((i for i, (a, b) in enumerate(zip(plain, other)) if a != b), min(len(plain), len(other)))
+    lm.rollback(0)
+    top = lm.extend(prompt + plain[:i], 1)[0].topk(2).values
+    margin = float(top[0] - top[1])
+    assert margin < NEAR_TIE, f"greedy output parted at token {i}, where the top two logits are {margin:.3f} apart"
+
+
+@pytest.mark.parametrize("drafter,k", [("prompt-lookup", 4), ("prompt-lookup", "auto"), ("retrieval", 3),
+                                       ("draft-model", 3), ("draft-model", "auto")])
+def test_greedy_speculation_is_plain_greedy(tiny, tiny_draft, lm, drafter, k):
+    plain_engine = Engine(lm, make_proposer("none", lm))
+    config = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
+    draft = LlamaCppLM.load(tiny_draft, threads=2) if drafter == "draft-model" else None
+    engine = Engine(lm, make_proposer(drafter, lm, draft))
+    prompts = [PROMPT, PROMPT * 3, [1, 9, 10, 11, 9, 10, 11, 9, 10]]
+    accepted = 0
+    for prompt in prompts:
+        plain = plain_engine.generate(prompt, config).token_ids
+        result = engine.generate(prompt, GenerationConfig(max_new_tokens=40, num_draft_tokens=k, stop_at_eos=False))
+        greedy_or_near_tie(lm, prompt, plain, result.token_ids)
+        accepted += result.stats.accepted_tokens
+    if drafter == "draft-model":
+        assert accepted > 0  # the near-copy draft is accepted: the identity above covers accepted drafts
+
+
+def first_tokens(tiny, tiny_draft, sampling: SamplingParams, count: int, samples: int) -> list[tuple[int, ...]]:
+    lm = LlamaCppLM.load(tiny, threads=1)
+    engine = Engine(lm, make_proposer("draft-model", lm, LlamaCppLM.load(tiny_draft, threads=1)))
+    return [tuple(engine.generate(PROMPT, GenerationConfig(max_new_tokens=count, num_draft_tokens=2,
+                                                           sampling=sampling, seed=seed, stop_at_eos=False)
+                                  ).token_ids[:count])
+            for seed in range(samples)]
+
+
+def exact_first_two(lm: LlamaCppLM, sampling: SamplingParams) -> dict[tuple[int, int], float]:
+    """P(y1, y2) of plain sampling from llama.cpp's logits: p(y1) after the prompt, p(y2 | y1) after each y1
+    that has probability."""
+    lm.rollback(0)
+    p1 = logits_to_probs(lm.extend(PROMPT, 1)[0].double(), sampling)  # [vocab]
+    joint = {}
+    for y1 in torch.nonzero(p1).flatten().tolist():
+        lm.rollback(0)
+        p2 = logits_to_probs(lm.extend(PROMPT + [y1], 1)[0].double(), sampling)
+        for y2 in torch.nonzero(p2).flatten().tolist():
+            joint[(y1, y2)] = float(p1[y1] * p2[y2])
+    return joint
+
+
+def binned(samples: list[tuple[int, ...]], exact: dict[tuple, float]) -> tuple[np.ndarray, np.ndarray]:
+    """Observed and expected counts over outcomes expected at least 5 times, plus one bin for the rest (when the
+    rest has any mass: an outcome outside the support then shows as a count where none is expected)."""
+    n = len(samples)
+    bins = [outcome for outcome, p in exact.items() if p * n >= 5]
+    counts = Counter(samples)
+    observed = [counts.get(b, 0) for b in bins]
+    expected = [exact[b] * n for b in bins]
+    rest_observed, rest_expected = n - sum(observed), n - sum(expected)
+    if rest_expected > 1e-6:
+        observed, expected = observed + [rest_observed], expected + [rest_expected]
+    else:
+        assert rest_observed == 0, f"{rest_observed} samples fell outside the support"
+        expected[-1] += rest_expected  # rounding: the expected counts sum to n
+    return np.array(observed, float), np.array(expected, float)
+
+
+def test_speculative_sampling_at_temperature_1_follows_llama_cpps_distribution(tiny, tiny_draft, lm):
+    """The first token of draft-model speculation (k = 2, temperature 1, the whole vocabulary) against the exact
+    distribution from llama.cpp's logits: 6,000 samples, bins expected at least 5 times plus the rest, one
+    chi-square test at alpha = 0.001 (a correct engine fails it with probability 0.1%; the seeds are fixed)."""
+    sampling = SamplingParams(temperature=1.0)
+    lm.rollback(0)
+    p1 = logits_to_probs(lm.extend(PROMPT, 1)[0].double(), sampling)
+    exact = {(token,): float(p) for token, p in enumerate(p1.tolist()) if p > 0}
+    observed, expected = binned(first_tokens(tiny, tiny_draft, sampling, 1, 6000), exact)
+    assert len(observed) > 20
+    assert chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_speculative_sampling_with_top_k_and_top_p_follows_llama_cpps_joint(tiny, tiny_draft, lm):
+    """The first two tokens (draft-model, k = 2, temperature 1, top-k 6, top-p 0.9) against their exact joint
+    from llama.cpp's logits: 6,000 samples, one chi-square test at alpha = 0.001 (false alarm 0.1%)."""
+    sampling = SamplingParams(temperature=1.0, top_k=6, top_p=0.9)
+    observed, expected = binned(first_tokens(tiny, tiny_draft, sampling, 2, 6000), exact_first_two(lm, sampling))
+    assert len(observed) > 8
+    assert chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_the_api_and_the_default_backend_run_a_gguf_on_llama_cpp(tiny):
+    decoder = SpecDecoder.load(str(tiny), drafter="prompt-lookup", threads=2)
+    assert decoder.target.backend_name == "llama.cpp" and decoder.target.model is None
+    completion = decoder.generate("Write a haiku about the sea", max_new_tokens=12)
+    assert len(completion.token_ids) == 12 or completion.token_ids[-1] in decoder.engine.eos_token_ids
+    torch_decoder = SpecDecoder.load(str(tiny), drafter="none", backend="torch")
+    assert torch_decoder.target.backend_name == "torch"
+    # one vocabulary: the GGUF's own tokenizer encodes as transformers' tokenizer of the same file
+    text = "Hello world, <|im_start|>user\nnaïve café"
+    assert decoder.tokenizer.encode(text) == list(torch_decoder.tokenizer.encode(text))
+    assert decoder.encode("hi") == torch_decoder.encode("hi")  # the chat template too
+
+
+@pytest.mark.parametrize("drafter", ["early-exit", "eagle", "mtp"])
+def test_drafters_llama_cpp_cannot_serve_are_refused_in_one_line(tiny, drafter, capsys):
+    assert main(["generate", "hi", "--model", str(tiny), "--drafter", drafter, "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--backend torch" in err and drafter in err
+
+
+def test_trees_are_refused_on_llama_cpp(tiny, capsys):
+    assert main(["generate", "hi", "--model", str(tiny), "--tree", "2,1", "--max-new-tokens", "2"]) == 2
+    assert "--backend torch" in capsys.readouterr().err
+
+
+def test_bad_model_files_are_refused_in_one_line(tmp_path, tiny, capsys):
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(tiny.read_bytes()[: 1 << 20])
+    not_gguf = tmp_path / "text.gguf"
+    not_gguf.write_text("hello")
+    directory = tmp_path / "hf"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    cases = [
+        (["--model", str(truncated)], "cannot load"),
+        (["--model", str(not_gguf)], "not a GGUF file"),
+        (["--model", str(directory), "--backend", "llama.cpp"], "is not one"),
+        (["--model", str(tiny), "--backend", "llama.cpp", "--dtype", "float32"], "--backend torch"),
+    ]
+    for flags, message in cases:
+        assert main(["generate", "hi", "--max-new-tokens", "2", *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_the_cli_generates_on_llama_cpp(tiny, capsys):
+    assert main(["generate", "Write a haiku", "--model", str(tiny), "--backend", "llama.cpp", "--threads", "1",
+                 "--max-new-tokens", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 1 <= out["stats"]["new_tokens"] <= 8
+
+
+def test_the_scheduler_batches_on_llama_cpp_exactly_per_request(tiny, lm):
+    """Requests decoded together in one llama.cpp pass per step give each its own greedy output."""
+    from specdec.server import BatchSettings, build_scheduler
+    from specdec.server.scheduler import Finished, GenerationRequest, Tokens
+
+    scheduler = build_scheduler(lm, BatchSettings(speculation="always", max_batch_size=3, max_model_len=128),
+                                set())
+    scheduler.start()
+    prompts = [PROMPT, PROMPT * 2, [1, 9, 10, 11, 9, 10, 11], [1, 300, 301]]
+    try:
+        handles = [scheduler.submit(GenerationRequest(p, max_tokens=16, stop_at_eos=False)) for p in prompts]
+        outputs = []
+        for handle in handles:
+            tokens = []
+            while not isinstance(event := handle.events.get(timeout=60), Finished):
+                assert isinstance(event, Tokens)
+                tokens += event.token_ids
+            assert event.reason == "length"
+            outputs.append(tokens)
+    finally:
+        scheduler.shutdown(5)
+    plain_engine = Engine(lm, make_proposer("none", lm))
+    for prompt, tokens in zip(prompts, outputs):
+        plain = plain_engine.generate(prompt, GenerationConfig(max_new_tokens=16, stop_at_eos=False)).token_ids
+        greedy_or_near_tie(lm, prompt, plain, tokens)
+
+
+def test_the_tokenizer_needs_no_transformers(tiny):
+    loaded = load_model(str(tiny), backend="llama.cpp")
+    assert loaded.model is None and loaded.tokenizer.eos_token_id is not None
+    ids = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert loaded.tokenizer.decode(ids, skip_special_tokens=False).endswith("assistant\n")
+    with pytest.raises(UsageError, match="llama.cpp runs a .gguf"):
+        load_model(str(tiny.parent), backend="llama.cpp")

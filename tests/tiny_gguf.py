@@ -1,0 +1,222 @@
+"""A tiny random-initialised llama model written as a GGUF file, for tests that need llama.cpp and transformers.
+
+``write_tiny_gguf`` writes, in about 0.2 s (plus about 2 s, once per process, to read the vocabulary source), a
+GGUF file that both llama-cpp-python and transformers load (``Llama(model_path=...)``;
+``AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)``) and that computes the same function in both: tests
+can then compare the two runtimes on one set of weights without the real model's minutes per test. Its tokenizer
+and chat template are the real ones, copied from the default model's GGUF (SmolLM2-135M-Instruct), so prompts,
+chat formatting and token ids look like the real model's; only the weights are random.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+ARCHITECTURE = "llama"
+ROPE_FREQ_BASE = 10000.0
+RMS_NORM_EPS = 1e-5
+# the logits' standard deviation across the vocabulary at a typical position: big enough that the top tokens
+# stand apart (top-1 probability of a few percent over 49152 tokens, a clear top-2 gap), small enough that the
+# distribution is far from one-hot, so sampling tests see real randomness
+LOGIT_STD = 2.0
+NORM_WEIGHT_STD = 0.1  # RMSNorm weights are 1 + this much noise: near 1, but not an identity a bug could hide behind
+
+# file_type (general.file_type, llama.cpp's LLAMA_FTYPE) and the storage type of the 2-D weights, per tensor_type;
+# 1-D tensors (the norms) stay F32 in every file, as llama.cpp's own converter writes them
+TENSOR_TYPES: dict[str, tuple[gguf.LlamaFileType, gguf.GGMLQuantizationType]] = {
+    "F32": (gguf.LlamaFileType.ALL_F32, gguf.GGMLQuantizationType.F32),
+    "F16": (gguf.LlamaFileType.MOSTLY_F16, gguf.GGMLQuantizationType.F16),
+    "Q8_0": (gguf.LlamaFileType.MOSTLY_Q8_0, gguf.GGMLQuantizationType.Q8_0),
+}
+
+
+@dataclass(frozen=True)
+class TinyShape:
+    """The hyperparameters of one tiny model."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    context: int
+    vocab: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+@dataclass(frozen=True)
+class MetadataField:
+    """One GGUF key-value pair, as read from a file: enough to write it again unchanged."""
+
+    key: str
+    value: Any
+    vtype: gguf.GGUFValueType
+    sub_type: gguf.GGUFValueType | None  # the element type of an array, else None
+
+
+def write_tiny_gguf(path: str | Path, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                    ffn: int = 128, context: int = 512, seed: int = 0, tensor_type: str = "F32",
+                    vocab_from: str | Path | None = None) -> Path:
+    """Write a random-initialised llama model with ``vocab_from``'s tokenizer to ``path``; return the path.
+
+    The weights depend only on the shape arguments and ``seed``; ``tensor_type`` ("F32", "F16" or "Q8_0") is how
+    the 2-D weights are stored, so files of one seed and different types hold the same model, rounded differently.
+    ``vocab_from`` is the GGUF file whose ``tokenizer.*`` metadata (vocabulary, merges, special ids, chat template)
+    is copied; by default the default model's. The output matrix is untied from the token embedding.
+    """
+    if tensor_type not in TENSOR_TYPES:
+        raise ValueError(f"tensor_type must be one of {sorted(TENSOR_TYPES)}, not {tensor_type!r}")
+    if hidden % heads or heads % kv_heads or (hidden // heads) % 2:
+        raise ValueError("hidden must split into heads of an even size, and heads into kv_heads groups")
+    block = gguf.GGML_QUANT_SIZES[TENSOR_TYPES[tensor_type][1]][0]  # values per quantisation block; 1 for F32/F16
+    if hidden % block or ffn % block:
+        raise ValueError(f"{tensor_type} stores rows in blocks of {block} values: hidden and ffn must be multiples")
+    tokenizer = tokenizer_fields(str(vocab_from or _default_gguf()))
+    vocab = _vocab_size(tokenizer)
+    shape = TinyShape(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, context=context,
+                      vocab=vocab)
+    file_type, weight_type = TENSOR_TYPES[tensor_type]
+
+    path = Path(path)
+    writer = gguf.GGUFWriter(path, ARCHITECTURE)  # writes general.architecture itself
+    _add_hyperparameters(writer, shape, file_type)
+    for field in tokenizer:
+        writer.add_key_value(field.key, field.value, field.vtype, sub_type=field.sub_type)
+    for name, weight in random_weights(shape, seed).items():
+        _add_tensor(writer, name, llama_cpp_layout(name, weight, shape), weight_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _default_gguf() -> Path:
+    from specdec.models import default_model_path
+
+    return default_model_path()
+
+
+@functools.lru_cache(maxsize=4)
+def tokenizer_fields(source: str) -> tuple[MetadataField, ...]:
+    """Every ``tokenizer.*`` key-value pair of the GGUF file ``source``, in file order.
+
+    Cached: parsing ~100k vocabulary and merge strings takes the reader a couple of seconds, the rest of a
+    tiny model's writing a fraction of one.
+    """
+    reader = gguf.GGUFReader(source)
+    fields = []
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = gguf.GGUFValueType(field.types[0])
+        sub_type = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
+        if sub_type == gguf.GGUFValueType.ARRAY:
+            raise ValueError(f"nested arrays are not supported: {key} in {source}")
+        fields.append(MetadataField(key, field.contents(), vtype, sub_type))
+    return tuple(fields)
+
+
+def _vocab_size(fields: tuple[MetadataField, ...]) -> int:
+    for field in fields:
+        if field.key == gguf.Keys.Tokenizer.LIST:
+            return len(field.value)
+    raise ValueError("the vocabulary source has no tokenizer.ggml.tokens")
+
+
+def _add_hyperparameters(writer: gguf.GGUFWriter, shape: TinyShape, file_type: gguf.LlamaFileType) -> None:
+    """The general.* and llama.* keys llama.cpp and transformers read (transformers: its llama key mapping)."""
+    writer.add_type("model")
+    writer.add_name("tiny-random-llama")  # transformers reads general.name (a name with "mistral" would remap it)
+    writer.add_file_type(file_type)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_vocab_size(shape.vocab)
+    writer.add_context_length(shape.context)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_block_count(shape.layers)
+    writer.add_feed_forward_length(shape.ffn)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_layer_norm_rms_eps(RMS_NORM_EPS)
+    writer.add_rope_freq_base(ROPE_FREQ_BASE)
+    writer.add_rope_dimension_count(shape.head_dim)  # transformers takes head_dim from this key
+
+
+def random_weights(shape: TinyShape, seed: int) -> dict[str, np.ndarray]:
+    """All tensors of the model, float32, by llama.cpp name, in transformers' layout (the q/k rows too).
+
+    numpy shapes are (out_features, in_features), as in transformers; GGUF records the reversed order. Matrices
+    are drawn with std 1/sqrt(in_features) so that activations stay of order 1 through the layers; the token
+    embedding has std 1 (every layer RMS-normalises its input, so only its size relative to the layers' updates
+    matters), and the output matrix is scaled so that logits have about LOGIT_STD across the vocabulary.
+    These are exactly the weights transformers loads from the written file (F32), whatever runtime computes them.
+    """
+    rng = np.random.default_rng(seed)
+    s, h = shape, shape.hidden
+    q_rows, kv_rows = s.heads * s.head_dim, s.kv_heads * s.head_dim
+
+    def matrix(rows: int, cols: int, std: float | None = None) -> np.ndarray:
+        return rng.normal(0.0, std if std is not None else cols ** -0.5, size=(rows, cols)).astype(np.float32)
+
+    def norm() -> np.ndarray:
+        return (1.0 + NORM_WEIGHT_STD * rng.standard_normal(h)).astype(np.float32)  # (hidden,)
+
+    weights = {"token_embd.weight": matrix(s.vocab, h, std=1.0)}  # (vocab, hidden)
+    for i in range(s.layers):
+        weights |= {
+            f"blk.{i}.attn_norm.weight": norm(),
+            f"blk.{i}.attn_q.weight": matrix(q_rows, h),  # (heads*head_dim, hidden)
+            f"blk.{i}.attn_k.weight": matrix(kv_rows, h),  # (kv_heads*head_dim, hidden)
+            f"blk.{i}.attn_v.weight": matrix(kv_rows, h),  # (kv_heads*head_dim, hidden)
+            f"blk.{i}.attn_output.weight": matrix(h, q_rows),  # (hidden, heads*head_dim)
+            f"blk.{i}.ffn_norm.weight": norm(),
+            f"blk.{i}.ffn_gate.weight": matrix(s.ffn, h),  # (ffn, hidden)
+            f"blk.{i}.ffn_up.weight": matrix(s.ffn, h),  # (ffn, hidden)
+            f"blk.{i}.ffn_down.weight": matrix(h, s.ffn),  # (hidden, ffn)
+        }
+    weights["output_norm.weight"] = norm()
+    weights["output.weight"] = matrix(s.vocab, h, std=LOGIT_STD * h ** -0.5)  # (vocab, hidden), untied
+    return weights
+
+
+def llama_cpp_layout(name: str, weight: np.ndarray, shape: TinyShape) -> np.ndarray:
+    """``weight`` as llama.cpp stores it: q/k rows reordered for its rotary embedding, the rest unchanged.
+
+    transformers rotates the pair (x[i], x[i + head_dim/2]) of each head; llama.cpp's llama rope rotates the
+    adjacent pair (x[2i], x[2i+1]). llama.cpp's converter therefore interleaves each head's two halves of the
+    q/k rows, and transformers' GGUF loader undoes exactly that on loading. (Both runtimes would agree on any
+    q/k written, since the loader inverts whatever is there; interleaving here is what makes the model they
+    compute the one ``random_weights`` drew.)
+    """
+    if ".attn_q." in name:
+        return _interleave_halves(weight, shape.heads)
+    if ".attn_k." in name:
+        return _interleave_halves(weight, shape.kv_heads)
+    return weight
+
+
+def _interleave_halves(weight: np.ndarray, heads: int) -> np.ndarray:
+    """weight: (heads*head_dim, in) -> same shape; row h*head_dim + 2i + j <- row h*head_dim + j*head_dim/2 + i."""
+    rows, cols = weight.shape
+    half = rows // heads // 2
+    return weight.reshape(heads, 2, half, cols).swapaxes(1, 2).reshape(rows, cols)  # (heads, half, 2, in)
+
+
+def _add_tensor(writer: gguf.GGUFWriter, name: str, tensor: np.ndarray, weight_type: gguf.GGMLQuantizationType,
+                ) -> None:
+    """Add one tensor, stored as weight_type if it is a matrix; vectors (norms) stay F32."""
+    if tensor.ndim == 1 or weight_type == gguf.GGMLQuantizationType.F32:
+        writer.add_tensor(name, tensor)
+    elif weight_type == gguf.GGMLQuantizationType.F16:
+        writer.add_tensor(name, tensor.astype(np.float16))
+    else:  # quantised: rows of in_features values become rows of bytes; the writer recovers the shape from them
+        writer.add_tensor(name, gguf.quants.quantize(tensor, weight_type), raw_dtype=weight_type)
