@@ -6,6 +6,8 @@ empty cache and includes its prefill. The speedup is computed per run and summar
 
     python -m specdec.bench.plain --prompts data/mt_bench_question.jsonl --limit 5 --max-new-tokens 64
 
+``--llamacpp`` adds specdec's plain decoding on llama.cpp, over the model's GGUF file as stored.
+
 specdec runs at each precision asked for (``auto``: measured per kind of pass), transformers in float32; the
 roofline of each specdec runtime follows the table.
 """
@@ -73,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None)
     parser.add_argument("--precisions", default="float32,auto",
                         help="specdec's weight precisions to time, comma-separated (float32, float16, bfloat16, auto)")
+    parser.add_argument("--llamacpp", action="store_true",
+                        help="also time specdec's plain decoding on llama.cpp (the GGUF's weights as stored)")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
     if args.threads:
@@ -81,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     target = load_model(args.model, dtype="float32", device="cpu")  # transformers runs the float32 model
     decoders = {f"specdec {p}": SpecDecoder(target, drafter="none", precision=p)
                 for p in args.precisions.split(",")}
+    if args.llamacpp:
+        gguf = load_model(args.model, backend="llama.cpp", threads=args.threads or torch.get_num_threads())
+        decoders["specdec llama.cpp"] = SpecDecoder(gguf, drafter="none")
     encoder = next(iter(decoders.values()))
     prompts = [encoder.encode(p.text, p.chat) for p in read_prompts(args.prompts, limit=args.limit)]
     for decoder in decoders.values():  # warm-up, every path

@@ -1,0 +1,97 @@
+"""The default model on llama.cpp (its GGUF, Q4_1 as stored), greedy: specdec's decoding against
+llama-cpp-python's own greedy ``generate`` of the same file, token for token, for plain decoding and each drafter.
+
+A parting is allowed only at a near-tie of llama.cpp's own numerics: its logits for one position differ between
+passes that group positions differently (one row or several; where the cache's cells lie) by up to about 1.5
+over the whole vocabulary on MT-bench (docs/benchmarks.md, "llama.cpp as the target's runtime"), its activations
+being quantised to 8 bits per row and its KV cache float16. Two runs may then part only where the top two logits
+are within twice that of each other. Any other parting is a logic error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+from specdec.api import SpecDecoder  # noqa: E402
+from specdec.engine import GenerationConfig  # noqa: E402
+from specdec.models import default_model_path  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MT_BENCH = Path(__file__).resolve().parents[1] / "data" / "mt_bench_question.jsonl"
+NUM_PROMPTS = 8
+NEW_TOKENS = 48
+NEAR_TIE = 2 * 1.5
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return llama_cpp.Llama(model_path=str(default_model_path()), n_ctx=2048, n_threads=2, n_threads_batch=2,
+                           verbose=False)
+
+
+@pytest.fixture(scope="module")
+def decoder() -> SpecDecoder:
+    return SpecDecoder.load(drafter="none", backend="llama.cpp", threads=2)
+
+
+@pytest.fixture(scope="module")
+def prompts(decoder) -> list[list[int]]:
+    questions = [json.loads(line) for line in MT_BENCH.read_text().splitlines()[:NUM_PROMPTS]]
+    return [decoder.encode(q["turns"][0]) for q in questions]
+
+
+def llama_cpp_greedy(llama, prompt: list[int], eos: frozenset[int]) -> list[int]:
+    llama.reset()
+    tokens = []
+    for token in llama.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0):
+        tokens.append(int(token))
+        if token in eos or len(tokens) == NEW_TOKENS:
+            return tokens
+    return tokens
+
+
+def parting_margin(decoder: SpecDecoder, prompt: list[int], expected: list[int], got: list[int]) -> float | None:
+    """None when the two agree; else the top-two logit gap, in a plain pass, where they first part."""
+    if got == expected:
+        return None
+    i = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+    target = decoder.engine.target
+    target.rollback(0)
+    top = target.extend(prompt + expected[:i], 1)[0].topk(2).values
+    return float(top[0] - top[1])
+
+
+@pytest.mark.parametrize("drafter,k", [("none", 1), ("prompt-lookup", 4), ("prompt-lookup", "auto"),
+                                       ("retrieval", 4)])
+def test_greedy_output_is_llama_cpp_pythons_own_up_to_near_ties(decoder, reference, prompts, drafter, k):
+    spec = SpecDecoder(decoder.target, drafter=drafter)
+    eos = spec.engine.eos_token_ids
+    margins = []
+    for prompt in prompts:
+        expected = llama_cpp_greedy(reference, prompt, eos)
+        got = spec.generate_ids(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS, num_draft_tokens=k)).token_ids
+        margin = parting_margin(decoder, prompt, expected, got)
+        if margin is not None:
+            margins.append(margin)
+    assert all(m < NEAR_TIE for m in margins), f"partings at top-two gaps {margins}"
+    if drafter == "none":  # the same passes as llama-cpp-python's (the prompt in one, then one token each)
+        assert margins == []
+
+
+def test_the_shipped_draft_lm_drafts_for_llama_cpp(decoder, reference, prompts):
+    spec = SpecDecoder(decoder.target, drafter="draft-model")  # the draft LM trained for this target
+    eos = spec.engine.eos_token_ids
+    accepted = 0
+    for prompt in prompts[:3]:
+        result = spec.generate_ids(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS, num_draft_tokens=3))
+        expected = llama_cpp_greedy(reference, prompt, eos)
+        margin = parting_margin(decoder, prompt, expected, result.token_ids)
+        assert margin is None or margin < NEAR_TIE
+        accepted += result.stats.accepted_tokens
+    assert accepted > 0
