@@ -158,6 +158,7 @@ def _add_bench_serve_parser(commands) -> None:
     bench.add_argument("--num-draft-tokens", "-k", type=int, default=4)
     bench.add_argument("--max-batch-size", type=int, default=None, help="default: the highest concurrency")
     bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    bench.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp"], help=BACKEND_HELP)
     bench.add_argument("--threads", type=int, default=None, help="CPU threads of each server")
     bench.set_defaults(run=_run_bench_serve)
 

@@ -98,7 +98,7 @@ class LlamaCppContender:
     prompt-lookup speculation (``LlamaPromptLookupDecoding``) with ``num_draft_tokens`` tokens per draft."""
 
     def __init__(self, name: str, gguf: str, num_draft_tokens: int, eos_token_ids: set[int], threads: int,
-                 context: int = 4096) -> None:
+                 context: int = 8192) -> None:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 

@@ -351,7 +351,7 @@ def _host_port(url: str) -> tuple[str, int]:
 
 def _serve_args(args, max_concurrency: int) -> list[str]:
     serve = ["--max-batch-size", str(max(args.max_batch_size or 0, max_concurrency)),
-             "--num-draft-tokens", str(args.num_draft_tokens), "--dtype", args.dtype,
+             "--num-draft-tokens", str(args.num_draft_tokens), "--dtype", args.dtype, "--backend", args.backend,
              "--max-model-len", str(args.max_prompt_tokens + args.max_output_tokens + 8)]
     for flag, value in (("--model", args.model), ("--drafter", args.drafter), ("--datastore", args.datastore),
                         ("--threads", args.threads), ("--served-model-name", args.served_model_name)):
