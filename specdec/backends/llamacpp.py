@@ -209,7 +209,11 @@ class LlamaCppLM:
         if start + n > self.max_length:
             raise ValueError(f"{start + n} positions exceed the context of {self.max_length}")
         entries = [Entry(token, start + i, 0, i >= n - num_logits) for i, token in enumerate(token_ids)]
-        logits = self.context.decode(entries)
+        try:
+            logits = self.context.decode(entries)
+        except Exception:
+            self.context.remove(0, start)  # pieces decoded before the failure leave no cells behind
+            raise
         self.tokens += token_ids
         return logits
 
