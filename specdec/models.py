@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -33,6 +33,7 @@ class LoadedModel:
     path: Path  # the transformers directory it was loaded from, or the GGUF file llama.cpp runs
     runtime: object | None = None  # llama.cpp's CausalLM; None: the backend is built from ``model``
     source: Path | None = None  # the path given: a transformers directory or a .gguf file
+    _converted: "torch.nn.Module | None" = field(default=None, repr=False)  # transformers_model(), made once
 
     @property
     def gguf(self) -> Path | None:
@@ -50,10 +51,13 @@ class LoadedModel:
 
     def transformers_model(self) -> "torch.nn.Module":
         """The transformers module of these weights: the model itself, or (for a GGUF on llama.cpp) its converted
-        copy, loaded in float32 on the CPU when something first needs it (a trained drafter's embedding and head)."""
-        if self.model is None:
-            self.model = load_model(self.path, dtype="float32", device="cpu").model
-        return self.model
+        copy, loaded in float32 on the CPU when something first needs it (a trained drafter's embedding and head).
+        ``model`` stays None: llama.cpp still runs the target."""
+        if self.model is not None:
+            return self.model
+        if self._converted is None:
+            self._converted = load_model(self.path, dtype="float32", device="cpu").model
+        return self._converted
 
 
 def default_model_path() -> Path:

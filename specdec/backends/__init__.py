@@ -57,20 +57,15 @@ def _auto_precisions(model):
     return auto_precisions(model)
 
 
-def __getattr__(name: str):  # the runtimes' classes, imported when first asked for
-    if name == "HFCausalLM":
-        from specdec.backends.hf import HFCausalLM
+_LAZY = {"HFCausalLM": "hf", "LlamaRuntime": "llama", "PassPrecisions": "linear"}  # class -> module
 
-        return HFCausalLM
-    if name in ("LlamaRuntime", "PassPrecisions"):
-        from specdec.backends import linear, llama
 
-        return getattr(llama if name == "LlamaRuntime" else linear, name)
-    if name in ("llama", "precision", "hf", "linear", "batch", "llamacpp"):
-        import importlib
+def __getattr__(name: str):  # the runtimes' classes, imported when first asked for (submodules import as usual)
+    if name not in _LAZY:
+        raise AttributeError(name)
+    import importlib
 
-        return importlib.import_module(f"specdec.backends.{name}")
-    raise AttributeError(name)
+    return getattr(importlib.import_module(f"specdec.backends.{_LAZY[name]}"), name)
 
 
 __all__ = ["BACKENDS", "CausalLM", "HFCausalLM", "LlamaRuntime", "PassPrecisions", "make_backend", "precision_of",

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from specdec.engine import Engine, GenerationConfig
+from specdec.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class LlamaCppContender:
     def run(self, prompt_ids: list[int], config: GenerationConfig) -> Outcome:
         params = config.sampling
         if not params.greedy:
-            raise ValueError("the llama.cpp contenders decode greedily only")
+            raise UsageError(f"{self.name} decodes greedily only (--temperature 0)")
         self.llama.reset()  # a cold cache, as every contender
         tokens: list[int] = []
         start = time.perf_counter()

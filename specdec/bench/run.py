@@ -40,15 +40,16 @@ def _hf_assisted(name: str, target, draft, k: int | str, eos: set[int]) -> Conte
 
 
 def _llamacpp(name: str, target, draft, k: int | str, eos: set[int]) -> Contender:
-    return LlamaCppContender(name, str(target.gguf), 0, eos, _llamacpp_threads(target))
+    return LlamaCppContender(name, str(target.gguf), 0, eos, _threads_of(target))
 
 
 def _llamacpp_prompt_lookup(name: str, target, draft, k: int | str, eos: set[int]) -> Contender:
     tokens = k if isinstance(k, int) else HF_DEFAULT_PROMPT_LOOKUP_TOKENS  # llama-cpp-python's default, too
-    return LlamaCppContender(name, str(target.gguf), tokens, eos, _llamacpp_threads(target))
+    return LlamaCppContender(name, str(target.gguf), tokens, eos, _threads_of(target))
 
 
-def _llamacpp_threads(target) -> int:
+def _threads_of(target) -> int:
+    """The CPU threads the target runs on: llama.cpp's, else torch's."""
     return target.runtime.context.threads if target.runtime is not None else torch.get_num_threads()
 
 
@@ -162,7 +163,7 @@ def run_bench(args) -> int:
         "draft_model": args.draft_model, "drafter_paths": drafter_paths,
         "dtype": precision_of(backend),
         "device": str(backend.device), "backend": target.backend_name,
-        "threads": _llamacpp_threads(target) if target.runtime is not None else torch.get_num_threads(),
+        "threads": _threads_of(target),
         "machine": platform.machine(),
     }
     report = build_report(runs, contenders, settings)
