@@ -172,11 +172,9 @@ def drafter_of(drafter: str, target: LoadedModel, backend, draft: LoadedModel | 
     return None
 
 
-# drafters that need the target's hidden states or its first layers alone, which llama.cpp's runtime does not run
+# drafters that need the target's first layers alone, which llama.cpp's runtime does not run
 TORCH_ONLY_DRAFTERS = {
     "early-exit": "drafts with the target's first layers alone",
-    "eagle": "reads the target's hidden states",
-    "mtp": "reads the target's hidden states",
 }
 
 

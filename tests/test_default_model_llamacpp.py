@@ -98,3 +98,18 @@ def test_the_shipped_draft_lm_drafts_for_llama_cpp(decoder, reference, prompts):
         assert margin is None or margin < NEAR_TIE
         accepted += result.stats.accepted_tokens
     assert accepted > 0
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "mtp"])
+def test_the_shipped_feature_drafters_read_llama_cpps_hidden_states(decoder, reference, prompts, drafter):
+    """eagle and mtp, trained on the torch model's normed final states, draft from llama.cpp's (its embeddings),
+    are accepted, and keep llama-cpp-python's greedy output up to near-ties."""
+    spec = SpecDecoder.load(drafter=drafter, backend="llama.cpp", threads=2)  # its own context: embeddings on
+    eos = spec.engine.eos_token_ids
+    accepted = 0
+    for prompt in prompts[:3]:
+        result = spec.generate_ids(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS, num_draft_tokens=3))
+        margin = parting_margin(decoder, prompt, llama_cpp_greedy(reference, prompt, eos), result.token_ids)
+        assert margin is None or margin < NEAR_TIE
+        accepted += result.stats.accepted_tokens
+    assert accepted > 0

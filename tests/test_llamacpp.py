@@ -232,8 +232,64 @@ def test_the_api_and_the_default_backend_run_a_gguf_on_llama_cpp(tiny):
     assert decoder.encode("hi") == torch_decoder.encode("hi")  # the chat template too
 
 
-@pytest.mark.parametrize("drafter", ["early-exit", "eagle", "mtp"])
-def test_drafters_llama_cpp_cannot_serve_are_refused_in_one_line(tiny, drafter, capsys):
+def test_hidden_states_are_the_normed_states_the_lm_head_reads(tiny, tiny_draft):
+    """llama.cpp's embeddings are the torch runtime's hidden states (final norm applied), for a prompt pass, single
+    positions after it and after a rollback. Keeping them makes every row an output, which changes the last layer's
+    grouping of rows: the logits then move by pass rounding only."""
+    from specdec.backends import make_backend
+
+    torch_lm = make_backend(load_model(str(tiny), dtype="float32").model, "float32")
+    torch_lm.keep_hidden_states()
+    lm = LlamaCppLM.load(tiny, threads=2)
+    plain = LlamaCppLM.load(tiny, threads=2)
+    lm.keep_hidden_states()
+
+    def passes(model) -> torch.Tensor:  # the logits of a prompt pass, a rollback, and single positions
+        seen = [model.extend(PROMPT, 2)]
+        model.rollback(len(PROMPT) - 3)
+        seen.append(model.extend(PROMPT[-3:], 1))
+        seen += [model.extend([token], 1) for token in (9, 10)]
+        return torch.cat(seen)
+
+    with_states, without, on_torch = passes(lm), passes(plain), passes(torch_lm)
+    assert lm.hidden_states.shape == (len(PROMPT) + 2, torch_lm.hidden_states.shape[1])
+    torch.testing.assert_close(lm.hidden_states, torch_lm.hidden_states, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(with_states, without, atol=PASS_TOLERANCE, rtol=0)
+    torch.testing.assert_close(with_states, on_torch, atol=PASS_TOLERANCE, rtol=0)
+
+
+def random_feature_drafter(method: str, tiny: Path):
+    """An untrained eagle head or mtp heads for the tiny GGUF's target (random weights, seed 0)."""
+    from specdec.drafters.layers import LayerShape
+    from specdec.drafters.networks import DrafterConfig, EagleHead, MTPHeads, TargetParts
+
+    model = load_model(str(tiny), dtype="float32").model
+    torch.manual_seed(0)
+    config = DrafterConfig(method=method, shape=LayerShape.of(model.config), vocab_size=model.config.vocab_size)
+    network = (EagleHead if method == "eagle" else MTPHeads)(config, TargetParts.of(model))
+    with torch.no_grad():
+        for parameter in network.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.02)
+    return network
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "mtp"])
+def test_feature_drafters_read_llama_cpps_hidden_states_and_keep_greedy_output(tiny, lm, drafter):
+    network = random_feature_drafter(drafter, tiny)
+    target = LlamaCppLM.load(tiny, threads=2)
+    engine = Engine(target, make_proposer(drafter, target, network))
+    plain_engine = Engine(lm, make_proposer("none", lm))
+    drafted = 0
+    for prompt in (PROMPT, [1, 9, 10, 11, 9, 10, 11, 9, 10]):
+        plain = plain_engine.generate(prompt, GenerationConfig(max_new_tokens=24, stop_at_eos=False)).token_ids
+        result = engine.generate(prompt, GenerationConfig(max_new_tokens=24, num_draft_tokens=3, stop_at_eos=False))
+        greedy_or_near_tie(lm, prompt, plain, result.token_ids)
+        drafted += result.stats.draft_tokens
+    assert drafted > 0  # the drafter read the states and drafted
+
+
+def test_drafters_llama_cpp_cannot_serve_are_refused_in_one_line(tiny, capsys):
+    drafter = "early-exit"
     assert main(["generate", "hi", "--model", str(tiny), "--drafter", drafter, "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--backend torch" in err and drafter in err
@@ -305,3 +361,19 @@ def test_the_tokenizer_needs_no_transformers(tiny):
     assert loaded.tokenizer.decode(ids, skip_special_tokens=False).endswith("assistant\n")
     with pytest.raises(UsageError, match="llama.cpp runs a .gguf"):
         load_model(str(tiny.parent), backend="llama.cpp")
+
+
+def test_figure_1_draws_llama_cpps_pass_costs_beside_the_torch_runtimes(tiny, tmp_path, capsys):
+    from specdec.bench.figures import POSITIONS, figure_1_runtimes, pass_latency
+
+    target = load_model(str(tiny), dtype="float32")
+    runtimes = dict(figure_1_runtimes(target.model, target.gguf, threads=2))
+    assert "llama.cpp, GGUF as stored" in runtimes and len(runtimes) >= 2
+    latency = pass_latency(runtimes["llama.cpp, GGUF as stored"](), PROMPT, POSITIONS, repeats=1)
+    assert len(latency) == len(POSITIONS) and all(s > 0 for s in latency)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"turns": ["Write a haiku about the sea"]}\n')
+    assert main(["figures", "--out", str(tmp_path / "figs"), "--model", str(tiny), "--prompts", str(prompts),
+                 "--limit", "1", "--max-new-tokens", "4", "--repeats", "1", "--max-batch", "2",
+                 "--threads", "2"]) == 0, capsys.readouterr().err
+    assert (tmp_path / "figs" / "many_drafts_one_weight_streaming.png").read_bytes()[:4] == b"\x89PNG"

@@ -113,6 +113,7 @@ class LlamaCppContext:
         self.n_sequences = n_sequences
         self.positions = positions_per_sequence
         self.threads = threads or default_threads()
+        self.keeps_states = False
         params = lib.llama_context_default_params()
         params.n_ctx = positions_per_sequence * n_sequences  # split evenly among sequences (kv_unified off)
         params.n_batch = params.n_ubatch = BATCH_TOKENS
@@ -134,12 +135,28 @@ class LlamaCppContext:
     def decode(self, entries: list[Entry]) -> torch.Tensor:  # [entries wanting logits, vocab]
         """Run the entries through the model (in pieces of BATCH_TOKENS); the logits of those that want them, in
         the entries' order."""
+        return self._decode(entries)[0]
+
+    def decode_with_states(self, entries: list[Entry]) -> tuple[torch.Tensor, torch.Tensor]:  # [n, vocab], [n, hidden]
+        """Run the entries, all wanting logits, through the model: their logits and their final hidden states,
+        normed as the LM head reads them (llama.cpp's embeddings: :meth:`keep_states` first)."""
+        if not self.keeps_states or not all(entry.logits for entry in entries):
+            raise ValueError("hidden states need keep_states() and every entry an output")
+        return self._decode(entries)
+
+    def keep_states(self) -> None:
+        """From now on give each output row's final hidden state too. llama.cpp then makes every row an output."""
+        self._lib.llama_set_embeddings(self.pointer, True)
+        self.keeps_states = True
+
+    def _decode(self, entries: list[Entry]) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._check(entries)
         pieces = [self._decode_piece(entries[i : i + BATCH_TOKENS]) for i in range(0, len(entries), BATCH_TOKENS)]
-        pieces = [piece for piece in pieces if len(piece)]
-        if not pieces:
-            return torch.empty(0, self.model.vocab_size)
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        logits = [piece[0] for piece in pieces if len(piece[0])]
+        states = [piece[1] for piece in pieces if piece[1] is not None and len(piece[1])]
+        return (torch.cat(logits) if logits else torch.empty(0, self.model.vocab_size),
+                (torch.cat(states) if states else torch.empty(0, self.model.hidden_size)) if self.keeps_states
+                else None)
 
     def remove(self, sequence: int, start: int) -> None:
         """Forget the sequence's cached positions from ``start`` on."""
@@ -159,7 +176,8 @@ class LlamaCppContext:
             if not 0 <= entry.sequence < self.n_sequences:
                 raise ValueError(f"sequence {entry.sequence} is past the context's {self.n_sequences} sequences")
 
-    def _decode_piece(self, entries: list[Entry]) -> torch.Tensor:  # [wanting logits, vocab]
+    def _decode_piece(self, entries: list[Entry]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One llama_decode: the outputs' logits [outputs, vocab], and their hidden states where kept."""
         n = len(entries)
         self._tokens[:n] = [e.token for e in entries]
         self._positions[:n] = [e.position for e in entries]
@@ -174,10 +192,17 @@ class LlamaCppContext:
             raise RuntimeError(f"llama_decode failed (status {status})")
         outputs = sum(wants)
         if not outputs:
-            return torch.empty(0, self.model.vocab_size)
-        buffer = self._lib.llama_get_logits(self.pointer)  # outputs x vocab floats, in the entries' order
-        view = np.ctypeslib.as_array(buffer, shape=(outputs, self.model.vocab_size))
-        return torch.from_numpy(view).clone()  # the buffer is overwritten by the next decode
+            return torch.empty(0, self.model.vocab_size), None
+        logits = self._outputs(self._lib.llama_get_logits(self.pointer), outputs, self.model.vocab_size)
+        states = self._outputs(self._lib.llama_get_embeddings(self.pointer), outputs, self.model.hidden_size
+                               ) if self.keeps_states else None
+        return logits, states
+
+    @staticmethod
+    def _outputs(buffer, rows: int, width: int) -> torch.Tensor:  # [rows, width]
+        """llama.cpp's rows x width floats of the outputs, in the entries' order, copied once (the buffer is
+        overwritten by the next decode)."""
+        return torch.from_numpy(np.ctypeslib.as_array(buffer, shape=(rows, width))).clone()
 
     def __del__(self) -> None:
         if getattr(self, "pointer", None):
@@ -198,19 +223,43 @@ class LlamaCppLM:
         self.vocab_size = model.vocab_size
         self.weight_bytes = model.weight_bytes
         self.tokens: list[int] = []
+        self._hidden: torch.Tensor | None = None  # [max_length, hidden] once keep_hidden_states() was called
 
     @classmethod
     def load(cls, path: str | os.PathLike, max_length: int | None = None, threads: int | None = None
              ) -> "LlamaCppLM":
         return cls(GGUFModel(path), max_length, threads)
 
+    def keep_hidden_states(self) -> None:
+        """From now on keep every cached position's final hidden state (what eagle and mtp read). llama.cpp gives
+        them as its embeddings, only for rows that are outputs: every position of every pass then computes its
+        logits too, a cost the torch runtime does not pay. The cache is emptied once, if it held positions
+        without their states."""
+        if self._hidden is None:
+            self.rollback(0)
+            self.context.keep_states()
+            self._hidden = torch.empty(self.max_length, self.model.hidden_size)
+
+    @property
+    def hidden_states(self) -> torch.Tensor:  # [len(tokens), hidden]
+        """The final hidden state, normed as the LM head reads it, of every cached position."""
+        if self._hidden is None:
+            raise RuntimeError("call keep_hidden_states() first")
+        return self._hidden[: len(self.tokens)]
+
     def extend(self, token_ids: list[int], num_logits: int) -> torch.Tensor:  # [num_logits, vocab]
         start, n = len(self.tokens), len(token_ids)
         if start + n > self.max_length:
             raise ValueError(f"{start + n} positions exceed the context of {self.max_length}")
-        entries = [Entry(token, start + i, 0, i >= n - num_logits) for i, token in enumerate(token_ids)]
+        keeps_states = self._hidden is not None
+        entries = [Entry(token, start + i, 0, keeps_states or i >= n - num_logits) for i, token in enumerate(token_ids)]
         try:
-            logits = self.context.decode(entries)
+            if keeps_states:
+                logits, states = self.context.decode_with_states(entries)
+                self._hidden[start : start + n] = states
+                logits = logits[n - num_logits :] if num_logits else logits[:0]
+            else:
+                logits = self.context.decode(entries)
         except Exception:
             self.context.remove(0, start)  # pieces decoded before the failure leave no cells behind
             raise

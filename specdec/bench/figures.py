@@ -6,6 +6,7 @@ Nothing is typed in: every point is measured on the machine that runs the comman
 from __future__ import annotations
 
 import copy
+import importlib.util
 import statistics
 import sys
 import time
@@ -41,12 +42,29 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def pass_latency(backend, context: list[int], positions: list[int], repeats: int, tick=lambda: None) -> list[float]:
+    """Seconds for one pass of ``backend`` scoring n new positions after ``context``, for each n."""
+    sync(backend, context, num_logits=0)
+    pass_seconds(backend, 1)  # warm-up
+    return [_ticked(statistics.median(pass_seconds(backend, n) for _ in range(repeats)), tick) for n in positions]
+
+
 def forward_latency(model, context: list[int], positions: list[int], repeats: int, tick=lambda: None,
                     precision: str | None = None) -> list[float]:
-    """Seconds for one target pass scoring n new positions after ``context``, for each n."""
-    backend = make_backend(model, precision)
-    sync(backend, context, num_logits=0)
-    return [_ticked(statistics.median(pass_seconds(backend, n) for _ in range(repeats)), tick) for n in positions]
+    """Seconds for one pass of the torch runtime over ``model`` scoring n new positions, for each n."""
+    return pass_latency(make_backend(model, precision), context, positions, repeats, tick)
+
+
+def figure_1_runtimes(model, gguf: Path | None, threads: int | None) -> list[tuple[str, object]]:
+    """(label, backend) for each runtime figure 1 compares: the torch runtime at each precision, and llama.cpp over
+    the GGUF as stored where the target came from one and llama-cpp-python is installed."""
+    runtimes = [(f"{precision} weights", lambda precision=precision: make_backend(model, precision))
+                for precision in PRECISIONS]
+    if gguf is not None and importlib.util.find_spec("llama_cpp") is not None:
+        from specdec.backends.llamacpp import LlamaCppLM
+
+        runtimes.append(("llama.cpp, GGUF as stored", lambda: LlamaCppLM.load(gguf, max_length=1024, threads=threads)))
+    return runtimes
 
 
 def batched_cost_ratio(model, k: int, batches: list[int], context_length: int, repeats: int,
@@ -117,8 +135,10 @@ def default_draft(model, layers: int):
 
 
 def make_figures(target, draft_model, prompts: list[list[int]], out: Path, repeats: int = 3,
-                 new_tokens: int = 48, max_batch: int = 64, k: int = 4) -> list[Path]:
-    """Measure and draw the four figures into ``out``; returns the files written."""
+                 new_tokens: int = 48, max_batch: int = 64, k: int = 4, gguf: Path | None = None,
+                 threads: int | None = None) -> list[Path]:
+    """Measure and draw the four figures into ``out``; returns the files written. Figure 1 adds llama.cpp's
+    line when ``gguf`` (the file the target came from) is given."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -131,16 +151,17 @@ def make_figures(target, draft_model, prompts: list[list[int]], out: Path, repea
     written = []
     context = prompts[0]
     batches = [b for b in BATCHES if b <= max_batch]
-    points = len(PRECISIONS) * len(POSITIONS) + 1 + len(DRAFT_LENGTHS) + len(batches)
+    runtimes = figure_1_runtimes(model, gguf, threads)
+    points = len(runtimes) * len(POSITIONS) + 1 + len(DRAFT_LENGTHS) + len(batches)
     bar = tqdm(total=points, unit="point", file=sys.stderr)
 
     # 1. many drafts, one weight-streaming
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for precision in PRECISIONS:
-        latency = [1000 * s for s in forward_latency(model, context, POSITIONS, repeats, bar.update, precision)]
-        line, = ax.plot(POSITIONS, latency, "o-", label=f"one pass scoring n positions, {precision} weights")
+    for label, make_runtime in runtimes:
+        latency = [1000 * s for s in pass_latency(make_runtime(), context, POSITIONS, repeats, bar.update)]
+        line, = ax.plot(POSITIONS, latency, "o-", label=f"one pass scoring n positions, {label}")
         ax.plot(POSITIONS, [latency[0] * n for n in POSITIONS], ":", color=line.get_color(),
-                label=f"n single-position passes, {precision} weights")
+                label=f"n single-position passes, {label}")
     ax.set(xscale="log", yscale="log", xlabel="positions scored (n)", ylabel="milliseconds",
            title="Many drafts, one weight-streaming")
     ax.set_xticks(POSITIONS, [str(n) for n in POSITIONS])
@@ -224,7 +245,8 @@ def run_figures(args) -> int:
     prompts = [encoder.encode(p.text, None if p.chat else False)
                for p in read_prompts(args.prompts, limit=args.limit)]
     for path in make_figures(target, draft_model, prompts, Path(args.out), repeats=args.repeats,
-                             new_tokens=args.max_new_tokens, max_batch=args.max_batch):
+                             new_tokens=args.max_new_tokens, max_batch=args.max_batch, gguf=target.gguf,
+                             threads=args.threads):
         print(path)
     return 0
 

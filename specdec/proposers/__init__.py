@@ -30,7 +30,7 @@ def _feature_drafter(proposer: type) -> Callable:
     def factory(target: CausalLM, drafter, datastore: ContinuationIndex | None) -> Proposer:
         if not hasattr(target, "keep_hidden_states"):
             raise UsageError(f"--drafter {proposer.name} reads the target's hidden states, which only the lean "
-                             "runtime of llama-family targets keeps")
+                             "runtime of llama-family targets and llama.cpp keep")
         if drafter is None:
             raise UsageError(f"--drafter {proposer.name} needs a trained drafter (--drafter-path DIR)")
         return proposer(drafter, target)
