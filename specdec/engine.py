@@ -16,7 +16,7 @@ from specdec.backends.base import CausalLM, sync
 from specdec.errors import UsageError
 from specdec.policy import AUTO_MAX_K, AUTO_TREE_MAX_NODES, POLICY_NAMES, Policy, make_policy
 from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
-from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.sampling import SamplingParams, check_seed, logits_to_probs
 from specdec.verify import TreeVerdict, Verdict, verify, verify_greedy, verify_tree, verify_tree_greedy
 
 MAX_DRAFT_TOKENS = 64
@@ -354,6 +354,7 @@ def emitted_round(draft: Draft, verdict: Verdict, limit: int, stop_ids: frozense
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    check_seed(seed)
     generator = torch.Generator(device=device)
     if seed is None:
         generator.seed()

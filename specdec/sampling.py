@@ -6,7 +6,8 @@ into probabilities goes through :func:`logits_to_probs`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,8 +27,8 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:  # also rejects NaN
-            raise UsageError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # also rejects NaN
+            raise UsageError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise UsageError(f"top-k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -36,6 +37,51 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class LogitsAdjustment:
+    """OpenAI's logit_bias and presence and frequency penalties, applied to the target's logits at each position
+    before anything else: the distribution every emitted token is drawn from is the adjusted one.
+
+    The penalties count the tokens generated before the position (not the prompt's), as vLLM does: a token seen
+    c > 0 times loses ``frequency_penalty * c + presence_penalty``.
+    """
+
+    bias: dict[int, float] = field(default_factory=dict)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.bias) or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    def apply(self, logits: torch.Tensor, generated: list[int], draft: list[int]) -> torch.Tensor:
+        """logits [k+1, vocab] at the positions after ``generated`` and after each prefix of ``draft`` (row j
+        follows generated + draft[:j]) -> the adjusted logits (a new tensor)."""
+        logits = logits.clone()
+        if self.bias:
+            ids = torch.tensor(list(self.bias), device=logits.device)
+            logits[:, ids] += torch.tensor(list(self.bias.values()), dtype=logits.dtype, device=logits.device)
+        if self.presence_penalty or self.frequency_penalty:
+            counts = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+            if generated:
+                counts.index_add_(0, torch.tensor(generated, device=logits.device),
+                                  torch.ones(len(generated), dtype=logits.dtype, device=logits.device))
+            for j in range(logits.shape[0]):
+                if j:
+                    counts[draft[j - 1]] += 1
+                logits[j] -= self.frequency_penalty * counts + self.presence_penalty * (counts > 0).to(logits.dtype)
+        return logits
+
+
+SEED_RANGE = (-(1 << 63), 1 << 64)  # what a 64-bit generator takes: signed or unsigned 64-bit integers
+
+
+def check_seed(seed: int | None) -> None:
+    """Refuse a seed that a 64-bit generator cannot take."""
+    if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+        raise UsageError(f"seed must be a 64-bit integer, in [-2^63, 2^64), got {seed}")
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -47,7 +93,10 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    scaled = logits / params.temperature
+    # shifted first, so that the largest logit is 0 however small the temperature (kept 0 where the temperature
+    # underflows the dtype: not 0/0): the others then go to -inf at worst, never NaN
+    shifted = logits - logits.amax(-1, keepdim=True)
+    scaled = torch.where(shifted == 0, shifted, shifted / params.temperature)
     scaled = _mask_top_k(scaled, params.top_k)
     scaled = _mask_top_p(scaled, params.top_p)
     return torch.softmax(scaled, dim=-1)

@@ -222,7 +222,7 @@ def test_bad_requests_get_400_with_an_openai_error_body(server, raw, param):
 def test_bad_chat_messages_get_400(server):
     for messages in ([], [{"content": "w3"}], [{"role": "user", "content": 5}]):
         status, body = post(server, "/v1/chat/completions", {"messages": messages})
-        assert status == 400 and body["error"]["param"] == "messages"
+        assert status == 400 and body["error"]["param"].startswith("messages")
 
 
 def test_unknown_path_is_404_a_wrong_method_405_and_an_oversized_body_413(tiny):
@@ -255,13 +255,16 @@ def test_api_key_is_required_everywhere_but_health(tiny):
         server.shutdown(timeout=5)
 
 
-def test_a_client_that_stalls_mid_body_is_dropped_and_others_are_served(tiny):
+def test_a_client_that_stalls_mid_body_gets_408_and_others_are_served(tiny):
     server = start_server(tiny, read_timeout=0.5)
     try:
         stalled = socket.create_connection(("127.0.0.1", server.port))
         stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro")
         stalled.settimeout(10)
-        assert stalled.recv(4096) == b""  # closed by the server, no answer
+        answer = stalled.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408") and b"stalled" in answer  # answered 408, then closed
+        while answer:
+            answer = stalled.recv(4096)
         stalled.close()
         assert post(server, "/v1/completions", {"prompt": "w3", "max_tokens": 2})[0] == 200
     finally:
@@ -269,7 +272,7 @@ def test_a_client_that_stalls_mid_body_is_dropped_and_others_are_served(tiny):
 
 
 def test_server_binds_loopback_by_default(server):
-    assert server.httpd.server_address[0] == "127.0.0.1"  # the fixture's settings name no host
+    assert server.address[0] == "127.0.0.1"  # the fixture's settings name no host
 
 
 # --- reliability -------------------------------------------------------------------------------------------------

@@ -325,7 +325,13 @@ class LlamaCppPool:
         for row in rows:  # positions past a slot's length were rejected draft tokens
             if self._cached[row.slot.index] > row.slot.length:
                 self.context.remove(row.slot.index, row.slot.length)
-        logits = self.context.decode(entries)
+        try:
+            logits = self.context.decode(entries)
+        except Exception:
+            for row in rows:  # pieces decoded before the failure leave no cells behind
+                self.context.remove(row.slot.index, row.slot.length)
+                self._cached[row.slot.index] = row.slot.length
+            raise
         for row in rows:
             row.slot.length += len(row.token_ids)
             self._cached[row.slot.index] = row.slot.length

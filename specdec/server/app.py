@@ -1,32 +1,41 @@
-"""The HTTP side of ``specdec serve``: OpenAI's endpoints over the scheduler, on the standard library's server.
+"""The HTTP side of ``specdec serve``: OpenAI's endpoints over the scheduler, on FastAPI and uvicorn.
 
-One thread per connection parses and checks the request, submits it to the scheduler and writes what comes back,
-whole or as server-sent events; the scheduler's own thread runs every request's steps. Refusals are OpenAI error
-bodies: 400 for a bad request, 401 without the API key, 404 for an unknown path (405 for a wrong method), 413 for
-a body over the limit, 429 when the waiting queue is full, 503 while shutting down.
+The HTTP layer is a thin shell: it reads and checks a request (:mod:`specdec.server.protocol`), submits it to the
+scheduler, and writes what comes back, whole or as server-sent events. The scheduler's own thread runs every
+request's steps and hands each request's events to the event loop. uvicorn's h11 parser frames every request
+(duplicate or conflicting lengths are refused, an unread body is skipped, never read as a request).
+
+Refusals are OpenAI error bodies: 400 for a bad request, 401 without the API key, 404 for an unknown path, 405 for
+a wrong method, 408 for a body that stalls, 413 for a body over the limit, 429 (with Retry-After) when the waiting
+queue is full, 503 while shutting down or when the scheduler has stopped serving.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
-import queue
-import select
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
-from specdec.server.protocol import ApiError, BadRequest, Job, Response, parse_body, parse_job, usage
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from specdec.server.protocol import (ApiError, BadRequest, ChatCompletionRequest, CompletionRequest, Job, Response,
+                                     TokenLogprob, logprobs_payload, parse_body, parse_job, usage)
 from specdec.server.scheduler import Finished, Handle, QueueFull, Scheduler, ShuttingDown, Tokens
 from specdec.view import Detokenizer
 
 log = logging.getLogger("specdec.server")
-POLL_SECONDS = 0.25  # how often a waiting connection checks that its client is still there
+POLL_SECONDS = 0.25  # how often a waiting request checks that its client is still there
+STALL_SECONDS = 300.0  # /health answers 503 when requests have waited this long without a step finishing
+RETRY_AFTER_SECONDS = 1
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop", "abort": "abort"}
 
 
@@ -36,7 +45,8 @@ class ServerSettings:
     port: int = 8000
     api_key: str | None = None  # checked on every endpoint but /health
     max_body_bytes: int = 1 << 20
-    read_timeout: float = 120.0  # seconds a socket read or write may block
+    read_timeout: float = 120.0  # seconds a request body may stall between reads
+    stall_seconds: float = STALL_SECONDS
 
 
 class ClientGone(Exception):
@@ -48,18 +58,27 @@ class OpenAIServer:
 
     def __init__(self, scheduler: Scheduler, tokenizer, model_name: str, settings: ServerSettings = ServerSettings()
                  ) -> None:
+        import uvicorn
+
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.settings = settings
         self.created = int(time.time())
-        self.httpd = _HTTPServer((settings.host, settings.port), _Handler)
-        self.httpd.app = self
+        self.app = build_app(self)
+        self.socket = _listen(settings.host, settings.port)  # bound now: a busy port is refused before loading
+        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, http="h11", lifespan="off", log_level="warning",
+                                                     access_log=False, timeout_keep_alive=30,
+                                                     timeout_graceful_shutdown=5))
         self._serving: threading.Thread | None = None
 
     @property
+    def address(self) -> tuple[str, int]:
+        return self.socket.getsockname()[:2]
+
+    @property
     def port(self) -> int:
-        return self.httpd.server_address[1]
+        return self.address[1]
 
     @property
     def url(self) -> str:
@@ -67,22 +86,45 @@ class OpenAIServer:
 
     def start(self) -> None:
         self.scheduler.start()
-        self._serving = threading.Thread(target=self.httpd.serve_forever, name="specdec-http", daemon=True)
+        self._serving = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.socket]},
+                                         name="specdec-http", daemon=True)
         self._serving.start()
+        deadline = time.monotonic() + 30
+        while not self.uvicorn.started and self._serving.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Refuse new requests (503), let those in flight finish for up to ``timeout`` seconds, end the rest with
         finish reason "abort", give their connections a moment to write it, and close."""
         self.scheduler.shutdown(timeout)
         time.sleep(2 * POLL_SECONDS)
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.uvicorn.should_exit = True
+        if self._serving is not None:
+            self._serving.join(timeout=10)
+        self.socket.close()
 
-    # --- endpoints ----------------------------------------------------------------------------------------------------
+    # --- what the endpoints do ------------------------------------------------------------------------------------
+
+    def health(self) -> tuple[int, dict]:
+        if not self.scheduler.accepting:
+            return 503, {"status": "shutting down"}
+        stalled = self.scheduler.stalled(self.settings.stall_seconds)
+        if stalled:
+            return 503, {"status": "stalled", "reason": stalled}
+        return 200, {"status": "ok"}
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "specdec", "max_model_len": self.scheduler.max_length}]}
+
+    def authorize(self, header: str | None) -> None:
+        key = self.settings.api_key
+        if key is None:
+            return
+        scheme, _, given = (header or "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+            raise ApiError("a valid API key is required: Authorization: Bearer <key>", code="invalid_api_key",
+                           status=401)
 
     def prompt_ids(self, job: Job) -> list[int]:
         if job.chat:
@@ -99,219 +141,341 @@ class OpenAIServer:
             raise BadRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
         return list(job.prompt)
 
-    def submit(self, job: Job, prompt_ids: list[int]) -> Handle:
-        request = job.generation_request(prompt_ids, self.scheduler.max_length)
+    def submit(self, job: Job, prompt_ids: list[int]) -> list[Handle]:
+        """One handle per choice; all or none (a refusal cancels those already queued)."""
+        requests = [job.generation_request(prompt_ids, self.scheduler.max_length, i) for i in range(job.n)]
+        handles: list[Handle] = []
         try:
-            return self.scheduler.submit(request)
-        except QueueFull as error:
-            raise ApiError(f"the server is at capacity: {error}; retry later", status=429) from None
-        except ShuttingDown as error:
+            for request in requests:
+                handles.append(self.scheduler.submit(request))
+        except (QueueFull, ShuttingDown) as error:
+            for handle in handles:
+                handle.cancel()
+            if isinstance(error, QueueFull):
+                raise ApiError(f"the server is at capacity: {error}; retry later", status=429) from None
             raise ApiError(str(error), status=503) from None
+        return handles
 
 
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 1024  # the listen backlog: the default 5 resets connections under a burst of clients
-    app: OpenAIServer
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(1024)  # the backlog: a small one resets connections under a burst of clients
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "specdec"
+# --- the FastAPI application -----------------------------------------------------------------------------------------
 
-    def setup(self) -> None:
-        self.timeout = self.app.settings.read_timeout  # a client that stalls mid-request is dropped
-        super().setup()
 
-    @property
-    def app(self) -> OpenAIServer:
-        return self.server.app
+class _JSON(JSONResponse):
+    """JSON as the rest of specdec writes it (json.dumps' own separators, UTF-8 as is)."""
 
-    def do_GET(self) -> None:
-        self._route("GET")
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=False).encode()
 
-    def do_POST(self) -> None:
-        self._route("POST")
 
-    def log_message(self, format: str, *args) -> None:
-        log.debug("%s %s", self.address_string(), format % args)
+def build_app(server: OpenAIServer) -> FastAPI:
+    app = FastAPI(title="specdec", summary="OpenAI-compatible completions with exact speculative decoding",
+                  docs_url=None, redoc_url=None, default_response_class=_JSON)
+    metrics = server.scheduler.metrics
 
-    def _route(self, method: str) -> None:
-        path = urlsplit(self.path).path.rstrip("/")
+    def error_response(error: ApiError) -> JSONResponse:
+        metrics.observe_rejection(error.status)
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if error.status == 429 else {}
+        if error.status in (408, 413):
+            headers["Connection"] = "close"  # the body was left unread
+        return _JSON(error.body(), status_code=error.status, headers=headers)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError):
+        return error_response(error)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException):
+        if error.status_code == 405:
+            allowed = error.headers.get("Allow", "") if error.headers else ""
+            return error_response(ApiError(f"{request.url.path} answers {allowed}, not {request.method}",
+                                           status=405))
+        if error.status_code == 404:
+            return error_response(ApiError(f"no such endpoint: {request.url.path}", status=404))
+        return error_response(ApiError(str(error.detail), status=error.status_code))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError):
+        return error_response(BadRequest(f"bad request: {error.errors()[0].get('msg', error)}"))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception):  # a bug: one line to the client, the log keeps it
+        log.exception("request failed")
+        return error_response(ApiError(f"internal error: {error}"))
+
+    @app.get("/health")
+    async def health():
+        status, body = server.health()
+        return _JSON(body, status_code=status)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        server.authorize(request.headers.get("Authorization"))
+        return server.models()
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus(request: Request):
+        server.authorize(request.headers.get("Authorization"))
+        scheduler = server.scheduler
+        return PlainTextResponse(metrics.render(scheduler.running, scheduler.waiting),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def generate(request: Request, chat: bool):
+        server.authorize(request.headers.get("Authorization"))
+        raw = await _read_body(request, server.settings)
+        job = parse_job(parse_body(raw), chat, server.model_name, server.scheduler.pool.vocab_size)
+        prompt_ids = server.prompt_ids(job)
+        handles = server.submit(job, prompt_ids)
+        answers = [_Answer(job, handle, server.tokenizer, i) for i, handle in enumerate(handles)]
+        response = Response(chat, server.model_name)
+        echoed = _echo(job, server.tokenizer, prompt_ids)
+        if job.stream:
+            return StreamingResponse(_stream(answers, response, len(prompt_ids), echoed),
+                                     headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                              "Connection": "close"})
         try:
-            if path == "/health":
-                self._send_json(200 if self.app.scheduler.accepting else 503,
-                                {"status": "ok" if self.app.scheduler.accepting else "shutting down"})
-                return
-            self._authorize()
-            routes = {
-                "/v1/models": ("GET", lambda: self._send_json(200, self.app.models())),
-                "/metrics": ("GET", self._metrics),
-                "/v1/completions": ("POST", lambda: self._generate(chat=False)),
-                "/v1/chat/completions": ("POST", lambda: self._generate(chat=True)),
-            }
-            if path not in routes:
-                raise ApiError(f"no such endpoint: {path or '/'}", status=404)
-            allowed, endpoint = routes[path]
-            if method != allowed:
-                raise ApiError(f"{path} answers {allowed}, not {method}", status=405)
-            endpoint()
-        except ApiError as error:
-            self.app.scheduler.metrics.observe_rejection(error.status)
-            self._send_json(error.status, error.body())
-        except (BrokenPipeError, ConnectionResetError, ClientGone, TimeoutError):  # the client left, or stalled
-            self.close_connection = True
-        except Exception as error:  # a bug answers 500 with one line; the traceback goes to the log only
-            log.exception("request failed")
-            self._send_json(500, ApiError(f"internal error: {error}").body())
-
-    def _authorize(self) -> None:
-        key = self.app.settings.api_key
-        if key is None:
-            return
-        given = self.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            raise ApiError("a valid API key is required: Authorization: Bearer <key>", code="invalid_api_key",
-                           status=401)
-
-    def _metrics(self) -> None:
-        scheduler = self.app.scheduler
-        body = scheduler.metrics.render(scheduler.running, scheduler.waiting).encode()
-        self._send(200, body, "text/plain; version=0.0.4; charset=utf-8")
-
-    def _read_body(self) -> bytes:
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            self.close_connection = True
-            raise BadRequest("a request body with a Content-Length header is required")
-        if int(length) > self.app.settings.max_body_bytes:
-            self.close_connection = True  # the body is left unread
-            raise ApiError(f"the request body has {length} bytes; the limit is {self.app.settings.max_body_bytes}",
-                           status=413)
-        return self.rfile.read(int(length))
-
-    def _generate(self, chat: bool) -> None:
-        job = parse_job(parse_body(self._read_body()), chat, self.app.model_name)
-        prompt_ids = self.app.prompt_ids(job)
-        handle = self.app.submit(job, prompt_ids)
-        try:
-            answer = _Answer(job, handle, Response(chat, self.app.model_name), len(prompt_ids), self.app.tokenizer)
-            if job.stream:
-                self._stream(answer)
-            else:
-                self._whole(answer)
+            await _collect(answers, request)
+        except ClientGone:
+            return PlainTextResponse("", status_code=499)  # nobody reads it: the client has gone
         finally:
-            handle.cancel()  # frees the slot if the request is still running (a client gone, a stop string)
+            for answer in answers:
+                answer.handle.cancel()  # frees a slot still held (a client gone, a stop string)
+        failed = next((a for a in answers if a.error), None)
+        if failed is not None:
+            raise ApiError(failed.error, status=failed.error_status)
+        choices = [response.choice(a.index, echoed + a.text, a.finish_reason, a.logprobs(chat, len(echoed)))
+                   for a in answers]
+        return response.whole(choices, _usage(answers, len(prompt_ids)))
 
-    def _whole(self, answer: "_Answer") -> None:
-        for _ in answer.pieces(self._client_gone):
-            pass
-        if answer.error:
-            raise ApiError(answer.error)
-        self._send_json(200, answer.response.whole(answer.text, answer.finish_reason, answer.usage()))
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    async def completions(request: Request):
+        return await generate(request, chat=False)
 
-    def _stream(self, answer: "_Answer") -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.close_connection = True
-        response = answer.response
-        self._event(response.chunk(None, first=True) if answer.job.chat else None)
-        for piece in answer.pieces(self._client_gone):
-            if piece:
-                self._event(response.chunk(piece))
-        if answer.error:
-            self._event(ApiError(answer.error).body())
-        else:
-            self._event(response.chunk(None, answer.finish_reason))
-            if answer.job.include_usage:
-                self._event(response.usage_chunk(answer.usage()))
-        self.wfile.write(b"data: [DONE]\n\n")
-        self.wfile.flush()
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
 
-    def _event(self, payload: dict | None) -> None:
-        if payload is not None:
-            self.wfile.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
-            self.wfile.flush()
+    _add_schemas(app, CompletionRequest, ChatCompletionRequest)
+    return app
 
-    def _client_gone(self) -> bool:
-        """Whether the client has closed its side: the socket reads as ended."""
+
+def _body_schema(model) -> dict:
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _add_schemas(app, *models) -> None:
+    """Put the request bodies' JSON schemas (and those they refer to) into the OpenAPI document's components."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            document = get_openapi(title=app.title, version="1", summary=app.summary, routes=app.routes)
+            schemas = document.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(schema.pop("$defs", {}))
+                schemas[model.__name__] = schema
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+async def _read_body(request, settings: ServerSettings) -> bytes:
+    """The body, read as it arrives: 413 past the limit (declared or streamed), 408 if it stalls."""
+    declared = request.headers.get("Content-Length")
+    if declared is not None and declared.isdigit() and int(declared) > settings.max_body_bytes:
+        raise ApiError(f"the request body has {declared} bytes; the limit is {settings.max_body_bytes}", status=413)
+    chunks, size = [], 0
+    stream = request.stream().__aiter__()
+    while True:
         try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
-        except (OSError, ValueError):
-            return True
-
-    def _send_json(self, status: int, payload: dict) -> None:
-        self._send(status, json.dumps(payload, ensure_ascii=False).encode(), "application/json")
-
-    def _send(self, status: int, body: bytes, content_type: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(body)
+            chunk = await asyncio.wait_for(stream.__anext__(), settings.read_timeout)
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise ApiError(f"the request body stalled for {settings.read_timeout:g} s", status=408) from None
+        size += len(chunk)
+        if size > settings.max_body_bytes:
+            raise ApiError(f"the request body passes the limit of {settings.max_body_bytes} bytes", status=413)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
-class _Answer:
-    """One request's answer as it arrives: text cut at the first stop string, its finish reason and usage."""
+def _echo(job: Job, tokenizer, prompt_ids: list[int]) -> str:
+    """The prompt's text, which echo puts before a completion's text."""
+    if not job.echo:
+        return ""
+    return job.prompt if isinstance(job.prompt, str) else tokenizer.decode(prompt_ids)
 
-    def __init__(self, job: Job, handle: Handle, response: Response, prompt_tokens: int, tokenizer) -> None:
-        self.job = job
-        self.handle = handle
-        self.response = response
-        self.prompt_tokens = prompt_tokens
-        self.detokenizer = Detokenizer(tokenizer)
-        self.text = ""
-        self.sent = 0  # characters handed out
-        self.completion_tokens = self.draft_tokens = self.accepted_tokens = 0
-        self.finish_reason = "length"
-        self.error = ""
 
-    def pieces(self, client_gone) -> Iterator[str]:
-        """Text as it becomes final: never part of a stop string, never past one."""
-        for event in self._events(client_gone):
-            if isinstance(event, Finished):
-                if event.reason == "error":
-                    self.error = event.message or "generation failed"
-                    return
-                self.finish_reason = FINISH_REASONS.get(event.reason, event.reason)
-                self.text += self.detokenizer.flush()
-                if self._cut_at_stop():
-                    self.finish_reason = "stop"
-                yield self._release(final=True)
-                return
-            self.completion_tokens += len(event.token_ids)
-            self.draft_tokens += event.draft_tokens
-            self.accepted_tokens += event.kinds.count("accepted")
-            for token in event.token_ids:
-                self.text += self.detokenizer.push(token)
-            if self._cut_at_stop():
-                self.handle.cancel()
-                self.finish_reason = "stop"
-                yield self._release(final=True)
-                return
-            yield self._release(final=False)
+def _usage(answers: list["_Answer"], prompt_tokens: int) -> dict:
+    return usage(prompt_tokens, sum(a.completion_tokens for a in answers), sum(a.draft_tokens for a in answers),
+                 sum(a.accepted_tokens for a in answers))
 
-    def usage(self) -> dict:
-        return usage(self.prompt_tokens, self.completion_tokens, self.draft_tokens, self.accepted_tokens)
 
-    def _events(self, client_gone) -> Iterator[Tokens | Finished]:
+async def _events(answers: list["_Answer"]) -> AsyncIterator[tuple["_Answer", Tokens | Finished]]:
+    """Every choice's events, as the scheduler hands them over, until each has finished."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    for answer in answers:
+        answer.handle.listen(lambda event, answer=answer: loop.call_soon_threadsafe(queue.put_nowait, (answer, event)))
+    open_ = len(answers)
+    while open_:
+        answer, event = await queue.get()
+        if isinstance(event, Finished):
+            open_ -= 1
+        yield answer, event
+
+
+async def _collect(answers: list["_Answer"], request) -> None:
+    """Wait for every choice to finish, checking every POLL_SECONDS that the client is still there."""
+    events = _events(answers)
+    pending = asyncio.ensure_future(events.__anext__())
+    try:
         while True:
-            try:
-                event = self.handle.events.get(timeout=POLL_SECONDS)
-            except queue.Empty:
-                if client_gone():
-                    self.handle.cancel()
-                    raise ClientGone from None
+            done, _ = await asyncio.wait({pending}, timeout=POLL_SECONDS)
+            if not done:
+                if await request.is_disconnected():
+                    raise ClientGone
                 continue
-            yield event
-            if isinstance(event, Finished):
+            try:
+                answer, event = pending.result()
+            except StopAsyncIteration:
                 return
+            answer.take(event)
+            pending = asyncio.ensure_future(events.__anext__())
+    finally:
+        pending.cancel()
+
+
+async def _stream(answers: list["_Answer"], response: Response, prompt_tokens: int, echoed: str
+                  ) -> AsyncIterator[bytes]:
+    """Server-sent events: a role delta (chat) or the echoed prompt first, the text as it becomes final, each
+    choice's finish, usage if asked, then [DONE]. A client that leaves cancels this generator, which cancels the
+    requests."""
+    try:
+        for answer in answers:
+            if response.chat:
+                yield _event(response.chunk(None, first=True, index=answer.index))
+            elif echoed:
+                yield _event(response.chunk(echoed, index=answer.index))
+        async for answer, event in _events(answers):
+            piece = answer.take(event)
+            if answer.error:
+                yield _event(ApiError(answer.error, status=answer.error_status).body())
+            elif piece or answer.new_logprobs:
+                yield _event(response.chunk(piece, index=answer.index, logprobs=answer.chunk_logprobs(response.chat)))
+            if answer.done and not answer.error:
+                yield _event(response.chunk(None, answer.finish_reason, index=answer.index))
+        if answers[0].job.include_usage:
+            yield _event(response.usage_chunk(_usage(answers, prompt_tokens)))
+        yield b"data: [DONE]\n\n"
+    finally:
+        for answer in answers:
+            answer.handle.cancel()
+
+
+def _event(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+@dataclass
+class _Answer:
+    """One choice's answer as it arrives: text cut at the first stop string, its finish reason, usage, and the
+    tokens' log-probabilities."""
+
+    job: Job
+    handle: Handle
+    tokenizer: object
+    index: int
+    text: str = ""
+    sent: int = 0  # characters handed out
+    completion_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    finish_reason: str = "length"
+    error: str = ""
+    error_status: int = 500
+    done: bool = False
+    cut: bool = False  # a stop string cut the text
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # since the last chunk
+    detokenizer: Detokenizer | None = None
+
+    def __post_init__(self) -> None:
+        self.detokenizer = Detokenizer(self.tokenizer)
+
+    def take(self, event: Tokens | Finished) -> str:
+        """Take one event; the text that became final with it (never part of a stop string, never past one)."""
+        if self.done:
+            return ""
+        if isinstance(event, Finished):
+            self.done = True
+            if event.reason == "error":
+                self.error, self.error_status = event.message or "generation failed", event.status
+                return ""
+            self.finish_reason = FINISH_REASONS.get(event.reason, event.reason)
+            self.text += self.detokenizer.flush()
+            if self._cut_at_stop():
+                self.finish_reason = "stop"
+            return self._release(final=True)
+        self.completion_tokens += len(event.token_ids)
+        self.draft_tokens += event.draft_tokens
+        self.accepted_tokens += event.kinds.count("accepted")
+        for token in event.token_ids:
+            self.text += self.detokenizer.push(token)
+        if event.logprobs is not None:
+            entries = [TokenLogprob(self._piece(t), lp, [(self._piece(i), v) for i, v in top])
+                       for t, (lp, top) in zip(event.token_ids, event.logprobs)]
+            self.token_logprobs += entries
+            self.new_logprobs += entries
+        if self._cut_at_stop():
+            self.handle.cancel()
+            self.finish_reason = "stop"
+            self.done = True
+            return self._release(final=True)
+        return self._release(final=False)
+
+    def logprobs(self, chat: bool, echoed: int) -> dict | None:
+        if self.job.logprobs is None:
+            return None
+        return logprobs_payload(chat, self._kept(self.token_logprobs), echoed)
+
+    def chunk_logprobs(self, chat: bool) -> dict | None:
+        if self.job.logprobs is None:
+            return None
+        entries, self.new_logprobs = self.new_logprobs, []
+        return logprobs_payload(chat, entries)
+
+    def _kept(self, entries: list[TokenLogprob]) -> list[TokenLogprob]:
+        """Every token, or, when a stop string cut the text, those whose text starts before the cut."""
+        if not self.cut:
+            return entries
+        kept, offset = [], 0
+        for entry in entries:
+            if offset >= len(self.text):
+                break
+            kept.append(entry)
+            offset += len(entry.text)
+        return kept
+
+    def _piece(self, token: int) -> str:
+        return self.tokenizer.decode([token])
 
     def _cut_at_stop(self) -> bool:
         longest = max((len(s) for s in self.job.stop), default=0)
@@ -319,6 +483,7 @@ class _Answer:
         found = [i for i in (self.text.find(s, start) for s in self.job.stop) if i >= 0]
         if found:
             self.text = self.text[: min(found)]
+            self.cut = True
             return True
         return False
 

@@ -1,26 +1,32 @@
-"""OpenAI request and response shapes: parse and check a request body, build the responses and stream chunks.
+"""OpenAI request and response shapes: the request bodies as pydantic models (types and ranges checked there),
+the responses and stream chunks.
 
-Every check fails with :class:`BadRequest` (HTTP 400, an OpenAI-style error body naming the field), never with a
-traceback.
+Every parameter a request may carry is declared here, honoured by the server, or refused: a parameter that is not
+declared is answered with HTTP 400 naming it, never ignored. Every check fails with :class:`BadRequest` (an
+OpenAI error body naming the field), never with a traceback.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
-from specdec.sampling import SamplingParams
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+from specdec.sampling import SEED_RANGE, LogitsAdjustment, SamplingParams
 from specdec.server.scheduler import GenerationRequest
 
 MAX_STOP_SEQUENCES = 4
-
+MAX_CHOICES = 16  # n
+MAX_TOP_LOGPROBS = 20
+MAX_JSON_DEPTH = 64  # nesting of the request body: deeper is refused before it is parsed
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-               500: "server_error", 503: "server_error"}
+               405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+               429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
 
 class ApiError(Exception):
@@ -31,8 +37,8 @@ class ApiError(Exception):
         self.message, self.param, self.code, self.status = message, param, code, status
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": ERROR_TYPES[self.status], "param": self.param,
-                          "code": self.code}}
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
 
 
 class BadRequest(ApiError):
@@ -40,6 +46,169 @@ class BadRequest(ApiError):
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message, param, code, status=400)
+
+
+# --- request bodies ----------------------------------------------------------------------------------------------------
+
+
+def _encodable(text: str) -> str:
+    """Text a tokenizer can take: UTF-8 encodable (a lone surrogate is not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("the text is not valid Unicode (it holds a lone surrogate)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_encodable)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """What chat and plain completions share."""
+
+    model: str | None = None
+    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = 0  # vLLM's extension: -1 or 0, no limit
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    seed: Annotated[int, Field(ge=SEED_RANGE[0], lt=SEED_RANGE[1])] | None = None
+    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    ignore_eos: bool = False  # vLLM's extension
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
+    user: str | None = None  # an end-user id: changes nothing
+
+
+class CompletionRequest(_Sampling):
+    prompt: NonEmptyText | TokenIds | Annotated[list[NonEmptyText], Field(min_length=1, max_length=1)] | \
+        Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    best_of: Literal[1] | None = None  # more candidates than returned is not implemented
+    suffix: None = None  # insertion is not implemented
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+
+REFUSED = {  # parameters OpenAI defines that change the output and are not implemented: why, for the 400
+    "best_of": "best_of (more candidates than returned) is not supported",
+    "suffix": "suffix (insertion) is not supported",
+    "tools": "tools (function calling) are not supported",
+    "tool_choice": "tool_choice (function calling) is not supported",
+    "functions": "functions (function calling) are not supported",
+    "function_call": "function_call (function calling) is not supported",
+    "parallel_tool_calls": "parallel_tool_calls (function calling) is not supported",
+    "response_format": "response_format (structured output) is not supported",
+}
+
+
+def json_depth_ok(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether the JSON text nests no deeper than ``limit`` (counted on brackets outside strings, before parsing:
+    a body of 100,000 nested lists must not reach the parser's recursion)."""
+    depth, in_string, escaped = 0, False, False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):
+            depth += 1
+            if depth > limit:
+                return False
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return True
+
+
+def parse_body(raw: bytes) -> dict:
+    if not json_depth_ok(raw):
+        raise BadRequest(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise BadRequest(f"the request body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
+
+
+def validated(model: type[_Body], body: dict) -> _Body:
+    """The body as ``model``, or a 400 naming the first field at fault."""
+    for name, value in body.items():
+        if name in REFUSED and _refused(name, value):
+            raise BadRequest(REFUSED[name], name, "unsupported_parameter")
+    body = {k: v for k, v in body.items() if k not in REFUSED or k in model.model_fields}  # harmless defaults
+    try:
+        return model.model_validate(body)
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = ".".join(str(part) for part in _field_path(first["loc"])) or None
+        if first["type"] == "extra_forbidden":
+            raise BadRequest(f"{param} is not a parameter this server knows or supports", param,
+                             "unsupported_parameter") from None
+        value = json.dumps(first.get("input"), default=str)[:60]
+        raise BadRequest(f"{param}: {first['msg']} (got {value})", param) from None
+
+
+def _refused(name: str, value) -> bool:
+    """Whether a REFUSED parameter's value asks for what is not implemented (its default asks for nothing)."""
+    if value is None:
+        return False
+    if name == "best_of":
+        return value != 1
+    if name == "response_format":
+        return value != {"type": "text"}
+    return True
+
+
+def _field_path(loc: tuple) -> list:
+    """The field's path without pydantic's union branch names (``prompt.str``, ``stop.list[str]``)."""
+    return [part for part in loc if isinstance(part, int) or part in _FIELD_NAMES]
+
+
+_FIELD_NAMES = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | {
+    "role", "content", "type", "text", "name", "include_usage"}
+
+
+# --- a checked request -------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -55,8 +224,13 @@ class Job:
     stream: bool
     include_usage: bool
     ignore_eos: bool
+    n: int = 1
+    logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
+    echo: bool = False
+    adjustment: LogitsAdjustment | None = None  # logit_bias and penalties
 
-    def generation_request(self, prompt_ids: list[int], max_length: int) -> GenerationRequest:
+    def generation_request(self, prompt_ids: list[int], max_length: int, choice: int = 0) -> GenerationRequest:
+        """The scheduler's request for choice ``choice`` of n (each its own seed, when seeded)."""
         room = max_length - len(prompt_ids)
         if room < 1:
             raise BadRequest(f"the prompt has {len(prompt_ids)} tokens; this model's context is {max_length} "
@@ -67,125 +241,66 @@ class Job:
                              f"model's context is {max_length} tokens: at most {room}", "max_tokens",
                              "context_length_exceeded")
         return GenerationRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=self.sampling,
-                                 seed=self.seed, stop_at_eos=not self.ignore_eos)
+                                 seed=choice_seed(self.seed, choice), stop_at_eos=not self.ignore_eos,
+                                 adjustment=self.adjustment, logprobs=self.logprobs)
 
 
-def parse_body(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise BadRequest(f"the request body is not valid JSON: {error}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    return body
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """Choice 0 keeps the request's seed (n = 1 answers as before); choice i > 0 takes a seed of its own, derived
+    from the request's, so that the n samples are independent and the whole answer reproducible."""
+    if seed is None or choice == 0:
+        return seed
+    return (seed * 0x9E3779B97F4A7C15 + choice) % SEED_RANGE[1]
 
 
-def parse_job(body: dict, chat: bool, model_name: str) -> Job:
-    model = _field(body, "model", str, None)
-    if model is not None and model != model_name:
-        raise BadRequest(f"the model {model!r} does not exist; this server serves {model_name!r}", "model",
+def parse_job(body: dict, chat: bool, model_name: str, vocab_size: int) -> Job:
+    request = validated(ChatCompletionRequest if chat else CompletionRequest, body)
+    if request.model is not None and request.model != model_name:
+        raise BadRequest(f"the model {request.model!r} does not exist; this server serves {model_name!r}", "model",
                          "model_not_found")
-    if _field(body, "n", int, 1) != 1:
-        raise BadRequest("only n = 1 is supported", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0) != 0.0:
-            raise BadRequest(f"{name} is not supported: it would change the target's distribution", name)
-    if body.get("logprobs") not in (None, False, 0):
-        raise BadRequest("logprobs are not supported", "logprobs")
-    max_tokens = _field(body, "max_completion_tokens", int, None) if chat else None
-    max_tokens = _field(body, "max_tokens", int, max_tokens if chat else 16)
-    if max_tokens is not None and max_tokens < 1:
-        raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-    temperature = _number(body, "temperature", 1.0)
-    if temperature < 0:
-        raise BadRequest(f"temperature must be >= 0, got {temperature}", "temperature")
-    top_p = _number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise BadRequest(f"top_p must be in (0, 1], got {top_p}", "top_p")
-    top_k = _field(body, "top_k", int, 0)
-    if top_k < -1:
-        raise BadRequest(f"top_k must be >= 0 (or -1: no limit), got {top_k}", "top_k")
-    stream_options = _field(body, "stream_options", dict, None) or {}
+    if chat:
+        max_tokens = request.max_tokens if request.max_tokens is not None else request.max_completion_tokens
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        if request.top_logprobs is not None and not request.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        prompt = [{"role": m.role, "content": m.text()} for m in request.messages]
+    else:
+        max_tokens = 16 if request.max_tokens is None else request.max_tokens
+        logprobs = request.logprobs
+        prompt = request.prompt[0] if isinstance(request.prompt, list) and isinstance(
+            request.prompt[0], (str, list)) else request.prompt
+        if request.echo and logprobs is not None:
+            raise BadRequest("echo with logprobs (the prompt's log-probabilities) is not supported", "echo")
+    stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
     return Job(
         chat=chat,
-        prompt=_messages(body) if chat else _prompt(body),
+        prompt=prompt,
         max_tokens=max_tokens,
-        sampling=SamplingParams(temperature=temperature, top_k=max(top_k, 0), top_p=top_p),
-        seed=_field(body, "seed", int, None),
-        stop=_stop(body),
-        stream=_field(body, "stream", bool, False),
-        include_usage=_field(stream_options, "include_usage", bool, False, "stream_options.include_usage"),
-        ignore_eos=_field(body, "ignore_eos", bool, False),
+        sampling=SamplingParams(temperature=request.temperature, top_k=max(request.top_k, 0), top_p=request.top_p),
+        seed=request.seed,
+        stop=stop,
+        stream=request.stream,
+        include_usage=bool(request.stream_options and request.stream_options.include_usage),
+        ignore_eos=request.ignore_eos,
+        n=request.n,
+        logprobs=logprobs,
+        echo=getattr(request, "echo", False),
+        adjustment=_adjustment(request, vocab_size),
     )
 
 
-def _field(body: dict, name: str, kind: type, default, param: str | None = None):
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise BadRequest(f"{param or name} must be {_KIND_NAMES[kind]}, got {json.dumps(value)[:40]}", param or name)
-    return value
+def _adjustment(request: _Sampling, vocab_size: int) -> LogitsAdjustment | None:
+    bias = {}
+    for key, value in (request.logit_bias or {}).items():
+        if not key.isdigit() or not 0 <= int(key) < vocab_size:
+            raise BadRequest(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}", "logit_bias")
+        bias[int(key)] = value
+    adjustment = LogitsAdjustment(bias=bias, presence_penalty=request.presence_penalty,
+                                  frequency_penalty=request.frequency_penalty)
+    return adjustment if adjustment.active else None
 
 
-def _number(body: dict, name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise BadRequest(f"{name} must be a number, got {json.dumps(value)[:40]}", name)
-    return float(value)
-
-
-_KIND_NAMES = {str: "a string", int: "an integer", bool: "true or false", dict: "an object", list: "an array"}
-
-
-def _prompt(body: dict) -> str | list[int]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str) and prompt:
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
-    raise BadRequest("prompt must be a non-empty string or a non-empty array of token ids (one prompt per "
-                     "request)", "prompt")
-
-
-def _messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty array", "messages")
-    checked = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise BadRequest(f"messages[{i}] must be an object with a string role", "messages")
-        checked.append({"role": message["role"], "content": _content(message.get("content"), i)})
-    return checked
-
-
-def _content(content, i: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
-                                         and isinstance(part.get("text"), str) for part in content):
-        return "".join(part["text"] for part in content)
-    raise BadRequest(f"messages[{i}].content must be a string or an array of text parts", "messages")
-
-
-def _stop(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if (not isinstance(stops, list) or len(stops) > MAX_STOP_SEQUENCES
-            or not all(isinstance(s, str) and s for s in stops)):
-        raise BadRequest(f"stop must be a non-empty string or an array of up to {MAX_STOP_SEQUENCES} of them",
-                         "stop")
-    return tuple(stops)
-
-
-# --- responses -------------------------------------------------------------------------------------------------------
+# --- responses ---------------------------------------------------------------------------------------------------------
 
 
 class Response:
@@ -197,16 +312,20 @@ class Response:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
-    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
-        choice = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
+        choice = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        return self._envelope("chat.completion" if self.chat else "text_completion", [choice], usage=usage)
+        return choice
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict:
-        choice: dict = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    def whole(self, choices: list[dict], usage: dict) -> dict:
+        return self._envelope("chat.completion" if self.chat else "text_completion", choices, usage=usage)
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False, index: int = 0,
+              logprobs: dict | None = None) -> dict:
+        choice: dict = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs}
         if self.chat:
             delta = {"role": "assistant", "content": ""} if first else {}
             if text:
@@ -231,3 +350,27 @@ def usage(prompt_tokens: int, completion_tokens: int, draft_tokens: int, accepte
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "speculation": {"draft_tokens": draft_tokens, "accepted_tokens": accepted_tokens}}
+
+
+def logprobs_payload(chat: bool, entries: list["TokenLogprob"], text_offset: int = 0) -> dict:
+    """OpenAI's logprobs object for the tokens given: chat's ``content`` list, or the completions layout."""
+    if chat:
+        return {"content": [{"token": e.text, "logprob": e.logprob, "bytes": list(e.text.encode()),
+                             "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
+                                              for t, lp in e.top]} for e in entries]}
+    offsets, offset = [], text_offset
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.text)
+    return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [dict(e.top) for e in entries] if any(e.top for e in entries) else None,
+            "text_offset": offsets}
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's text, the target's log-probability of it, and its top alternatives."""
+
+    text: str
+    logprob: float
+    top: list[tuple[str, float]]

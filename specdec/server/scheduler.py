@@ -30,9 +30,10 @@ import torch
 
 from specdec.backends.batch import BatchedLlama, Row, Slot
 from specdec.engine import emitted_round, make_generator, verify_draft
+from specdec.errors import UsageError
 from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from specdec.proposers.none import NoProposer
-from specdec.sampling import SamplingParams
+from specdec.sampling import LogitsAdjustment, SamplingParams
 from specdec.server.metrics import Metrics
 from specdec.server.speculation import Acceptance, SpeculationPlanner
 
@@ -55,6 +56,8 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None
     stop_at_eos: bool = True
+    adjustment: LogitsAdjustment | None = None  # logit_bias and penalties on the target's logits
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,18 @@ class Tokens:
     token_ids: list[int]
     kinds: list[str]
     draft_tokens: int  # draft tokens scored for this request in the step
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # per token: its own, the top ones
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Each emitted token's log-probability under the target's (adjusted) distribution at its position (token i
+    came from row i of the verifying pass), and the ``top`` most likely tokens there."""
+    logprobs = torch.log_softmax(logits[: len(tokens)].double(), dim=-1)  # [n, vocab]
+    chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    if not top:
+        return [(lp, []) for lp in chosen]
+    values, ids = torch.topk(logprobs, top, dim=-1)
+    return [(lp, list(zip(i, v))) for lp, i, v in zip(chosen, ids.tolist(), values.tolist())]
 
 
 @dataclass(frozen=True)
@@ -73,6 +88,7 @@ class Finished:
 
     reason: str
     message: str = ""
+    status: int = 500  # for reason "error": 400 when the request's own input caused it
 
 
 class Handle:
@@ -85,6 +101,24 @@ class Handle:
         self.id = next(self._ids)
         self.events: queue.Queue[Tokens | Finished] = queue.Queue()
         self.cancelled = threading.Event()
+        self._listener: Callable[[Tokens | Finished], None] | None = None
+        self._lock = threading.Lock()
+
+    def put(self, event: Tokens | Finished) -> None:
+        """Hand an event to whoever waits: the queue, or the listener once one is set."""
+        with self._lock:
+            if self._listener is None:
+                self.events.put(event)
+            else:
+                self._listener(event)
+
+    def listen(self, listener: Callable[[Tokens | Finished], None]) -> None:
+        """Hand every event, those queued so far first, to ``listener`` (called on the scheduler's thread; an
+        asyncio server passes one that schedules onto its loop)."""
+        with self._lock:
+            while not self.events.empty():
+                listener(self.events.get_nowait())
+            self._listener = listener
 
     def cancel(self) -> None:
         """Stop generating for this request and free its slot (at the next step)."""
@@ -133,6 +167,7 @@ class Scheduler:
         self._accepting = True
         self._stopped = False
         self._thread: threading.Thread | None = None
+        self.last_progress = time.monotonic()  # when the loop last finished a step, or found nothing to do
 
     @property
     def max_length(self) -> int:
@@ -176,7 +211,7 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join()
         for handle in self._waiting:
-            handle.events.put(Finished("abort", "the server shut down"))
+            handle.put(Finished("abort", "the server shut down"))
         self._waiting.clear()
         for running in self._running:
             self._retire(running, "abort")
@@ -200,12 +235,22 @@ class Scheduler:
     def accepting(self) -> bool:
         return self._accepting
 
+    def stalled(self, after: float) -> str | None:
+        """Why the loop is not serving, or None: its thread has died, or work has waited ``after`` seconds
+        without a step finishing."""
+        if self._thread is not None and not self._thread.is_alive() and not self._stopped:
+            return "the scheduler's thread has died"
+        if self.busy and time.monotonic() - self.last_progress > after:
+            return f"no step has finished for {time.monotonic() - self.last_progress:.0f} s while requests wait"
+        return None
+
     # --- the loop --------------------------------------------------------------------------------------------------
 
     def _loop(self) -> None:
         while True:
             with self._lock:
                 while not self._stopped and not self._waiting and not self._running:
+                    self.last_progress = time.monotonic()
                     self._lock.wait()
                 if self._stopped:
                     return
@@ -213,11 +258,12 @@ class Scheduler:
                 self._admit()
                 if self._running:
                     self.step()
-            except Exception as error:  # a bug must not take the server down: end the batch, keep serving
+            except Exception as error:  # a bug outside any one request's share: end the batch, keep serving
                 log.exception("step failed")
                 for running in self._running:
                     self._retire(running, "error", f"internal error: {error}")
                 self._running.clear()
+            self.last_progress = time.monotonic()
 
     def _admit(self) -> None:
         """Move waiting requests into free slots and prefill their prompts together."""
@@ -228,8 +274,9 @@ class Scheduler:
                 if handle.cancelled.is_set():
                     self._end_waiting(handle)
                     continue
-                admitted.append(_Running(handle, self.pool.open(), self._proposer(handle), self.pool.device,
-                                         self.eos_token_ids))
+                running = self._start(handle)
+                if running is not None:
+                    admitted.append(running)
         self._running += admitted  # before the prefill: should it fail, the loop's handler ends them too
         batch: list[_Running] = []
         for running in admitted:
@@ -239,6 +286,27 @@ class Scheduler:
             batch.append(running)
         if batch:
             self._prefill(batch)
+
+    def _start(self, handle: Handle) -> _Running | None:
+        """The request in a slot of its own; None (the request ended with its error) if it cannot start."""
+        slot = None
+        try:
+            slot = self.pool.open()
+            return _Running(handle, slot, self._proposer(handle), self.pool.device, self.eos_token_ids)
+        except Exception as error:
+            if slot is not None:
+                self.pool.close(slot)
+            self._fail(handle, error)
+            return None
+
+    def _fail(self, handle: Handle, error: Exception) -> None:
+        """End one request with its own error: 400 if its input caused it (a check refused it), 500 otherwise."""
+        client_fault = isinstance(error, (ValueError, UsageError))
+        if not client_fault:
+            log.error("request %d failed", handle.id, exc_info=error)
+        handle.put(Finished("error", str(error) if client_fault else f"internal error: {error}",
+                            400 if client_fault else 500))
+        self.metrics.observe_finish("error")
 
     def _proposer(self, handle: Handle) -> Proposer:
         """The request's own drafter; one that cannot be made leaves the request to plain decoding."""
@@ -256,7 +324,7 @@ class Scheduler:
             self._end_waiting(handle)
 
     def _end_waiting(self, handle: Handle) -> None:
-        handle.events.put(Finished("cancelled"))
+        handle.put(Finished("cancelled"))
         self.metrics.observe_finish("cancelled")
 
     def _prefill(self, batch: list[_Running]) -> None:
@@ -264,8 +332,35 @@ class Scheduler:
         started = time.perf_counter()
         rows = [Row(r.slot, r.context[:-1], 0) for r in batch if len(r.context) > 1]
         if rows:
-            self.pool.forward(rows)
+            self._forward(rows, [r for r in batch if len(r.context) > 1])
         self.metrics.observe_prefill(sum(len(r.context) for r in batch), time.perf_counter() - started)
+
+    def _forward(self, rows: list[Row], owners: list[_Running]) -> list[torch.Tensor | None]:
+        """One pass over every row (row i is owners[i]'s); should it fail, each row again alone, so that a row
+        that fails ends its own request only (its logits None), and the others go on."""
+        try:
+            return self.pool.forward(rows)
+        except Exception as error:
+            if len(rows) == 1:
+                self._drop(owners[0], error)
+                return [None]
+        log.warning("a pass over %d requests failed; running each alone", len(rows))
+        logits: list[torch.Tensor | None] = []
+        for row, owner in zip(rows, owners):
+            try:
+                logits.append(self.pool.forward([row])[0])
+            except Exception as error:
+                self._drop(owner, error)
+                logits.append(None)
+        return logits
+
+    def _drop(self, r: _Running, error: Exception) -> None:
+        """End a running request with its error, now, and free its slot."""
+        if r in self._running:
+            self._running.remove(r)
+        if r.slot.index >= 0:
+            self.pool.close(r.slot)
+        self._fail(r.handle, error)
 
     def step(self) -> None:
         step_started = time.perf_counter()
@@ -278,13 +373,19 @@ class Scheduler:
         lengths = self.planner.draft_lengths([len(r.draft) for r in running], rates)
         drafts = [_first(r.draft, n) for r, n in zip(running, lengths)]
         # 3. one target pass over every request's pending token and draft tokens
-        rows = [Row(r.slot, [r.context[-1]] + d.tokens, len(d) + 1) for r, d in zip(running, drafts)]
+        batch = list(running)
+        rows = [Row(r.slot, [r.context[-1]] + d.tokens, len(d) + 1) for r, d in zip(batch, drafts)]
         started = time.perf_counter()
-        logits = self.pool.forward(rows)  # per request [k+1, vocab]
+        logits = self._forward(rows, batch)  # per request [k+1, vocab]; None for one that failed (and left)
         self.planner.observe_pass(sum(len(row.token_ids) for row in rows), time.perf_counter() - started)
         # 4. verify, roll back, emit
-        for r, draft, row_logits in zip(running, drafts, logits):
-            self._advance(r, draft, row_logits)
+        for r, draft, row_logits in zip(batch, drafts, logits):
+            if row_logits is None:
+                continue
+            try:
+                self._advance(r, draft, row_logits)
+            except Exception as error:
+                self._drop(r, error)
         self.metrics.observe_step(len(running), any(lengths), time.perf_counter() - step_started)
         # 5. retire
         for r in [r for r in running if r.finished or r.handle.cancelled.is_set()]:
@@ -310,14 +411,18 @@ class Scheduler:
         self.planner.observe_drafting(drafted, time.perf_counter() - started)
 
     def _advance(self, r: _Running, draft: Draft, logits: torch.Tensor) -> None:
-        verdict = verify_draft(draft, logits, r.handle.request.sampling, r.generator)
+        request = r.handle.request
+        if request.adjustment is not None:  # row j follows the tokens generated so far and draft[:j]
+            logits = request.adjustment.apply(logits, r.context[len(request.prompt_ids):], draft.tokens)
+        verdict = verify_draft(draft, logits, request.sampling, r.generator)
         r.slot.length = len(r.context) + verdict.accepted  # the context, less its last token, was cached
         self._learn_acceptance(r, draft, verdict)
         round_ = emitted_round(draft, verdict, r.remaining, r.stop_ids, 0.0, 0.0, len(draft))
         self.metrics.observe_round(round_)
         r.context += round_.tokens
         r.produced += len(round_.tokens)
-        r.handle.events.put(Tokens(round_.tokens, round_.kinds, round_.draft_tokens))
+        logprobs = None if request.logprobs is None else token_logprobs(logits, round_.tokens, request.logprobs)
+        r.handle.put(Tokens(round_.tokens, round_.kinds, round_.draft_tokens, logprobs))
         if round_.tokens[-1] in r.stop_ids:
             r.finished = "stop"
         elif r.remaining == 0 or len(r.context) >= self.max_length:
@@ -339,7 +444,7 @@ class Scheduler:
     def _retire(self, r: _Running, reason: str, message: str = "") -> None:
         if r.slot.index >= 0:
             self.pool.close(r.slot)
-        r.handle.events.put(Finished(reason, message))
+        r.handle.put(Finished(reason, message))
         self.metrics.observe_finish(reason)
 
 
