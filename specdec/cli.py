@@ -188,8 +188,11 @@ def _add_serve_parser(commands) -> None:
                        help="the most draft tokens per request per step (default 4)")
     serve.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1: this machine only")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint "
-                       "but /health (default: $SPECDEC_API_KEY, if set)")
+    serve.add_argument("--api-key-file", default=None, metavar="PATH",
+                       help="require 'Authorization: Bearer KEY' on every endpoint but /health, KEY being this "
+                       "file's first line (default: $SPECDEC_API_KEY, if set)")
+    serve.add_argument("--api-key", default=None, help="the key itself (visible in ps: prefer $SPECDEC_API_KEY or "
+                       "--api-key-file)")
     serve.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
     serve.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens per request")
     serve.add_argument("--max-waiting", type=int, default=256,

@@ -31,6 +31,7 @@ def model_dir(tmp_path_factory):
     (["--max-body-bytes", "10"], "max-body-bytes"),
     (["--datastore", "/no/such/store"], "datastore"),
     (["--model", "/no/such/model"], "not found"),
+    (["--api-key-file", "/no/such/key"], "API key file"),
 ])
 def test_bad_serve_settings_are_one_line_and_exit_2(model_dir, capsys, args, message):
     code = main(["serve", *(["--model", str(model_dir)] if "--model" not in args else []), *args])
@@ -38,15 +39,22 @@ def test_bad_serve_settings_are_one_line_and_exit_2(model_dir, capsys, args, mes
     assert code == 2 and err.count("\n") == 1 and err.startswith("specdec: error:") and message in err, err
 
 
-def test_serve_answers_then_drains_on_sigterm(model_dir):
+def test_serve_answers_then_drains_on_sigterm(model_dir, tmp_path):
+    key = tmp_path / "key"
+    key.write_text("sesame\n")
     process = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--model", str(model_dir),
-                                "--port", "0", "--speculation", "always"], stderr=subprocess.PIPE, text=True)
+                                "--port", "0", "--speculation", "always", "--api-key-file", str(key)],
+                               stderr=subprocess.PIPE, text=True)
     try:
         line = process.stderr.readline()
         port = int(re.search(r"http://127\.0\.0\.1:(\d+)", line).group(1))
+        assert "API key required" in line
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        connection.request("POST", "/v1/completions", json.dumps({"prompt": "w3 w4 w3 w4", "max_tokens": 6,
-                                                                  "temperature": 0, "ignore_eos": True}))
+        body = json.dumps({"prompt": "w3 w4 w3 w4", "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+        connection.request("POST", "/v1/completions", body)
+        response = connection.getresponse()
+        assert response.status == 401 and json.loads(response.read())["error"]["code"] == "invalid_api_key"
+        connection.request("POST", "/v1/completions", body, {"Authorization": "Bearer sesame"})
         answer = json.loads(connection.getresponse().read())
         assert answer["usage"]["completion_tokens"] == 6 and answer["model"] == "tiny"
         process.send_signal(signal.SIGTERM)

@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from specdec.server.protocol import (ApiError, BadRequest, ChatCompletionRequest, CompletionRequest, Job, Response,
                                      TokenLogprob, logprobs_payload, parse_body, parse_job, usage)
@@ -127,6 +128,12 @@ class OpenAIServer:
                            status=401)
 
     def prompt_ids(self, job: Job) -> list[int]:
+        ids = self._encoded(job)
+        if not ids:
+            raise BadRequest("the prompt encodes to no tokens", "messages" if job.chat else "prompt")
+        return ids
+
+    def _encoded(self, job: Job) -> list[int]:
         if job.chat:
             from specdec.api import chat_prompt_ids
 
@@ -211,6 +218,10 @@ def build_app(server: OpenAIServer) -> FastAPI:
     async def validation_error(request: Request, error: RequestValidationError):
         return error_response(BadRequest(f"bad request: {error.errors()[0].get('msg', error)}"))
 
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, error: ClientGone):
+        return PlainTextResponse("", status_code=499)  # nobody reads it
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, error: Exception):  # a bug: one line to the client, the log keeps it
         log.exception("request failed")
@@ -248,8 +259,6 @@ def build_app(server: OpenAIServer) -> FastAPI:
                                               "Connection": "close"})
         try:
             await _collect(answers, request)
-        except ClientGone:
-            return PlainTextResponse("", status_code=499)  # nobody reads it: the client has gone
         finally:
             for answer in answers:
                 answer.handle.cancel()  # frees a slot still held (a client gone, a stop string)
@@ -307,6 +316,8 @@ async def _read_body(request, settings: ServerSettings) -> bytes:
             chunk = await asyncio.wait_for(stream.__anext__(), settings.read_timeout)
         except StopAsyncIteration:
             break
+        except ClientDisconnect:  # it left mid-body, or its framing was refused
+            raise ClientGone from None
         except asyncio.TimeoutError:
             raise ApiError(f"the request body stalled for {settings.read_timeout:g} s", status=408) from None
         size += len(chunk)

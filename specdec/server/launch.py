@@ -38,6 +38,25 @@ def load_server(model: str | None, batch: BatchSettings, settings: ServerSetting
         raise UsageError(f"cannot listen on {settings.host}:{settings.port}: {error.strerror or error}") from None
 
 
+def api_key(given: str | None, path: str | None) -> str | None:
+    """The key clients must send: from --api-key-file, else $SPECDEC_API_KEY, else --api-key (with a warning:
+    a key on the command line shows in ps)."""
+    if path is not None:
+        try:
+            lines = Path(path).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as error:
+            raise UsageError(f"cannot read the API key file {path}: {getattr(error, 'strerror', None) or error}"
+                             ) from None
+        if not lines or not lines[0].strip():
+            raise UsageError(f"the API key file {path} is empty")
+        return lines[0].strip()
+    if given is not None:
+        print("specdec: warning: --api-key shows in the process list; prefer $SPECDEC_API_KEY or --api-key-file",
+              file=sys.stderr)
+        return given
+    return os.environ.get("SPECDEC_API_KEY") or None
+
+
 def run_serve(args) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(message)s")
     batch = BatchSettings(speculation=args.speculation, drafter=args.drafter or (
@@ -48,7 +67,7 @@ def run_serve(args) -> int:
     if args.max_body_bytes < 1024:
         raise UsageError(f"max-body-bytes must be >= 1024, got {args.max_body_bytes}")
     settings = ServerSettings(host=args.host, port=args.port, max_body_bytes=args.max_body_bytes,
-                              api_key=args.api_key or os.environ.get("SPECDEC_API_KEY") or None)
+                              api_key=api_key(args.api_key, args.api_key_file))
     server = load_server(args.model, batch, settings, args.datastore, args.dtype, args.device,
                          args.served_model_name, args.backend, args.threads)
     stop = threading.Event()

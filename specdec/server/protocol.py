@@ -180,7 +180,7 @@ def validated(model: type[_Body], body: dict) -> _Body:
         return model.model_validate(body)
     except ValidationError as error:
         first = error.errors()[0]
-        param = ".".join(str(part) for part in _field_path(first["loc"])) or None
+        param = ".".join(str(part) for part in _field_path(first["loc"], body)) or None
         if first["type"] == "extra_forbidden":
             raise BadRequest(f"{param} is not a parameter this server knows or supports", param,
                              "unsupported_parameter") from None
@@ -199,13 +199,16 @@ def _refused(name: str, value) -> bool:
     return True
 
 
-def _field_path(loc: tuple) -> list:
-    """The field's path without pydantic's union branch names (``prompt.str``, ``stop.list[str]``)."""
-    return [part for part in loc if isinstance(part, int) or part in _FIELD_NAMES]
-
-
-_FIELD_NAMES = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | {
-    "role", "content", "type", "text", "name", "include_usage"}
+def _field_path(loc: tuple, body: dict) -> list:
+    """The path of the field at fault in the body, without pydantic's union branch names (``prompt.str``,
+    ``stop.list[str]``): the parts of ``loc`` that index the body as it was sent."""
+    path, node = [], body
+    for part in loc:
+        if isinstance(node, dict) and part in node or isinstance(node, list) and isinstance(part, int) and \
+                0 <= part < len(node):
+            path.append(part)
+            node = node[part]
+    return path
 
 
 # --- a checked request -------------------------------------------------------------------------------------------------

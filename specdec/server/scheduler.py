@@ -177,6 +177,8 @@ class Scheduler:
     # --- the public side, called from any thread -----------------------------------------------------------------
 
     def submit(self, request: GenerationRequest) -> Handle:
+        if not request.prompt_ids:
+            raise ValueError("the prompt has no tokens")
         if len(request.prompt_ids) + request.max_tokens > self.max_length:
             raise ValueError(f"prompt ({len(request.prompt_ids)}) + max_tokens ({request.max_tokens}) exceeds the "
                              f"context of {self.max_length} tokens")
