@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parser(commands)
     _add_bench_exits_parser(commands)
     _add_figures_parser(commands)
+    _add_export_parser(commands)
     _add_datastore_parser(commands)
     _add_serve_parser(commands)
     _add_bench_serve_parser(commands)
@@ -188,6 +189,12 @@ def _add_serve_parser(commands) -> None:
                        help="the most draft tokens per request per step (default 4)")
     serve.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1: this machine only")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--replicas", type=int, default=0, metavar="N",
+                       help="run N replicas of the server on Ray Serve, behind Ray's proxy at --host:--port "
+                       "(default: one process, no Ray)")
+    serve.add_argument("--ray-address", default=None,
+                       help="with --replicas: join this Ray cluster ('auto': the one on this node) instead of "
+                       "starting a local one")
     serve.add_argument("--api-key-file", default=None, metavar="PATH",
                        help="require 'Authorization: Bearer KEY' on every endpoint but /health, KEY being this "
                        "file's first line (default: $SPECDEC_API_KEY, if set)")
@@ -275,6 +282,24 @@ def _run_bench_exits(args: argparse.Namespace) -> int:
 
     _set_threads(args.threads)
     return run_bench_exits(args)
+
+
+def _add_export_parser(commands) -> None:
+    export = commands.add_parser("export", help="write a trained drafter in a published layout GPU engines load "
+                                 "(EAGLE-1, Medusa-1)")
+    export.add_argument("out", metavar="DIR", help="the directory to write")
+    export.add_argument("--format", required=True, choices=["eagle", "medusa"],
+                        help="eagle: an eagle drafter in EAGLE-1's layout; medusa: mtp heads in Medusa-1's")
+    export.add_argument("--drafter-path", default=None, metavar="DIR",
+                        help="the drafter (default: the one shipped for the target)")
+    export.add_argument("--model", default=None, help="the target it was trained for (default: the default model)")
+    export.set_defaults(run=_run_export)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from specdec.drafters.export import run_export
+
+    return run_export(args)
 
 
 def _add_figures_parser(commands) -> None:

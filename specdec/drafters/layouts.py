@@ -15,6 +15,7 @@ Pickled files (``pytorch_model.bin``, ``medusa_lm_head.pt``) are refused: conver
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,16 +33,25 @@ def load_published(directory: Path, method: str, target_model) -> torch.nn.Modul
     from specdec.drafters.checkpoint import build, read_weights
 
     config = _read_json(directory / "config.json")
-    if method == "eagle":
-        weights = _find(directory, EAGLE_WEIGHTS)
-        state = read_weights(weights)
-        return build(*eagle_config_and_state(config, state, target_model))
-    if method == "mtp":
-        weights = _find(directory, MEDUSA_WEIGHTS)
-        state = read_weights(weights)
-        return build(*medusa_config_and_state(config, state, target_model))
+    layouts = {"eagle": (EAGLE_WEIGHTS, eagle_config_and_state), "mtp": (MEDUSA_WEIGHTS, medusa_config_and_state)}
+    if method in layouts:
+        names, read = layouts[method]
+        drafter, target, state = read(config, read_weights(_find(directory, names)), target_model)
+        return build(*_with_draft_vocab(directory, drafter, target, state))
     raise UsageError(f"{directory} has no {directory.name}/drafter.json; a published draft model is a transformers "
                      "model: pass it with --draft-model")
+
+
+def _with_draft_vocab(directory: Path, drafter: DrafterConfig, target_model, state: dict[str, torch.Tensor]):
+    """The draft vocabulary ``specdec export`` keeps beside the layout (draft_vocab.safetensors), if there."""
+    from specdec.drafters.export import read_draft_vocab
+
+    ids = read_draft_vocab(directory)
+    if ids is None:
+        return drafter, target_model, state
+    if ids.ndim != 1 or not len(ids) or int(ids.min()) < 0 or int(ids.max()) >= drafter.vocab_size:
+        raise UsageError(f"{directory}/draft_vocab.safetensors does not hold token ids of this target")
+    return replace(drafter, draft_vocab=len(ids)), target_model, {**state, "vocab.ids": ids}
 
 
 def eagle_config_and_state(config: dict, state: dict[str, torch.Tensor], target_model
