@@ -16,6 +16,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -57,8 +58,9 @@ class ClientGone(Exception):
 class OpenAIServer:
     """OpenAI-compatible endpoints for one model, served by a scheduler."""
 
-    def __init__(self, scheduler: Scheduler, tokenizer, model_name: str, settings: ServerSettings = ServerSettings()
-                 ) -> None:
+    def __init__(self, scheduler: Scheduler, tokenizer, model_name: str, settings: ServerSettings = ServerSettings(),
+                 listen: bool = True) -> None:
+        """``listen=False``: the app alone, for another server to run (a Ray Serve replica); no socket."""
         import uvicorn
 
         self.scheduler = scheduler
@@ -66,8 +68,9 @@ class OpenAIServer:
         self.model_name = model_name
         self.settings = settings
         self.created = int(time.time())
+        self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which process answered (X-Specdec-Instance)
         self.app = build_app(self)
-        self.socket = _listen(settings.host, settings.port)  # bound now: a busy port is refused before loading
+        self.socket = _listen(settings.host, settings.port) if listen else None  # a busy port fails before loading
         self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, http="h11", lifespan="off", log_level="warning",
                                                      access_log=False, timeout_keep_alive=30,
                                                      timeout_graceful_shutdown=5))
@@ -102,7 +105,8 @@ class OpenAIServer:
         self.uvicorn.should_exit = True
         if self._serving is not None:
             self._serving.join(timeout=10)
-        self.socket.close()
+        if self.socket is not None:
+            self.socket.close()
 
     # --- what the endpoints do ------------------------------------------------------------------------------------
 
@@ -192,6 +196,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
     app = FastAPI(title="specdec", summary="OpenAI-compatible completions with exact speculative decoding",
                   docs_url=None, redoc_url=None, default_response_class=_JSON)
     metrics = server.scheduler.metrics
+    app.add_middleware(_InstanceHeader, value=server.instance.encode())
 
     def error_response(error: ApiError) -> JSONResponse:
         metrics.observe_rejection(error.status)
@@ -279,6 +284,21 @@ def build_app(server: OpenAIServer) -> FastAPI:
 
     _add_schemas(app, CompletionRequest, ChatCompletionRequest)
     return app
+
+
+class _InstanceHeader:
+    """Names the process that answered in every response (X-Specdec-Instance): replicas tell themselves apart."""
+
+    def __init__(self, app, value: bytes) -> None:
+        self.app, self.value = app, value
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def send_with_header(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-specdec-instance", self.value)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header if scope["type"] == "http" else send)
 
 
 def _body_schema(model) -> dict:

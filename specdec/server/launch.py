@@ -18,8 +18,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 def load_server(model: str | None, batch: BatchSettings, settings: ServerSettings, datastore: str | None = None,
                 dtype: str = "auto", device: str = "auto", served_model_name: str | None = None,
-                backend: str = "torch", threads: int | None = None) -> OpenAIServer:
-    """Load the model (checks first, the slow load last) and bind the server; ``start()`` it to serve."""
+                backend: str = "torch", threads: int | None = None, listen: bool = True) -> OpenAIServer:
+    """Load the model (checks first, the slow load last) and bind the server; ``start()`` it to serve
+    (``listen=False``: the app alone, for Ray Serve to run)."""
     from specdec import datastore as datastores
     from specdec.api import eos_token_ids
     from specdec.backends import target_backend
@@ -33,7 +34,7 @@ def load_server(model: str | None, batch: BatchSettings, settings: ServerSetting
     scheduler = build_scheduler(runtime, batch, eos_token_ids(loaded), store)
     name = served_model_name or (DEFAULT_MODEL_NAME if model is None else Path(model).name.removesuffix(".gguf"))
     try:
-        return OpenAIServer(scheduler, loaded.tokenizer, name, settings)
+        return OpenAIServer(scheduler, loaded.tokenizer, name, settings, listen=listen)
     except OSError as error:
         raise UsageError(f"cannot listen on {settings.host}:{settings.port}: {error.strerror or error}") from None
 
@@ -68,6 +69,15 @@ def run_serve(args) -> int:
         raise UsageError(f"max-body-bytes must be >= 1024, got {args.max_body_bytes}")
     settings = ServerSettings(host=args.host, port=args.port, max_body_bytes=args.max_body_bytes,
                               api_key=api_key(args.api_key, args.api_key_file))
+    if args.replicas < 0:
+        raise UsageError(f"replicas must be >= 1, got {args.replicas}")
+    if args.ray_address and not args.replicas:
+        raise UsageError("--ray-address goes with --replicas N")
+    if args.replicas:
+        from specdec.server.replicas import ReplicaOptions, run_replicas
+
+        return run_replicas(args, ReplicaOptions(args.model, batch, settings, args.datastore, args.dtype, args.device,
+                                                 args.served_model_name, args.backend, args.threads))
     server = load_server(args.model, batch, settings, args.datastore, args.dtype, args.device,
                          args.served_model_name, args.backend, args.threads)
     stop = threading.Event()

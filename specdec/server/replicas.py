@@ -1,0 +1,113 @@
+"""``specdec serve --replicas N``: the same OpenAI app on Ray Serve, one engine (model, scheduler, KV caches) per
+replica, Ray's HTTP proxy in front routing each request to a replica.
+
+Every replica is the single-machine server's app (:func:`specdec.server.app.build_app`) built inside the replica
+process: the same routes, streaming, refusals and metrics (``/metrics`` is the answering replica's own; the
+``X-Specdec-Instance`` header names it). Ray restarts a replica that dies or whose scheduler stops serving
+(its health check is ``/health``'s).
+
+On one machine ``specdec serve --replicas 2`` starts a local Ray instance. On a cluster, start Ray on each node
+(``ray start --head`` on one, ``ray start --address HEAD:6379`` on the others) and pass ``--ray-address auto`` (or
+the head's address): replicas are then spread over the nodes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+
+from specdec.errors import UsageError
+from specdec.server import BatchSettings
+from specdec.server.app import ServerSettings
+
+APP_NAME = "specdec"
+_REPLICA = {}  # the server this replica process built: its health check reads it
+
+
+@dataclass(frozen=True)
+class ReplicaOptions:
+    """What each replica loads, as ``load_server`` takes it."""
+
+    model: str | None = None
+    batch: BatchSettings = field(default_factory=BatchSettings)
+    settings: ServerSettings = field(default_factory=ServerSettings)
+    datastore: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    served_model_name: str | None = None
+    backend: str = "auto"
+    threads: int | None = None
+
+
+def serve_app(options: ReplicaOptions = ReplicaOptions(), replicas: int = 1, shutdown_timeout: float = 30.0):
+    """The Ray Serve application: ``replicas`` copies of specdec's OpenAI app, for ``serve.run`` (or Ray's own
+    ``serve run specdec.server.replicas:app_builder replicas=2 model=PATH``)."""
+    from ray import serve
+
+    if replicas < 1:
+        raise UsageError(f"replicas must be >= 1, got {replicas}")
+
+    def build():
+        from specdec.server.launch import load_server
+
+        server = load_server(options.model, options.batch, options.settings, options.datastore, options.dtype,
+                             options.device, options.served_model_name, options.backend, options.threads,
+                             listen=False)
+        server.scheduler.start()
+        _REPLICA["server"] = server
+        return server.app
+
+    @serve.ingress(build)
+    class SpecdecReplica:
+        def check_health(self) -> None:
+            server = _REPLICA.get("server")
+            if server is not None:
+                status, body = server.health()
+                if status != 200 and server.scheduler.accepting:
+                    raise RuntimeError(body.get("reason", "unhealthy"))
+
+    deployment = serve.deployment(
+        SpecdecReplica, name="SpecdecReplica", num_replicas=replicas,
+        ray_actor_options={"num_cpus": 0},  # a replica's threads are its own (--threads); Ray need not count them
+        max_ongoing_requests=options.batch.max_batch_size + options.batch.max_waiting,
+        health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=shutdown_timeout)
+    return deployment.bind()
+
+
+def app_builder(args: dict):
+    """For ``serve run specdec.server.replicas:app_builder KEY=VALUE ...``: replicas, model, backend, threads."""
+    known = {"replicas", "model", "backend", "threads"}
+    if set(args) - known:
+        raise UsageError(f"unknown arguments {sorted(set(args) - known)}; known: {sorted(known)}")
+    options = ReplicaOptions(model=args.get("model"), backend=args.get("backend", "auto"),
+                             threads=int(args["threads"]) if "threads" in args else None)
+    return serve_app(options, int(args.get("replicas", 1)))
+
+
+def run_replicas(args, options: ReplicaOptions) -> int:
+    """Start (or join) Ray, deploy the replicas behind Ray's proxy at --host:--port, serve until a signal."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise UsageError("--replicas needs Ray Serve: pip install 'ray[serve]'") from None
+    threads = options.threads or max(1, (os.cpu_count() or 1) // args.replicas)
+    options = ReplicaOptions(**{**options.__dict__, "threads": threads})
+    ray.init(address=args.ray_address, include_dashboard=False, logging_level="warning",
+             **({} if args.ray_address else {"num_cpus": max(os.cpu_count() or 1, args.replicas)}))
+    serve.start(http_options={"host": args.host, "port": args.port})
+    stop = threading.Event()
+    import signal
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    serve.run(serve_app(options, args.replicas, args.shutdown_timeout), name=APP_NAME, route_prefix="/")
+    print(f"specdec: serving at http://{args.host}:{args.port} on Ray Serve, {args.replicas} replicas of "
+          f"{threads} threads; Ctrl-C to stop", file=sys.stderr, flush=True)
+    stop.wait()
+    print("specdec: shutting down the replicas", file=sys.stderr, flush=True)
+    serve.shutdown()
+    ray.shutdown()
+    return 0

@@ -1,0 +1,124 @@
+"""``specdec serve --replicas``: the OpenAI app on Ray Serve, a local Ray instance on loopback with 2 replicas of a
+tiny model. Slow: Ray takes its time to start."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from tiny import save_with_tokenizer, tiny_llama
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from specdec.engine import Engine, GenerationConfig  # noqa: E402
+from specdec.proposers import NoProposer  # noqa: E402
+from specdec.server import BatchSettings  # noqa: E402
+from specdec.server.replicas import APP_NAME, ReplicaOptions, serve_app  # noqa: E402
+
+pytestmark = pytest.mark.slow
+EOS = 1
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    model = tiny_llama(seed=0, init_range=0.5)
+    return model, save_with_tokenizer(model, tmp_path_factory.mktemp("replicas") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def port(model):
+    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=100 << 20, logging_level="error")
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    options = ReplicaOptions(model=str(model[1]), backend="torch", dtype="float32", threads=1,
+                             batch=BatchSettings(max_batch_size=8, max_model_len=128, speculation="always"))
+    serve.run(serve_app(options, replicas=2), name=APP_NAME, route_prefix="/")
+    yield port
+    serve.shutdown()
+    ray.shutdown()
+
+
+def complete(port: int, prompt: list[int], max_tokens: int = 8) -> tuple[int, dict | None, str | None]:
+    """(status, body, the replica that answered); status 0 when the connection failed."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        connection.request("POST", "/v1/completions", json.dumps({
+            "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}))
+        response = connection.getresponse()
+        body = response.read()
+        return response.status, json.loads(body) if response.status == 200 else None, \
+            response.getheader("X-Specdec-Instance")
+    except (ConnectionError, http.client.HTTPException):
+        return 0, None, None
+    finally:
+        connection.close()
+
+
+def greedy(model, prompt: list[int], n: int) -> list[int]:
+    from specdec.backends import LlamaRuntime
+
+    engine = Engine(LlamaRuntime(model[0]), NoProposer(), eos_token_ids={EOS})
+    return engine.generate(prompt, GenerationConfig(max_new_tokens=n, stop_at_eos=False)).token_ids
+
+
+def ids_of(text: str) -> list[int]:
+    return [int(word[1:]) for word in text.split()]
+
+
+def test_100_requests_are_each_answered_once_and_both_replicas_serve(model, port):
+    prompts = [[3 + i % 50, 4 + i // 50, 7] for i in range(100)]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda p: complete(port, p), prompts))
+    assert [status for status, _, _ in answers] == [200] * 100
+    for prompt, (_, body, _) in zip(prompts, answers):  # each its own answer: its own prompt's greedy output
+        assert ids_of(body["choices"][0]["text"]) == [t for t in greedy(model, prompt, 8) if t > 2]
+    assert len({instance for _, _, instance in answers}) == 2
+
+
+def test_streaming_and_refusals_pass_through_rays_proxy(port):
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    connection.request("POST", "/v1/completions", json.dumps({
+        "prompt": "w3 w4", "max_tokens": 5, "stream": True, "ignore_eos": True}))
+    response = connection.getresponse()
+    assert response.status == 200 and response.getheader("Content-Type") == "text/event-stream"
+    events = [line for line in response.read().decode().split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3
+    connection.request("POST", "/v1/completions", json.dumps({"prompt": "w3", "best_of": 3}))
+    response = connection.getresponse()
+    assert response.status == 400 and json.loads(response.read())["error"]["param"] == "best_of"
+    connection.close()
+
+
+def replica_count() -> int:
+    application = serve.status().applications[APP_NAME]
+    return application.deployments["SpecdecReplica"].replica_states.get("RUNNING", 0)
+
+
+def test_a_replica_killed_mid_run_is_replaced_and_no_request_hangs(port):
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(complete, port, [5, 6 + i % 40], 100) for i in range(60)]
+        while sum(f.done() for f in futures) < 10:
+            time.sleep(0.01)
+        victim = next(actor for actor in ray.util.list_named_actors(all_namespaces=True)
+                      if "SpecdecReplica" in actor["name"])
+        ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+        assert sum(f.done() for f in futures) < 60  # killed mid-run
+        statuses = [future.result(timeout=120)[0] for future in futures]  # none hangs
+    assert all(status in (0, 200, 500, 502, 503) for status in statuses), statuses
+    assert statuses.count(200) >= 30  # the other replica kept serving
+    deadline = time.monotonic() + 120
+    while replica_count() < 2 and time.monotonic() < deadline:
+        time.sleep(1)
+    assert replica_count() == 2  # Ray brought it back
+    assert complete(port, [5, 6])[0] == 200
