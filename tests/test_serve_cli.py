@@ -32,6 +32,8 @@ def model_dir(tmp_path_factory):
     (["--datastore", "/no/such/store"], "datastore"),
     (["--model", "/no/such/model"], "not found"),
     (["--api-key-file", "/no/such/key"], "API key file"),
+    (["--replicas", "-1"], "replicas"),
+    (["--ray-address", "auto"], "--ray-address goes with --replicas"),
 ])
 def test_bad_serve_settings_are_one_line_and_exit_2(model_dir, capsys, args, message):
     code = main(["serve", *(["--model", str(model_dir)] if "--model" not in args else []), *args])
