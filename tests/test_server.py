@@ -301,8 +301,13 @@ def test_a_full_queue_answers_429_instead_of_growing(tiny):
             assert wait_for(lambda: server.scheduler.running == 1)
             waiting = pool.submit(post, server, "/v1/completions", body)
             assert wait_for(lambda: server.scheduler.waiting == 1)
-            status, refused = post(server, "/v1/completions", body)
-            assert status == 429 and refused["error"]["type"] == "rate_limit_error"
+            connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+            connection.request("POST", "/v1/completions", json.dumps(body))
+            response = connection.getresponse()
+            refused = json.loads(response.read())
+            assert response.status == 429 and refused["error"]["type"] == "rate_limit_error"
+            assert int(response.getheader("Retry-After")) >= 1
+            connection.close()
             gate.set()
             assert running.result()[0] == 200 and waiting.result()[0] == 200
     finally:
