@@ -363,8 +363,17 @@ async def _events(answers: list["_Answer"]) -> AsyncIterator[tuple["_Answer", To
     """Every choice's events, as the scheduler hands them over, until each has finished."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
+    def deliverer(answer: _Answer):
+        def deliver(event: Tokens | Finished) -> None:  # on the scheduler's thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, (answer, event))
+            except RuntimeError:  # the loop has closed: nobody waits for this answer any more
+                pass
+
+        return deliver
+
     for answer in answers:
-        answer.handle.listen(lambda event, answer=answer: loop.call_soon_threadsafe(queue.put_nowait, (answer, event)))
+        answer.handle.listen(deliverer(answer))
     open_ = len(answers)
     while open_:
         answer, event = await queue.get()
