@@ -103,6 +103,11 @@ def test_logprobs_are_the_targets_own_at_each_emitted_token(client, tiny):
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(entry.top_logprobs) == 2 for entry in content)
     assert all(entry.logprob <= 0 for entry in content)
+    streamed = [entry for chunk in client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "w7 w8 w9"}], max_tokens=4, temperature=0, logprobs=True,
+        top_logprobs=2, stream=True, extra_body={"ignore_eos": True})
+        if chunk.choices and chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
 
 
 def test_logit_bias_bans_the_greedy_token_and_echo_repeats_the_prompt(client, tiny):
