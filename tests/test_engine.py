@@ -263,6 +263,7 @@ def bin_counts(samples: list[tuple[int, ...]], bins: list[tuple]) -> np.ndarray:
     return np.array(binned + [len(samples) - sum(binned)], dtype=float)  # last bin: everything else
 
 
+@pytest.mark.slow  # over 10 s on 2 cores
 def test_speculative_sampling_matches_plain_sampling_end_to_end():
     """The first three tokens of speculative sampling (draft model, k=2, temperature 0.9, top-p 0.95) have the
     joint distribution of plain sampling.
@@ -294,6 +295,7 @@ def test_speculative_sampling_matches_plain_sampling_end_to_end():
 REPEATING_PROMPT = [3, 4, 5, 3, 4, 5, 3, 4]
 
 
+@pytest.mark.slow  # over 10 s on 2 cores
 def test_retrieval_with_an_adaptive_draft_length_samples_exactly():
     """The first three tokens under retrieval drafting (point-mass drafts) with ``--num-draft-tokens auto`` have the
     joint distribution of plain sampling: 20,000 samples against the exact joint, one chi-square test at

@@ -210,6 +210,7 @@ def test_speculative_sampling_at_temperature_1_follows_llama_cpps_distribution(t
     assert chisquare(observed, expected).pvalue > 1e-3
 
 
+@pytest.mark.slow  # over 10 s on 2 cores
 def test_speculative_sampling_with_top_k_and_top_p_follows_llama_cpps_joint(tiny, tiny_draft, lm):
     """The first two tokens (draft-model, k = 2, temperature 1, top-k 6, top-p 0.9) against their exact joint
     from llama.cpp's logits: 6,000 samples, one chi-square test at alpha = 0.001 (false alarm 0.1%)."""

@@ -101,6 +101,7 @@ def test_auto_is_compared_with_the_better_of_always_and_never():
     assert "| 64 | auto | 4 | 190.0 | 380.0 | 50% |" in table(results)
 
 
+@pytest.mark.slow  # over 10 s on 2 cores
 def test_bench_serve_replays_a_trace_against_a_server_per_mode(model_dir, tmp_path, capsys):
     trace = sharegpt(tmp_path / "trace.json", [(f"w{3 + i} w4 w3 w4 w3", "w5 " * 6) for i in range(8)])
     out = tmp_path / "out"

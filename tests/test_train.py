@@ -163,6 +163,7 @@ def test_self_speculation_runs_each_position_once_through_the_shared_layers(trai
     assert 0 < sum(s.accepted_tokens for s in stats) < sum(s.draft_tokens for s in stats)
 
 
+@pytest.mark.slow  # over 10 s on 2 cores
 def test_sampling_with_trained_drafters_is_exact(trained):
     """The first three tokens at temperature 0.9, top-p 0.95 under each trained drafter (k=2), and under eagle's
     tree, against the exact joint distribution of the target: 6,000 samples per configuration, one
