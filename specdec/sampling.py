@@ -6,12 +6,11 @@ into probabilities goes through :func:`logits_to_probs`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
-from specdec.errors import UsageError
+from specdec.choices import check_sampling
 
 
 @dataclass(frozen=True)
@@ -27,12 +26,7 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.temperature < math.inf:  # also rejects NaN
-            raise UsageError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise UsageError(f"top-k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise UsageError(f"top-p must be in (0, 1], got {self.top_p}")
+        check_sampling(self.temperature, self.top_k, self.top_p)
 
     @property
     def greedy(self) -> bool:
@@ -73,15 +67,6 @@ class LogitsAdjustment:
                     counts[draft[j - 1]] += 1
                 logits[j] -= self.frequency_penalty * counts + self.presence_penalty * (counts > 0).to(logits.dtype)
         return logits
-
-
-SEED_RANGE = (-(1 << 63), 1 << 64)  # what a 64-bit generator takes: signed or unsigned 64-bit integers
-
-
-def check_seed(seed: int | None) -> None:
-    """Refuse a seed that a 64-bit generator cannot take."""
-    if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
-        raise UsageError(f"seed must be a 64-bit integer, in [-2^63, 2^64), got {seed}")
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -155,3 +155,19 @@ def test_an_adaptive_draft_length_reports_its_choices(models, capsys):
     assert stats["policy"] == "auto"
     assert sum(stats["chosen_k"].values()) == stats["rounds"]
     assert all(0 <= int(k) <= 16 for k in stats["chosen_k"])
+
+
+def test_help_and_refused_values_do_not_import_torch():
+    """specdec --help, and a command refused for a bad value, answer before torch or transformers is imported."""
+    script = ("import sys, contextlib, io\n"
+              "from specdec.cli import main\n"
+              "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+              "    codes = [main(args) for args in (['generate', 'hi', '-k', '0'], ['generate', 'hi', '--top-p', '2'],\n"
+              "             ['serve', '--speculation', 'sometimes'], ['train', '--method', 'x', '--out', 'o'])]\n"
+              "    try:\n"
+              "        main(['--help'])\n"
+              "    except SystemExit:\n"
+              "        pass\n"
+              "print(codes, 'torch' in sys.modules, 'transformers' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.stdout.split() == ["[2,", "2,", "2,", "2]", "False", "False"], result.stdout + result.stderr

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from specdec.backends.base import CausalLM, sync
 
-BACKENDS = ("auto", "torch", "llama.cpp")
+from specdec.choices import BACKENDS
 
 
 def make_backend(model, precision: str | None = None) -> CausalLM:

@@ -17,7 +17,8 @@ from specdec.bench.prompts import read_prompts
 from specdec.bench.report import BASELINE, Run, build_report, markdown
 from specdec.bench.roofline import measure_roofline, roofline_markdown
 from specdec import datastore as datastores
-from specdec.engine import Engine, GenerationConfig, parse_num_draft_tokens, parse_tree
+from specdec.choices import parse_num_draft_tokens, parse_tree
+from specdec.engine import Engine, GenerationConfig
 from specdec.errors import UsageError
 from specdec.drafters.loading import parse_drafter_paths
 from specdec.models import load_model, resolve_backend

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specdec.drafters.networks import METHODS as TRAINED_METHODS  # draft-model, mtp, eagle, early-exit
+from specdec.choices import TRAINED_METHODS
 from specdec.errors import UsageError
 
 SHIPPED = Path(__file__).resolve().parent / "shipped"  # shipped/<target>/<method>/drafter.{json,safetensors}

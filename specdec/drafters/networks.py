@@ -24,7 +24,7 @@ from torch import nn
 
 from specdec.drafters.layers import MLP, DecoderLayer, KVCache, LayerShape, RMSNorm, rope_tables
 
-METHODS = ("draft-model", "mtp", "eagle", "early-exit")
+from specdec.choices import TRAINED_METHODS as METHODS  # noqa: E402  (draft-model, mtp, eagle, early-exit)
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from specdec.backends.base import CausalLM
+from specdec.choices import DRAFTERS
 from specdec.errors import UsageError
 from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from specdec.proposers.draft_model import DraftModelProposer
@@ -49,6 +50,7 @@ PROPOSERS: dict[str, Callable[[CausalLM, object, ContinuationIndex | None], Prop
     "eagle": _feature_drafter(EagleProposer),
     "early-exit": _feature_drafter(EarlyExitProposer),
 }
+assert tuple(PROPOSERS) == DRAFTERS, "specdec.choices.DRAFTERS names every proposer, in this order"
 
 
 def make_proposer(name: str, target: CausalLM, drafter=None, datastore: ContinuationIndex | None = None

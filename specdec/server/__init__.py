@@ -15,9 +15,9 @@ from specdec.backends.llama import LlamaRuntime
 from specdec.errors import UsageError
 from specdec.proposers import PROPOSERS
 from specdec.server.scheduler import Scheduler
-from specdec.server.speculation import SPECULATION_MODES, PassCost, SpeculationPlanner
+from specdec.choices import SERVED_DRAFTERS, SPECULATION_MODES
+from specdec.server.speculation import PassCost, SpeculationPlanner
 
-SERVED_DRAFTERS = ("none", "prompt-lookup", "retrieval")  # drafters with per-request state and no model to batch
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from specdec.sampling import SEED_RANGE, LogitsAdjustment, SamplingParams
+from specdec.choices import SEED_RANGE
+from specdec.sampling import LogitsAdjustment, SamplingParams
 from specdec.server.scheduler import GenerationRequest
 
 MAX_STOP_SEQUENCES = 4

@@ -20,8 +20,8 @@ import bisect
 import time
 
 from specdec.backends.batch import BatchedLlama, Row
+from specdec.choices import SPECULATION_MODES
 
-SPECULATION_MODES = ("auto", "always", "never")
 PRIOR_STRENGTH = 4.0  # draft tokens' worth of weight the all-requests rate has in a request's own estimate
 GLOBAL_DECAY = 0.995  # per observed draft: the all-requests rate follows the recent traffic
 COST_LEARNING_RATE = 0.1

@@ -1,0 +1,78 @@
+"""The names and limits the command line offers, in a module that imports nothing, so that ``specdec --help`` and
+a refused flag answer without loading torch. The modules that implement each choice import their names from here.
+"""
+
+import math
+
+from specdec.errors import UsageError
+
+DRAFTERS = ("none", "prompt-lookup", "retrieval", "draft-model", "mtp", "eagle", "early-exit")  # --drafter
+TRAINED_METHODS = ("draft-model", "mtp", "eagle", "early-exit")  # specdec train --method: drafters it makes
+SERVED_DRAFTERS = ("none", "prompt-lookup", "retrieval")  # drafters with per-request state and no model to batch
+SPECULATION_MODES = ("auto", "always", "never")  # specdec serve --speculation
+BACKENDS = ("auto", "torch", "llama.cpp")  # --backend
+MAX_DRAFT_TOKENS = 64  # --num-draft-tokens
+POLICY_NAMES = ("auto", "heuristic")  # --num-draft-tokens that adapt: the cost model, transformers' schedule
+MAX_TREE_WIDTH = 16  # --tree: candidates at one depth
+SEED_RANGE = (-(1 << 63), 1 << 64)  # what a 64-bit generator takes: signed or unsigned 64-bit integers
+
+
+# --- the checks of those flags' values (the classes that hold the values call them too) ------------------------------
+
+
+def parse_num_draft_tokens(text: str | int) -> int | str:
+    """``--num-draft-tokens``: an integer k, or the name of an adaptive policy ("auto", "heuristic")."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = text
+    check_num_draft_tokens(value)
+    return value
+
+
+def check_num_draft_tokens(value: int | str) -> None:
+    if isinstance(value, str):
+        if value not in POLICY_NAMES:
+            raise UsageError(f"num-draft-tokens must be an integer or one of {', '.join(POLICY_NAMES)}, got {value!r}")
+    elif not 1 <= value <= MAX_DRAFT_TOKENS:
+        raise UsageError(f"num-draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, got {value}")
+
+
+def parse_tree(text: str | None) -> tuple[int, ...] | str | None:
+    """``--tree``: candidates at each depth, joined by ``,`` or ``/`` (``3,2,1``; the last repeats deeper), or
+    ``auto`` (the cost model chooses each round's shape); None: a chain."""
+    if text is None or text == "auto":
+        return text
+    try:
+        widths = tuple(int(part) for part in text.replace("/", ",").split(","))
+    except ValueError:
+        raise UsageError(f"--tree takes candidates per depth, such as 3,2,1, or auto; got {text!r}") from None
+    check_tree(widths)
+    return widths
+
+
+def check_tree(tree: tuple[int, ...] | str | None) -> None:
+    if isinstance(tree, str) and tree != "auto":
+        raise UsageError(f"a tree is candidates per depth or auto, got {tree!r}")
+    if isinstance(tree, tuple) and not (tree and all(1 <= w <= MAX_TREE_WIDTH for w in tree)):
+        raise UsageError(f"tree widths must be between 1 and {MAX_TREE_WIDTH}, got {tree}")
+
+
+def check_max_new_tokens(value: int) -> None:
+    if value < 1:
+        raise UsageError(f"max-new-tokens must be >= 1, got {value}")
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    if not 0 <= temperature < math.inf:  # also rejects NaN
+        raise UsageError(f"temperature must be a finite number >= 0, got {temperature}")
+    if top_k < 0:
+        raise UsageError(f"top-k must be >= 0, got {top_k}")
+    if not 0 < top_p <= 1:
+        raise UsageError(f"top-p must be in (0, 1], got {top_p}")
+
+
+def check_seed(seed: int | None) -> None:
+    """Refuse a seed that a 64-bit generator cannot take."""
+    if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+        raise UsageError(f"seed must be a 64-bit integer, in [-2^63, 2^64), got {seed}")
