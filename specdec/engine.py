@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.backends.base import CausalLM, sync
+from specdec.backends.base import CausalLM, TreeScorer, declares, require, sync
 from specdec.choices import MAX_TREE_WIDTH, check_max_new_tokens, check_num_draft_tokens, check_seed, check_tree
 from specdec.errors import UsageError
 from specdec.policy import AUTO_MAX_K, AUTO_TREE_MAX_NODES, Policy, make_policy
-from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
+from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer, TreeProposer
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.verify import TreeVerdict, Verdict, verify, verify_greedy, verify_tree, verify_tree_greedy
 
@@ -262,11 +262,10 @@ class Engine:
         """Refuse a tree that this proposer cannot draft or this target cannot score."""
         if tree is None:
             return
-        if not hasattr(self.proposer, "propose_tree"):
+        if not declares(self.proposer, TreeProposer):
             raise UsageError(f"--drafter {self.proposer.name} drafts chains only, not trees")
-        if not hasattr(self.target, "extend_tree"):
-            raise UsageError("token trees need specdec's runtime of llama-family targets (--backend torch); on "
-                             "llama.cpp a pass over 5 positions costs 2.6x one, so trees cannot pay there")
+        require(self.target, TreeScorer, "a token tree", "use --backend torch (on llama.cpp a pass over 5 positions "
+                "costs 2.6x one, so trees cannot pay there)")
 
     def policy(self, num_draft_tokens: int | str, tree: tuple[int, ...] | str | None = None) -> Policy:
         """A fixed draft length, or the engine's adaptive policy of that name (kept, so it learns across requests);

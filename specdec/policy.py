@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from specdec.verify import Verdict
+from specdec.verify import TreeVerdict, Verdict
 
 AUTO_MAX_K = 16  # the longest draft the cost-model policy considers
 AUTO_TREE_MAX_NODES = 15  # the most nodes the tree policy considers (a pass over 16 positions)
-from specdec.choices import POLICY_NAMES  # noqa: E402
 
 
 class Policy(Protocol):
@@ -30,12 +29,23 @@ class Policy(Protocol):
         """Draft length for the next round, at most ``max_k``."""
         ...
 
-    def observe(self, verdict: Verdict, draft_seconds: float, target_seconds: float) -> None:
+    def observe(self, verdict: Verdict | TreeVerdict, draft_seconds: float, target_seconds: float) -> None:
         """Learn from the round just verified: its verdict, the time spent drafting and the target's pass."""
         ...
 
+    def tree_widths(self, depth: int) -> list[int]:
+        """The candidates at each depth of the next round's tree, ``depth`` deep (a chain: one at each)."""
+        ...
 
-class FixedDraftLength:
+
+class ChainShape:
+    """What a policy that drafts chains answers for a tree's shape: one candidate at each depth."""
+
+    def tree_widths(self, depth: int) -> list[int]:
+        return [1] * depth
+
+
+class FixedDraftLength(ChainShape):
     """Always draft the configured number of tokens."""
 
     name = "fixed"
@@ -50,7 +60,7 @@ class FixedDraftLength:
         pass
 
 
-class HeuristicDraftLength:
+class HeuristicDraftLength(ChainShape):
     """k + 2 after a fully accepted draft, k - 1 (at least 1) after a rejection, as transformers' "heuristic"."""
 
     name = "heuristic"
@@ -134,7 +144,7 @@ class Exploration:
         return plain_wins and self.plain_streak > 0
 
 
-class CostModelPolicy:
+class CostModelPolicy(ChainShape):
     """Maximise expected tokens per second over k = 0..max_k.
 
     Expected tokens of a round drafting k: 1 + sum over i <= k of a_1 x ... x a_i, where a_i is the measured
@@ -243,9 +253,8 @@ class TreePolicy:
         return self.widths[:depth]
 
     def observe(self, verdict, draft_seconds: float, target_seconds: float) -> None:
-        nodes = getattr(verdict, "nodes", verdict.num_draft)  # a chain's tokens are its nodes
-        self.costs.observe(nodes + 1, target_seconds, verdict.num_draft, draft_seconds)
-        offered = getattr(verdict, "offered", ())
+        self.costs.observe(verdict.nodes + 1, target_seconds, verdict.num_draft, draft_seconds)
+        offered = verdict.offered
         if not verdict.num_draft or not offered:
             return
         for row_tried, row_hits in zip(self.tried, self.hits):

@@ -37,6 +37,14 @@ class Verdict:
     def bonus(self) -> bool:
         return self.accepted == self.num_draft
 
+    @property
+    def nodes(self) -> int:
+        """The draft positions the target scored: a chain's tokens (as TreeVerdict.nodes)."""
+        return self.num_draft
+
+    offered: tuple[int, ...] = ()  # a chain offers no alternatives (as TreeVerdict.offered)
+    ranks: tuple[int, ...] = ()
+
     def emitted(self, draft_tokens: list[int]) -> list[int]:
         """The tokens this round emits: the accepted prefix and the recovered or bonus token."""
         return list(draft_tokens[: self.accepted]) + [self.token]

@@ -347,3 +347,24 @@ def test_bfloat16_speculation_is_plain_bfloat16_greedy_up_to_near_ties(backend_c
             gaps.append(float(top[0] - top[1]))
             assert logits.abs().max() < 8 and gaps[-1] < BF16_NEAR_TIE, (prompt, i, gaps[-1])
     print("bfloat16 mismatches, at top-two gaps:", gaps)
+
+
+def test_capabilities_are_declared_and_a_missing_one_is_refused_by_name():
+    """Trees, hidden states and shallow runs are capabilities a backend declares; a drafter or a tree that needs
+    one its backend lacks is refused in one line naming it."""
+    from specdec.backends.base import FeatureSource, ShallowRunner, TreeScorer, declares
+    from specdec.errors import UsageError
+    from specdec.proposers import make_proposer
+
+    model = tiny_llama(seed=0)
+    lean, plain = LlamaRuntime(model), HFCausalLM(model)
+    assert all(declares(lean, c) for c in (TreeScorer, FeatureSource, ShallowRunner))
+    assert not any(declares(plain, c) for c in (TreeScorer, FeatureSource, ShallowRunner))
+    with pytest.raises(UsageError, match="TreeScorer"):
+        Engine(plain, PromptLookupProposer()).check_tree((2, 1))
+    Engine(lean, PromptLookupProposer()).check_tree((2, 1))
+    with pytest.raises(UsageError, match="chains only"):
+        Engine(lean, NoProposer()).check_tree((2, 1))
+    for drafter, capability in (("eagle", "FeatureSource"), ("mtp", "FeatureSource"), ("early-exit", "ShallowRunner")):
+        with pytest.raises(UsageError, match=capability):
+            make_proposer(drafter, plain, object())

@@ -1,4 +1,6 @@
-"""The model-backend protocol: weights, a KV cache over one sequence, and rollback of that cache."""
+"""The model-backend protocol: weights, a KV cache over one sequence, and rollback of that cache; and the
+capabilities beyond it that some backends declare (token trees, hidden states, shallow runs), checked in one place.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +8,8 @@ import time
 from typing import Protocol
 
 import torch
+
+from specdec.errors import UsageError
 
 
 class CausalLM(Protocol):
@@ -33,6 +37,56 @@ class CausalLM(Protocol):
     def reserve(self, length: int) -> None:
         """Make room for ``length`` tokens at once, so that no later pass reallocates (a hint; may do nothing)."""
         ...
+
+
+class TreeScorer(Protocol):
+    """Scores a token tree in one pass, each node attending to its ancestors, and keeps the accepted branch."""
+
+    def extend_tree(self, token_ids: list[int], parents: list[int]) -> torch.Tensor:  # [n, vocab]
+        """Append a tree (``token_ids[0]`` after the cache, each other token after ``token_ids[parents[i]]``);
+        the logits after every node."""
+        ...
+
+    def keep_path(self, start: int, path: list[int]) -> None:
+        """After ``extend_tree`` at cache length ``start``: keep the nodes ``path`` (root first) as the positions
+        after ``start``; drop the rest."""
+        ...
+
+
+class FeatureSource(Protocol):
+    """Keeps each cached position's final hidden state, normed as the LM head reads it (what eagle and mtp read)."""
+
+    def keep_hidden_states(self) -> None:
+        """From now on keep them (a cost some backends pay only when asked)."""
+        ...
+
+    @property
+    def hidden_states(self) -> torch.Tensor:  # [len(tokens), hidden]
+        ...
+
+
+class ShallowRunner(Protocol):
+    """Runs positions through the first layers only, keeping their keys and values for the full pass after
+    (self-speculation's shared cache)."""
+
+    def extend_shallow(self, token_ids: list[int], layers: int) -> torch.Tensor:  # [n, hidden]
+        ...
+
+    def layer_states(self, token_ids: list[int]) -> torch.Tensor:  # [num_layers + 1, n, hidden]
+        ...
+
+
+def declares(thing: object, capability: type) -> bool:
+    """Whether ``thing``'s class declares ``capability`` (names it among its bases): capabilities are declared, not
+    guessed from the attributes an object happens to have."""
+    return capability in type(thing).__mro__
+
+
+def require(thing: object, capability: type, what: str, hint: str = "") -> None:
+    """Refuse, in one line naming the capability, ``what`` on a backend or drafter that does not declare it."""
+    if not declares(thing, capability):
+        raise UsageError(f"{what} needs a {capability.__name__}, which {type(thing).__name__} is not"
+                         + (f": {hint}" if hint else ""))
 
 
 def streamed_parameters(model) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from specdec.backends.base import streamed_parameters
+from specdec.backends.base import FeatureSource, ShallowRunner, TreeScorer, streamed_parameters
 from specdec.backends.linear import DTYPE_OF, Linear, PassPrecisions, activation_dtype, make_linear, precision_name
 
 FAMILIES = ("llama", "mistral", "qwen2")
@@ -44,7 +44,7 @@ class _Layer:
     down: Linear  # [n, intermediate] -> [n, hidden]
 
 
-class LlamaRuntime:
+class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
     """The CausalLM protocol for llama-family models: KV cache over one sequence, extended and rolled back."""
 
     def __init__(self, model, precisions: PassPrecisions | str | None = None) -> None:

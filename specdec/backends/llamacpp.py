@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specdec.backends.base import FeatureSource
 from specdec.backends.batch import PoolFull, Row, Slot
 from specdec.errors import UsageError
 
@@ -211,7 +212,7 @@ class LlamaCppContext:
             self.pointer = None
 
 
-class LlamaCppLM:
+class LlamaCppLM(FeatureSource):
     """The CausalLM protocol on llama.cpp: one sequence's cache, extended and rolled back."""
 
     device = torch.device("cpu")

@@ -22,9 +22,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from specdec.choices import TRAINED_METHODS
 from specdec.drafters.layers import MLP, DecoderLayer, KVCache, LayerShape, RMSNorm, rope_tables
 
-from specdec.choices import TRAINED_METHODS as METHODS  # noqa: E402  (draft-model, mtp, eagle, early-exit)
+METHODS = TRAINED_METHODS  # draft-model, mtp, eagle, early-exit
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from specdec.backends.base import CausalLM
+from specdec.backends.base import CausalLM, FeatureSource, ShallowRunner, require
 from specdec.choices import DRAFTERS
 from specdec.errors import UsageError
 from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
@@ -24,14 +24,12 @@ def _draft_model(target: CausalLM, drafter, datastore: ContinuationIndex | None)
     return DraftModelProposer(drafter, target_vocab_size=target.vocab_size)
 
 
-def _feature_drafter(proposer: type) -> Callable:
-    """A factory for a drafter that reads the target's hidden states or runs its layers (the lean llama runtime
-    keeps the one and runs the other)."""
+def _feature_drafter(proposer: type, capability: type) -> Callable:
+    """A factory for a drafter that reads the target's hidden states (``FeatureSource``) or runs its first layers
+    (``ShallowRunner``)."""
 
     def factory(target: CausalLM, drafter, datastore: ContinuationIndex | None) -> Proposer:
-        if not hasattr(target, "keep_hidden_states"):
-            raise UsageError(f"--drafter {proposer.name} reads the target's hidden states, which only the lean "
-                             "runtime of llama-family targets and llama.cpp keep")
+        require(target, capability, f"--drafter {proposer.name}", "specdec's runtime of llama-family targets is one")
         if drafter is None:
             raise UsageError(f"--drafter {proposer.name} needs a trained drafter (--drafter-path DIR)")
         return proposer(drafter, target)
@@ -46,9 +44,9 @@ PROPOSERS: dict[str, Callable[[CausalLM, object, ContinuationIndex | None], Prop
     "prompt-lookup": lambda target, drafter, datastore: PromptLookupProposer(),
     "retrieval": lambda target, drafter, datastore: RetrievalProposer(datastore),
     "draft-model": _draft_model,
-    "mtp": _feature_drafter(MTPProposer),
-    "eagle": _feature_drafter(EagleProposer),
-    "early-exit": _feature_drafter(EarlyExitProposer),
+    "mtp": _feature_drafter(MTPProposer, FeatureSource),
+    "eagle": _feature_drafter(EagleProposer, FeatureSource),
+    "early-exit": _feature_drafter(EarlyExitProposer, ShallowRunner),
 }
 assert tuple(PROPOSERS) == DRAFTERS, "specdec.choices.DRAFTERS names every proposer, in this order"
 

@@ -46,6 +46,15 @@ class Proposer(Protocol):
         ...
 
 
+class TreeProposer(Protocol):
+    """A proposer that also drafts token trees."""
+
+    def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
+                     generator: torch.Generator | None) -> Draft:
+        """A tree of depth len(widths), widths[d] candidates at depth d in all."""
+        ...
+
+
 def draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
                 ) -> tuple[int, torch.Tensor | None]:  # logits [vocab]
     """One draft token from a drafter's logits: the argmax when greedy (a point mass: no distribution kept), else

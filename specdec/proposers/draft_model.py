@@ -12,11 +12,11 @@ import torch.nn.functional as F
 
 from specdec.backends.base import CausalLM, sync
 from specdec.errors import UsageError
-from specdec.proposers.base import EMPTY_DRAFT, Draft, draft_of, draft_token, ranked, spine_tree
+from specdec.proposers.base import EMPTY_DRAFT, Draft, TreeProposer, draft_of, draft_token, ranked, spine_tree
 from specdec.sampling import SamplingParams
 
 
-class DraftModelProposer:
+class DraftModelProposer(TreeProposer):
     name = "draft-model"
 
     def __init__(self, model: CausalLM, target_vocab_size: int) -> None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 
 from specdec.drafters.networks import MTPHeads, prepare_for_drafting
-from specdec.proposers.base import EMPTY_DRAFT, Draft, draft_of, spine_tree
+from specdec.proposers.base import EMPTY_DRAFT, Draft, TreeProposer, draft_of, spine_tree
 from specdec.sampling import SamplingParams
 
 
-class MTPProposer:
+class MTPProposer(TreeProposer):
     name = "mtp"
 
     def __init__(self, heads: MTPHeads, target) -> None:

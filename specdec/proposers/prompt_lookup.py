@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from specdec.proposers.base import EMPTY_DRAFT, Draft, trie_draft
+from specdec.proposers.base import EMPTY_DRAFT, Draft, TreeProposer, trie_draft
 from specdec.sampling import SamplingParams
 
 
-class PromptLookupProposer:
+class PromptLookupProposer(TreeProposer):
     name = "prompt-lookup"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:

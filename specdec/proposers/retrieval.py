@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from specdec.proposers.base import EMPTY_DRAFT, Draft, trie_draft
+from specdec.proposers.base import EMPTY_DRAFT, Draft, TreeProposer, trie_draft
 from specdec.sampling import SamplingParams
 
 MAX_ORDER = 8  # the longest suffix matched, in tokens
@@ -114,7 +114,7 @@ def _longest_match(indexes: Sequence[ContinuationIndex], window: list[int], min_
     return None
 
 
-class RetrievalProposer:
+class RetrievalProposer(TreeProposer):
     name = "retrieval"
 
     def __init__(self, datastore: ContinuationIndex | None = None, max_order: int = MAX_ORDER,

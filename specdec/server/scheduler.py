@@ -405,7 +405,7 @@ class Scheduler:
                 r.draft = r.proposer.propose(r.context, k, r.handle.request.sampling, r.generator)
             except Exception as error:
                 log.warning("request %d: drafter %s raised %r; decoding it plainly from here",
-                            r.handle.id, getattr(r.proposer, "name", "?"), error)
+                            r.handle.id, r.proposer.name, error)
                 self.metrics.drafter_errors += 1
                 r.speculates = False
                 continue
