@@ -7,11 +7,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from specdec.backends import target_backend
-from specdec.engine import Engine, GenerationConfig, GenerationStats, Round
+from specdec.engine import Engine, GenerationConfig, GenerationStats
 from specdec.errors import UsageError
-from specdec.models import LoadedModel, load_model, resolve_backend
+from specdec.loading import drafter_of, encode_prompt, load_target
+from specdec.models import LoadedModel, check_same_vocabulary, eos_token_ids
 from specdec.proposers import make_proposer
 from specdec.sampling import SamplingParams
+from specdec.step import Round
 from specdec.view import Detokenizer
 
 
@@ -72,7 +74,6 @@ class SpecDecoder:
         ``drafter`` defaults to ``draft-model`` when a draft model is given, ``retrieval`` when a datastore is,
         the method of the drafter at ``drafter_path`` when one is given, else ``prompt-lookup``.
         """
-        from specdec import datastore as datastores
         from specdec.drafters.loading import parse_drafter_paths
 
         if drafter_path is not None and drafter is None:
@@ -84,26 +85,14 @@ class SpecDecoder:
                              "--drafter-path (a trained drafter), not both")
         if datastore is not None and drafter != "retrieval":
             raise UsageError(f"--datastore drafts only with --drafter retrieval, not {drafter}")
-        store = None if datastore is None else datastores.load(datastore)  # checked before the slow model load
-        check_backend_serves(drafter, resolve_backend(backend, model, dtype, device))
-        target = load_model(model, dtype=dtype, device=device, backend=backend, threads=threads)
-        draft = load_model(draft_model, dtype=dtype, device=device, backend=draft_backend(target), threads=threads) \
-            if drafter == "draft-model" and draft_model is not None else None
-        if store is not None:
-            store.check_vocabulary(target.vocab_size)
-        return cls(target, drafter=drafter, draft=draft, precision="auto" if dtype == "auto" else None,
-                   datastore=store, drafter_path=drafter_path)
+        loaded = load_target(model, dtype=dtype, device=device, backend=backend, threads=threads, datastore=datastore,
+                             draft_model=draft_model if drafter == "draft-model" else None, drafters=(drafter,))
+        return cls(loaded.target, drafter=drafter, draft=loaded.draft, precision=loaded.precision,
+                   datastore=loaded.datastore, drafter_path=drafter_path)
 
     def encode(self, prompt: str, chat: bool | None = None) -> list[int]:
         """Token ids of the prompt; ``chat`` applies the chat template (None: when the model has one)."""
-        if not prompt or not prompt.strip():
-            raise UsageError("the prompt is empty")
-        has_template = getattr(self.tokenizer, "chat_template", None) is not None
-        if chat and not has_template:
-            raise UsageError("--chat: this model's tokenizer has no chat template")
-        if chat or (chat is None and has_template):
-            return chat_prompt_ids(self.tokenizer, [{"role": "user", "content": prompt}])
-        return list(self.tokenizer.encode(prompt))
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def generate(
         self,
@@ -152,69 +141,3 @@ class SpecDecoder:
             on_token(detokenizer.flush(), result.kinds[-1])
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return Completion(text=text, token_ids=result.token_ids, stats=result.stats, kinds=result.kinds)
-
-
-def drafter_of(drafter: str, target: LoadedModel, backend, draft: LoadedModel | None, precision: str | None,
-               drafter_path: str | os.PathLike | None = None):
-    """What the proposer ``drafter`` drafts with: a draft model's backend (a transformers model, or a trained draft
-    LM), a trained network (mtp, eagle, early-exit), or None."""
-    from specdec.drafters.loading import TRAINED_METHODS, load_trained
-    from specdec.drafters.runtime import DraftLMRuntime
-
-    check_backend_serves(drafter, target.backend_name)
-    if drafter == "draft-model" and draft is not None:
-        return target_backend(draft, precision)
-    if drafter in TRAINED_METHODS:
-        network = load_trained(drafter, target.transformers_model(), drafter_path)
-        return DraftLMRuntime(network, backend.max_length) if drafter == "draft-model" else network
-    if drafter_path is not None:
-        raise UsageError(f"--drafter-path is for trained drafters (draft-model, mtp, eagle, early-exit), not {drafter}")
-    return None
-
-
-# drafters that need the target's first layers alone, which llama.cpp's runtime does not run
-TORCH_ONLY_DRAFTERS = {
-    "early-exit": "drafts with the target's first layers alone",
-}
-
-
-def check_backend_serves(drafter: str, backend: str) -> None:
-    """Refuse, in one line, a drafter that the target's backend cannot serve."""
-    if backend == "llama.cpp" and drafter in TORCH_ONLY_DRAFTERS:
-        raise UsageError(f"--drafter {drafter} {TORCH_ONLY_DRAFTERS[drafter]}, which the llama.cpp backend does "
-                         "not give: use --backend torch")
-
-
-def draft_backend(target: LoadedModel) -> str:
-    """Where a draft model runs: on llama.cpp too when it is a GGUF file and the target runs there (auto), else on
-    torch, as the target."""
-    return "auto" if target.backend_name == "llama.cpp" else "torch"
-
-
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of chat messages through the tokenizer's chat template, ready for the assistant's answer."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
-
-
-def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
-    """Refuse a draft model whose tokenizer maps text to other ids than the target's."""
-    target_vocab = target.tokenizer.get_vocab()
-    draft_vocab = draft.tokenizer.get_vocab()
-    if target_vocab != draft_vocab:
-        differing = sum(1 for token, i in draft_vocab.items() if target_vocab.get(token) != i)
-        raise UsageError(
-            f"the draft model's vocabulary differs from the target's ({len(draft_vocab)} vs {len(target_vocab)} "
-            f"tokens, {differing} mapped differently): a draft model must share the target's tokenizer"
-        )
-
-
-def eos_token_ids(loaded: LoadedModel) -> set[int]:
-    """Token ids that end a generation: the tokenizer's EOS and the generation config's."""
-    ids = set()
-    if loaded.tokenizer.eos_token_id is not None:
-        ids.add(int(loaded.tokenizer.eos_token_id))
-    config_eos = getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None)
-    if config_eos is not None:
-        ids.update([config_eos] if isinstance(config_eos, int) else config_eos)
-    return ids

@@ -7,7 +7,13 @@ import json
 import sys
 from pathlib import Path
 
-from specdec.choices import BACKENDS, DRAFTERS, MAX_DRAFT_TOKENS, SERVED_DRAFTERS, SPECULATION_MODES, TRAINED_METHODS
+from specdec.choices import (
+    DRAFTERS,
+    MAX_DRAFT_TOKENS,
+    SERVED_DRAFTERS,
+    SPECULATION_MODES,
+    TRAINED_METHODS,
+)
 from specdec.errors import SpecdecError, UsageError
 
 EXIT_USAGE = 2
@@ -357,7 +363,13 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from specdec.choices import check_max_new_tokens, check_sampling, check_seed, parse_num_draft_tokens, parse_tree
+    from specdec.choices import (
+        check_max_new_tokens,
+        check_sampling,
+        check_seed,
+        parse_num_draft_tokens,
+        parse_tree,
+    )
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():

@@ -13,13 +13,24 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.backends.base import CausalLM, TreeScorer, declares, require, sync
-from specdec.choices import MAX_TREE_WIDTH, check_max_new_tokens, check_num_draft_tokens, check_seed, check_tree
+from specdec.choices import (
+    MAX_TREE_WIDTH,
+    check_max_new_tokens,
+    check_num_draft_tokens,
+    check_tree,
+)
 from specdec.errors import UsageError
 from specdec.policy import AUTO_MAX_K, AUTO_TREE_MAX_NODES, Policy, make_policy
 from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer, TreeProposer
-from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.verify import TreeVerdict, Verdict, verify, verify_greedy, verify_tree, verify_tree_greedy
-
+from specdec.sampling import SamplingParams
+from specdec.step import (
+    Round,
+    emitted_round,
+    make_generator,
+    verify_draft,
+    verify_draft_tree,
+)
+from specdec.verify import TreeVerdict, Verdict
 
 
 @dataclass(frozen=True)
@@ -58,20 +69,6 @@ class GenerationConfig:
         if self.tree == "auto":
             return min(depth * MAX_TREE_WIDTH, AUTO_TREE_MAX_NODES)
         return depth if self.tree is None else sum(self.tree_widths(depth))
-
-
-@dataclass(frozen=True)
-class Round:
-    """One round of the loop: what was drafted, what survived, what was emitted."""
-
-    draft_tokens: int  # k actually drafted this round (a tree's depth)
-    accepted: int  # draft tokens accepted
-    tokens: list[int]  # tokens emitted (accepted prefix + recovered/bonus), cut at EOS or the token limit
-    kinds: list[str]  # per emitted token: "accepted", "recovered", "bonus" or "plain"
-    draft_seconds: float = 0.0  # time spent drafting
-    target_seconds: float = 0.0  # time spent scoring, verifying and rolling back
-    asked: int = 0  # the draft length the policy chose (the drafter may offer fewer)
-    draft_nodes: int = 0  # draft positions the target scored: the draft tokens, or a tree's nodes
 
 
 @dataclass
@@ -276,51 +273,3 @@ class Engine:
         if name not in self.policies:
             self.policies[name] = make_policy(num_draft_tokens, tree)
         return self.policies[name]
-
-
-def verify_draft(
-    draft: Draft,
-    logits: torch.Tensor,  # [k+1, vocab]
-    params: SamplingParams,
-    generator: torch.Generator,
-) -> Verdict:
-    draft_tokens = torch.tensor(draft.tokens, dtype=torch.long, device=logits.device)  # [k]
-    if params.greedy:
-        return verify_greedy(draft_tokens, logits.argmax(-1))
-    return verify(draft_tokens, draft.probs, logits_to_probs(logits, params), generator)
-
-
-def verify_draft_tree(
-    draft: Draft,  # with parents
-    logits: torch.Tensor,  # [m+1, vocab]: after the pending token, then after each node
-    params: SamplingParams,
-    generator: torch.Generator,
-) -> TreeVerdict:
-    if params.greedy:
-        return verify_tree_greedy(draft.tokens, draft.parents, logits.argmax(-1).tolist())
-    return verify_tree(draft.tokens, draft.parents, draft.probs, logits_to_probs(logits, params), generator)
-
-
-def emitted_round(draft: Draft, verdict: Verdict, limit: int, stop_ids: frozenset[int], draft_seconds: float,
-                   target_seconds: float, asked: int) -> Round:
-    """The round's tokens and how each came, cut after a stop token and at ``limit`` tokens."""
-    tokens = verdict.emitted(draft.tokens)
-    last_kind = "plain" if verdict.num_draft == 0 else ("bonus" if verdict.bonus else "recovered")
-    kinds = ["accepted"] * verdict.accepted + [last_kind]
-    cut = min(limit, len(tokens))
-    for i, token in enumerate(tokens[:cut]):
-        if token in stop_ids:
-            cut = i + 1
-            break
-    return Round(draft_tokens=verdict.num_draft, accepted=verdict.accepted, tokens=tokens[:cut], kinds=kinds[:cut],
-                 draft_seconds=draft_seconds, target_seconds=target_seconds, asked=asked, draft_nodes=len(draft))
-
-
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
-    check_seed(seed)
-    generator = torch.Generator(device=device)
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator

@@ -310,3 +310,35 @@ def weight_probe(model) -> list[float]:
 def same_weights(probe: list[float], other: list[float]) -> bool:
     """Whether two probes come from one model's weights, up to half-precision rounding (relative 2^-8)."""
     return len(probe) == len(other) > 0 and all(abs(a - b) <= 1e-2 * abs(b) + 1e-5 for a, b in zip(probe, other))
+
+
+# --- what the tokenizer says: chat prompts, where generation ends, whether two models share ids ---------------
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of chat messages through the tokenizer's chat template, ready for the assistant's answer."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft model whose tokenizer maps text to other ids than the target's."""
+    target_vocab = target.tokenizer.get_vocab()
+    draft_vocab = draft.tokenizer.get_vocab()
+    if target_vocab != draft_vocab:
+        differing = sum(1 for token, i in draft_vocab.items() if target_vocab.get(token) != i)
+        raise UsageError(
+            f"the draft model's vocabulary differs from the target's ({len(draft_vocab)} vs {len(target_vocab)} "
+            f"tokens, {differing} mapped differently): a draft model must share the target's tokenizer"
+        )
+
+
+def eos_token_ids(loaded: LoadedModel) -> set[int]:
+    """Token ids that end a generation: the tokenizer's EOS and the generation config's."""
+    ids = set()
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.add(int(loaded.tokenizer.eos_token_id))
+    config_eos = getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None)
+    if config_eos is not None:
+        ids.update([config_eos] if isinstance(config_eos, int) else config_eos)
+    return ids

@@ -110,3 +110,22 @@ def _mask_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """Draw one token id from a distribution [vocab]."""
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+# --- what drafters draw with: the same transform, so that draft and target compare ----------------------------
+
+
+def draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+                ) -> tuple[int, torch.Tensor | None]:  # logits [vocab]
+    """One draft token from a drafter's logits: the argmax when greedy (a point mass: no distribution kept), else
+    a draw from the logits through the same transform the target's go through, with that distribution."""
+    if params.greedy:
+        return int(logits.argmax()), None
+    probs = logits_to_probs(logits, params)  # [vocab]
+    return sample(probs, generator), probs
+
+
+def ranked(logits: torch.Tensor, count: int, exclude: int) -> list[int]:  # logits [vocab]
+    """The ``count`` ids a drafter ranks highest, ``exclude`` left out: a draft tree's alternatives."""
+    top = torch.topk(logits, min(count + 1, logits.shape[-1])).indices.tolist()
+    return [token for token in top if token != exclude][:count]

@@ -216,7 +216,8 @@ def test_stats_count_rounds_and_kinds(target_and_draft):
 
 
 def test_acceptance_by_draft_position_counts_each_round():
-    from specdec.engine import GenerationStats, Round
+    from specdec.engine import GenerationStats
+    from specdec.step import Round
 
     stats = GenerationStats()
     for drafted, accepted in ((3, 3), (3, 1), (2, 0), (0, 0)):

@@ -11,7 +11,8 @@ from tiny import save_with_tokenizer, tiny_llama
 
 from specdec.cli import main
 from specdec.drafters import checkpoint
-from specdec.drafters.export import DRAFT_VOCAB_FILE, export
+from specdec.drafters.export import export
+from specdec.drafters.files import DRAFT_VOCAB_FILE
 from specdec.drafters.layers import LayerShape
 from specdec.drafters.networks import DrafterConfig, EagleHead, MTPHeads, TargetParts
 from specdec.models import load_model, weight_probe

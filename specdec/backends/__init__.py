@@ -7,7 +7,6 @@ Nothing here imports transformers until a transformers model is wrapped: the lla
 from __future__ import annotations
 
 from specdec.backends.base import CausalLM, sync
-
 from specdec.choices import BACKENDS
 
 

@@ -15,8 +15,20 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from specdec.backends.base import FeatureSource, ShallowRunner, TreeScorer, streamed_parameters
-from specdec.backends.linear import DTYPE_OF, Linear, PassPrecisions, activation_dtype, make_linear, precision_name
+from specdec.backends.base import (
+    FeatureSource,
+    ShallowRunner,
+    TreeScorer,
+    streamed_parameters,
+)
+from specdec.backends.linear import (
+    DTYPE_OF,
+    Linear,
+    PassPrecisions,
+    activation_dtype,
+    make_linear,
+    precision_name,
+)
 
 FAMILIES = ("llama", "mistral", "qwen2")
 INITIAL_CAPACITY = 256  # cache positions allocated when nothing was reserved; doubled when a request needs more

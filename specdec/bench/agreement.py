@@ -117,9 +117,9 @@ def agreement_markdown(comparisons: list[Comparison]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specdec.api import SpecDecoder
     from specdec.backends.precision import auto_precisions
     from specdec.bench.prompts import read_prompts
+    from specdec.loading import encode_prompt
     from specdec.models import load_model
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -132,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_model(args.model, dtype="float32", device="cpu")
-    encoder = SpecDecoder(target, drafter="none")
-    prompts = [encoder.encode(p.text, p.chat) for p in read_prompts(args.prompts, limit=args.limit)]
+    prompts = [encode_prompt(target.tokenizer, p.text, p.chat) for p in read_prompts(args.prompts, limit=args.limit)]
     precisions: list[PassPrecisions | str] = ["float32", "float16", "bfloat16"]
     auto = auto_precisions(target.model)
     if str(auto) not in precisions:

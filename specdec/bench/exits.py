@@ -171,21 +171,27 @@ def markdown(report: ExitReport) -> str:
 
 
 def run_bench_exits(args) -> int:
-    from specdec.api import SpecDecoder, eos_token_ids
     from specdec.backends import LlamaRuntime, make_backend
     from specdec.bench.prompts import read_prompts
     from specdec.drafters import checkpoint
     from specdec.drafters.layers import LayerShape
     from specdec.drafters.loading import parse_drafter_paths
-    from specdec.drafters.networks import DrafterConfig, ExitAdapter, TargetParts, prepare_for_drafting
+    from specdec.drafters.networks import (
+        DrafterConfig,
+        ExitAdapter,
+        TargetParts,
+        prepare_for_drafting,
+    )
     from specdec.engine import Engine, GenerationConfig
-    from specdec.models import load_model
+    from specdec.loading import encode_prompt, load_target
+    from specdec.models import eos_token_ids
     from specdec.proposers import NoProposer
 
     paths = _exit_paths(args.drafter_path, parse_drafter_paths)
     bench_prompts = read_prompts(args.prompts, category=args.category, limit=args.limit)
-    target = load_model(args.model, dtype=args.dtype, device=args.device)
-    runtime = make_backend(target.model, "auto" if args.dtype == "auto" else None)
+    loaded = load_target(args.model, dtype=args.dtype, device=args.device, backend="torch")
+    target = loaded.target
+    runtime = make_backend(target.model, loaded.precision)
     if not isinstance(runtime, LlamaRuntime):
         raise UsageError("bench-exits needs the lean runtime of llama-family targets")
     layers = _parse_layers(args.layers, runtime.num_layers)
@@ -195,8 +201,7 @@ def run_bench_exits(args) -> int:
         adapters[adapter.config.exit_layer] = adapter
         adapter_paths[str(adapter.config.exit_layer)] = str(path)
     layers = sorted(set(layers) | set(adapters))
-    encoder = SpecDecoder(target, drafter="none")
-    prompts = [encoder.encode(p.text, None if p.chat else False) for p in bench_prompts]
+    prompts = [encode_prompt(target.tokenizer, p.text, None if p.chat else False) for p in bench_prompts]
     print(f"specdec: the target answers {len(prompts)} prompts", file=sys.stderr, flush=True)
     decoder = Engine(runtime, NoProposer(), eos_token_ids(target))
     sequences = [(prompt, decoder.generate(prompt, GenerationConfig(max_new_tokens=args.max_new_tokens)).token_ids)

@@ -143,7 +143,6 @@ def make_figures(target, draft_model, prompts: list[list[int]], out: Path, repea
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from tqdm import tqdm
 
     out.mkdir(parents=True, exist_ok=True)
@@ -227,22 +226,20 @@ def _save(fig, path: Path) -> Path:
 
 
 def run_figures(args) -> int:
-    from specdec.api import SpecDecoder, check_same_vocabulary
     from specdec.bench.prompts import read_prompts
     from specdec.errors import UsageError
-    from specdec.models import load_model
+    from specdec.loading import encode_prompt, load_target
 
     if args.repeats < 1 or args.max_batch < 1:
         raise UsageError("--repeats and --max-batch must be >= 1")
-    target = load_model(args.model, dtype="float32", device=args.device)
-    if args.draft_model:
-        draft = load_model(args.draft_model, dtype="float32", device=args.device)
-        check_same_vocabulary(target, draft)
-        draft_model = draft.model
+    loaded = load_target(args.model, dtype="float32", device=args.device, backend="torch",
+                         draft_model=args.draft_model)
+    target = loaded.target
+    if loaded.draft is not None:
+        draft_model = loaded.draft.model
     else:
         draft_model = default_draft(target.model, layers=max(1, 3 * target.model.config.num_hidden_layers // 4))
-    encoder = SpecDecoder(target, drafter="none")
-    prompts = [encoder.encode(p.text, None if p.chat else False)
+    prompts = [encode_prompt(target.tokenizer, p.text, None if p.chat else False)
                for p in read_prompts(args.prompts, limit=args.limit)]
     for path in make_figures(target, draft_model, prompts, Path(args.out), repeats=args.repeats,
                              new_tokens=args.max_new_tokens, max_batch=args.max_batch, gguf=target.gguf,

@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     from specdec.api import SpecDecoder
     from specdec.backends import precision_of
     from specdec.bench.roofline import measure_roofline, roofline_markdown
+    from specdec.loading import encode_prompt
     from specdec.models import load_model
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.llamacpp:
         gguf = load_model(args.model, backend="llama.cpp", threads=args.threads or torch.get_num_threads())
         decoders["specdec llama.cpp"] = SpecDecoder(gguf, drafter="none")
-    encoder = next(iter(decoders.values()))
-    prompts = [encoder.encode(p.text, p.chat) for p in read_prompts(args.prompts, limit=args.limit)]
+    prompts = [encode_prompt(target.tokenizer, p.text, p.chat) for p in read_prompts(args.prompts, limit=args.limit)]
     for decoder in decoders.values():  # warm-up, every path
         time_specdec(decoder, prompts[0], 4)
     time_transformers(target.model, prompts[0], 4)

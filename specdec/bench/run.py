@@ -10,18 +10,22 @@ from pathlib import Path
 
 import torch
 
-from specdec.api import SpecDecoder, check_backend_serves, check_same_vocabulary, draft_backend, drafter_of, eos_token_ids
 from specdec.backends import CausalLM, precision_of, target_backend
-from specdec.bench.contenders import Contender, LlamaCppContender, SpecdecContender, TransformersContender
+from specdec.bench.contenders import (
+    Contender,
+    LlamaCppContender,
+    SpecdecContender,
+    TransformersContender,
+)
 from specdec.bench.prompts import read_prompts
 from specdec.bench.report import BASELINE, Run, build_report, markdown
 from specdec.bench.roofline import measure_roofline, roofline_markdown
-from specdec import datastore as datastores
 from specdec.choices import parse_num_draft_tokens, parse_tree
+from specdec.drafters.loading import parse_drafter_paths
 from specdec.engine import Engine, GenerationConfig
 from specdec.errors import UsageError
-from specdec.drafters.loading import parse_drafter_paths
-from specdec.models import load_model, resolve_backend
+from specdec.loading import drafter_of, encode_prompt, load_target
+from specdec.models import eos_token_ids
 from specdec.proposers import PROPOSERS, NoProposer, make_proposer
 from specdec.sampling import SamplingParams
 
@@ -138,21 +142,14 @@ def run_bench(args) -> int:
     drafter_paths = parse_drafter_paths(args.drafter_path)  # checked before the slow model load
     bench_prompts = read_prompts(args.prompts, category=args.category, limit=args.limit)
 
-    store = None if args.datastore is None else datastores.load(args.datastore)
-    backend_name = resolve_backend(args.backend, args.model, args.dtype, args.device)
-    for name in names:
-        check_backend_serves(name.partition(":")[0], backend_name)
-    target = load_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend, threads=args.threads)
-    draft = load_model(args.draft_model, dtype=args.dtype, device=args.device, backend=draft_backend(target),
-                       threads=args.threads) if args.draft_model else None
-    if draft is not None:
-        check_same_vocabulary(target, draft)
-    if store is not None:
-        store.check_vocabulary(target.vocab_size)
-    contenders, backend = build_contenders(names, target, draft, k, "auto" if args.dtype == "auto" else None, store,
+    loaded = load_target(args.model, dtype=args.dtype, device=args.device, backend=args.backend,
+                         threads=args.threads, datastore=args.datastore, draft_model=args.draft_model,
+                         drafters=tuple(name.partition(":")[0] for name in names))
+    target = loaded.target
+    contenders, backend = build_contenders(names, target, loaded.draft, k, loaded.precision, loaded.datastore,
                                            drafter_paths)
-    encoder = SpecDecoder(target, drafter=BASELINE)
-    prompts = [(p.id, p.category, encoder.encode(p.text, None if p.chat else False)) for p in bench_prompts]
+    prompts = [(p.id, p.category, encode_prompt(target.tokenizer, p.text, None if p.chat else False))
+               for p in bench_prompts]
 
     contenders[0].run(prompts[0][2], replace(config, seed=0))  # warm-up: first-call costs out of the timings
     runs = run_interleaved(contenders, prompts, config, args.repeats, args.seed, progress=not args.no_progress)

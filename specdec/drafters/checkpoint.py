@@ -13,8 +13,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from specdec.drafters import layouts
+from specdec.drafters.files import read_weights
 from specdec.drafters.networks import METHODS, NETWORKS, DrafterConfig, TargetParts
 from specdec.errors import UsageError
 
@@ -50,14 +52,13 @@ def load(directory: str | Path, method: str, target_model) -> torch.nn.Module:
     """The drafter network saved in ``directory`` (specdec's files or a published layout), attached to the target.
 
     Refuses a drafter of another method, or one trained for another target."""
-    from specdec.drafters import layouts
     from specdec.models import same_weights, weight_probe
 
     directory = Path(directory)
     if not directory.is_dir():
         raise UsageError(f"drafter directory not found: {directory}")
     if not (directory / CONFIG_FILE).is_file():
-        return layouts.load_published(directory, method, target_model)
+        return build(*layouts.read_published(directory, method, target_model))
     config = read_config(directory)
     if config.method != method:
         raise UsageError(f"{directory} holds a {config.method} drafter, not {method}")
@@ -85,11 +86,3 @@ def check_shape(config: DrafterConfig, target_model) -> None:
     ).weight.shape[0]:
         raise UsageError(f"the drafter (hidden size {config.shape.hidden}, vocabulary {config.vocab_size}) does not "
                          f"fit the target (hidden size {target.hidden_size}, vocabulary {target.vocab_size})")
-
-
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(str(path))
-    except Exception as error:  # a damaged or missing file is the user's input, reported in one line
-        raise UsageError(f"unreadable drafter weights {path}: {str(error).splitlines()[0] if str(error) else error!r}"
-                         ) from None

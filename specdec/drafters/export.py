@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import save_file
 
 from specdec.drafters import checkpoint
+from specdec.drafters.files import DRAFT_VOCAB_FILE
 from specdec.errors import UsageError
 
 FORMATS = {"eagle": "eagle", "medusa": "mtp"}  # published layout -> specdec method
-DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 
 
 def export(source: Path, layout: str, out: Path, target_model) -> list[Path]:
@@ -73,14 +73,6 @@ def _write_medusa(config, state: dict[str, torch.Tensor], target: dict, out: Pat
 
 def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=1) + "\n")
-
-
-def read_draft_vocab(directory: Path) -> torch.Tensor | None:
-    """The draft vocabulary ``export`` kept beside a published layout, if any."""
-    path = directory / DRAFT_VOCAB_FILE
-    if not path.is_file():
-        return None
-    return checkpoint.read_weights(path)["ids"]
 
 
 def run_export(args) -> int:

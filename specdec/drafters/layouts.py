@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.drafters.files import read_draft_vocab, read_weights
 from specdec.drafters.layers import LayerShape
 from specdec.drafters.networks import DrafterConfig
 from specdec.errors import UsageError
@@ -29,23 +30,21 @@ MEDUSA_WEIGHTS = ("medusa_lm_head.safetensors", "model.safetensors")
 PICKLED = ("pytorch_model.bin", "medusa_lm_head.pt")
 
 
-def load_published(directory: Path, method: str, target_model) -> torch.nn.Module:
-    from specdec.drafters.checkpoint import build, read_weights
-
+def read_published(directory: Path, method: str, target_model
+                   ) -> tuple[DrafterConfig, object, dict[str, torch.Tensor]]:
+    """A published layout's config, the target, and its weights in specdec's names (``checkpoint.build`` them)."""
     config = _read_json(directory / "config.json")
     layouts = {"eagle": (EAGLE_WEIGHTS, eagle_config_and_state), "mtp": (MEDUSA_WEIGHTS, medusa_config_and_state)}
     if method in layouts:
         names, read = layouts[method]
         drafter, target, state = read(config, read_weights(_find(directory, names)), target_model)
-        return build(*_with_draft_vocab(directory, drafter, target, state))
+        return _with_draft_vocab(directory, drafter, target, state)
     raise UsageError(f"{directory} has no {directory.name}/drafter.json; a published draft model is a transformers "
                      "model: pass it with --draft-model")
 
 
 def _with_draft_vocab(directory: Path, drafter: DrafterConfig, target_model, state: dict[str, torch.Tensor]):
     """The draft vocabulary ``specdec export`` keeps beside the layout (draft_vocab.safetensors), if there."""
-    from specdec.drafters.export import read_draft_vocab
-
     ids = read_draft_vocab(directory)
     if ids is None:
         return drafter, target_model, state

@@ -23,7 +23,15 @@ import torch
 from torch import nn
 
 from specdec.choices import TRAINED_METHODS
-from specdec.drafters.layers import MLP, DecoderLayer, KVCache, LayerShape, RMSNorm, rope_tables
+from specdec.drafters.layers import (
+    MLP,
+    DecoderLayer,
+    KVCache,
+    LayerShape,
+    RMSNorm,
+    rope_tables,
+)
+from specdec.sampling import draft_token, ranked
 
 METHODS = TRAINED_METHODS  # draft-model, mtp, eagle, early-exit
 
@@ -80,18 +88,14 @@ class DraftVocab(nn.Module):
 
     def draft_token(self, logits: torch.Tensor, params, generator: torch.Generator | None
                     ) -> tuple[int, torch.Tensor | None]:  # logits [V']
-        """``proposers.base.draft_token`` over the draft vocabulary: greedy picks among its V' logits directly;
+        """``sampling.draft_token`` over the draft vocabulary: greedy picks among its V' logits directly;
         sampling draws from them widened to the target's vocabulary (q = 0 off the draft vocabulary)."""
-        from specdec.proposers.base import draft_token
-
         if params.greedy:
             return int(self.ids[logits.argmax()]), None
         return draft_token(self.widen(logits), params, generator)
 
     def ranked(self, logits: torch.Tensor, count: int, exclude: int) -> list[int]:  # logits [V']
-        """``proposers.base.ranked`` over the draft vocabulary, as the target's ids."""
-        from specdec.proposers.base import ranked
-
+        """``sampling.ranked`` over the draft vocabulary, as the target's ids."""
         return [token for token in self.ids[ranked(logits, count + 1, -1)].tolist() if token != exclude][:count]
 
 

@@ -9,8 +9,8 @@ from specdec.choices import DRAFTERS
 from specdec.errors import UsageError
 from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from specdec.proposers.draft_model import DraftModelProposer
-from specdec.proposers.early_exit import EarlyExitProposer
 from specdec.proposers.eagle import EagleProposer
+from specdec.proposers.early_exit import EarlyExitProposer
 from specdec.proposers.mtp import MTPProposer
 from specdec.proposers.none import NoProposer
 from specdec.proposers.prompt_lookup import PromptLookupProposer

@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from specdec.sampling import SamplingParams, logits_to_probs, sample
+from specdec.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -55,26 +55,10 @@ class TreeProposer(Protocol):
         ...
 
 
-def draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-                ) -> tuple[int, torch.Tensor | None]:  # logits [vocab]
-    """One draft token from a drafter's logits: the argmax when greedy (a point mass: no distribution kept), else
-    a draw from the logits through the same transform the target's go through, with that distribution."""
-    if params.greedy:
-        return int(logits.argmax()), None
-    probs = logits_to_probs(logits, params)  # [vocab]
-    return sample(probs, generator), probs
-
-
 def draft_of(tokens: list[int], rows: list[torch.Tensor | None], parents: list[int] | None = None) -> Draft:
     """A Draft (a tree with ``parents``) from tokens and the distribution each came from (all None when greedy)."""
     kept = [row for row in rows if row is not None]
     return Draft(tokens=tokens, probs=torch.stack(kept) if kept else None, parents=parents)
-
-
-def ranked(logits: torch.Tensor, count: int, exclude: int) -> list[int]:  # logits [vocab]
-    """The ``count`` ids a drafter ranks highest, ``exclude`` left out: a draft tree's alternatives."""
-    top = torch.topk(logits, min(count + 1, logits.shape[-1])).indices.tolist()
-    return [token for token in top if token != exclude][:count]
 
 
 def spine_tree(spine: list[int], rows: list[torch.Tensor | None], alternatives: list[list[int]]) -> Draft:

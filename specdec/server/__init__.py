@@ -12,12 +12,11 @@ from dataclasses import dataclass
 
 from specdec.backends.batch import BatchedLlama
 from specdec.backends.llama import LlamaRuntime
+from specdec.choices import SERVED_DRAFTERS, SPECULATION_MODES
 from specdec.errors import UsageError
 from specdec.proposers import PROPOSERS
 from specdec.server.scheduler import Scheduler
-from specdec.choices import SERVED_DRAFTERS, SPECULATION_MODES
 from specdec.server.speculation import PassCost, SpeculationPlanner
-
 
 
 @dataclass(frozen=True)

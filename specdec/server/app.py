@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,15 +30,36 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from specdec.server.protocol import (ApiError, BadRequest, ChatCompletionRequest, CompletionRequest, Job, Response,
-                                     TokenLogprob, logprobs_payload, parse_body, parse_job, usage)
-from specdec.server.scheduler import Finished, Handle, QueueFull, Scheduler, ShuttingDown, Tokens
+from specdec.errors import UsageError
+from specdec.server import BatchSettings, build_scheduler
+from specdec.server.protocol import (
+    ApiError,
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Job,
+    Response,
+    TokenLogprob,
+    logprobs_payload,
+    parse_body,
+    parse_job,
+    usage,
+)
+from specdec.server.scheduler import (
+    Finished,
+    Handle,
+    QueueFull,
+    Scheduler,
+    ShuttingDown,
+    Tokens,
+)
 from specdec.view import Detokenizer
 
 log = logging.getLogger("specdec.server")
 POLL_SECONDS = 0.25  # how often a waiting request checks that its client is still there
 STALL_SECONDS = 300.0  # /health answers 503 when requests have waited this long without a step finishing
 RETRY_AFTER_SECONDS = 1
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop", "abort": "abort"}
 
 
@@ -139,7 +161,7 @@ class OpenAIServer:
 
     def _encoded(self, job: Job) -> list[int]:
         if job.chat:
-            from specdec.api import chat_prompt_ids
+            from specdec.models import chat_prompt_ids
 
             try:
                 return chat_prompt_ids(self.tokenizer, job.prompt)
@@ -166,6 +188,27 @@ class OpenAIServer:
                 raise ApiError(f"the server is at capacity: {error}; retry later", status=429) from None
             raise ApiError(str(error), status=503) from None
         return handles
+
+
+def load_server(model: str | None, batch: BatchSettings, settings: ServerSettings, datastore: str | None = None,
+                dtype: str = "auto", device: str = "auto", served_model_name: str | None = None,
+                backend: str = "torch", threads: int | None = None, listen: bool = True) -> OpenAIServer:
+    """Load the model (checks first, the slow load last) and bind the server; ``start()`` it to serve
+    (``listen=False``: the app alone, for Ray Serve to run)."""
+    from specdec.backends import target_backend
+    from specdec.loading import load_target
+    from specdec.models import eos_token_ids
+
+    loaded = load_target(model, dtype=dtype, device=device, backend=backend, threads=threads, datastore=datastore,
+                         drafters=(batch.drafter,))
+    runtime = target_backend(loaded.target, loaded.precision)
+    scheduler = build_scheduler(runtime, batch, eos_token_ids(loaded.target), loaded.datastore)
+    name = served_model_name or (DEFAULT_MODEL_NAME if model is None else Path(model).name.removesuffix(".gguf"))
+    try:
+        return OpenAIServer(scheduler, loaded.target.tokenizer, name, settings,
+                            listen=listen)
+    except OSError as error:
+        raise UsageError(f"cannot listen on {settings.host}:{settings.port}: {error.strerror or error}") from None
 
 
 def _listen(host: str, port: int) -> socket.socket:

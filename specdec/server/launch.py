@@ -1,4 +1,4 @@
-"""Loading a model into a server, and the ``specdec serve`` command's run: start, serve until a signal, drain."""
+"""The ``specdec serve`` command's run: start, serve until a signal, drain."""
 
 from __future__ import annotations
 
@@ -10,33 +10,8 @@ import threading
 from pathlib import Path
 
 from specdec.errors import UsageError
-from specdec.server import BatchSettings, build_scheduler
-from specdec.server.app import OpenAIServer, ServerSettings
-
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def load_server(model: str | None, batch: BatchSettings, settings: ServerSettings, datastore: str | None = None,
-                dtype: str = "auto", device: str = "auto", served_model_name: str | None = None,
-                backend: str = "torch", threads: int | None = None, listen: bool = True) -> OpenAIServer:
-    """Load the model (checks first, the slow load last) and bind the server; ``start()`` it to serve
-    (``listen=False``: the app alone, for Ray Serve to run)."""
-    from specdec import datastore as datastores
-    from specdec.api import eos_token_ids
-    from specdec.backends import target_backend
-    from specdec.models import load_model
-
-    store = None if datastore is None else datastores.load(datastore)
-    loaded = load_model(model, dtype=dtype, device=device, backend=backend, threads=threads)
-    if store is not None:
-        store.check_vocabulary(loaded.vocab_size)
-    runtime = target_backend(loaded, "auto" if dtype == "auto" else None)
-    scheduler = build_scheduler(runtime, batch, eos_token_ids(loaded), store)
-    name = served_model_name or (DEFAULT_MODEL_NAME if model is None else Path(model).name.removesuffix(".gguf"))
-    try:
-        return OpenAIServer(scheduler, loaded.tokenizer, name, settings, listen=listen)
-    except OSError as error:
-        raise UsageError(f"cannot listen on {settings.host}:{settings.port}: {error.strerror or error}") from None
+from specdec.server import BatchSettings
+from specdec.server.app import ServerSettings, load_server
 
 
 def api_key(given: str | None, path: str | None) -> str | None:

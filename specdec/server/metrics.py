@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from specdec.engine import Round
+from specdec.step import Round
 
 PREFIX = "specdec"
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from specdec.errors import UsageError
 from specdec.server import BatchSettings
-from specdec.server.app import ServerSettings
+from specdec.server.app import ServerSettings, load_server
 
 APP_NAME = "specdec"
 _REPLICA = {}  # the server this replica process built: its health check reads it
@@ -50,8 +50,6 @@ def serve_app(options: ReplicaOptions = ReplicaOptions(), replicas: int = 1, shu
         raise UsageError(f"replicas must be >= 1, got {replicas}")
 
     def build():
-        from specdec.server.launch import load_server
-
         server = load_server(options.model, options.batch, options.settings, options.datastore, options.dtype,
                              options.device, options.served_model_name, options.backend, options.threads,
                              listen=False)

@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.backends.batch import BatchedLlama, Row, Slot
-from specdec.engine import emitted_round, make_generator, verify_draft
 from specdec.errors import UsageError
 from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from specdec.proposers.none import NoProposer
 from specdec.sampling import LogitsAdjustment, SamplingParams
 from specdec.server.metrics import Metrics
 from specdec.server.speculation import Acceptance, SpeculationPlanner
+from specdec.step import emitted_round, make_generator, verify_draft
 
 log = logging.getLogger("specdec.server")
 PREFILL_TOKENS_PER_PASS = 4096  # prompts prefilled together, up to this many tokens in one pass

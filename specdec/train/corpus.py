@@ -13,7 +13,6 @@ from pathlib import Path
 
 from specdec.errors import UsageError
 
-
 Exchange = tuple[str, "str | None"]  # (prompt, the data's own answer to it, if any)
 
 

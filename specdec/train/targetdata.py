@@ -93,7 +93,7 @@ def select(tokenizer, data_slice: DataSlice, eos_ids: set[int]) -> list[tuple[li
     """The slice's sequences in order, as (token ids, prompt length): the first ``prompts`` prompts that fit (chat
     template applied); with ``answers="data"``, from the far end of the data, those with an answer, followed by
     it (cut at ``max_new_tokens``, else closed by a stop id)."""
-    from specdec.api import chat_prompt_ids
+    from specdec.models import chat_prompt_ids
     from specdec.train.corpus import exchanges
 
     has_template = getattr(tokenizer, "chat_template", None) is not None

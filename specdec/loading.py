@@ -1,0 +1,100 @@
+"""Loading what a run needs, one recipe for the Python API, the server and the benchmarks: the datastore (checked
+before the slow load), the target, a draft model on the right backend, their vocabularies checked against each
+other; what each drafter drafts with; and prompts as token ids.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from specdec.backends import target_backend
+from specdec.errors import UsageError
+from specdec.models import (
+    LoadedModel,
+    chat_prompt_ids,
+    check_same_vocabulary,
+    load_model,
+    resolve_backend,
+)
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A run's models: the target, a draft model (or None), the retrieval datastore (or None), and the precision
+    flag the runtimes take ("auto": measured per kind of pass; None: as loaded)."""
+
+    target: LoadedModel
+    draft: LoadedModel | None = None
+    datastore: object | None = None
+    precision: str | None = None
+
+
+def load_target(model: str | os.PathLike | None = None, *, dtype: str = "auto", device: str = "auto",
+                backend: str = "auto", threads: int | None = None, datastore: str | os.PathLike | None = None,
+                draft_model: str | os.PathLike | None = None, drafters: tuple[str, ...] = ()) -> Loaded:
+    """Check what can be checked first (the datastore, that the backend serves ``drafters``), then load the target
+    and the draft model, and check their vocabularies and the datastore's against the target."""
+    from specdec import datastore as datastores
+
+    store = None if datastore is None else datastores.load(datastore)
+    resolved = resolve_backend(backend, model, dtype, device)
+    for drafter in drafters:
+        check_backend_serves(drafter, resolved)
+    target = load_model(model, dtype=dtype, device=device, backend=backend, threads=threads)
+    draft = None if draft_model is None else load_model(draft_model, dtype=dtype, device=device,
+                                                        backend=draft_backend(target), threads=threads)
+    if draft is not None:
+        check_same_vocabulary(target, draft)
+    if store is not None:
+        store.check_vocabulary(target.vocab_size)
+    return Loaded(target, draft, store, "auto" if dtype == "auto" else None)
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool | None = None) -> list[int]:
+    """Token ids of the prompt; ``chat`` applies the chat template (None: when the model has one)."""
+    if not prompt or not prompt.strip():
+        raise UsageError("the prompt is empty")
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    if chat and not has_template:
+        raise UsageError("--chat: this model's tokenizer has no chat template")
+    if chat or (chat is None and has_template):
+        return chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
+    return list(tokenizer.encode(prompt))
+
+
+def drafter_of(drafter: str, target: LoadedModel, backend, draft: LoadedModel | None, precision: str | None,
+               drafter_path: str | os.PathLike | None = None):
+    """What the proposer ``drafter`` drafts with: a draft model's backend (a transformers model, or a trained draft
+    LM), a trained network (mtp, eagle, early-exit), or None."""
+    from specdec.drafters.loading import TRAINED_METHODS, load_trained
+    from specdec.drafters.runtime import DraftLMRuntime
+
+    check_backend_serves(drafter, target.backend_name)
+    if drafter == "draft-model" and draft is not None:
+        return target_backend(draft, precision)
+    if drafter in TRAINED_METHODS:
+        network = load_trained(drafter, target.transformers_model(), drafter_path)
+        return DraftLMRuntime(network, backend.max_length) if drafter == "draft-model" else network
+    if drafter_path is not None:
+        raise UsageError(f"--drafter-path is for trained drafters (draft-model, mtp, eagle, early-exit), not {drafter}")
+    return None
+
+
+# drafters that need the target's first layers alone, which llama.cpp's runtime does not run
+TORCH_ONLY_DRAFTERS = {
+    "early-exit": "drafts with the target's first layers alone",
+}
+
+
+def check_backend_serves(drafter: str, backend: str) -> None:
+    """Refuse, in one line, a drafter that the target's backend cannot serve."""
+    if backend == "llama.cpp" and drafter in TORCH_ONLY_DRAFTERS:
+        raise UsageError(f"--drafter {drafter} {TORCH_ONLY_DRAFTERS[drafter]}, which the llama.cpp backend does "
+                         "not give: use --backend torch")
+
+
+def draft_backend(target: LoadedModel) -> str:
+    """Where a draft model runs: on llama.cpp too when it is a GGUF file and the target runs there (auto), else on
+    torch, as the target."""
+    return "auto" if target.backend_name == "llama.cpp" else "torch"
