@@ -24,6 +24,7 @@ from specdec.policy import AUTO_MAX_K, AUTO_TREE_MAX_NODES, Policy, make_policy
 from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer, TreeProposer
 from specdec.sampling import SamplingParams
 from specdec.step import (
+    PositionCounts,
     Round,
     emitted_round,
     make_generator,
@@ -85,18 +86,11 @@ class GenerationStats:
     target_seconds: float = 0.0  # of which the target's scoring passes and verification
     policy: str = "fixed"  # how k was chosen: fixed, heuristic or auto
     chosen_k: dict[int, int] = field(default_factory=dict)  # draft length the policy chose -> rounds
-    drafted_at: list[int] = field(default_factory=list)  # [i]: rounds that drafted a token at draft position i+1
-    accepted_at: list[int] = field(default_factory=list)  # [i]: rounds whose draft token i+1 was accepted
+    positions: PositionCounts = field(default_factory=PositionCounts)  # drafted and accepted per draft position
 
     def record(self, round_: Round) -> None:
         self.rounds += 1
-        grow = round_.draft_tokens - len(self.drafted_at)
-        if grow > 0:
-            self.drafted_at += [0] * grow
-            self.accepted_at += [0] * grow
-        for i in range(round_.draft_tokens):
-            self.drafted_at[i] += 1
-            self.accepted_at[i] += i < round_.accepted
+        self.positions.observe(round_)
         self.chosen_k[round_.asked] = self.chosen_k.get(round_.asked, 0) + 1
         self.draft_tokens += round_.draft_tokens
         self.draft_nodes += round_.draft_nodes
@@ -111,10 +105,19 @@ class GenerationStats:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     @property
+    def drafted_at(self) -> list[int]:
+        """[i]: rounds that drafted a token at draft position i+1."""
+        return self.positions.drafted
+
+    @property
+    def accepted_at(self) -> list[int]:
+        """[i]: rounds whose draft token i+1 was accepted."""
+        return self.positions.accepted
+
+    @property
     def acceptance_by_position(self) -> list[float]:
-        """Per draft position: the share of the drafted tokens there that were accepted (vLLM's per-position
-        acceptance; a token after a rejection counts as drafted, not accepted)."""
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+        """Per draft position: the share of the drafted tokens there that were accepted."""
+        return self.positions.rates()
 
     @property
     def mean_accepted_length(self) -> float:

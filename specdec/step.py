@@ -4,7 +4,7 @@ sequence samples with."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,29 @@ class Round:
     target_seconds: float = 0.0  # time spent scoring, verifying and rolling back
     asked: int = 0  # the draft length the policy chose (the drafter may offer fewer)
     draft_nodes: int = 0  # draft positions the target scored: the draft tokens, or a tree's nodes
+
+
+@dataclass
+class PositionCounts:
+    """Per draft position ([i]: position i+1): rounds that drafted a token there, and rounds whose token there was
+    accepted (a token after a rejection counts as drafted, not accepted: vLLM's per-position acceptance). The
+    engine's stats and the server's metrics count with it."""
+
+    drafted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+    def observe(self, round_: Round) -> None:
+        grow = round_.draft_tokens - len(self.drafted)
+        if grow > 0:
+            self.drafted += [0] * grow
+            self.accepted += [0] * grow
+        for i in range(round_.draft_tokens):
+            self.drafted[i] += 1
+            self.accepted[i] += i < round_.accepted
+
+    def rates(self) -> list[float]:
+        """[i]: accepted / drafted tokens at draft position i+1."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted, self.drafted)]
 
 
 def verify_draft(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import socket
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 

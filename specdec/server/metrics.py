@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from specdec.step import Round
+from specdec.step import PositionCounts, Round
 
 PREFIX = "specdec"
 
@@ -24,8 +24,7 @@ class Metrics:
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
-    draft_tokens_at: dict[int, int] = field(default_factory=dict)  # draft position (1-based) -> draft tokens
-    accepted_at: dict[int, int] = field(default_factory=dict)  # draft position -> accepted draft tokens
+    positions: PositionCounts = field(default_factory=PositionCounts)  # draft and accepted tokens per position
     steps: int = 0
     prefill_seconds: float = 0.0  # in passes that prefill admitted prompts
     step_seconds: float = 0.0  # in steps: drafting, the target pass, verification
@@ -46,10 +45,7 @@ class Metrics:
                 self.drafts += 1
                 self.draft_tokens += round_.draft_tokens
                 self.accepted_tokens += round_.accepted
-                for position in range(1, round_.draft_tokens + 1):
-                    self.draft_tokens_at[position] = self.draft_tokens_at.get(position, 0) + 1
-                    if position <= round_.accepted:
-                        self.accepted_at[position] = self.accepted_at.get(position, 0) + 1
+                self.positions.observe(round_)
 
     def observe_step(self, batch_size: int, speculating: bool, seconds: float) -> None:
         with self._lock:
@@ -96,13 +92,13 @@ class Metrics:
                [("", self.drafts)])
         metric("draft_tokens_total", "counter", "Draft tokens scored.", [("", self.draft_tokens)])
         metric("accepted_tokens_total", "counter", "Draft tokens accepted.", [("", self.accepted_tokens)])
-        positions = sorted(self.draft_tokens_at)
+        at = self.positions
         metric("draft_tokens_at_position_total", "counter", "Draft tokens scored at each draft position.",
-               [(f'{{position="{p}"}}', self.draft_tokens_at[p]) for p in positions])
+               [(f'{{position="{i + 1}"}}', n) for i, n in enumerate(at.drafted)])
         metric("accepted_tokens_at_position_total", "counter", "Draft tokens accepted at each draft position.",
-               [(f'{{position="{p}"}}', self.accepted_at.get(p, 0)) for p in positions])
+               [(f'{{position="{i + 1}"}}', n) for i, n in enumerate(at.accepted)])
         metric("acceptance_rate_at_position", "gauge", "Accepted / scored draft tokens at each draft position.",
-               [(f'{{position="{p}"}}', self.accepted_at.get(p, 0) / self.draft_tokens_at[p]) for p in positions])
+               [(f'{{position="{i + 1}"}}', rate) for i, rate in enumerate(at.rates())])
         metric("acceptance_rate", "gauge", "Accepted / scored draft tokens.",
                [("", self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0)])
         metric("mean_accepted_length", "gauge", "Tokens generated per request per target pass.",
