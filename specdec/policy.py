@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from specdec.costs import Acceptance, PassCosts, expected_tokens_by_k
 from specdec.verify import TreeVerdict, Verdict
 
 AUTO_MAX_K = 16  # the longest draft the cost-model policy considers
@@ -81,54 +82,6 @@ class HeuristicDraftLength(ChainShape):
             self.k = max(self.k - 1, 1)
 
 
-class PassCosts:
-    """What a round costs, measured as rounds run: the target's pass by the positions it scores (a moving average
-    per size, and a line through the sizes seen for the others), and drafting per draft step."""
-
-    def __init__(self, prior_slope: float = 0.05) -> None:
-        self.prior_slope = prior_slope  # extra cost per scored position, relative to one, before two sizes are seen
-        self.score_seconds: dict[int, float] = {}  # positions scored -> moving average of the target's pass
-        self.draft_seconds_per_step: float | None = None
-
-    def observe(self, positions: int, target_seconds: float, draft_steps: int, draft_seconds: float) -> None:
-        previous = self.score_seconds.get(positions)
-        self.score_seconds[positions] = target_seconds if previous is None else 0.8 * previous + 0.2 * target_seconds
-        if draft_steps:
-            per_step = draft_seconds / draft_steps
-            previous = self.draft_seconds_per_step
-            self.draft_seconds_per_step = per_step if previous is None else 0.8 * previous + 0.2 * per_step
-
-    def round_seconds(self, draft_steps: int, positions: int, line: tuple[float, float] | None = None) -> float:
-        return (self.draft_seconds_per_step or 0.0) * draft_steps + self.scoring_seconds(positions, line)
-
-    def scoring_seconds(self, positions: int, line: tuple[float, float] | None = None) -> float:
-        """The target's pass over ``positions`` positions: measured; between sizes measured, the dearest smaller
-        one (a pass costs no less than a smaller one: the optimistic bound, so that the size gets tried and
-        measured, since pass costs can step, as row-blocked kernels do); beyond them, from a line through the
-        sizes measured (``line``: that line's (intercept, slope), when the caller has it already)."""
-        seen = self.score_seconds
-        if positions in seen:
-            return seen[positions]
-        below = [seconds for size, seconds in seen.items() if size < positions]
-        if below and any(size > positions for size in seen):
-            return max(below)
-        intercept, slope = line or self.score_line()
-        return max(intercept + slope * positions, 1e-9)
-
-    def score_line(self) -> tuple[float, float]:
-        """(intercept, slope) of the cost of a pass against its positions; a prior slope until two sizes are seen."""
-        seen = self.score_seconds
-        if len(seen) < 2:
-            n, seconds = next(iter(seen.items()), (1, 1.0))  # arbitrary units until measured: only ratios matter
-            base = seconds / (1 + self.prior_slope * (n - 1))
-            return base * (1 - self.prior_slope), base * self.prior_slope
-        xs, ys = list(seen), list(seen.values())
-        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
-        slope = max(slope, 0.0)
-        return mean_y - slope * mean_x, slope
-
-
 class Exploration:
     """While plain decoding wins, one round in ``every`` drafts anyway, so that acceptance keeps being measured."""
 
@@ -165,8 +118,7 @@ class CostModelPolicy(ChainShape):
         self.prior_acceptance = prior_acceptance
         self.prior_weight = prior_weight
         self.costs = PassCosts(prior_slope)
-        self.reached = [0.0] * (max_k + 1)  # [i]: rounds whose draft position i was verified (decayed)
-        self.accepted = [0.0] * (max_k + 1)  # [i]: ... and accepted
+        self.positions = [Acceptance() for _ in range(max_k)]  # [i-1]: draft position i, once position i-1 was
 
     def next_k(self, max_k: int) -> int:
         limit = min(max_k, self.max_k)
@@ -181,31 +133,23 @@ class CostModelPolicy(ChainShape):
 
     def observe(self, verdict: Verdict, draft_seconds: float, target_seconds: float) -> None:
         if verdict.num_draft:  # old evidence fades per drafting round, so sparse exploration keeps its memory
-            for i in range(1, self.max_k + 1):
-                self.reached[i] *= self.decay
-                self.accepted[i] *= self.decay
-        for i in range(1, min(verdict.num_draft, self.max_k) + 1):
-            if i > verdict.accepted + 1:
-                break  # positions after the first rejection were never tested
-            self.reached[i] += 1
-            self.accepted[i] += i <= verdict.accepted
+            reached = min(verdict.num_draft, verdict.accepted + 1)  # positions after the first rejection: untested
+            for i, position in enumerate(self.positions, start=1):
+                position.observe(float(i <= min(reached, verdict.accepted)), float(i <= reached), self.decay)
         self.costs.observe(verdict.num_draft + 1, target_seconds, verdict.num_draft, draft_seconds)
 
     def acceptances(self) -> list[float]:
-        """[i-1]: estimated probability that draft position i is accepted, given that position i-1 was."""
+        """[i-1]: estimated probability that draft position i is accepted, given that position i-1 was (each
+        position's estimate shrunk towards the one before it)."""
         estimates, estimate = [], self.prior_acceptance
-        for i in range(1, self.max_k + 1):
-            estimate = (self.accepted[i] + self.prior_weight * estimate) / (self.reached[i] + self.prior_weight)
+        for position in self.positions:
+            estimate = position.rate(estimate, self.prior_weight)
             estimates.append(estimate)
         return estimates
 
     def expected_tokens_by_k(self) -> list[float]:
         """[k]: expected tokens from a round that drafts k (1 + the expected accepted length)."""
-        totals, survive = [1.0], 1.0
-        for a in self.acceptances():
-            survive *= a
-            totals.append(totals[-1] + survive)
-        return totals
+        return expected_tokens_by_k(self.acceptances())
 
     def expected_tokens(self, k: int) -> float:
         return self.expected_tokens_by_k()[k]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.server.speculation import PassCost, SpeculationPlanner
+from specdec.costs import MeasuredPassCosts as PassCost
+from specdec.server.speculation import SpeculationPlanner
 
 FLAT = PassCost({1: 1.0, 1024: 1.0})  # weight streaming dominates: more positions are free
 LINEAR = PassCost({1: 1.0, 1024: 1024.0})  # arithmetic dominates: every position costs the same

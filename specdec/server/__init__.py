@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from specdec.backends.batch import BatchedLlama
 from specdec.backends.llama import LlamaRuntime
 from specdec.choices import SERVED_DRAFTERS, SPECULATION_MODES
+from specdec.costs import MeasuredPassCosts
 from specdec.errors import UsageError
 from specdec.proposers import PROPOSERS
 from specdec.server.scheduler import Scheduler
-from specdec.server.speculation import PassCost, SpeculationPlanner
+from specdec.server.speculation import SpeculationPlanner
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ def build_scheduler(runtime, settings: BatchSettings, eos_token_ids: set[int], d
     pool = make_pool(runtime, settings)
     cost = None
     if settings.speculation == "auto":
-        cost = PassCost.measure(pool, settings.max_batch_size * (settings.num_draft_tokens + 1))
+        cost = MeasuredPassCosts.measure(pool, settings.max_batch_size * (settings.num_draft_tokens + 1))
     factory = PROPOSERS[settings.drafter]  # drafters of the served kinds read only the context
     return Scheduler(pool, lambda: factory(runtime, None, datastore), SpeculationPlanner(settings.speculation, cost),
                      eos_token_ids, max_draft_tokens=settings.num_draft_tokens, max_waiting=settings.max_waiting)

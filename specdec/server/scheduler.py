@@ -29,12 +29,13 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.backends.batch import BatchedLlama, Row, Slot
+from specdec.costs import Acceptance
 from specdec.errors import UsageError
 from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from specdec.proposers.none import NoProposer
 from specdec.sampling import LogitsAdjustment, SamplingParams
 from specdec.server.metrics import Metrics
-from specdec.server.speculation import Acceptance, SpeculationPlanner
+from specdec.server.speculation import SpeculationPlanner
 from specdec.step import emitted_round, make_generator, verify_draft
 
 log = logging.getLogger("specdec.server")

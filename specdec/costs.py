@@ -1,0 +1,174 @@
+"""The one cost model the engine's policies (one sequence) and the server's planner (a batch) decide with: what a
+target pass over n positions costs, how often draft tokens are accepted, and the expected tokens these give.
+
+- ``Acceptance``: accepted draft tokens over those reached, decayed, shrunk towards a prior while observations are
+  few. The engine keeps one per draft position (each position's prior the estimate before it); the server one per
+  request (its prior the rate over all requests) and one over all requests.
+- ``survival`` and ``expected_tokens_by_k``: the chance a chain's first j draft tokens are all accepted, and the
+  expected tokens of a round drafting k: 1 + sum over j <= k of that chance.
+- The pass-cost curve, learnt two ways for the two situations: ``PassCosts`` learns every size a single sequence's
+  rounds score, online (a moving average per size; optimistic steps between sizes, so that a size gets tried; a
+  line beyond them); ``MeasuredPassCosts`` is the server's curve over up to batch x (k+1) positions, measured at
+  start-up (interpolated between points) and only rescaled by the passes it runs, whose sizes are too few to
+  move points without bending the curve's shape.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+
+from specdec.backends.batch import BatchedLlama, Row
+
+PRIOR_STRENGTH = 4.0  # draft tokens' worth of weight a prior has in an Acceptance's rate, by default
+COST_LEARNING_RATE = 0.1  # how fast MeasuredPassCosts' scale follows the passes run
+
+
+class PassCosts:
+    """What a round costs, measured as rounds run: the target's pass by the positions it scores (a moving average
+    per size, and a line through the sizes seen for the others), and drafting per draft step."""
+
+    def __init__(self, prior_slope: float = 0.05) -> None:
+        self.prior_slope = prior_slope  # extra cost per scored position, relative to one, before two sizes are seen
+        self.score_seconds: dict[int, float] = {}  # positions scored -> moving average of the target's pass
+        self.draft_seconds_per_step: float | None = None
+
+    def observe(self, positions: int, target_seconds: float, draft_steps: int, draft_seconds: float) -> None:
+        previous = self.score_seconds.get(positions)
+        self.score_seconds[positions] = target_seconds if previous is None else 0.8 * previous + 0.2 * target_seconds
+        if draft_steps:
+            per_step = draft_seconds / draft_steps
+            previous = self.draft_seconds_per_step
+            self.draft_seconds_per_step = per_step if previous is None else 0.8 * previous + 0.2 * per_step
+
+    def round_seconds(self, draft_steps: int, positions: int, line: tuple[float, float] | None = None) -> float:
+        return (self.draft_seconds_per_step or 0.0) * draft_steps + self.scoring_seconds(positions, line)
+
+    def scoring_seconds(self, positions: int, line: tuple[float, float] | None = None) -> float:
+        """The target's pass over ``positions`` positions: measured; between sizes measured, the dearest smaller
+        one (a pass costs no less than a smaller one: the optimistic bound, so that the size gets tried and
+        measured, since pass costs can step, as row-blocked kernels do); beyond them, from a line through the
+        sizes measured (``line``: that line's (intercept, slope), when the caller has it already)."""
+        seen = self.score_seconds
+        if positions in seen:
+            return seen[positions]
+        below = [seconds for size, seconds in seen.items() if size < positions]
+        if below and any(size > positions for size in seen):
+            return max(below)
+        intercept, slope = line or self.score_line()
+        return max(intercept + slope * positions, 1e-9)
+
+    def score_line(self) -> tuple[float, float]:
+        """(intercept, slope) of the cost of a pass against its positions; a prior slope until two sizes are seen."""
+        seen = self.score_seconds
+        if len(seen) < 2:
+            n, seconds = next(iter(seen.items()), (1, 1.0))  # arbitrary units until measured: only ratios matter
+            base = seconds / (1 + self.prior_slope * (n - 1))
+            return base * (1 - self.prior_slope), base * self.prior_slope
+        xs, ys = list(seen), list(seen.values())
+        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+        slope = max(slope, 0.0)
+        return mean_y - slope * mean_x, slope
+
+
+class MeasuredPassCosts:
+    """Seconds of one pass over T positions: the shape measured at start-up (points linearly interpolated, and
+    extrapolated past the last), times a scale learnt from the passes the server runs.
+
+    Only the scale is learnt: the passes run are mostly of a few sizes, and moving single points would bend the
+    curve's shape, on which the choice depends (a step's value is tokens over seconds, so a common scale cancels
+    out of the comparison but for the drafting time added to it)."""
+
+    def __init__(self, points: dict[int, float]) -> None:
+        if not points:
+            raise ValueError("need at least one measured pass")
+        self.positions = sorted(points)
+        self.seconds = [points[t] for t in self.positions]
+        self.scale = 1.0
+
+    def __call__(self, positions: int) -> float:
+        return self.scale * self.measured(positions)
+
+    def measured(self, positions: int) -> float:
+        """The start-up measurement's seconds for a pass over ``positions``."""
+        xs, ys = self.positions, self.seconds
+        if len(xs) == 1:
+            return ys[0] * positions / xs[0]
+        i = min(max(bisect.bisect_left(xs, positions), 1), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return max(y0 + (y1 - y0) * (positions - x0) / (x1 - x0), 1e-9)
+
+    def observe(self, positions: int, seconds: float) -> None:
+        """Move the scale towards what a pass over ``positions`` took against the measurement."""
+        self.scale *= (seconds / self(positions)) ** COST_LEARNING_RATE
+
+    @classmethod
+    def measure(cls, pool: BatchedLlama, max_positions: int, context_length: int = 64, repeats: int = 2
+                ) -> "MeasuredPassCosts":
+        """Time passes over 1, 2, 4, ... max_positions positions, spread over up to all of the pool's slots,
+        each slot holding ``context_length`` tokens; the pool is left as it was."""
+        slots = [pool.open() for _ in range(pool.max_slots - len(pool.slots))]
+        try:
+            if not slots:
+                raise ValueError("measuring the pass cost needs free slots")
+            context_length = min(context_length, pool.max_length // 2)
+            for slot in slots:
+                pool.forward([Row(slot, [0] * context_length, 0)])
+            points = {}
+            positions = 1
+            while True:
+                points[positions] = min(_timed_pass(pool, slots, positions) for _ in range(repeats))
+                if positions >= max_positions:
+                    break
+                positions = min(2 * positions, max_positions)
+            return cls(points)
+        finally:
+            for slot in reversed(slots):
+                pool.close(slot)
+
+
+def _timed_pass(pool: BatchedLlama, slots: list, positions: int) -> float:
+    rows = min(len(slots), positions)
+    per_row = [positions // rows + (1 if r < positions % rows else 0) for r in range(rows)]
+    lengths = [slot.length for slot in slots[:rows]]
+    started = time.perf_counter()
+    pool.forward([Row(slot, [0] * n, n) for slot, n in zip(slots, per_row)])
+    elapsed = time.perf_counter() - started
+    for slot, length in zip(slots, lengths):
+        slot.length = length
+    return elapsed
+
+
+class Acceptance:
+    """Accepted draft tokens over draft tokens that were reached (a rejected one ends the chain)."""
+
+    def __init__(self) -> None:
+        self.accepted = 0.0
+        self.reached = 0.0
+
+    def observe(self, accepted: float, reached: float, decay: float = 1.0) -> None:
+        self.accepted = self.accepted * decay + accepted
+        self.reached = self.reached * decay + reached
+
+    def rate(self, prior: float, strength: float = PRIOR_STRENGTH) -> float:
+        """The estimate: observations, plus ``strength`` observations' worth of ``prior``."""
+        return (self.accepted + strength * prior) / (self.reached + strength)
+
+
+def survival(acceptances: list[float]) -> list[float]:
+    """[j-1]: the chance that draft tokens 1..j are all accepted, given each one's acceptance once the one before
+    it was."""
+    chances, chance = [], 1.0
+    for a in acceptances:
+        chance *= a
+        chances.append(chance)
+    return chances
+
+
+def expected_tokens_by_k(acceptances: list[float]) -> list[float]:
+    """[k]: expected tokens from a round that drafts k tokens (the accepted ones and one more)."""
+    totals = [1.0]
+    for chance in survival(acceptances):
+        totals.append(totals[-1] + chance)
+    return totals
