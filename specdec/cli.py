@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from specdec.choices import (
-    BACKENDS,
-    DRAFTERS,
-    MAX_DRAFT_TOKENS,
-    SERVED_DRAFTERS,
-    SPECULATION_MODES,
-    TRAINED_METHODS,
-)
+from specdec.choices import BACKENDS, DRAFTERS, MAX_DRAFT_TOKENS, SERVED_DRAFTERS, SPECULATION_MODES, TRAINED_METHODS
 from specdec.errors import SpecdecError, UsageError
 
 EXIT_USAGE = 2
@@ -141,14 +136,7 @@ def _add_train_parser(commands) -> None:
     train.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     train.add_argument("--device", default="auto")
     train.add_argument("--threads", type=int, default=None)
-    train.set_defaults(run=_run_train)
-
-
-def _run_train(args: argparse.Namespace) -> int:
-    from specdec.train.command import run_train
-
-    _set_threads(args.threads)
-    return run_train(args)
+    train.set_defaults(run=_runs("specdec.train.command", "run_train", threads=True))
 
 
 def _add_bench_serve_parser(commands) -> None:
@@ -173,13 +161,7 @@ def _add_bench_serve_parser(commands) -> None:
     bench.add_argument("--num-draft-tokens", "-k", type=int, default=4)
     bench.add_argument("--max-batch-size", type=int, default=None, help="default: the highest concurrency")
     add_model_flags(bench, device=False, threads_help="CPU threads of each server")
-    bench.set_defaults(run=_run_bench_serve)
-
-
-def _run_bench_serve(args: argparse.Namespace) -> int:
-    from specdec.bench.serve import run_bench_serve
-
-    return run_bench_serve(args)
+    bench.set_defaults(run=_runs("specdec.bench.serve", "run_bench_serve"))
 
 
 def _add_serve_parser(commands) -> None:
@@ -216,14 +198,7 @@ def _add_serve_parser(commands) -> None:
                        help="seconds requests in flight get to finish after SIGINT/SIGTERM")
     add_model_flags(serve)
     serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    serve.set_defaults(run=_run_serve)
-
-
-def _run_serve(args: argparse.Namespace) -> int:
-    from specdec.server.launch import run_serve
-
-    _set_threads(args.threads)
-    return run_serve(args)
+    serve.set_defaults(run=_runs("specdec.server.launch", "run_serve", threads=True))
 
 
 def _add_bench_parser(commands) -> None:
@@ -252,7 +227,7 @@ def _add_bench_parser(commands) -> None:
                        "ones shipped for the target)")
     add_model_flags(bench)
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
-    bench.set_defaults(run=_run_bench)
+    bench.set_defaults(run=_runs("specdec.bench.run", "run_bench", threads=True))
 
 
 def _add_bench_exits_parser(commands) -> None:
@@ -268,14 +243,7 @@ def _add_bench_exits_parser(commands) -> None:
                        help="a trained exit adapter, measured at its layer (repeatable)")
     bench.add_argument("--out", default=None, help="also write the report as JSON here")
     add_model_flags(bench, backend=False)
-    bench.set_defaults(run=_run_bench_exits)
-
-
-def _run_bench_exits(args: argparse.Namespace) -> int:
-    from specdec.bench.exits import run_bench_exits
-
-    _set_threads(args.threads)
-    return run_bench_exits(args)
+    bench.set_defaults(run=_runs("specdec.bench.exits", "run_bench_exits", threads=True))
 
 
 def _add_export_parser(commands) -> None:
@@ -287,13 +255,7 @@ def _add_export_parser(commands) -> None:
     export.add_argument("--drafter-path", default=None, metavar="DIR",
                         help="the drafter (default: the one shipped for the target)")
     export.add_argument("--model", default=None, help="the target it was trained for (default: the default model)")
-    export.set_defaults(run=_run_export)
-
-
-def _run_export(args: argparse.Namespace) -> int:
-    from specdec.drafters.export import run_export
-
-    return run_export(args)
+    export.set_defaults(run=_runs("specdec.drafters.export", "run_export"))
 
 
 def _add_figures_parser(commands) -> None:
@@ -308,7 +270,7 @@ def _add_figures_parser(commands) -> None:
     figures.add_argument("--repeats", type=int, default=3, help="timing repeats per point (median)")
     figures.add_argument("--max-batch", type=int, default=64)
     add_model_flags(figures, dtype=False, backend=False)
-    figures.set_defaults(run=_run_figures)
+    figures.set_defaults(run=_runs("specdec.bench.figures", "run_figures", threads=True))
 
 
 def _add_datastore_parser(commands) -> None:
@@ -342,28 +304,8 @@ def _run_datastore_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_figures(args: argparse.Namespace) -> int:
-    from specdec.bench.figures import run_figures
-
-    _set_threads(args.threads)
-    return run_figures(args)
-
-
-def _run_bench(args: argparse.Namespace) -> int:
-    from specdec.bench.run import run_bench
-
-    _set_threads(args.threads)
-    return run_bench(args)
-
-
 def run_generate(args: argparse.Namespace) -> int:
-    from specdec.choices import (
-        check_max_new_tokens,
-        check_sampling,
-        check_seed,
-        parse_num_draft_tokens,
-        parse_tree,
-    )
+    from specdec.choices import check_max_new_tokens, check_sampling, check_seed, parse_num_draft_tokens, parse_tree
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
@@ -435,6 +377,18 @@ def summary_line(drafter: str, stats) -> str:
 def _print_now(text: str) -> None:
     sys.stdout.write(text)
     sys.stdout.flush()
+
+
+def _runs(module: str, function: str, threads: bool = False) -> Callable[[argparse.Namespace], int]:
+    """A command's run: ``module.function(args)``, imported only when that command runs (so that --help and a
+    refused flag stay fast); with ``threads``, torch's threads set from --threads first."""
+
+    def run(args: argparse.Namespace) -> int:
+        if threads:
+            _set_threads(args.threads)
+        return getattr(importlib.import_module(module), function)(args)
+
+    return run
 
 
 def _set_threads(threads: int | None) -> None:

@@ -13,24 +13,12 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.backends.base import CausalLM, TreeScorer, declares, require, sync
-from specdec.choices import (
-    MAX_TREE_WIDTH,
-    check_max_new_tokens,
-    check_num_draft_tokens,
-    check_tree,
-)
+from specdec.choices import MAX_TREE_WIDTH, check_max_new_tokens, check_num_draft_tokens, check_tree
 from specdec.errors import UsageError
 from specdec.policy import AUTO_MAX_K, AUTO_TREE_MAX_NODES, Policy, make_policy
 from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer, TreeProposer
 from specdec.sampling import SamplingParams
-from specdec.step import (
-    PositionCounts,
-    Round,
-    emitted_round,
-    make_generator,
-    verify_draft,
-    verify_draft_tree,
-)
+from specdec.step import PositionCounts, Round, emitted_round, make_generator, verify_draft, verify_draft_tree
 from specdec.verify import TreeVerdict, Verdict
 
 

@@ -10,13 +10,7 @@ from dataclasses import dataclass
 
 from specdec.backends import target_backend
 from specdec.errors import UsageError
-from specdec.models import (
-    LoadedModel,
-    chat_prompt_ids,
-    check_same_vocabulary,
-    load_model,
-    resolve_backend,
-)
+from specdec.models import LoadedModel, chat_prompt_ids, check_same_vocabulary, load_model, resolve_backend
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,7 @@ import torch
 from specdec.choices import check_seed
 from specdec.proposers.base import Draft
 from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.verify import (
-    TreeVerdict,
-    Verdict,
-    verify,
-    verify_greedy,
-    verify_tree,
-    verify_tree_greedy,
-)
+from specdec.verify import TreeVerdict, Verdict, verify, verify_greedy, verify_tree, verify_tree_greedy
 
 
 @dataclass(frozen=True)

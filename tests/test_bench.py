@@ -9,8 +9,7 @@ from tiny import perturbed_copy, save_with_tokenizer, tiny_llama
 
 from specdec.bench.contenders import Outcome
 from specdec.bench.report import Run, summarise
-from specdec.bench.stats import (expected_tokens_per_round, ideal_speedup, median, needed_acceptance,
-                                 per_prompt_speedups)
+from specdec.bench.stats import expected_tokens_per_round, ideal_speedup, median, needed_acceptance, per_prompt_speedups
 from specdec.cli import main
 
 

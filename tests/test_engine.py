@@ -11,8 +11,8 @@ import torch
 from scipy.stats import chi2_contingency, chisquare
 from tiny import E2E_PROMPT, e2e_models, e2e_samples, perturbed_copy, tiny_llama
 
-from specdec.backends.base import sync
 from specdec.backends import HFCausalLM, LlamaRuntime
+from specdec.backends.base import sync
 from specdec.bench.agreement import first_difference
 from specdec.engine import Engine, GenerationConfig
 from specdec.errors import UsageError

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny import tiny_llama
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
-    Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from specdec.backends import HFCausalLM, LlamaRuntime, make_backend
 from specdec.backends import llama as llama_backend

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
-
 from tiny_gguf import write_tiny_gguf
 
 llama_cpp = pytest.importorskip("llama_cpp")

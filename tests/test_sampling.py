@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.generation.logits_process import (
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from specdec.errors import UsageError
 from specdec.sampling import SamplingParams, logits_to_probs

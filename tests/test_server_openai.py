@@ -16,8 +16,7 @@ import openai
 import pytest
 import torch
 from scipy.stats import chisquare
-from test_server import (EOS, MODEL, get, ids_of, plain_greedy, post, prompt_text, start_server, tiny,  # noqa: F401
-                         visible, wait_for)
+from test_server import EOS, MODEL, get, ids_of, plain_greedy, post, prompt_text, start_server, tiny, visible, wait_for  # noqa: F401
 
 from specdec.backends import LlamaRuntime
 from specdec.sampling import LogitsAdjustment, SamplingParams, logits_to_probs

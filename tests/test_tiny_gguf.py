@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from tiny_gguf import TinyShape, llama_cpp_layout, random_weights, write_tiny_gguf
 
 llama_cpp = pytest.importorskip("llama_cpp")

@@ -54,7 +54,11 @@ class TreeScorer(Protocol):
 
 
 class FeatureSource(Protocol):
-    """Keeps each cached position's final hidden state, normed as the LM head reads it (what eagle and mtp read)."""
+    """Keeps each cached position's final hidden state, normed as the LM head reads it (what eagle and mtp read).
+    A backend that declares it keeps them in ``_hidden`` ([capacity, hidden], None until asked) beside ``tokens``."""
+
+    _hidden: torch.Tensor | None
+    tokens: list[int]
 
     def keep_hidden_states(self) -> None:
         """From now on keep them (a cost some backends pay only when asked)."""
@@ -62,7 +66,10 @@ class FeatureSource(Protocol):
 
     @property
     def hidden_states(self) -> torch.Tensor:  # [len(tokens), hidden]
-        ...
+        """The final hidden state, normed as the LM head reads it, of every cached position."""
+        if self._hidden is None:
+            raise RuntimeError("call keep_hidden_states() first")
+        return self._hidden[: len(self.tokens)]
 
 
 class ShallowRunner(Protocol):

@@ -15,20 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from specdec.backends.base import (
-    FeatureSource,
-    ShallowRunner,
-    TreeScorer,
-    streamed_parameters,
-)
-from specdec.backends.linear import (
-    DTYPE_OF,
-    Linear,
-    PassPrecisions,
-    activation_dtype,
-    make_linear,
-    precision_name,
-)
+from specdec.backends.base import FeatureSource, ShallowRunner, TreeScorer, streamed_parameters
+from specdec.backends.linear import DTYPE_OF, Linear, PassPrecisions, activation_dtype, make_linear, precision_name
 
 FAMILIES = ("llama", "mistral", "qwen2")
 INITIAL_CAPACITY = 256  # cache positions allocated when nothing was reserved; doubled when a request needs more
@@ -106,13 +94,6 @@ class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
         features need); the cost is one norm over every new position instead of only where logits are wanted."""
         if self._hidden is None:
             self._hidden = torch.empty(self._capacity, self.embed.shape[1], dtype=self.dtype, device=self.device)
-
-    @property
-    def hidden_states(self) -> torch.Tensor:  # [len(tokens), hidden]
-        """The final hidden state, normed as the LM head reads it, of every cached position."""
-        if self._hidden is None:
-            raise RuntimeError("call keep_hidden_states() first")
-        return self._hidden[: len(self.tokens)]
 
     @torch.inference_mode()
     def extend(self, token_ids: list[int], num_logits: int) -> torch.Tensor:  # [num_logits, vocab]

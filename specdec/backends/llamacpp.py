@@ -241,13 +241,6 @@ class LlamaCppLM(FeatureSource):
             self.context.keep_states()
             self._hidden = torch.empty(self.max_length, self.model.hidden_size)
 
-    @property
-    def hidden_states(self) -> torch.Tensor:  # [len(tokens), hidden]
-        """The final hidden state, normed as the LM head reads it, of every cached position."""
-        if self._hidden is None:
-            raise RuntimeError("call keep_hidden_states() first")
-        return self._hidden[: len(self.tokens)]
-
     def extend(self, token_ids: list[int], num_logits: int) -> torch.Tensor:  # [num_logits, vocab]
         start, n = len(self.tokens), len(token_ids)
         if start + n > self.max_length:

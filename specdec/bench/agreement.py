@@ -14,7 +14,6 @@ speculative output (prompt lookup) against its own plain output. ::
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from dataclasses import dataclass
@@ -118,16 +117,11 @@ def agreement_markdown(comparisons: list[Comparison]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from specdec.backends.precision import auto_precisions
-    from specdec.bench.prompts import read_prompts
+    from specdec.bench.prompts import prompt_script_parser, read_prompts
     from specdec.loading import encode_prompt
     from specdec.models import load_model
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", default="data/mt_bench_question.jsonl")
-    parser.add_argument("--limit", type=int, default=20)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--threads", type=int, default=None)
+    parser = prompt_script_parser(__doc__, limit=20)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

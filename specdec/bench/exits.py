@@ -176,12 +176,7 @@ def run_bench_exits(args) -> int:
     from specdec.drafters import checkpoint
     from specdec.drafters.layers import LayerShape
     from specdec.drafters.loading import parse_drafter_paths
-    from specdec.drafters.networks import (
-        DrafterConfig,
-        ExitAdapter,
-        TargetParts,
-        prepare_for_drafting,
-    )
+    from specdec.drafters.networks import DrafterConfig, ExitAdapter, TargetParts, prepare_for_drafting
     from specdec.engine import Engine, GenerationConfig
     from specdec.loading import encode_prompt, load_target
     from specdec.models import eos_token_ids

@@ -14,14 +14,13 @@ roofline of each specdec runtime follows the table.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 
 import torch
 
-from specdec.bench.prompts import read_prompts
+from specdec.bench.prompts import prompt_script_parser, read_prompts
 from specdec.engine import GenerationConfig
 
 TRANSFORMERS = "transformers generate"
@@ -68,17 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     from specdec.loading import encode_prompt
     from specdec.models import load_model
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", default="data/mt_bench_question.jsonl")
-    parser.add_argument("--limit", type=int, default=5)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser = prompt_script_parser(__doc__, limit=5)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--model", default=None)
     parser.add_argument("--precisions", default="float32,auto",
                         help="specdec's weight precisions to time, comma-separated (float32, float16, bfloat16, auto)")
     parser.add_argument("--llamacpp", action="store_true",
                         help="also time specdec's plain decoding on llama.cpp (the GGUF's weights as stored)")
-    parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 from dataclasses import dataclass
@@ -54,3 +55,15 @@ def _parse(record: dict, number: int) -> BenchPrompt:
         return BenchPrompt(id=str(record.get("task_id", number)), category="humaneval", text=record["prompt"],
                            chat=False)
     raise UsageError(f"line {number}: expected a 'turns' list (MT-bench) or a 'prompt' string (HumanEval)")
+
+
+def prompt_script_parser(description: str, limit: int) -> argparse.ArgumentParser:
+    """The flags the ``python -m specdec.bench.*`` scripts share: which prompts, how many, how long an answer,
+    which model, how many threads."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", default="data/mt_bench_question.jsonl")
+    parser.add_argument("--limit", type=int, default=limit)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    return parser

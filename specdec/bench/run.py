@@ -11,12 +11,7 @@ from pathlib import Path
 import torch
 
 from specdec.backends import CausalLM, precision_of, target_backend
-from specdec.bench.contenders import (
-    Contender,
-    LlamaCppContender,
-    SpecdecContender,
-    TransformersContender,
-)
+from specdec.bench.contenders import Contender, LlamaCppContender, SpecdecContender, TransformersContender
 from specdec.bench.prompts import read_prompts
 from specdec.bench.report import BASELINE, Run, build_report, markdown
 from specdec.bench.roofline import measure_roofline, roofline_markdown

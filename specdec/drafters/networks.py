@@ -23,14 +23,7 @@ import torch
 from torch import nn
 
 from specdec.choices import TRAINED_METHODS
-from specdec.drafters.layers import (
-    MLP,
-    DecoderLayer,
-    KVCache,
-    LayerShape,
-    RMSNorm,
-    rope_tables,
-)
+from specdec.drafters.layers import MLP, DecoderLayer, KVCache, LayerShape, RMSNorm, rope_tables
 from specdec.sampling import draft_token, ranked
 
 METHODS = TRAINED_METHODS  # draft-model, mtp, eagle, early-exit
@@ -116,6 +109,17 @@ class TargetParts:
                    None if norm is None else norm.weight)
 
 
+class OnTarget(nn.Module):
+    """A drafter network that reads the frozen target's input embedding and drafts over its LM head's rows
+    (``self.vocab``, a DraftVocab): ``attach`` points it at a target's parts, as loading does."""
+
+    vocab: "DraftVocab"
+
+    def attach(self, target: TargetParts) -> None:
+        self.embed = target.embed
+        self.vocab.attach(target.lm_head)
+
+
 def _run_layers(layers: nn.ModuleList, shape: LayerShape, x: torch.Tensor, cache: KVCache | None, start: int
                 ) -> torch.Tensor:  # [B, T, hidden] at positions start..
     positions = torch.arange(start, start + x.shape[1], device=x.device)
@@ -127,7 +131,7 @@ def _run_layers(layers: nn.ModuleList, shape: LayerShape, x: torch.Tensor, cache
     return x
 
 
-class DraftLM(nn.Module):
+class DraftLM(OnTarget):
     def __init__(self, config: DrafterConfig, target: TargetParts, vocab_ids: torch.Tensor | None = None) -> None:
         super().__init__()
         self.config = config
@@ -135,10 +139,6 @@ class DraftLM(nn.Module):
         self.norm = RMSNorm(config.shape.hidden, config.shape.eps)
         self.vocab = DraftVocab(vocab_ids, config.vocab_size)
         self.attach(target)
-
-    def attach(self, target: TargetParts) -> None:
-        self.embed = target.embed
-        self.vocab.attach(target.lm_head)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start: int = 0
                 ) -> torch.Tensor:  # tokens [B, T] -> normed hidden [B, T, hidden]
@@ -158,7 +158,7 @@ class ResBlock(nn.Module):
         return x + nn.functional.silu(self.linear(x))
 
 
-class MTPHeads(nn.Module):
+class MTPHeads(OnTarget):
     def __init__(self, config: DrafterConfig, target: TargetParts, vocab_ids: torch.Tensor | None = None) -> None:
         super().__init__()
         self.config = config
@@ -179,10 +179,6 @@ class MTPHeads(nn.Module):
         self.heads = nn.ModuleList(head() for _ in range(config.heads))
         self.vocab = DraftVocab(vocab_ids, config.vocab_size)
         self.attach(target)
-
-    def attach(self, target: TargetParts) -> None:
-        self.embed = target.embed
-        self.vocab.attach(target.lm_head)
 
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor | None = None, count: int | None = None
                 ) -> torch.Tensor:
@@ -209,7 +205,7 @@ class MTPHeads(nn.Module):
         return self.fc(torch.cat([self.embed[next_tokens], features.float()], dim=-1))
 
 
-class EagleHead(nn.Module):
+class EagleHead(OnTarget):
     def __init__(self, config: DrafterConfig, target: TargetParts, vocab_ids: torch.Tensor | None = None) -> None:
         super().__init__()
         self.config = config
@@ -218,10 +214,6 @@ class EagleHead(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config.shape, input_norm=i > 0) for i in range(config.layers))
         self.vocab = DraftVocab(vocab_ids, config.vocab_size)
         self.attach(target)
-
-    def attach(self, target: TargetParts) -> None:
-        self.embed = target.embed
-        self.vocab.attach(target.lm_head)
 
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, cache: KVCache | None = None,
                 start: int = 0) -> torch.Tensor:

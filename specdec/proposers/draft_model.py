@@ -12,13 +12,7 @@ import torch.nn.functional as F
 
 from specdec.backends.base import CausalLM, sync
 from specdec.errors import UsageError
-from specdec.proposers.base import (
-    EMPTY_DRAFT,
-    Draft,
-    TreeProposer,
-    draft_of,
-    spine_tree,
-)
+from specdec.proposers.base import EMPTY_DRAFT, Draft, TreeProposer, draft_of, spine_tree
 from specdec.sampling import SamplingParams, draft_token, ranked
 
 

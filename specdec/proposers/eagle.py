@@ -13,13 +13,7 @@ import torch
 from specdec.backends.base import common_prefix_length
 from specdec.drafters.layers import KVCache
 from specdec.drafters.networks import EagleHead, prepare_for_drafting
-from specdec.proposers.base import (
-    EMPTY_DRAFT,
-    Draft,
-    TreeProposer,
-    draft_of,
-    spine_tree,
-)
+from specdec.proposers.base import EMPTY_DRAFT, Draft, TreeProposer, draft_of, spine_tree
 from specdec.sampling import SamplingParams
 
 

@@ -10,13 +10,7 @@ from __future__ import annotations
 import torch
 
 from specdec.drafters.networks import MTPHeads, prepare_for_drafting
-from specdec.proposers.base import (
-    EMPTY_DRAFT,
-    Draft,
-    TreeProposer,
-    draft_of,
-    spine_tree,
-)
+from specdec.proposers.base import EMPTY_DRAFT, Draft, TreeProposer, draft_of, spine_tree
 from specdec.sampling import SamplingParams
 
 

@@ -45,14 +45,7 @@ from specdec.server.protocol import (
     parse_job,
     usage,
 )
-from specdec.server.scheduler import (
-    Finished,
-    Handle,
-    QueueFull,
-    Scheduler,
-    ShuttingDown,
-    Tokens,
-)
+from specdec.server.scheduler import Finished, Handle, QueueFull, Scheduler, ShuttingDown, Tokens
 from specdec.view import Detokenizer
 
 log = logging.getLogger("specdec.server")
