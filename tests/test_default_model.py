@@ -117,7 +117,7 @@ def test_served_in_a_batch_with_speculation_is_each_request_decoded_alone(decode
     from specdec.backends import LlamaRuntime
     from specdec.bench.agreement import divergence, margin_bound
     from specdec.server import BatchSettings, build_scheduler
-    from specdec.server.scheduler import Finished, GenerationRequest
+    from specdec.server.scheduler import GenerationRequest
 
     model = decoder.target.model
     runtime = LlamaRuntime(model, precisions)
@@ -127,10 +127,7 @@ def test_served_in_a_batch_with_speculation_is_each_request_decoded_alone(decode
     handles = [scheduler.submit(GenerationRequest(prompt, max_tokens=48, stop_at_eos=False)) for prompt in prompts]
     served = []
     for handle in handles:
-        tokens = []
-        while not isinstance(event := handle.events.get(timeout=600), Finished):
-            tokens += event.token_ids
-        served.append(tokens)
+        served.append(handle.collect(timeout=600)[0])
     scheduler.shutdown(timeout=5)
     assert scheduler.metrics.accepted_tokens > 0 and len(scheduler.metrics.positions.drafted) > 1
     alone = Engine(LlamaRuntime(model, precisions), NoProposer())

@@ -87,17 +87,22 @@ def test_greedy_output_is_llama_cpp_pythons_own_up_to_near_ties(decoder, referen
         assert margins == []
 
 
-def test_the_shipped_draft_lm_drafts_for_llama_cpp(decoder, reference, prompts):
-    spec = SpecDecoder(decoder.target, drafter="draft-model")  # the draft LM trained for this target
-    eos = spec.engine.eos_token_ids
+def accepted_within_near_ties(spec: SpecDecoder, decoder, reference, prompts) -> int:
+    """Accepted draft tokens over the prompts, each output checked against llama-cpp-python's greedy output up to
+    near-ties."""
     accepted = 0
-    for prompt in prompts[:3]:
+    for prompt in prompts:
         result = spec.generate_ids(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS, num_draft_tokens=3))
-        expected = llama_cpp_greedy(reference, prompt, eos)
+        expected = llama_cpp_greedy(reference, prompt, spec.engine.eos_token_ids)
         margin = parting_margin(decoder, prompt, expected, result.token_ids)
         assert margin is None or margin < NEAR_TIE
         accepted += result.stats.accepted_tokens
-    assert accepted > 0
+    return accepted
+
+
+def test_the_shipped_draft_lm_drafts_for_llama_cpp(decoder, reference, prompts):
+    spec = SpecDecoder(decoder.target, drafter="draft-model")  # the draft LM trained for this target
+    assert accepted_within_near_ties(spec, decoder, reference, prompts[:3]) > 0
 
 
 @pytest.mark.parametrize("drafter", ["eagle", "mtp"])
@@ -105,11 +110,4 @@ def test_the_shipped_feature_drafters_read_llama_cpps_hidden_states(decoder, ref
     """eagle and mtp, trained on the torch model's normed final states, draft from llama.cpp's (its embeddings),
     are accepted, and keep llama-cpp-python's greedy output up to near-ties."""
     spec = SpecDecoder.load(drafter=drafter, backend="llama.cpp", threads=2)  # its own context: embeddings on
-    eos = spec.engine.eos_token_ids
-    accepted = 0
-    for prompt in prompts[:3]:
-        result = spec.generate_ids(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS, num_draft_tokens=3))
-        margin = parting_margin(decoder, prompt, llama_cpp_greedy(reference, prompt, eos), result.token_ids)
-        assert margin is None or margin < NEAR_TIE
-        accepted += result.stats.accepted_tokens
-    assert accepted > 0
+    assert accepted_within_near_ties(spec, decoder, reference, prompts[:3]) > 0

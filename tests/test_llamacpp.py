@@ -330,7 +330,7 @@ def test_the_cli_generates_on_llama_cpp(tiny, capsys):
 def test_the_scheduler_batches_on_llama_cpp_exactly_per_request(tiny, lm):
     """Requests decoded together in one llama.cpp pass per step give each its own greedy output."""
     from specdec.server import BatchSettings, build_scheduler
-    from specdec.server.scheduler import Finished, GenerationRequest, Tokens
+    from specdec.server.scheduler import GenerationRequest
 
     scheduler = build_scheduler(lm, BatchSettings(speculation="always", max_batch_size=3, max_model_len=128),
                                 set())
@@ -340,11 +340,8 @@ def test_the_scheduler_batches_on_llama_cpp_exactly_per_request(tiny, lm):
         handles = [scheduler.submit(GenerationRequest(p, max_tokens=16, stop_at_eos=False)) for p in prompts]
         outputs = []
         for handle in handles:
-            tokens = []
-            while not isinstance(event := handle.events.get(timeout=60), Finished):
-                assert isinstance(event, Tokens)
-                tokens += event.token_ids
-            assert event.reason == "length"
+            tokens, finished, _ = handle.collect()
+            assert finished.reason == "length"
             outputs.append(tokens)
     finally:
         scheduler.shutdown(5)

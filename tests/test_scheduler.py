@@ -10,7 +10,7 @@ from tiny import tiny_llama
 from specdec.backends import LlamaRuntime
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.server import BatchSettings, build_scheduler
-from specdec.server.scheduler import Finished, GenerationRequest
+from specdec.server.scheduler import GenerationRequest
 
 PROMPT = [3, 4, 3, 4, 3]  # prompt lookup drafts "4 3" after it: drafts are verified, some accepted, some not
 PARAMS = SamplingParams(temperature=1.0)
@@ -37,10 +37,7 @@ def test_sampling_in_a_batch_with_speculation_draws_from_the_target():
                for seed in range(3000)]
     pairs = []
     for handle in handles:
-        tokens = []
-        while not isinstance(event := handle.events.get(timeout=60), Finished):
-            tokens += event.token_ids
-        pairs.append(tuple(tokens))
+        pairs.append(tuple(handle.collect()[0]))
     scheduler.shutdown(timeout=5)
     metrics = scheduler.metrics  # both ways out of a draft token were taken: accepted, and rejected then recovered
     assert metrics.accepted_tokens > 20 and metrics.draft_tokens > metrics.accepted_tokens + 1000

@@ -20,7 +20,7 @@ from test_server import EOS, MODEL, get, ids_of, plain_greedy, post, prompt_text
 
 from specdec.backends import LlamaRuntime
 from specdec.sampling import LogitsAdjustment, SamplingParams, logits_to_probs
-from specdec.server.scheduler import Finished, GenerationRequest, Tokens
+from specdec.server.scheduler import GenerationRequest
 
 PROMPT = [5, 9, 12, 9, 12, 40, 5, 9]
 
@@ -316,12 +316,9 @@ def test_penalised_and_biased_sampling_follows_the_adjusted_target_exactly(tiny)
                    for seed in range(4000)]
         samples, drafted = [], 0
         for handle in handles:
-            tokens = []
-            while not isinstance(event := handle.events.get(timeout=60), Finished):
-                assert isinstance(event, Tokens)
-                tokens += event.token_ids
-                drafted += event.draft_tokens
+            tokens, _, scored = handle.collect()
             samples.append(tuple(tokens[:2]))
+            drafted += scored
     finally:
         scheduler.shutdown(timeout=5)
     assert drafted > 0

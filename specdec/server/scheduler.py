@@ -125,6 +125,15 @@ class Handle:
         """Stop generating for this request and free its slot (at the next step)."""
         self.cancelled.set()
 
+    def collect(self, timeout: float = 60.0) -> tuple[list[int], Finished, int]:
+        """Wait for the request to finish (each event within ``timeout`` seconds): its tokens, its last event, and
+        the draft tokens scored for it. For callers on a thread of their own; the HTTP server listens instead."""
+        tokens, drafted = [], 0
+        while not isinstance(event := self.events.get(timeout=timeout), Finished):
+            tokens += event.token_ids
+            drafted += event.draft_tokens
+        return tokens, event, drafted
+
 
 class _Running:
     """A request in the batch: its slot, context, drafter, generator and measured acceptance."""
