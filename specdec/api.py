@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from specdec.backends import target_backend
 from specdec.engine import Engine, GenerationConfig, GenerationStats
 from specdec.errors import UsageError
-from specdec.loading import drafter_of, encode_prompt, load_target
+from specdec.loading import draft_source, encode_prompt, load_target
 from specdec.models import LoadedModel, check_same_vocabulary, eos_token_ids
 from specdec.proposers import make_proposer
 from specdec.sampling import SamplingParams
@@ -49,7 +49,7 @@ class SpecDecoder:
         self.tokenizer = target.tokenizer
         self.drafter = drafter
         backend = target_backend(target, precision)
-        proposer = make_proposer(drafter, backend, drafter_of(drafter, target, backend, draft, precision,
+        proposer = make_proposer(drafter, backend, draft_source(drafter, target, backend, draft, precision,
                                                               drafter_path), datastore)
         self.engine = Engine(backend, proposer, eos_token_ids=eos_token_ids(target))
 

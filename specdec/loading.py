@@ -57,10 +57,10 @@ def encode_prompt(tokenizer, prompt: str, chat: bool | None = None) -> list[int]
     return list(tokenizer.encode(prompt))
 
 
-def drafter_of(drafter: str, target: LoadedModel, backend, draft: LoadedModel | None, precision: str | None,
-               drafter_path: str | os.PathLike | None = None):
-    """What the proposer ``drafter`` drafts with: a draft model's backend (a transformers model, or a trained draft
-    LM), a trained network (mtp, eagle, early-exit), or None."""
+def draft_source(drafter: str, target: LoadedModel, backend, draft: LoadedModel | None, precision: str | None,
+                 drafter_path: str | os.PathLike | None = None):
+    """What --drafter ``drafter`` drafts with: a draft model's backend (a transformers model, or a trained draft
+    LM), a trained network (mtp, eagle, early-exit), or None (drafters that copy)."""
     from specdec.drafters.loading import TRAINED_METHODS, load_trained
     from specdec.drafters.runtime import DraftLMRuntime
 

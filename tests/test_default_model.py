@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.api import SpecDecoder, drafter_of
+from specdec.api import SpecDecoder, draft_source
 from specdec.backends import PassPrecisions, make_backend
 from specdec.bench.agreement import compare_precisions, first_difference
 from specdec.engine import Engine, GenerationConfig
@@ -69,7 +69,7 @@ def test_speculative_greedy_is_plain_greedy_on_mt_bench(decoder, prompts):
     }
     for name in ("draft-model", "mtp", "eagle", "early-exit"):  # the drafters trained for it, as shipped
         label = "trained draft-model" if name == "draft-model" else name
-        engines[label] = Engine(target, make_proposer(name, target, drafter_of(name, decoder.target, target, None,
+        engines[label] = Engine(target, make_proposer(name, target, draft_source(name, decoder.target, target, None,
                                                                                    None)))
     plain = Engine(target, NoProposer())
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, num_draft_tokens=4, stop_at_eos=False)

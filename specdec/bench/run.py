@@ -19,7 +19,7 @@ from specdec.choices import parse_num_draft_tokens, parse_tree
 from specdec.drafters.loading import parse_drafter_paths
 from specdec.engine import Engine, GenerationConfig
 from specdec.errors import UsageError
-from specdec.loading import drafter_of, encode_prompt, load_target
+from specdec.loading import draft_source, encode_prompt, load_target
 from specdec.models import eos_token_ids
 from specdec.proposers import PROPOSERS, NoProposer, make_proposer
 from specdec.sampling import SamplingParams
@@ -91,17 +91,17 @@ def build_contenders(specs: list[str], target, draft, num_draft_tokens: int | st
         raise UsageError(f"{', '.join(sorted(NEEDS_GGUF & names))} run a .gguf file: the target is not one")
     backend = target_backend(target, precision)
     eos = eos_token_ids(target)
-    drafters: dict[str, object] = {}
+    sources: dict[str, object] = {}  # --drafter name -> what it drafts with, one for every spec of that name
     contenders: list[Contender] = [SpecdecContender(BASELINE, Engine(backend, NoProposer(), eos), 0)]
     for spec, (name, k, tree) in parsed.items():
         if name in REFERENCE_CONTENDERS:
             contenders.append(REFERENCE_CONTENDERS[name](spec, target, draft, k, eos))
         else:
             store = datastore if name == "retrieval" else None
-            if name not in drafters:
-                drafters[name] = drafter_of(name, target, backend, draft, precision,
+            if name not in sources:
+                sources[name] = draft_source(name, target, backend, draft, precision,
                                             (drafter_paths or {}).get(name))
-            engine = Engine(backend, make_proposer(name, backend, drafters[name], store), eos_token_ids=eos)
+            engine = Engine(backend, make_proposer(name, backend, sources[name], store), eos_token_ids=eos)
             engine.check_tree(tree)
             contenders.append(SpecdecContender(spec, engine, k, tree))
     return contenders, backend

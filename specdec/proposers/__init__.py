@@ -17,32 +17,32 @@ from specdec.proposers.prompt_lookup import PromptLookupProposer
 from specdec.proposers.retrieval import ContinuationIndex, RetrievalProposer
 
 
-def _draft_model(target: CausalLM, drafter, datastore: ContinuationIndex | None) -> Proposer:
-    if drafter is None:
+def _draft_model(target: CausalLM, source, datastore: ContinuationIndex | None) -> Proposer:
+    if source is None:
         raise UsageError("--drafter draft-model needs a draft model: --draft-model PATH, --drafter-path DIR, or the "
                          "default target (whose trained draft model ships with specdec)")
-    return DraftModelProposer(drafter, target_vocab_size=target.vocab_size)
+    return DraftModelProposer(source, target_vocab_size=target.vocab_size)
 
 
 def _feature_drafter(proposer: type, capability: type) -> Callable:
     """A factory for a drafter that reads the target's hidden states (``FeatureSource``) or runs its first layers
     (``ShallowRunner``)."""
 
-    def factory(target: CausalLM, drafter, datastore: ContinuationIndex | None) -> Proposer:
+    def factory(target: CausalLM, source, datastore: ContinuationIndex | None) -> Proposer:
         require(target, capability, f"--drafter {proposer.name}", "specdec's runtime of llama-family targets is one")
-        if drafter is None:
+        if source is None:
             raise UsageError(f"--drafter {proposer.name} needs a trained drafter (--drafter-path DIR)")
-        return proposer(drafter, target)
+        return proposer(source, target)
 
     return factory
 
 
-# name -> factory(target backend, drafter or None, retrieval datastore or None); the drafter is a CausalLM for
-# draft-model and a trained network for mtp and eagle
+# --drafter name -> factory(target backend, draft source or None, retrieval datastore or None); the draft source
+# (loading.draft_source) is what drafts: a CausalLM for draft-model, a trained network for mtp, eagle, early-exit
 PROPOSERS: dict[str, Callable[[CausalLM, object, ContinuationIndex | None], Proposer]] = {
-    "none": lambda target, drafter, datastore: NoProposer(),
-    "prompt-lookup": lambda target, drafter, datastore: PromptLookupProposer(),
-    "retrieval": lambda target, drafter, datastore: RetrievalProposer(datastore),
+    "none": lambda target, source, datastore: NoProposer(),
+    "prompt-lookup": lambda target, source, datastore: PromptLookupProposer(),
+    "retrieval": lambda target, source, datastore: RetrievalProposer(datastore),
     "draft-model": _draft_model,
     "mtp": _feature_drafter(MTPProposer, FeatureSource),
     "eagle": _feature_drafter(EagleProposer, FeatureSource),
@@ -51,13 +51,14 @@ PROPOSERS: dict[str, Callable[[CausalLM, object, ContinuationIndex | None], Prop
 assert tuple(PROPOSERS) == DRAFTERS, "specdec.choices.DRAFTERS names every proposer, in this order"
 
 
-def make_proposer(name: str, target: CausalLM, drafter=None, datastore: ContinuationIndex | None = None
+def make_proposer(name: str, target: CausalLM, source=None, datastore: ContinuationIndex | None = None
                   ) -> Proposer:
+    """The proposer of --drafter ``name`` for ``target``, drafting with ``source`` (see PROPOSERS)."""
     if name not in PROPOSERS:
         raise UsageError(f"unknown drafter {name!r}; choose from {', '.join(PROPOSERS)}")
     if datastore is not None and name != "retrieval":
         raise UsageError(f"a datastore drafts only with --drafter retrieval, not {name}")
-    return PROPOSERS[name](target, drafter, datastore)
+    return PROPOSERS[name](target, source, datastore)
 
 
 __all__ = [
