@@ -49,8 +49,8 @@ class SpecDecoder:
         self.tokenizer = target.tokenizer
         self.drafter = drafter
         backend = target_backend(target, precision)
-        proposer = make_proposer(drafter, backend, draft_source(drafter, target, backend, draft, precision,
-                                                              drafter_path), datastore)
+        source = draft_source(drafter, target, backend, draft, precision, drafter_path)
+        proposer = make_proposer(drafter, backend, source, datastore)
         self.engine = Engine(backend, proposer, eos_token_ids=eos_token_ids(target))
 
     @classmethod
