@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.backends.base import CausalLM, TreeScorer, declares, require, sync
+from specdec.backends.base import CausalLM, FeatureSource, TreeScorer, declares, require, sync
 from specdec.choices import MAX_TREE_WIDTH, check_max_new_tokens, check_num_draft_tokens, check_tree
 from specdec.errors import UsageError
 from specdec.policy import AUTO_MAX_K, AUTO_TREE_MAX_NODES, Policy, make_policy
-from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer, TreeProposer
+from specdec.proposers.base import EMPTY_DRAFT, Draft, FeatureProposer, Proposer, TreeProposer
 from specdec.sampling import SamplingParams
 from specdec.step import PositionCounts, Round, emitted_round, make_generator, verify_draft, verify_draft_tree
 from specdec.verify import TreeVerdict, Verdict
@@ -156,6 +156,10 @@ class Engine:
         self.proposer = proposer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policies: dict[str, Policy] = {}  # adaptive policies by name, learning across requests
+        self.reads_features = declares(proposer, FeatureProposer)  # each draft gets the target's hidden states
+        if self.reads_features:
+            require(target, FeatureSource, f"--drafter {proposer.name}")
+            target.keep_hidden_states()
 
     def clear_cache(self) -> None:
         """Forget cached prefixes, target's and drafter's: the next request starts from an empty cache."""
@@ -227,9 +231,10 @@ class Engine:
                  generator: torch.Generator) -> Draft:
         if k == 0:
             return EMPTY_DRAFT
+        features = {"features": self.target.hidden_states} if self.reads_features else {}
         if widths is None:
-            return self.proposer.propose(context, k, params, generator)
-        return self.proposer.propose_tree(context, widths, params, generator)
+            return self.proposer.propose(context, k, params, generator, **features)
+        return self.proposer.propose_tree(context, widths, params, generator, **features)
 
     def _score_and_verify(self, pending: int, draft: Draft, params: SamplingParams, generator: torch.Generator
                           ) -> Verdict | TreeVerdict:

@@ -24,15 +24,15 @@ def _draft_model(target: CausalLM, source, datastore: ContinuationIndex | None) 
     return DraftModelProposer(source, target_vocab_size=target.vocab_size)
 
 
-def _feature_drafter(proposer: type, capability: type) -> Callable:
-    """A factory for a drafter that reads the target's hidden states (``FeatureSource``) or runs its first layers
-    (``ShallowRunner``)."""
+def _trained_drafter(proposer: type, capability: type) -> Callable:
+    """A factory for a trained drafter that reads the target's hidden states (``FeatureSource``: the engine hands
+    them over) or runs its first layers (``ShallowRunner``: it holds the target)."""
 
     def factory(target: CausalLM, source, datastore: ContinuationIndex | None) -> Proposer:
         require(target, capability, f"--drafter {proposer.name}", "specdec's runtime of llama-family targets is one")
         if source is None:
             raise UsageError(f"--drafter {proposer.name} needs a trained drafter (--drafter-path DIR)")
-        return proposer(source, target)
+        return proposer(source, target) if capability is ShallowRunner else proposer(source)
 
     return factory
 
@@ -44,9 +44,9 @@ PROPOSERS: dict[str, Callable[[CausalLM, object, ContinuationIndex | None], Prop
     "prompt-lookup": lambda target, source, datastore: PromptLookupProposer(),
     "retrieval": lambda target, source, datastore: RetrievalProposer(datastore),
     "draft-model": _draft_model,
-    "mtp": _feature_drafter(MTPProposer, FeatureSource),
-    "eagle": _feature_drafter(EagleProposer, FeatureSource),
-    "early-exit": _feature_drafter(EarlyExitProposer, ShallowRunner),
+    "mtp": _trained_drafter(MTPProposer, FeatureSource),
+    "eagle": _trained_drafter(EagleProposer, FeatureSource),
+    "early-exit": _trained_drafter(EarlyExitProposer, ShallowRunner),
 }
 assert tuple(PROPOSERS) == DRAFTERS, "specdec.choices.DRAFTERS names every proposer, in this order"
 

@@ -55,6 +55,22 @@ class TreeProposer(Protocol):
         ...
 
 
+class FeatureProposer(Protocol):
+    """A proposer that drafts from the target's final hidden states (normed, as its LM head reads them), handed to
+    it with every call, as vLLM hands its proposers the target's hidden states: ``features`` [len(context)-1,
+    hidden], one per position the target has cached (all of the context but its last token)."""
+
+    name: str
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
+                features: torch.Tensor) -> Draft:
+        ...
+
+    def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
+                     generator: torch.Generator | None, features: torch.Tensor) -> Draft:
+        ...
+
+
 def draft_of(tokens: list[int], rows: list[torch.Tensor | None], parents: list[int] | None = None) -> Draft:
     """A Draft (a tree with ``parents``) from tokens and the distribution each came from (all None when greedy)."""
     kept = [row for row in rows if row is not None]

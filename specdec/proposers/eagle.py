@@ -13,40 +13,37 @@ import torch
 from specdec.backends.base import common_prefix_length
 from specdec.drafters.layers import KVCache
 from specdec.drafters.networks import EagleHead, prepare_for_drafting
-from specdec.proposers.base import EMPTY_DRAFT, Draft, TreeProposer, draft_of, spine_tree
+from specdec.proposers.base import EMPTY_DRAFT, Draft, FeatureProposer, TreeProposer, draft_of, spine_tree
 from specdec.sampling import SamplingParams
 
 
-class EagleProposer(TreeProposer):
+class EagleProposer(FeatureProposer, TreeProposer):
     name = "eagle"
 
-    def __init__(self, head: EagleHead, target) -> None:
-        target.keep_hidden_states()
+    def __init__(self, head: EagleHead) -> None:
         self.head = prepare_for_drafting(head.eval())
-        self.target = target
         self._cache = KVCache(len(head.layers))
         self._fed: list[int] = []  # the tokens of the head's cached positions (the token at i+1 for position i)
 
     @torch.inference_mode()
-    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
-                ) -> Draft:
-        spine, rows, _ = self._spine(context, [1] * k, params, generator)
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
+                features: torch.Tensor) -> Draft:
+        spine, rows, _ = self._spine(context, [1] * k, params, generator, features)
         return draft_of(spine, rows)
 
     @torch.inference_mode()
     def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
-                     generator: torch.Generator | None) -> Draft:
+                     generator: torch.Generator | None, features: torch.Tensor) -> Draft:
         """A tree of depth len(widths): the head's chain, and at each depth the head's next best tokens beside
         it, widths[d] candidates in all."""
-        spine, rows, alternatives = self._spine(context, widths, params, generator)
+        spine, rows, alternatives = self._spine(context, widths, params, generator, features)
         return spine_tree(spine, rows, alternatives) if spine else EMPTY_DRAFT
 
-    def _spine(self, context: list[int], widths: list[int], params: SamplingParams,
-               generator: torch.Generator | None) -> tuple[list[int], list, list[list[int]]]:
+    def _spine(self, context: list[int], widths: list[int], params: SamplingParams, generator: torch.Generator | None,
+               features: torch.Tensor) -> tuple[list[int], list, list[list[int]]]:
         """The head's chain of len(widths) tokens (and their distributions), with the ``widths[d] - 1`` tokens it
         ranks next at each depth."""
         n = len(context)
-        features = self.target.hidden_states  # [n-1, hidden]: the target caches all of the context but its last
         if not widths or n < 2 or features.shape[0] != n - 1:
             return [], [], []
         start = min(common_prefix_length(self._fed, context[1:]), n - 2)  # re-feed at least the last position

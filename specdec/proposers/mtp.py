@@ -10,37 +10,35 @@ from __future__ import annotations
 import torch
 
 from specdec.drafters.networks import MTPHeads, prepare_for_drafting
-from specdec.proposers.base import EMPTY_DRAFT, Draft, TreeProposer, draft_of, spine_tree
+from specdec.proposers.base import EMPTY_DRAFT, Draft, FeatureProposer, TreeProposer, draft_of, spine_tree
 from specdec.sampling import SamplingParams
 
 
-class MTPProposer(TreeProposer):
+class MTPProposer(FeatureProposer, TreeProposer):
     name = "mtp"
 
-    def __init__(self, heads: MTPHeads, target) -> None:
-        target.keep_hidden_states()
+    def __init__(self, heads: MTPHeads) -> None:
         self.heads = prepare_for_drafting(heads.eval())
-        self.target = target
 
     @torch.inference_mode()
-    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
-                ) -> Draft:
-        tokens, rows, _ = self._heads_draft(context, [1] * k, params, generator)
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
+                features: torch.Tensor) -> Draft:
+        tokens, rows, _ = self._heads_draft(context, [1] * k, params, generator, features)
         return draft_of(tokens, rows)
 
     @torch.inference_mode()
     def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
-                     generator: torch.Generator | None) -> Draft:
+                     generator: torch.Generator | None, features: torch.Tensor) -> Draft:
         """Medusa's tree, in its simplest shape: each head's choice in a chain, and beside it the head's next best
         tokens, widths[d] candidates at depth d in all."""
-        tokens, rows, alternatives = self._heads_draft(context, widths, params, generator)
+        tokens, rows, alternatives = self._heads_draft(context, widths, params, generator, features)
         return spine_tree(tokens, rows, alternatives) if tokens else EMPTY_DRAFT
 
     def _heads_draft(self, context: list[int], widths: list[int], params: SamplingParams,
-                     generator: torch.Generator | None) -> tuple[list[int], list, list[list[int]]]:
+                     generator: torch.Generator | None, features: torch.Tensor
+                     ) -> tuple[list[int], list, list[list[int]]]:
         """Head d's token (and its distribution) for each depth d < len(widths) (at most one per head), with the
         ``widths[d] - 1`` tokens it ranks next."""
-        features = self.target.hidden_states  # [len(context)-1, hidden]
         widths = widths[: len(self.heads.heads)]
         if not widths or features.shape[0] != len(context) - 1 or len(context) < 2:
             return [], [], []
