@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_exits_parser(commands)
     _add_figures_parser(commands)
     _add_export_parser(commands)
+    _add_audit_parser(commands)
     _add_datastore_parser(commands)
     _add_serve_parser(commands)
     _add_bench_serve_parser(commands)
@@ -244,6 +245,36 @@ def _add_bench_exits_parser(commands) -> None:
     bench.add_argument("--out", default=None, help="also write the report as JSON here")
     add_model_flags(bench, backend=False)
     bench.set_defaults(run=_runs("specdec.bench.exits", "run_bench_exits", threads=True))
+
+
+def _add_audit_parser(commands) -> None:
+    audit = commands.add_parser("audit", help="test whether an OpenAI-compatible server samples exactly: two "
+                                "endpoints against each other, or one against specdec's exact distribution")
+    audit.add_argument("--a", required=True, metavar="URL", help="the endpoint audited (http://host:port)")
+    audit.add_argument("--b", default=None, metavar="URL", help="the endpoint it must agree with")
+    audit.add_argument("--reference", default=None, choices=["local"],
+                       help="local: against the exact distribution specdec's runtime computes (--reference-model)")
+    audit.add_argument("--reference-model", dest="model_path", default=None, metavar="PATH",
+                       help="the model for --reference local (default: the default model)")
+    audit.add_argument("--model", default=None, help="the model id to ask for (default: what --a serves)")
+    audit.add_argument("--prompts", default=str(Path(__file__).resolve().parents[1] / "data" /
+                                                "mt_bench_question.jsonl"), help="a prompt file (the bench's readers)")
+    audit.add_argument("--limit", type=int, default=3, help="prompts from --prompts")
+    audit.add_argument("--prompt", default=None, help="one prompt instead of --prompts")
+    audit.add_argument("--samples", type=int, default=1000, help="completions per endpoint and prompt (N)")
+    audit.add_argument("--tokens", type=int, default=1, help="the joint distribution of the first T tokens, 1-3")
+    audit.add_argument("--lookahead", type=int, default=4,
+                       help="tokens asked for beyond T, so that a speculating server drafts over the T audited")
+    audit.add_argument("--temperature", type=float, default=1.0, help="0: greedy identity instead of a test")
+    audit.add_argument("--top-p", type=float, default=1.0)
+    audit.add_argument("--top-k", type=int, default=0)
+    audit.add_argument("--concurrency", type=int, default=8)
+    audit.add_argument("--seed", type=int, default=0, help="the first request's seed; each request has its own")
+    audit.add_argument("--alpha", type=float, default=0.001, help="the false-alarm rate of the whole audit")
+    audit.add_argument("--api-key-env", default=None, metavar="VAR", help="the environment variable with the key")
+    audit.add_argument("--out", default=None, help="also write the report as JSON here")
+    audit.add_argument("--no-progress", action="store_true")
+    audit.set_defaults(run=_runs("specdec.audit", "run_audit"))
 
 
 def _add_export_parser(commands) -> None:
