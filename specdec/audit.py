@@ -307,6 +307,9 @@ def check_args(args) -> Sampling:
         raise UsageError(f"--tokens must be 1, 2 or 3, got {args.tokens}")
     if args.samples < 1 or args.concurrency < 1:
         raise UsageError("--samples and --concurrency must be >= 1")
+    if args.temperature > 0 and args.samples < 2 * MIN_EXPECTED:
+        raise UsageError(f"--samples {args.samples} is too few for any bin: a bin needs {MIN_EXPECTED:g} expected "
+                         f"outcomes; take at least {2 * MIN_EXPECTED:g} (and hundreds for any power)")
     if not 0 < args.alpha < 1:
         raise UsageError(f"--alpha must be in (0, 1), got {args.alpha}")
     if (args.b is None) == (args.reference is None):

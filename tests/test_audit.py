@@ -113,6 +113,7 @@ def test_bad_input_is_one_line_and_exit_2(servers, model, capsys):
             (["--a", "http://127.0.0.1:9", "--b", never.url], "cannot reach"),
             (["--a", always.url], "--b URL) or --reference local"),
             (["--a", always.url, "--b", never.url, "--tokens", "4"], "--tokens"),
+            (["--a", always.url, "--b", never.url, "--samples", "5"], "too few for any bin"),
             (["--a", always.url, "--b", other.url, "--prompt", "w3"], "cannot reach"),  # 401: no key
             (["--a", always.url, "--b", never.url, "--model", "other", "--prompt", "w3"], "refuses"),
         ]
