@@ -75,17 +75,16 @@ def draft_source(drafter: str, target: LoadedModel, backend, draft: LoadedModel 
     return None
 
 
-# drafters that need the target's first layers alone, which llama.cpp's runtime does not run
-TORCH_ONLY_DRAFTERS = {
-    "early-exit": "drafts with the target's first layers alone",
-}
-
-
 def check_backend_serves(drafter: str, backend: str) -> None:
-    """Refuse, in one line, a drafter that the target's backend cannot serve."""
-    if backend == "llama.cpp" and drafter in TORCH_ONLY_DRAFTERS:
-        raise UsageError(f"--drafter {drafter} {TORCH_ONLY_DRAFTERS[drafter]}, which the llama.cpp backend does "
-                         "not give: use --backend torch")
+    """Refuse, in one line and before anything slow loads, a drafter that needs a capability (CAPABILITY_NEEDED)
+    that llama.cpp's runtime does not declare."""
+    from specdec.backends.llamacpp import LlamaCppLM
+    from specdec.proposers import CAPABILITY_NEEDED
+
+    needed = CAPABILITY_NEEDED.get(drafter)
+    if backend == "llama.cpp" and needed is not None and needed not in LlamaCppLM.__mro__:
+        raise UsageError(f"--drafter {drafter} needs a {needed.__name__}, which llama.cpp's runtime is not: use "
+                         "--backend torch")
 
 
 def draft_backend(target: LoadedModel) -> str:

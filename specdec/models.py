@@ -113,13 +113,9 @@ def resolve_backend(backend: str, path: str | os.PathLike | None, dtype: str = "
                              "--backend torch")
         return backend
     if backend == "auto":
-        on_cpu = device == "cpu" or (device == "auto" and not _cuda_available())
+        on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
         return "llama.cpp" if gguf and on_cpu and dtype == "auto" else "torch"
     return backend
-
-
-def _cuda_available() -> bool:
-    return torch.cuda.is_available()
 
 
 def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str = "auto", backend: str = "torch",

@@ -2,10 +2,12 @@
 llama-cpp-python's own greedy ``generate`` of the same file, token for token, for plain decoding and each drafter.
 
 A parting is allowed only at a near-tie of llama.cpp's own numerics: its logits for one position differ between
-passes that group positions differently (one row or several; where the cache's cells lie) by up to about 1.5
-over the whole vocabulary on MT-bench (docs/benchmarks.md, "llama.cpp as the target's runtime"), its activations
-being quantised to 8 bits per row and its KV cache float16. Two runs may then part only where the top two logits
-are within twice that of each other. Any other parting is a logic error.
+passes that group positions differently (one row or several; where the cache's cells lie), its activations being
+quantised to 8 bits per row and its KV cache float16. Measured on MT-bench over the whole vocabulary
+(docs/benchmarks.md, "Do llama.cpp's logits depend on the pass?"), by the size of the pass: up to 1.09, 1.12,
+1.14, 1.30 and 1.51 for 2, 3, 5, 8 and 16 positions. Two runs may then part only where the top two logits are
+within twice the bound for the largest pass a drafter can make (k+1 positions). Any other parting is a logic
+error.
 """
 
 from __future__ import annotations
@@ -26,7 +28,18 @@ pytestmark = pytest.mark.slow
 MT_BENCH = Path(__file__).resolve().parents[1] / "data" / "mt_bench_question.jsonl"
 NUM_PROMPTS = 8
 NEW_TOKENS = 48
-NEAR_TIE = 2 * 1.5
+PASS_DIFFERENCE = {2: 1.09, 3: 1.12, 5: 1.14, 8: 1.30, 16: 1.51}  # positions in a pass -> largest logit difference
+AUTO_MAX_POSITIONS = 17  # -k auto drafts up to 16
+
+
+def near_tie(positions: int) -> float:
+    """Twice the logit difference measured for passes of ``positions`` (the next size measured up; the largest
+    measured beyond it)."""
+    sizes = [n for n in PASS_DIFFERENCE if n >= positions] or [max(PASS_DIFFERENCE)]
+    return 2 * PASS_DIFFERENCE[min(sizes)]
+
+
+NEAR_TIE = near_tie(AUTO_MAX_POSITIONS)  # any pass, every row an output included (eagle, mtp)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +95,8 @@ def test_greedy_output_is_llama_cpp_pythons_own_up_to_near_ties(decoder, referen
         margin = parting_margin(decoder, prompt, expected, got)
         if margin is not None:
             margins.append(margin)
-    assert all(m < NEAR_TIE for m in margins), f"partings at top-two gaps {margins}"
+    bound = near_tie(AUTO_MAX_POSITIONS if k == "auto" else k + 1)
+    assert all(m < bound for m in margins), f"partings at top-two gaps {margins}"
     if drafter == "none":  # the same passes as the reference's, so no parting at all
         assert margins == []
 

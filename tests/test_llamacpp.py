@@ -123,6 +123,12 @@ def test_bad_input_is_refused_before_llama_cpp_sees_it(lm):
     with pytest.raises(ValueError, match="exceed the context"):
         lm.extend([5] * (lm.max_length + 1), 1)
     assert lm.tokens == []
+    from specdec.backends.llamacpp import Entry
+
+    with pytest.raises(ValueError, match="position"):
+        lm.context.decode([Entry(5, lm.max_length, 0, True)])
+    with pytest.raises(ValueError, match="sequence"):
+        lm.context.decode([Entry(5, 0, lm.context.n_sequences, True)])
     assert lm.extend([1, 5], 1).shape == (1, lm.vocab_size)  # and it still works
 
 
@@ -358,6 +364,15 @@ def test_the_tokenizer_needs_no_transformers(tiny):
     assert loaded.tokenizer.decode(ids, skip_special_tokens=False).endswith("assistant\n")
     with pytest.raises(UsageError, match="llama.cpp runs a .gguf"):
         load_model(str(tiny.parent), backend="llama.cpp")
+    # in a fresh process (this one imported transformers long ago): loading, templating, decoding import none of it
+    import subprocess
+    import sys
+
+    script = (f"import sys\nfrom specdec.models import load_model\nloaded = load_model({str(tiny)!r}, "
+              "backend='llama.cpp')\nids = loaded.tokenizer.apply_chat_template([{'role': 'user', 'content': 'hi'}])\n"
+              "loaded.tokenizer.decode(ids)\nprint('transformers' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "False", result.stdout + result.stderr
 
 
 def test_figure_1_draws_llama_cpps_pass_costs_beside_the_torch_runtimes(tiny, tmp_path, capsys):

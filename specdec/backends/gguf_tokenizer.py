@@ -10,6 +10,7 @@ says so.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 from specdec.backends.llamacpp import GGUFModel, llama_cpp
 
@@ -48,6 +49,14 @@ class GGUFTokenizer:
         """The chat messages rendered through the GGUF's template (Jinja, sandboxed), ready for the answer."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template")
+        text = self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self._special_text(self.bos_token_id), eos_token=self._special_text(self.eos_token_id))
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    @functools.cached_property
+    def _template(self):
+        """The chat template, compiled once in a sandboxed Jinja environment."""
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> None:
@@ -55,10 +64,7 @@ class GGUFTokenizer:
 
         environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         environment.globals["raise_exception"] = raise_exception
-        text = environment.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self._special_text(self.bos_token_id), eos_token=self._special_text(self.eos_token_id))
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        return environment.from_string(self.chat_template)
 
     def get_vocab(self) -> dict[str, int]:
         """Each token's text (as the GGUF stores it) -> its id."""

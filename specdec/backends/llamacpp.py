@@ -151,13 +151,14 @@ class LlamaCppContext:
         self.keeps_states = True
 
     def _decode(self, entries: list[Entry]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        self._check(entries)
         pieces = [self._decode_piece(entries[i : i + BATCH_TOKENS]) for i in range(0, len(entries), BATCH_TOKENS)]
-        logits = [piece[0] for piece in pieces if len(piece[0])]
-        states = [piece[1] for piece in pieces if piece[1] is not None and len(piece[1])]
-        return (torch.cat(logits) if logits else torch.empty(0, self.model.vocab_size),
-                (torch.cat(states) if states else torch.empty(0, self.model.hidden_size)) if self.keeps_states
-                else None)
+        if len(pieces) == 1:  # a decode step: the piece's own tensors, no second copy
+            return pieces[0]
+        if not pieces:
+            return torch.empty(0, self.model.vocab_size), torch.empty(0, self.model.hidden_size) if self.keeps_states \
+                else None
+        logits = torch.cat([piece[0] for piece in pieces])
+        return logits, torch.cat([piece[1] for piece in pieces]) if self.keeps_states else None
 
     def remove(self, sequence: int, start: int) -> None:
         """Forget the sequence's cached positions from ``start`` on."""
@@ -167,15 +168,14 @@ class LlamaCppContext:
         self.threads = threads
         self._lib.llama_set_n_threads(self.pointer, threads, threads)
 
-    def _check(self, entries: list[Entry]) -> None:
-        vocab = self.model.vocab_size
-        for entry in entries:
-            if not 0 <= entry.token < vocab:
-                raise ValueError(f"token id {entry.token} is outside the vocabulary of {vocab}")
-            if not 0 <= entry.position < self.positions:
-                raise ValueError(f"position {entry.position} is past the context of {self.positions} positions")
-            if not 0 <= entry.sequence < self.n_sequences:
-                raise ValueError(f"sequence {entry.sequence} is past the context's {self.n_sequences} sequences")
+    def _check(self, n: int, sequences: list[int]) -> None:
+        """Refuse what llama.cpp would abort the process on, read off the filled batch (one vectorised pass)."""
+        for name, values, limit, what in (("token id", self._tokens[:n], self.model.vocab_size, "the vocabulary of"),
+                                          ("position", self._positions[:n], self.positions, "the context of"),
+                                          ("sequence", np.asarray(sequences), self.n_sequences, "the sequences,")):
+            if values.min() < 0 or values.max() >= limit:
+                bad = values[(values < 0) | (values >= limit)][0]
+                raise ValueError(f"{name} {bad} is outside {what} {limit}")
 
     def _decode_piece(self, entries: list[Entry]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One llama_decode: the outputs' logits [outputs, vocab], and their hidden states where kept."""
@@ -185,8 +185,10 @@ class LlamaCppContext:
         self._n_seq_id[:n] = 1
         wants = [e.logits for e in entries]
         self._wants_logits[:n] = wants
-        for i, entry in enumerate(entries):
-            self._seq_ids[i][0] = entry.sequence
+        sequences = [e.sequence for e in entries]
+        self._check(n, sequences)
+        for i, sequence in enumerate(sequences):
+            self._seq_ids[i][0] = sequence
         self._batch.n_tokens = n
         status = self._lib.llama_decode(self.pointer, self._batch)
         if status != 0:

@@ -49,12 +49,6 @@ def pass_latency(backend, context: list[int], positions: list[int], repeats: int
     return [_ticked(statistics.median(pass_seconds(backend, n) for _ in range(repeats)), tick) for n in positions]
 
 
-def forward_latency(model, context: list[int], positions: list[int], repeats: int, tick=lambda: None,
-                    precision: str | None = None) -> list[float]:
-    """Seconds for one pass of the torch runtime over ``model`` scoring n new positions, for each n."""
-    return pass_latency(make_backend(model, precision), context, positions, repeats, tick)
-
-
 def figure_1_runtimes(model, gguf: Path | None, threads: int | None) -> list[tuple[str, object]]:
     """(label, backend) for each runtime figure 1 compares: the torch runtime at each precision, and llama.cpp over
     the GGUF as stored where the target came from one and llama-cpp-python is installed."""

@@ -24,9 +24,15 @@ def _draft_model(target: CausalLM, source, datastore: ContinuationIndex | None) 
     return DraftModelProposer(source, target_vocab_size=target.vocab_size)
 
 
-def _trained_drafter(proposer: type, capability: type) -> Callable:
+# the capability each trained drafter needs of the target's backend
+CAPABILITY_NEEDED = {"mtp": FeatureSource, "eagle": FeatureSource, "early-exit": ShallowRunner}
+
+
+def _trained_drafter(proposer: type) -> Callable:
     """A factory for a trained drafter that reads the target's hidden states (``FeatureSource``: the engine hands
     them over) or runs its first layers (``ShallowRunner``: it holds the target)."""
+
+    capability = CAPABILITY_NEEDED[proposer.name]
 
     def factory(target: CausalLM, source, datastore: ContinuationIndex | None) -> Proposer:
         require(target, capability, f"--drafter {proposer.name}", "specdec's runtime of llama-family targets is one")
@@ -44,9 +50,9 @@ PROPOSERS: dict[str, Callable[[CausalLM, object, ContinuationIndex | None], Prop
     "prompt-lookup": lambda target, source, datastore: PromptLookupProposer(),
     "retrieval": lambda target, source, datastore: RetrievalProposer(datastore),
     "draft-model": _draft_model,
-    "mtp": _trained_drafter(MTPProposer, FeatureSource),
-    "eagle": _trained_drafter(EagleProposer, FeatureSource),
-    "early-exit": _trained_drafter(EarlyExitProposer, ShallowRunner),
+    "mtp": _trained_drafter(MTPProposer),
+    "eagle": _trained_drafter(EagleProposer),
+    "early-exit": _trained_drafter(EarlyExitProposer),
 }
 assert tuple(PROPOSERS) == DRAFTERS, "specdec.choices.DRAFTERS names every proposer, in this order"
 
