@@ -133,9 +133,8 @@ class CostModelPolicy(ChainShape):
 
     def observe(self, verdict: Verdict, draft_seconds: float, target_seconds: float) -> None:
         if verdict.num_draft:  # old evidence fades per drafting round, so sparse exploration keeps its memory
-            reached = min(verdict.num_draft, verdict.accepted + 1)  # positions after the first rejection: untested
-            for i, position in enumerate(self.positions, start=1):
-                position.observe(float(i <= min(reached, verdict.accepted)), float(i <= reached), self.decay)
+            for i, position in enumerate(self.positions, start=1):  # positions after the first rejection: untested
+                position.observe(float(i <= verdict.accepted), float(i <= verdict.reached), self.decay)
         self.costs.observe(verdict.num_draft + 1, target_seconds, verdict.num_draft, draft_seconds)
 
     def acceptances(self) -> list[float]:
@@ -181,8 +180,8 @@ class TreePolicy:
         self.prior = [prior_first] + [prior_next] * (max_width - 1)  # h(r) before anything is measured
         self.prior_weight = prior_weight
         self.costs = PassCosts()
-        self.tried = [[0.0] * max_width for _ in range(max_depth)]  # [d-1][r-1]: candidate r tried at depth d
-        self.hits = [[0.0] * max_width for _ in range(max_depth)]  # ... and accepted
+        # [d-1][r-1]: candidate r at depth d, accepted over tried (once candidates 1..r-1 there were refused)
+        self.candidates = [[Acceptance() for _ in range(max_width)] for _ in range(max_depth)]
         self.widths: list[int] = []  # the shape chosen for the round
 
     def next_k(self, max_k: int) -> int:
@@ -201,26 +200,20 @@ class TreePolicy:
         offered = verdict.offered
         if not verdict.num_draft or not offered:
             return
-        for row_tried, row_hits in zip(self.tried, self.hits):
-            for r in range(self.max_width):
-                row_tried[r] *= self.decay
-                row_hits[r] *= self.decay
         ranks = list(verdict.ranks)
-        for d, width in enumerate(offered[: self.max_depth]):
+        for d, row in enumerate(self.candidates):
+            width = offered[d] if d < len(offered) else 0
             rank = ranks[d] if d < len(ranks) else None  # None: every candidate there was refused
-            for r in range(min(width, rank or width, self.max_width)):
-                self.tried[d][r] += 1
-            if rank is not None and rank <= self.max_width:
-                self.hits[d][rank - 1] += 1
+            tried = min(width, rank or width, self.max_width)
+            for r, candidate in enumerate(row):  # every count fades, the ones tried this round grow
+                candidate.observe(float(rank is not None and r == rank - 1), float(r < tried), self.decay)
 
     def acceptances(self) -> list[list[float]]:
         """[d-1][r-1]: the estimated h_d(r)."""
         estimates, previous = [], self.prior
-        for row_tried, row_hits in zip(self.tried, self.hits):
-            row = [(hits + self.prior_weight * prior) / (tried + self.prior_weight)
-                   for tried, hits, prior in zip(row_tried, row_hits, previous)]
-            estimates.append(row)
-            previous = row
+        for candidates in self.candidates:
+            previous = [c.rate(prior, self.prior_weight) for c, prior in zip(candidates, previous)]
+            estimates.append(previous)
         return estimates
 
     def _best_shape(self, depth_limit: int) -> tuple[float, list[int]]:

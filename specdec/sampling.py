@@ -6,6 +6,7 @@ into probabilities goes through :func:`logits_to_probs`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -48,24 +49,30 @@ class LogitsAdjustment:
 
     @property
     def active(self) -> bool:
-        return bool(self.bias) or self.presence_penalty != 0 or self.frequency_penalty != 0
+        return bool(self.bias) or self.penalises
 
-    def apply(self, logits: torch.Tensor, generated: list[int], draft: list[int]) -> torch.Tensor:
-        """logits [k+1, vocab] at the positions after ``generated`` and after each prefix of ``draft`` (row j
-        follows generated + draft[:j]) -> the adjusted logits (a new tensor)."""
+    @property
+    def penalises(self) -> bool:
+        """Whether the penalties need the counts of the tokens generated (``apply``'s ``counts``)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @functools.cached_property
+    def _bias(self) -> tuple[torch.Tensor, torch.Tensor]:  # ids [m], values [m]: built once
+        return torch.tensor(list(self.bias)), torch.tensor(list(self.bias.values()), dtype=torch.float64)
+
+    def apply(self, logits: torch.Tensor, counts: torch.Tensor | None, draft: list[int]) -> torch.Tensor:
+        """logits [k+1, vocab] at the position after the tokens generated so far (how often each was: ``counts``
+        [vocab], which the caller keeps; None without penalties) and after each prefix of ``draft`` (row j follows
+        draft[:j]) -> the adjusted logits (a new tensor)."""
         logits = logits.clone()
         if self.bias:
-            ids = torch.tensor(list(self.bias), device=logits.device)
-            logits[:, ids] += torch.tensor(list(self.bias.values()), dtype=logits.dtype, device=logits.device)
-        if self.presence_penalty or self.frequency_penalty:
-            counts = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
-            if generated:
-                counts.index_add_(0, torch.tensor(generated, device=logits.device),
-                                  torch.ones(len(generated), dtype=logits.dtype, device=logits.device))
-            for j in range(logits.shape[0]):
-                if j:
-                    counts[draft[j - 1]] += 1
-                logits[j] -= self.frequency_penalty * counts + self.presence_penalty * (counts > 0).to(logits.dtype)
+            ids, values = self._bias
+            logits[:, ids.to(logits.device)] += values.to(logits.device, logits.dtype)
+        if self.penalises:
+            rows = counts.to(logits.dtype).expand(logits.shape[0], -1).clone()  # [k+1, vocab]
+            for j, token in enumerate(draft[: logits.shape[0] - 1], start=1):
+                rows[j:, token] += 1
+            logits -= self.frequency_penalty * rows + self.presence_penalty * (rows > 0).to(logits.dtype)
         return logits
 
 

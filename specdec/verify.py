@@ -38,6 +38,11 @@ class Verdict:
         return self.accepted == self.num_draft
 
     @property
+    def reached(self) -> int:
+        """Draft tokens that were tested: the accepted ones and the first rejected one (none after it)."""
+        return min(self.num_draft, self.accepted + 1)
+
+    @property
     def nodes(self) -> int:
         """The draft positions the target scored: a chain's tokens (as TreeVerdict.nodes)."""
         return self.num_draft

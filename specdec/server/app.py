@@ -183,25 +183,49 @@ class OpenAIServer:
         return handles
 
 
-def load_server(model: str | None, batch: BatchSettings, settings: ServerSettings, datastore: str | None = None,
-                dtype: str = "auto", device: str = "auto", served_model_name: str | None = None,
-                backend: str = "torch", threads: int | None = None, listen: bool = True) -> OpenAIServer:
+@dataclass(frozen=True)
+class ServerOptions:
+    """What a server loads and how it serves: one process's, or each Ray Serve replica's."""
+
+    model: str | None = None
+    batch: BatchSettings = field(default_factory=BatchSettings)
+    settings: ServerSettings = field(default_factory=ServerSettings)
+    datastore: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    served_model_name: str | None = None
+    backend: str = "auto"
+    threads: int | None = None
+
+
+def load_server(options: ServerOptions, listen: bool = True) -> OpenAIServer:
     """Load the model (checks first, the slow load last) and bind the server; ``start()`` it to serve
     (``listen=False``: the app alone, for Ray Serve to run)."""
     from specdec.backends import target_backend
     from specdec.loading import load_target
     from specdec.models import eos_token_ids
 
-    loaded = load_target(model, dtype=dtype, device=device, backend=backend, threads=threads, datastore=datastore,
-                         drafters=(batch.drafter,))
+    loaded = load_target(options.model, dtype=options.dtype, device=options.device, backend=options.backend,
+                         threads=options.threads, datastore=options.datastore, drafters=(options.batch.drafter,))
     runtime = target_backend(loaded.target, loaded.precision)
-    scheduler = build_scheduler(runtime, batch, eos_token_ids(loaded.target), loaded.datastore)
-    name = served_model_name or (DEFAULT_MODEL_NAME if model is None else Path(model).name.removesuffix(".gguf"))
+    scheduler = build_scheduler(runtime, options.batch, eos_token_ids(loaded.target), loaded.datastore)
+    model = options.model
+    name = options.served_model_name or (DEFAULT_MODEL_NAME if model is None else Path(model).name.removesuffix(".gguf"))
+    settings = options.settings
     try:
-        return OpenAIServer(scheduler, loaded.target.tokenizer, name, settings,
-                            listen=listen)
+        return OpenAIServer(scheduler, loaded.target.tokenizer, name, settings, listen=listen)
     except OSError as error:
         raise UsageError(f"cannot listen on {settings.host}:{settings.port}: {error.strerror or error}") from None
+
+
+def wait_for_signal() -> None:
+    """Block until SIGINT or SIGTERM: the server's run, from start to drain."""
+    import signal
+
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    stop.wait()
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -454,7 +478,7 @@ async def _stream(answers: list["_Answer"], response: Response, prompt_tokens: i
             piece = answer.take(event)
             if answer.error:
                 yield _event(ApiError(answer.error, status=answer.error_status).body())
-            elif piece or answer.new_logprobs:
+            elif piece or answer.logprobs_sent < len(answer.token_logprobs):
                 yield _event(response.chunk(piece, index=answer.index, logprobs=answer.chunk_logprobs(response.chat)))
             if answer.done and not answer.error:
                 yield _event(response.chunk(None, answer.finish_reason, index=answer.index))
@@ -490,7 +514,7 @@ class _Answer:
     done: bool = False
     cut: bool = False  # a stop string cut the text
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # since the last chunk
+    logprobs_sent: int = 0  # token_logprobs already streamed
     detokenizer: Detokenizer | None = None
 
     def __post_init__(self) -> None:
@@ -519,7 +543,6 @@ class _Answer:
             entries = [TokenLogprob(self._piece(t), lp, [(self._piece(i), v) for i, v in top])
                        for t, (lp, top) in zip(event.token_ids, event.logprobs)]
             self.token_logprobs += entries
-            self.new_logprobs += entries
         if self._cut_at_stop():
             self.handle.cancel()
             self.finish_reason = "stop"
@@ -535,7 +558,7 @@ class _Answer:
     def chunk_logprobs(self, chat: bool) -> dict | None:
         if self.job.logprobs is None:
             return None
-        entries, self.new_logprobs = self.new_logprobs, []
+        entries, self.logprobs_sent = self.token_logprobs[self.logprobs_sent:], len(self.token_logprobs)
         return logprobs_payload(chat, entries)
 
     def _kept(self, entries: list[TokenLogprob]) -> list[TokenLogprob]:

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from specdec.errors import UsageError
 from specdec.server import BatchSettings
-from specdec.server.app import ServerSettings, load_server
+from specdec.server.app import ServerOptions, ServerSettings, load_server, wait_for_signal
 
 
 def api_key(given: str | None, path: str | None) -> str | None:
@@ -48,21 +46,18 @@ def run_serve(args) -> int:
         raise UsageError(f"replicas must be >= 1, got {args.replicas}")
     if args.ray_address and not args.replicas:
         raise UsageError("--ray-address goes with --replicas N")
+    options = ServerOptions(args.model, batch, settings, args.datastore, args.dtype, args.device,
+                            args.served_model_name, args.backend, args.threads)
     if args.replicas:
-        from specdec.server.replicas import ReplicaOptions, run_replicas
+        from specdec.server.replicas import run_replicas
 
-        return run_replicas(args, ReplicaOptions(args.model, batch, settings, args.datastore, args.dtype, args.device,
-                                                 args.served_model_name, args.backend, args.threads))
-    server = load_server(args.model, batch, settings, args.datastore, args.dtype, args.device,
-                         args.served_model_name, args.backend, args.threads)
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+        return run_replicas(args, options)
+    server = load_server(options)
     server.start()
     print(f"specdec: serving {server.model_name} at {server.url} (speculation {batch.speculation}, drafter "
           f"{batch.drafter}, up to {batch.max_batch_size} requests per batch"
           f"{', API key required' if settings.api_key else ''}); Ctrl-C to stop", file=sys.stderr, flush=True)
-    stop.wait()
+    wait_for_signal()
     print(f"specdec: shutting down: finishing requests in flight (up to {args.shutdown_timeout:g} s)",
           file=sys.stderr, flush=True)
     server.shutdown(args.shutdown_timeout)

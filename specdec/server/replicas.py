@@ -15,33 +15,16 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 from specdec.errors import UsageError
-from specdec.server import BatchSettings
-from specdec.server.app import ServerSettings, load_server
+from specdec.server.app import ServerOptions, load_server, wait_for_signal
 
 APP_NAME = "specdec"
 _REPLICA = {}  # the server this replica process built: its health check reads it
 
 
-@dataclass(frozen=True)
-class ReplicaOptions:
-    """What each replica loads, as ``load_server`` takes it."""
-
-    model: str | None = None
-    batch: BatchSettings = field(default_factory=BatchSettings)
-    settings: ServerSettings = field(default_factory=ServerSettings)
-    datastore: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    served_model_name: str | None = None
-    backend: str = "auto"
-    threads: int | None = None
-
-
-def serve_app(options: ReplicaOptions = ReplicaOptions(), replicas: int = 1, shutdown_timeout: float = 30.0):
+def serve_app(options: ServerOptions = ServerOptions(), replicas: int = 1, shutdown_timeout: float = 30.0):
     """The Ray Serve application: ``replicas`` copies of specdec's OpenAI app, for ``serve.run`` (or Ray's own
     ``serve run specdec.server.replicas:app_builder replicas=2 model=PATH``)."""
     from ray import serve
@@ -50,9 +33,7 @@ def serve_app(options: ReplicaOptions = ReplicaOptions(), replicas: int = 1, shu
         raise UsageError(f"replicas must be >= 1, got {replicas}")
 
     def build():
-        server = load_server(options.model, options.batch, options.settings, options.datastore, options.dtype,
-                             options.device, options.served_model_name, options.backend, options.threads,
-                             listen=False)
+        server = load_server(options, listen=False)
         server.scheduler.start()
         _REPLICA["server"] = server
         return server.app
@@ -79,12 +60,12 @@ def app_builder(args: dict):
     known = {"replicas", "model", "backend", "threads"}
     if set(args) - known:
         raise UsageError(f"unknown arguments {sorted(set(args) - known)}; known: {sorted(known)}")
-    options = ReplicaOptions(model=args.get("model"), backend=args.get("backend", "auto"),
+    options = ServerOptions(model=args.get("model"), backend=args.get("backend", "auto"),
                              threads=int(args["threads"]) if "threads" in args else None)
     return serve_app(options, int(args.get("replicas", 1)))
 
 
-def run_replicas(args, options: ReplicaOptions) -> int:
+def run_replicas(args, options: ServerOptions) -> int:
     """Start (or join) Ray, deploy the replicas behind Ray's proxy at --host:--port, serve until a signal."""
     try:
         import ray
@@ -92,19 +73,14 @@ def run_replicas(args, options: ReplicaOptions) -> int:
     except ImportError:
         raise UsageError("--replicas needs Ray Serve: pip install 'ray[serve]'") from None
     threads = options.threads or max(1, (os.cpu_count() or 1) // args.replicas)
-    options = ReplicaOptions(**{**options.__dict__, "threads": threads})
+    options = replace(options, threads=threads)
     ray.init(address=args.ray_address, include_dashboard=False, logging_level="warning",
              **({} if args.ray_address else {"num_cpus": max(os.cpu_count() or 1, args.replicas)}))
     serve.start(http_options={"host": args.host, "port": args.port})
-    stop = threading.Event()
-    import signal
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
     serve.run(serve_app(options, args.replicas, args.shutdown_timeout), name=APP_NAME, route_prefix="/")
     print(f"specdec: serving at http://{args.host}:{args.port} on Ray Serve, {args.replicas} replicas of "
           f"{threads} threads; Ctrl-C to stop", file=sys.stderr, flush=True)
-    stop.wait()
+    wait_for_signal()
     print("specdec: shutting down the replicas", file=sys.stderr, flush=True)
     serve.shutdown()
     ray.shutdown()

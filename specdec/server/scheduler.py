@@ -151,7 +151,8 @@ class _Running:
         self.generator = make_generator(request.seed, device)
         self.acceptance = Acceptance()
         self.draft = EMPTY_DRAFT
-        self.finished: str | None = None
+        self.finished: Finished | None = None  # its last event, once it has one: it leaves at the step's end
+        self.counts: torch.Tensor | None = None  # [vocab]: how often each token was generated (for penalties)
 
     @property
     def remaining(self) -> int:
@@ -226,7 +227,7 @@ class Scheduler:
             handle.put(Finished("abort", "the server shut down"))
         self._waiting.clear()
         for running in self._running:
-            self._retire(running, "abort")
+            self._retire(running, Finished("abort"))
         self._running.clear()
 
     @property
@@ -273,7 +274,7 @@ class Scheduler:
             except Exception as error:  # a bug outside any one request's share: end the batch, keep serving
                 log.exception("step failed")
                 for running in self._running:
-                    self._retire(running, "error", f"internal error: {error}")
+                    self._retire(running, Finished("error", f"internal error: {error}"))
                 self._running.clear()
             self.last_progress = time.monotonic()
 
@@ -298,6 +299,9 @@ class Scheduler:
             batch.append(running)
         if batch:
             self._prefill(batch)
+        for r in [r for r in admitted if r.finished]:  # a prefill that failed for it alone
+            self._retire(r, r.finished)
+            self._running.remove(r)
 
     def _start(self, handle: Handle) -> _Running | None:
         """The request in a slot of its own; None (the request ended with its error) if it cannot start."""
@@ -308,17 +312,21 @@ class Scheduler:
         except Exception as error:
             if slot is not None:
                 self.pool.close(slot)
-            self._fail(handle, error)
+            self._end(handle, self._failure(handle, error))
             return None
 
-    def _fail(self, handle: Handle, error: Exception) -> None:
-        """End one request with its own error: 400 if its input caused it (a check refused it), 500 otherwise."""
+    @staticmethod
+    def _failure(handle: Handle, error: Exception) -> Finished:
+        """A request's own error as its last event: 400 if its input caused it (a check refused it), else 500."""
         client_fault = isinstance(error, (ValueError, UsageError))
         if not client_fault:
             log.error("request %d failed", handle.id, exc_info=error)
-        handle.put(Finished("error", str(error) if client_fault else f"internal error: {error}",
-                            400 if client_fault else 500))
-        self.metrics.observe_finish("error")
+        return Finished("error", str(error) if client_fault else f"internal error: {error}",
+                        400 if client_fault else 500)
+
+    def _end(self, handle: Handle, event: Finished) -> None:
+        handle.put(event)
+        self.metrics.observe_finish(event.reason)
 
     def _proposer(self, handle: Handle) -> Proposer:
         """The request's own drafter; one that cannot be made leaves the request to plain decoding."""
@@ -336,8 +344,7 @@ class Scheduler:
             self._end_waiting(handle)
 
     def _end_waiting(self, handle: Handle) -> None:
-        handle.put(Finished("cancelled"))
-        self.metrics.observe_finish("cancelled")
+        self._end(handle, Finished("cancelled"))
 
     def _prefill(self, batch: list[_Running]) -> None:
         """Cache every context token but the last, which the first step scores."""
@@ -349,12 +356,12 @@ class Scheduler:
 
     def _forward(self, rows: list[Row], owners: list[_Running]) -> list[torch.Tensor | None]:
         """One pass over every row (row i is owners[i]'s); should it fail, each row again alone, so that a row
-        that fails ends its own request only (its logits None), and the others go on."""
+        that fails finishes its own request only (its logits None), and the others go on."""
         try:
             return self.pool.forward(rows)
         except Exception as error:
             if len(rows) == 1:
-                self._drop(owners[0], error)
+                owners[0].finished = self._failure(owners[0].handle, error)
                 return [None]
         log.warning("a pass over %d requests failed; running each alone", len(rows))
         logits: list[torch.Tensor | None] = []
@@ -362,17 +369,9 @@ class Scheduler:
             try:
                 logits.append(self.pool.forward([row])[0])
             except Exception as error:
-                self._drop(owner, error)
+                owner.finished = self._failure(owner.handle, error)
                 logits.append(None)
         return logits
-
-    def _drop(self, r: _Running, error: Exception) -> None:
-        """End a running request with its error, now, and free its slot."""
-        if r in self._running:
-            self._running.remove(r)
-        if r.slot.index >= 0:
-            self.pool.close(r.slot)
-        self._fail(r.handle, error)
 
     def step(self) -> None:
         step_started = time.perf_counter()
@@ -385,23 +384,22 @@ class Scheduler:
         lengths = self.planner.draft_lengths([len(r.draft) for r in running], rates)
         drafts = [_first(r.draft, n) for r, n in zip(running, lengths)]
         # 3. one target pass over every request's pending token and draft tokens
-        batch = list(running)
-        rows = [Row(r.slot, [r.context[-1]] + d.tokens, len(d) + 1) for r, d in zip(batch, drafts)]
+        rows = [Row(r.slot, [r.context[-1]] + d.tokens, len(d) + 1) for r, d in zip(running, drafts)]
         started = time.perf_counter()
-        logits = self._forward(rows, batch)  # per request [k+1, vocab]; None for one that failed (and left)
+        logits = self._forward(rows, running)  # per request [k+1, vocab]; None for one whose pass failed
         self.planner.observe_pass(sum(len(row.token_ids) for row in rows), time.perf_counter() - started)
         # 4. verify, roll back, emit
-        for r, draft, row_logits in zip(batch, drafts, logits):
+        for r, draft, row_logits in zip(running, drafts, logits):
             if row_logits is None:
                 continue
             try:
                 self._advance(r, draft, row_logits)
             except Exception as error:
-                self._drop(r, error)
+                r.finished = self._failure(r.handle, error)
         self.metrics.observe_step(len(running), any(lengths), time.perf_counter() - step_started)
         # 5. retire
         for r in [r for r in running if r.finished or r.handle.cancelled.is_set()]:
-            self._retire(r, r.finished or "cancelled")
+            self._retire(r, r.finished or Finished("cancelled"))
             running.remove(r)
 
     def _draft(self, running: list[_Running]) -> None:
@@ -425,7 +423,9 @@ class Scheduler:
     def _advance(self, r: _Running, draft: Draft, logits: torch.Tensor) -> None:
         request = r.handle.request
         if request.adjustment is not None:  # row j follows the tokens generated so far and draft[:j]
-            logits = request.adjustment.apply(logits, r.context[len(request.prompt_ids):], draft.tokens)
+            if request.adjustment.penalises and r.counts is None:
+                r.counts = torch.zeros(logits.shape[-1], device=logits.device)
+            logits = request.adjustment.apply(logits, r.counts, draft.tokens)
         verdict = verify_draft(draft, logits, request.sampling, r.generator)
         r.slot.length = len(r.context) + verdict.accepted  # the context, less its last token, was cached
         self._learn_acceptance(r, draft, verdict)
@@ -433,19 +433,22 @@ class Scheduler:
         self.metrics.observe_round(round_)
         r.context += round_.tokens
         r.produced += len(round_.tokens)
+        if r.counts is not None:
+            r.counts.index_add_(0, torch.tensor(round_.tokens, device=r.counts.device),
+                                torch.ones(len(round_.tokens), device=r.counts.device))
         logprobs = None if request.logprobs is None else token_logprobs(logits, round_.tokens, request.logprobs)
         r.handle.put(Tokens(round_.tokens, round_.kinds, round_.draft_tokens, logprobs))
         if round_.tokens[-1] in r.stop_ids:
-            r.finished = "stop"
+            r.finished = Finished("stop")
         elif r.remaining == 0 or len(r.context) >= self.max_length:
-            r.finished = "length"
+            r.finished = Finished("length")
 
     def _learn_acceptance(self, r: _Running, scored: Draft, verdict) -> None:
         """Count accepted draft tokens over those reached. A draft offered but not scored teaches too: its first
         token would have been accepted with the probability that the target's own token equals it (exactly so
         for a point-mass draft), so a request that decodes plainly keeps measuring what speculation would gain."""
         if len(scored):
-            accepted, reached = verdict.accepted, verdict.accepted + (0 if verdict.bonus else 1)
+            accepted, reached = verdict.accepted, verdict.reached
         elif len(r.draft):
             accepted, reached = int(verdict.token == r.draft.tokens[0]), 1
         else:
@@ -453,11 +456,11 @@ class Scheduler:
         r.acceptance.observe(accepted, reached)
         self.planner.observe_verdict(accepted, reached)
 
-    def _retire(self, r: _Running, reason: str, message: str = "") -> None:
+    def _retire(self, r: _Running, event: Finished) -> None:
+        """Free the request's slot and hand over its last event."""
         if r.slot.index >= 0:
             self.pool.close(r.slot)
-        r.handle.put(Finished(reason, message))
-        self.metrics.observe_finish(reason)
+        self._end(r.handle, event)
 
 
 

@@ -17,7 +17,7 @@ drafted yet, over all of them.
 from __future__ import annotations
 
 from specdec.choices import SPECULATION_MODES
-from specdec.costs import Acceptance, MeasuredPassCosts, survival
+from specdec.costs import Acceptance, MeasuredPassCosts
 
 GLOBAL_DECAY = 0.995  # per observed draft: the all-requests rate follows the recent traffic
 
@@ -49,7 +49,7 @@ class SpeculationPlanner:
             return list(offered)
         if self.mode == "never" or not any(offered):
             return [0] * len(offered)
-        gains = sorted(((gain, i) for i, (n, rate) in enumerate(zip(offered, rates)) for gain in survival([rate] * n)),
+        gains = sorted(((rate**j, i) for i, (n, rate) in enumerate(zip(offered, rates)) for j in range(1, n + 1)),
                        reverse=True)
         batch = len(offered)
         best_count, best_rate, expected = 0, batch / self.cost(batch), float(batch)
