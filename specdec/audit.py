@@ -22,14 +22,14 @@ import os
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from http.client import HTTPException
 from pathlib import Path
 
 from specdec.errors import UsageError
+from specdec.sampling import SamplingParams
 
 MIN_EXPECTED = 5.0  # a bin's expected count, at least
 POWER = 0.8
@@ -42,46 +42,40 @@ class ServerError(Exception):
 
 @dataclass(frozen=True)
 class Endpoint:
+    """An OpenAI-compatible server, reached through bench-serve's HTTP client."""
+
     url: str
     api_key: str | None = None
     timeout: float = 120.0
 
     def post(self, path: str, body: dict) -> dict:
-        return self._call(urllib.request.Request(self.url.rstrip("/") + path, data=json.dumps(body).encode(),
-                                                 headers=self._headers(), method="POST"))
+        return self._call("POST", path, body)
 
     def get(self, path: str) -> dict:
-        return self._call(urllib.request.Request(self.url.rstrip("/") + path, headers=self._headers()))
+        return self._call("GET", path, None)
 
-    def _headers(self) -> dict:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        return headers
+    def _call(self, method: str, path: str, body: dict | None) -> dict:
+        from specdec.bench.serve import host_port, http_request
 
-    def _call(self, request: urllib.request.Request) -> dict:
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as error:
+        host, port = host_port(self.url)
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        status, payload = http_request(host, port, method, path, body, self.timeout, headers)
+        if status != 200:
             try:
-                message = json.loads(error.read())["error"]["message"]
+                message = json.loads(payload)["error"]["message"]
             except (ValueError, KeyError, TypeError):
-                message = error.reason
-            raise ServerError(f"{self.url} answered {error.code}: {message}") from None
+                message = payload[:200].decode(errors="replace")
+            raise ServerError(f"{self.url} answered {status}: {message}")
+        return json.loads(payload)
 
 
 @dataclass(frozen=True)
 class Sampling:
+    """What the audit asks each endpoint for: the first T tokens under ``params``, and ``lookahead`` more."""
+
     tokens: int = 1  # T: the joint of the first T tokens
     lookahead: int = 4  # tokens asked for beyond T, room for a speculating server to draft over the T
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+    params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=1.0))
 
 
 @dataclass
@@ -106,10 +100,11 @@ class TestResult:
 
 
 def body(model: str, prompt: str, sampling: Sampling, seed: int | None) -> dict:
+    params = sampling.params
     request = {"model": model, "prompt": prompt, "max_tokens": sampling.tokens + sampling.lookahead,
-               "temperature": sampling.temperature, "top_p": sampling.top_p, "logprobs": 0}
-    if sampling.top_k:
-        request["top_k"] = sampling.top_k
+               "temperature": params.temperature, "top_p": params.top_p, "logprobs": 0}
+    if params.top_k:
+        request["top_k"] = params.top_k
     if seed is not None:
         request["seed"] = seed
     return request
@@ -136,7 +131,7 @@ def draw(endpoint: Endpoint, model: str, prompt: str, sampling: Sampling, seeds:
             got = outcome(endpoint.post("/v1/completions", body(model, prompt, sampling, seed)), sampling)
             with lock:
                 draws.outcomes[got] += 1
-        except (ServerError, OSError, KeyError, IndexError, ValueError) as error:
+        except (ServerError, OSError, HTTPException, KeyError, IndexError, ValueError) as error:
             with lock:
                 draws.errors[str(error).splitlines()[0][:200]] += 1
         tick()
@@ -266,16 +261,15 @@ def exact_outcomes(model: str | None, prompt: str, sampling: Sampling, min_proba
     tokens with probability above ``min_probability`` (the rest, a negligible mass, left out), decoded to text."""
     import torch
 
-    from specdec.sampling import SamplingParams, logits_to_probs
+    from specdec.backends import sync
+    from specdec.sampling import logits_to_probs
 
     runtime, tokenizer, eos = _reference(model)
-    params = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
     prompt_ids = list(tokenizer.encode(prompt))
     exact: Counter = Counter()
 
     def expand(prefix: list[int], probability: float) -> None:
-        runtime.rollback(0)
-        probs = logits_to_probs(runtime.extend(prompt_ids + prefix, 1)[0].double(), params)
+        probs = logits_to_probs(sync(runtime, prompt_ids + prefix, 1)[0].double(), sampling.params)
         for token in torch.nonzero(probs * probability > min_probability).flatten().tolist():
             p = probability * float(probs[token])
             sequence = prefix + [token]
@@ -294,7 +288,7 @@ def exact_outcomes(model: str | None, prompt: str, sampling: Sampling, min_proba
 def served_model(endpoint: Endpoint) -> str:
     try:
         models = endpoint.get("/v1/models")["data"]
-    except (ServerError, OSError, KeyError, TypeError, ValueError) as error:
+    except (ServerError, OSError, HTTPException, KeyError, TypeError, ValueError) as error:
         raise UsageError(f"cannot reach {endpoint.url}: {str(error).splitlines()[0] or type(error).__name__}"
                          ) from None
     if not models:
@@ -307,7 +301,8 @@ def check_args(args) -> Sampling:
         raise UsageError(f"--tokens must be 1, 2 or 3, got {args.tokens}")
     if args.samples < 1 or args.concurrency < 1:
         raise UsageError("--samples and --concurrency must be >= 1")
-    if args.temperature > 0 and args.samples < 2 * MIN_EXPECTED:
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # checks them
+    if not params.greedy and args.samples < 2 * MIN_EXPECTED:
         raise UsageError(f"--samples {args.samples} is too few for any bin: a bin needs {MIN_EXPECTED:g} expected "
                          f"outcomes; take at least {2 * MIN_EXPECTED:g} (and hundreds for any power)")
     if not 0 < args.alpha < 1:
@@ -316,13 +311,9 @@ def check_args(args) -> Sampling:
         raise UsageError("give a second endpoint (--b URL) or --reference local")
     if args.reference not in (None, "local"):
         raise UsageError(f"--reference takes local, got {args.reference!r}")
-    from specdec.choices import check_sampling
-
-    check_sampling(args.temperature, args.top_k, args.top_p)
     if args.lookahead < 0:
         raise UsageError(f"--lookahead must be >= 0, got {args.lookahead}")
-    return Sampling(tokens=args.tokens, lookahead=args.lookahead, temperature=args.temperature, top_p=args.top_p,
-                    top_k=args.top_k)
+    return Sampling(tokens=args.tokens, lookahead=args.lookahead, params=params)
 
 
 def prompts_of(args) -> list[str]:
@@ -335,22 +326,21 @@ def prompts_of(args) -> list[str]:
 
 def run_audit(args) -> int:
     sampling = check_args(args)
-    api_key = os.environ.get(args.api_key_env) if args.api_key_env else None
+    api_key = os.environ.get(args.api_key_env) or None
     a = Endpoint(args.a, api_key)
     b = Endpoint(args.b, api_key) if args.b else None
-    model = args.model or served_model(a)
-    for endpoint in [a] + ([b] if b else []):
-        served = served_model(endpoint)
-        if args.model is None and served != model:
-            raise UsageError(f"{a.url} serves {model!r} but {endpoint.url} serves {served!r}: pass --model")
+    served = [served_model(endpoint) for endpoint in [a] + ([b] if b else [])]
+    model = args.model or served[0]
+    if args.model is None and len(set(served)) > 1:
+        raise UsageError(f"{a.url} serves {served[0]!r} but {b.url} serves {served[1]!r}: pass --model")
     prompts = prompts_of(args)
     for endpoint in [a] + ([b] if b else []):  # a server that refuses the parameters: one line, before the run
         try:
             endpoint.post("/v1/completions", body(model, prompts[0], sampling, args.seed))
-        except (ServerError, OSError) as error:
+        except (ServerError, OSError, HTTPException) as error:
             raise UsageError(f"{endpoint.url} refuses the audit's request: {str(error).splitlines()[0]}") from None
     started = time.perf_counter()
-    report = audit_greedy(a, b, model, prompts, sampling, args) if sampling.greedy else \
+    report = audit_greedy(a, b, model, prompts, sampling, args) if sampling.params.greedy else \
         audit_sampled(a, b, model, prompts, sampling, args)
     report["seconds"] = round(time.perf_counter() - started, 1)
     print(markdown(report))
@@ -387,9 +377,10 @@ def audit_sampled(a: Endpoint, b: Endpoint | None, model: str, prompts: list[str
                      "errors": dict(errors)})
     bar.close()
     overall = min(1.0, len(prompts) * min(r["p_value"] for r in rows))
+    params = sampling.params
     return {"mode": "two-sample" if b else "one-sample (exact reference)", "a": a.url, "b": b.url if b else "local",
-            "model": model, "samples": args.samples, "tokens": sampling.tokens, "temperature": sampling.temperature,
-            "top_p": sampling.top_p, "top_k": sampling.top_k, "alpha": args.alpha, "concurrency": args.concurrency,
+            "model": model, "samples": args.samples, "tokens": sampling.tokens, "temperature": params.temperature,
+            "top_p": params.top_p, "top_k": params.top_k, "alpha": args.alpha, "concurrency": args.concurrency,
             "prompts": rows, "p_value": overall, "rejected": overall < args.alpha,
             "errors": sum(sum(r["errors"].values()) for r in rows)}
 
@@ -419,7 +410,7 @@ def markdown(report: dict) -> str:
              f"first {report['tokens']} tokens, {report['seconds'] if 'seconds' in report else '?'} s."]
     if report["mode"] == "greedy identity":
         lines += ["", "| prompt | identical | first difference (token) |", "|---|---|---:|"]
-        lines += [f"| {r['prompt']!r} | {'yes' if r['identical'] else 'NO'} | {r['first_difference'] or ''} |"
+        lines += [f"| {r['prompt']!r} | {'yes' if r['identical'] else 'NO'} | {'' if r['identical'] else r['first_difference']} |"
                   for r in report["prompts"]]
         lines += ["", "**different greedy output**" if report["rejected"] else "**identical greedy output**"]
         return "\n".join(lines)

@@ -12,6 +12,7 @@ SERVED_DRAFTERS = ("none", "prompt-lookup", "retrieval")  # drafters with per-re
 SPECULATION_MODES = ("auto", "always", "never")  # specdec serve --speculation
 BACKENDS = ("auto", "torch", "llama.cpp")  # --backend
 MAX_DRAFT_TOKENS = 64  # --num-draft-tokens
+EXPORT_FORMATS = {"eagle": "eagle", "medusa": "mtp"}  # specdec export --format: published layout -> drafter method
 POLICY_NAMES = ("auto", "heuristic")  # --num-draft-tokens that adapt: the cost model, transformers' schedule
 MAX_TREE_WIDTH = 16  # --tree: candidates at one depth
 SEED_RANGE = (-(1 << 63), 1 << 64)  # what a 64-bit generator takes: signed or unsigned 64-bit integers

@@ -9,10 +9,19 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from specdec.choices import BACKENDS, DRAFTERS, MAX_DRAFT_TOKENS, SERVED_DRAFTERS, SPECULATION_MODES, TRAINED_METHODS
+from specdec.choices import (
+    BACKENDS,
+    DRAFTERS,
+    EXPORT_FORMATS,
+    MAX_DRAFT_TOKENS,
+    SERVED_DRAFTERS,
+    SPECULATION_MODES,
+    TRAINED_METHODS,
+)
 from specdec.errors import SpecdecError, UsageError
 
 EXIT_USAGE = 2
+MT_BENCH = str(Path(__file__).resolve().parents[1] / "data" / "mt_bench_question.jsonl")  # the default prompts
 K_HELP = (f"draft tokens per round: 1..{MAX_DRAFT_TOKENS} (default 4); auto: the length that maximises expected "
           "tokens per second, from acceptance and costs measured as it runs (0, plain decoding, when speculation "
           "does not pay); heuristic: transformers' schedule (+2 after a fully accepted draft, -1 after a rejection)")
@@ -210,9 +219,8 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--drafters", default="none,prompt-lookup",
                        help="comma-separated, each NAME, NAME:K or NAME:K:TREE (K an integer, auto or heuristic; "
                             "default --num-draft-tokens; TREE the candidates per depth joined by '/', as 3/2/1): "
-                            "none, prompt-lookup, retrieval, draft-model, mtp, eagle, early-exit, hf-prompt-lookup, hf-assisted, "
-                            "llamacpp (llama-cpp-python's own decoding of the same GGUF), llamacpp-prompt-lookup"
-                            )
+                            f"{', '.join(DRAFTERS)}, hf-prompt-lookup, hf-assisted, llamacpp (llama-cpp-python's own "
+                            "decoding of the same GGUF), llamacpp-prompt-lookup")
     bench.add_argument("--num-draft-tokens", "-k", default="4", metavar="K", help=K_HELP)
     bench.add_argument("--datastore", default=None, metavar="DIR", help="datastore for the retrieval drafter")
     bench.add_argument("--temperature", type=float, default=0.0)
@@ -257,8 +265,7 @@ def _add_audit_parser(commands) -> None:
     audit.add_argument("--reference-model", dest="model_path", default=None, metavar="PATH",
                        help="the model for --reference local (default: the default model)")
     audit.add_argument("--model", default=None, help="the model id to ask for (default: what --a serves)")
-    audit.add_argument("--prompts", default=str(Path(__file__).resolve().parents[1] / "data" /
-                                                "mt_bench_question.jsonl"), help="a prompt file (the bench's readers)")
+    audit.add_argument("--prompts", default=MT_BENCH, help="a prompt file (the bench's readers)")
     audit.add_argument("--limit", type=int, default=3, help="prompts from --prompts")
     audit.add_argument("--prompt", default=None, help="one prompt instead of --prompts")
     audit.add_argument("--samples", type=int, default=1000, help="completions per endpoint and prompt (N)")
@@ -271,7 +278,8 @@ def _add_audit_parser(commands) -> None:
     audit.add_argument("--concurrency", type=int, default=8)
     audit.add_argument("--seed", type=int, default=0, help="the first request's seed; each request has its own")
     audit.add_argument("--alpha", type=float, default=0.001, help="the false-alarm rate of the whole audit")
-    audit.add_argument("--api-key-env", default=None, metavar="VAR", help="the environment variable with the key")
+    audit.add_argument("--api-key-env", default="SPECDEC_API_KEY", metavar="VAR",
+                       help="the environment variable holding the endpoints' API key (default: SPECDEC_API_KEY)")
     audit.add_argument("--out", default=None, help="also write the report as JSON here")
     audit.add_argument("--no-progress", action="store_true")
     audit.set_defaults(run=_runs("specdec.audit", "run_audit"))
@@ -281,7 +289,7 @@ def _add_export_parser(commands) -> None:
     export = commands.add_parser("export", help="write a trained drafter in a published layout GPU engines load "
                                  "(EAGLE-1, Medusa-1)")
     export.add_argument("out", metavar="DIR", help="the directory to write")
-    export.add_argument("--format", required=True, choices=["eagle", "medusa"],
+    export.add_argument("--format", required=True, choices=list(EXPORT_FORMATS),
                         help="eagle: an eagle drafter in EAGLE-1's layout; medusa: mtp heads in Medusa-1's")
     export.add_argument("--drafter-path", default=None, metavar="DIR",
                         help="the drafter (default: the one shipped for the target)")
@@ -294,8 +302,7 @@ def _add_figures_parser(commands) -> None:
     figures.add_argument("--out", required=True, help="directory for the PNG files")
     figures.add_argument("--draft-model", default=None,
                          help="draft for the acceptance figures (default: the target's first three quarters of layers)")
-    figures.add_argument("--prompts", default=str(Path(__file__).resolve().parents[1] / "data" /
-                                                   "mt_bench_question.jsonl"))
+    figures.add_argument("--prompts", default=MT_BENCH)
     figures.add_argument("--limit", type=int, default=4, help="prompts for the acceptance measurements")
     figures.add_argument("--max-new-tokens", type=int, default=48)
     figures.add_argument("--repeats", type=int, default=3, help="timing repeats per point (median)")

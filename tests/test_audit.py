@@ -21,6 +21,7 @@ import specdec.verify
 from specdec.audit import Sampling, chi2_sf, detectable_tv, exact_outcomes, pooled_bins, two_sample
 from specdec.backends import LlamaRuntime
 from specdec.cli import main
+from specdec.sampling import SamplingParams
 
 N = "800"
 
@@ -139,6 +140,6 @@ def test_the_statistics():
 
 
 def test_the_exact_reference_sums_to_one(model, prompt):
-    exact = exact_outcomes(str(model[2]), prompt, Sampling(tokens=2, temperature=1.0), min_probability=0.0)
+    exact = exact_outcomes(str(model[2]), prompt, Sampling(tokens=2, params=SamplingParams(temperature=1.0)), min_probability=0.0)
     assert sum(exact.values()) == pytest.approx(1.0, abs=1e-9)
     assert torch.tensor(list(exact.values())).max() > 0.3  # the walk's likeliest continuation

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import platform
 import sys
@@ -39,12 +40,8 @@ def _hf_assisted(name: str, target, draft, k: int | str, eos: set[int]) -> Conte
     return TransformersContender(name, target.model, k, eos, assistant_model=draft.model)
 
 
-def _llamacpp(name: str, target, draft, k: int | str, eos: set[int]) -> Contender:
-    return LlamaCppContender(name, str(target.gguf), 0, eos, _threads_of(target))
-
-
-def _llamacpp_prompt_lookup(name: str, target, draft, k: int | str, eos: set[int]) -> Contender:
-    tokens = k if isinstance(k, int) else HF_DEFAULT_PROMPT_LOOKUP_TOKENS  # llama-cpp-python's default, too
+def _llamacpp(name: str, target, draft, k: int | str, eos: set[int], prompt_lookup: bool = False) -> Contender:
+    tokens = 0 if not prompt_lookup else k if isinstance(k, int) else HF_DEFAULT_PROMPT_LOOKUP_TOKENS  # its default too
     return LlamaCppContender(name, str(target.gguf), tokens, eos, _threads_of(target))
 
 
@@ -56,7 +53,7 @@ def _threads_of(target) -> int:
 # the field's references: transformers' own assisted generation, and llama-cpp-python's own decoding on the same
 # GGUF; name -> factory(label, target, draft, k, eos ids)
 REFERENCE_CONTENDERS = {"hf-prompt-lookup": _hf_prompt_lookup, "hf-assisted": _hf_assisted, "llamacpp": _llamacpp,
-                        "llamacpp-prompt-lookup": _llamacpp_prompt_lookup}
+                        "llamacpp-prompt-lookup": functools.partial(_llamacpp, prompt_lookup=True)}
 NEEDS_TRANSFORMERS = {"hf-prompt-lookup", "hf-assisted"}
 NEEDS_GGUF = {"llamacpp", "llamacpp-prompt-lookup"}
 NEEDS_DRAFT_MODEL = {"hf-assisted"}

@@ -122,7 +122,7 @@ class ServerProcess:
             if self.process.poll() is not None:
                 raise UsageError(f"the {self.mode} server exited: {self.process.stderr.read().strip()[-500:]}")
             try:
-                if _request("127.0.0.1", self.port, "GET", "/health", None, timeout=5)[0] == 200:
+                if http_request("127.0.0.1", self.port, "GET", "/health", None, timeout=5)[0] == 200:
                     return
             except OSError:
                 pass
@@ -144,8 +144,8 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _request(host: str, port: int, method: str, path: str, body: dict | None, timeout: float = 3600,
-             headers: dict | None = None) -> tuple[int, bytes]:
+def http_request(host: str, port: int, method: str, path: str, body: dict | None, timeout: float = 3600,
+                 headers: dict | None = None) -> tuple[int, bytes]:
     connection = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         connection.request(method, path, body=None if body is None else json.dumps(body),
@@ -158,7 +158,7 @@ def _request(host: str, port: int, method: str, path: str, body: dict | None, ti
 
 def scrape(host: str, port: int, headers: dict | None = None) -> dict[str, float]:
     """The server's /metrics, unlabelled samples by name."""
-    status, text = _request(host, port, "GET", "/metrics", None, timeout=30, headers=headers)
+    status, text = http_request(host, port, "GET", "/metrics", None, timeout=30, headers=headers)
     if status != 200:
         raise UsageError(f"GET /metrics answered {status}")
     return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.decode().splitlines()
@@ -180,7 +180,7 @@ def replay(host: str, port: int, mode: str, trace: list[TraceRequest], concurren
         body = {"prompt": request.prompt, "max_tokens": request.output_tokens, "temperature": 0,
                 "ignore_eos": True, **({"model": model} if model else {})}
         started = time.perf_counter()
-        status, payload = _request(host, port, "POST", "/v1/completions", body, headers=headers)
+        status, payload = http_request(host, port, "POST", "/v1/completions", body, headers=headers)
         elapsed = time.perf_counter() - started
         if status != 200:
             raise UsageError(f"the {mode} server answered {status}: {payload[:200]!r}")
@@ -297,7 +297,7 @@ def run_bench_serve(args) -> int:
     processes: list[ServerProcess] = []
     try:
         if args.url:
-            host, port = _host_port(args.url)
+            host, port = host_port(args.url)
             servers[modes[0] if len(modes) == 1 else "server"] = (host, port)
         else:
             processes = [ServerProcess(mode, _serve_args(args, max(levels))) for mode in modes]
@@ -340,12 +340,12 @@ def _levels(text: str) -> list[int]:
     return levels
 
 
-def _host_port(url: str) -> tuple[str, int]:
+def host_port(url: str) -> tuple[str, int]:
     from urllib.parse import urlsplit
 
     parts = urlsplit(url)
     if parts.scheme != "http" or not parts.hostname:
-        raise UsageError(f"--url must be http://HOST:PORT, got {url!r}")
+        raise UsageError(f"an endpoint must be http://HOST:PORT, got {url!r}")
     return parts.hostname, parts.port or 80
 
 

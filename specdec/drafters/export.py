@@ -16,11 +16,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from specdec.choices import EXPORT_FORMATS as FORMATS
 from specdec.drafters import checkpoint
 from specdec.drafters.files import DRAFT_VOCAB_FILE
 from specdec.errors import UsageError
-
-FORMATS = {"eagle": "eagle", "medusa": "mtp"}  # published layout -> specdec method
 
 
 def export(source: Path, layout: str, out: Path, target_model) -> list[Path]:
@@ -42,7 +41,7 @@ def export(source: Path, layout: str, out: Path, target_model) -> list[Path]:
         written = _write_eagle(config, state, target, out)
     else:
         written = _write_medusa(config, state, target, out)
-    if len(ids) != config.vocab_size or not torch.equal(ids, torch.arange(config.vocab_size)):
+    if config.draft_vocab:  # a part of the vocabulary: kept beside the layout
         save_file({"ids": ids.contiguous()}, str(out / DRAFT_VOCAB_FILE))
         written.append(out / DRAFT_VOCAB_FILE)
     return written
@@ -79,9 +78,7 @@ def run_export(args) -> int:
     from specdec.drafters.loading import shipped_directory
     from specdec.models import load_model
 
-    method = FORMATS.get(args.format)
-    if method is None:
-        raise UsageError(f"--format must be one of {', '.join(FORMATS)}, got {args.format!r}")
+    method = FORMATS[args.format]  # argparse took only these
     target = load_model(args.model, dtype="float32", backend="torch").model
     source = Path(args.drafter_path) if args.drafter_path else shipped_directory(method, target)
     if source is None:
