@@ -65,9 +65,7 @@ class GenerationStats:
     """Counters over one generation. A round is one target forward pass over the drafted positions."""
 
     rounds: int = 0
-    draft_tokens: int = 0
     draft_nodes: int = 0  # draft positions scored (a tree scores more than its depth)
-    accepted_tokens: int = 0
     new_tokens: int = 0
     seconds: float = 0.0  # the whole generation, prefill included
     draft_seconds: float = 0.0  # of which drafting
@@ -80,9 +78,7 @@ class GenerationStats:
         self.rounds += 1
         self.positions.observe(round_)
         self.chosen_k[round_.asked] = self.chosen_k.get(round_.asked, 0) + 1
-        self.draft_tokens += round_.draft_tokens
         self.draft_nodes += round_.draft_nodes
-        self.accepted_tokens += round_.accepted
         self.new_tokens += len(round_.tokens)
         self.draft_seconds += round_.draft_seconds
         self.target_seconds += round_.target_seconds
@@ -91,6 +87,14 @@ class GenerationStats:
     def acceptance_rate(self) -> float:
         """Accepted draft tokens / draft tokens (0 when nothing was drafted)."""
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def draft_tokens(self) -> int:
+        return self.positions.draft_tokens
+
+    @property
+    def accepted_tokens(self) -> int:
+        return self.positions.accepted_tokens
 
     @property
     def drafted_at(self) -> list[int]:

@@ -46,6 +46,19 @@ class PositionCounts:
             self.drafted[i] += 1
             self.accepted[i] += i < round_.accepted
 
+    @property
+    def draft_tokens(self) -> int:
+        return sum(self.drafted)
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(self.accepted)
+
+    @property
+    def drafting_rounds(self) -> int:
+        """Rounds that drafted at all: each drafted a token at position 1."""
+        return self.drafted[0] if self.drafted else 0
+
     def rates(self) -> list[float]:
         """[i]: accepted / drafted tokens at draft position i+1."""
         return [a / d if d else 0.0 for a, d in zip(self.accepted, self.drafted)]

@@ -21,9 +21,6 @@ class Metrics:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     request_rounds: int = 0  # one per request per target pass
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
     positions: PositionCounts = field(default_factory=PositionCounts)  # draft and accepted tokens per position
     steps: int = 0
     prefill_seconds: float = 0.0  # in passes that prefill admitted prompts
@@ -41,11 +38,20 @@ class Metrics:
         with self._lock:
             self.request_rounds += 1
             self.generation_tokens += len(round_.tokens)
-            if round_.draft_tokens:
-                self.drafts += 1
-                self.draft_tokens += round_.draft_tokens
-                self.accepted_tokens += round_.accepted
-                self.positions.observe(round_)
+            self.positions.observe(round_)
+
+    @property
+    def drafts(self) -> int:
+        """Drafts scored: one per request per speculative step."""
+        return self.positions.drafting_rounds
+
+    @property
+    def draft_tokens(self) -> int:
+        return self.positions.draft_tokens
+
+    @property
+    def accepted_tokens(self) -> int:
+        return self.positions.accepted_tokens
 
     def observe_step(self, batch_size: int, speculating: bool, seconds: float) -> None:
         with self._lock:
