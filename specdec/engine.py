@@ -18,7 +18,15 @@ from specdec.errors import UsageError
 from specdec.policy import AUTO_MAX_K, AUTO_TREE_MAX_NODES, Policy, make_policy
 from specdec.proposers.base import EMPTY_DRAFT, Draft, FeatureProposer, Proposer, TreeProposer
 from specdec.sampling import SamplingParams
-from specdec.step import PositionCounts, Round, emitted_round, make_generator, verify_draft, verify_draft_tree
+from specdec.step import (
+    DraftTotals,
+    PositionCounts,
+    Round,
+    emitted_round,
+    make_generator,
+    verify_draft,
+    verify_draft_tree,
+)
 from specdec.verify import TreeVerdict, Verdict
 
 
@@ -61,7 +69,7 @@ class GenerationConfig:
 
 
 @dataclass
-class GenerationStats:
+class GenerationStats(DraftTotals):
     """Counters over one generation. A round is one target forward pass over the drafted positions."""
 
     rounds: int = 0
@@ -87,14 +95,6 @@ class GenerationStats:
     def acceptance_rate(self) -> float:
         """Accepted draft tokens / draft tokens (0 when nothing was drafted)."""
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
-    @property
-    def draft_tokens(self) -> int:
-        return self.positions.draft_tokens
-
-    @property
-    def accepted_tokens(self) -> int:
-        return self.positions.accepted_tokens
 
     @property
     def drafted_at(self) -> list[int]:

@@ -64,6 +64,20 @@ class PositionCounts:
         return [a / d if d else 0.0 for a, d in zip(self.accepted, self.drafted)]
 
 
+class DraftTotals:
+    """Draft and accepted token totals, read off a ``positions`` PositionCounts (the stats' and the metrics')."""
+
+    positions: PositionCounts
+
+    @property
+    def draft_tokens(self) -> int:
+        return self.positions.draft_tokens
+
+    @property
+    def accepted_tokens(self) -> int:
+        return self.positions.accepted_tokens
+
+
 def verify_draft(
     draft: Draft,
     logits: torch.Tensor,  # [k+1, vocab]

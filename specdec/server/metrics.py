@@ -11,13 +11,13 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from specdec.step import PositionCounts, Round
+from specdec.step import DraftTotals, PositionCounts, Round
 
 PREFIX = "specdec"
 
 
 @dataclass
-class Metrics:
+class Metrics(DraftTotals):
     prompt_tokens: int = 0
     generation_tokens: int = 0
     request_rounds: int = 0  # one per request per target pass
@@ -45,13 +45,6 @@ class Metrics:
         """Drafts scored: one per request per speculative step."""
         return self.positions.drafting_rounds
 
-    @property
-    def draft_tokens(self) -> int:
-        return self.positions.draft_tokens
-
-    @property
-    def accepted_tokens(self) -> int:
-        return self.positions.accepted_tokens
 
     def observe_step(self, batch_size: int, speculating: bool, seconds: float) -> None:
         with self._lock:
