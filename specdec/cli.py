@@ -194,6 +194,9 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--ray-address", default=None,
                        help="with --replicas: join this Ray cluster ('auto': the one on this node) instead of "
                        "starting a local one")
+    serve.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
+                       help="with --replicas: Ray's proxy ends a request unanswered after this long with 408, "
+                       "so that none a dying replica leaves behind hangs (default 600; 0: no limit)")
     serve.add_argument("--api-key-file", default=None, metavar="PATH",
                        help="require 'Authorization: Bearer KEY' on every endpoint but /health, KEY being this "
                        "file's first line (default: $SPECDEC_API_KEY, if set)")

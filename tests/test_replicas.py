@@ -18,9 +18,10 @@ serve = pytest.importorskip("ray.serve")
 
 from specdec.server import BatchSettings  # noqa: E402
 from specdec.server.app import ServerOptions
-from specdec.server.replicas import APP_NAME, serve_app  # noqa: E402
+from specdec.server.replicas import APP_NAME, proxy_options, serve_app  # noqa: E402
 
 pytestmark = pytest.mark.slow
+REQUEST_TIMEOUT = 20.0  # seconds Ray's proxy lets a request go unanswered; the client waits three times that
 
 
 def free_port() -> int:
@@ -39,7 +40,7 @@ def model(tmp_path_factory):
 def port(model):
     ray.init(num_cpus=4, include_dashboard=False, object_store_memory=100 << 20, logging_level="error")
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(http_options=proxy_options("127.0.0.1", port, REQUEST_TIMEOUT))
     options = ServerOptions(model=str(model[1]), backend="torch", dtype="float32", threads=1,
                              batch=BatchSettings(max_batch_size=8, max_model_len=128, speculation="always"))
     serve.run(serve_app(options, replicas=2), name=APP_NAME, route_prefix="/")
@@ -50,7 +51,7 @@ def port(model):
 
 def complete(port: int, prompt: list[int], max_tokens: int = 8) -> tuple[int, dict | None, str | None]:
     """(status, body, the replica that answered); status 0 when the connection failed."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=3 * REQUEST_TIMEOUT)
     try:
         connection.request("POST", "/v1/completions", json.dumps({
             "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}))
@@ -103,10 +104,24 @@ def test_a_replica_killed_mid_run_is_replaced_and_no_request_hangs(port):
         ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
         assert sum(f.done() for f in futures) < 60  # killed mid-run
         statuses = [future.result(timeout=120)[0] for future in futures]  # none hangs
-    assert all(status in (0, 200, 500, 502, 503) for status in statuses), statuses
+    # a request the dying replica held fails, or one Ray loses ends at the proxy's timeout (408)
+    assert all(status in (0, 200, 408, 500, 502, 503) for status in statuses), statuses
     assert statuses.count(200) >= 30  # the other replica kept serving
     deadline = time.monotonic() + 120
     while replica_count() < 2 and time.monotonic() < deadline:
         time.sleep(1)
     assert replica_count() == 2  # Ray brought it back
+    assert complete(port, [5, 6])[0] == 200
+
+
+def test_a_request_held_past_the_request_timeout_ends_with_408_at_the_proxy(port):
+    """A request whose body never comes is held by the replica (it waits 120 s for a stalled body): the proxy ends
+    it at REQUEST_TIMEOUT, whatever holds it, and the replicas keep serving."""
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=3 * REQUEST_TIMEOUT) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        status_line = sock.makefile("rb").readline()
+    assert status_line.split()[1] == b"408"
+    assert REQUEST_TIMEOUT <= time.monotonic() - started < 2 * REQUEST_TIMEOUT
     assert complete(port, [5, 6])[0] == 200

@@ -46,6 +46,8 @@ def run_serve(args) -> int:
         raise UsageError(f"replicas must be >= 1, got {args.replicas}")
     if args.ray_address and not args.replicas:
         raise UsageError("--ray-address goes with --replicas N")
+    if args.request_timeout < 0:
+        raise UsageError(f"request-timeout must be >= 0 seconds (0: no limit), got {args.request_timeout:g}")
     options = ServerOptions(args.model, batch, settings, args.datastore, args.dtype, args.device,
                             args.served_model_name, args.backend, args.threads)
     if args.replicas:

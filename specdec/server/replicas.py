@@ -65,6 +65,13 @@ def app_builder(args: dict):
     return serve_app(options, int(args.get("replicas", 1)))
 
 
+def proxy_options(host: str, port: int, request_timeout: float) -> dict:
+    """Ray's HTTP proxy: where it listens, and how long it lets a request go unanswered (0: no limit). The limit
+    is end to end, at the proxy: it bounds a request whatever holds it, Ray's routing included (Ray Serve 2.60
+    was seen holding a request it rerouted from a killed replica for over a minute)."""
+    return {"host": host, "port": port, "request_timeout_s": request_timeout or None}
+
+
 def run_replicas(args, options: ServerOptions) -> int:
     """Start (or join) Ray, deploy the replicas behind Ray's proxy at --host:--port, serve until a signal."""
     try:
@@ -76,7 +83,7 @@ def run_replicas(args, options: ServerOptions) -> int:
     options = replace(options, threads=threads)
     ray.init(address=args.ray_address, include_dashboard=False, logging_level="warning",
              **({} if args.ray_address else {"num_cpus": max(os.cpu_count() or 1, args.replicas)}))
-    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.start(http_options=proxy_options(args.host, args.port, args.request_timeout))
     serve.run(serve_app(options, args.replicas, args.shutdown_timeout), name=APP_NAME, route_prefix="/")
     print(f"specdec: serving at http://{args.host}:{args.port} on Ray Serve, {args.replicas} replicas of "
           f"{threads} threads; Ctrl-C to stop", file=sys.stderr, flush=True)
