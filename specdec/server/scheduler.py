@@ -299,9 +299,7 @@ class Scheduler:
             batch.append(running)
         if batch:
             self._prefill(batch)
-        for r in [r for r in admitted if r.finished]:  # a prefill that failed for it alone
-            self._retire(r, r.finished)
-            self._running.remove(r)
+        self._retire_ended(admitted)  # a prefill that failed for it alone, or a client that left meanwhile
 
     def _start(self, handle: Handle) -> _Running | None:
         """The request in a slot of its own; None (the request ended with its error) if it cannot start."""
@@ -349,9 +347,9 @@ class Scheduler:
     def _prefill(self, batch: list[_Running]) -> None:
         """Cache every context token but the last, which the first step scores."""
         started = time.perf_counter()
-        rows = [Row(r.slot, r.context[:-1], 0) for r in batch if len(r.context) > 1]
-        if rows:
-            self._forward(rows, [r for r in batch if len(r.context) > 1])
+        owners = [r for r in batch if len(r.context) > 1]
+        if owners:
+            self._forward([Row(r.slot, r.context[:-1], 0) for r in owners], owners)
         self.metrics.observe_prefill(sum(len(r.context) for r in batch), time.perf_counter() - started)
 
     def _forward(self, rows: list[Row], owners: list[_Running]) -> list[torch.Tensor | None]:
@@ -398,9 +396,7 @@ class Scheduler:
                 r.finished = self._failure(r.handle, error)
         self.metrics.observe_step(len(running), any(lengths), time.perf_counter() - step_started)
         # 5. retire
-        for r in [r for r in running if r.finished or r.handle.cancelled.is_set()]:
-            self._retire(r, r.finished or Finished("cancelled"))
-            running.remove(r)
+        self._retire_ended(running)
 
     def _draft(self, running: list[_Running]) -> None:
         drafted, started = 0, time.perf_counter()
@@ -455,6 +451,12 @@ class Scheduler:
             return
         r.acceptance.observe(accepted, reached)
         self.planner.observe_verdict(accepted, reached)
+
+    def _retire_ended(self, candidates: list[_Running]) -> None:
+        """Retire, out of ``candidates``, the requests that have finished or whose client has cancelled."""
+        for r in [r for r in candidates if r.finished or r.handle.cancelled.is_set()]:
+            self._retire(r, r.finished or Finished("cancelled"))
+            self._running.remove(r)
 
     def _retire(self, r: _Running, event: Finished) -> None:
         """Free the request's slot and hand over its last event."""
