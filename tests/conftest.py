@@ -7,3 +7,30 @@ def private_precision_cache(tmp_path, monkeypatch):
     from specdec.backends import precision
 
     monkeypatch.setattr(precision, "_cache_path", lambda: tmp_path / "precisions.json")
+
+
+@pytest.fixture(autouse=True)
+def command_line_logging_undone(monkeypatch):
+    """``specdec.cli.main`` run in this process configures logging for a terminal (:func:`specdec.logs.configure`);
+    each test starts from the library's state again."""
+    import logging
+    import os
+
+    from specdec import logs
+
+    names = (*logs.QUIET_BY_DEFAULT, logs.NOTICES.name)
+    saved = {name: (logging.getLogger(name).level, logging.getLogger(name).propagate,
+                    list(logging.getLogger(name).handlers)) for name in names}
+    root_handlers = list(logging.getLogger().handlers)
+    transformers_verbosity = os.environ.get("TRANSFORMERS_VERBOSITY")
+    monkeypatch.setattr(logs, "_verbose", logs._verbose)
+    yield
+    for name, (level, propagate, handlers) in saved.items():
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        logger.propagate = propagate
+        logger.handlers[:] = handlers
+    logging.getLogger().handlers[:] = root_handlers
+    os.environ.pop("TRANSFORMERS_VERBOSITY", None)
+    if transformers_verbosity is not None:
+        os.environ["TRANSFORMERS_VERBOSITY"] = transformers_verbosity

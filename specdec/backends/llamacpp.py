@@ -26,6 +26,7 @@ import torch
 from specdec.backends.base import FeatureSource
 from specdec.backends.batch import PoolFull, Row, Slot
 from specdec.errors import UsageError
+from specdec.logs import notice, route_llama_cpp_logs
 
 DEFAULT_CONTEXT = 8192  # positions of the single-sequence cache, when the model was trained for more
 BATCH_TOKENS = 512  # entries in one llama_decode; a longer pass (a prefill) is cut into pieces of this size
@@ -33,13 +34,12 @@ GGUF_MAGIC = b"GGUF"
 
 
 def llama_cpp():
-    """The llama-cpp-python module, with llama.cpp's own logging limited to errors."""
+    """The llama-cpp-python module, with llama.cpp's log lines sent to Python logging (:mod:`specdec.logs`)."""
     try:
         import llama_cpp as module
-        from llama_cpp import _logger
     except ImportError:
         raise UsageError("--backend llama.cpp needs llama-cpp-python (pip install llama-cpp-python==0.3.16)") from None
-    _logger.set_verbose(False)
+    route_llama_cpp_logs(module)
     return module
 
 
@@ -222,6 +222,9 @@ class LlamaCppLM(FeatureSource):
     def __init__(self, model: GGUFModel, max_length: int | None = None, threads: int | None = None) -> None:
         self.model = model
         self.max_length = max_length or min(model.trained_context or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
+        if max_length is None and model.trained_context > self.max_length:
+            notice(f"{model.path.name} was trained on {model.trained_context} positions; prompt and answer together "
+                   f"get {self.max_length} here")
         self.context = LlamaCppContext(model, self.max_length, 1, threads)
         self.vocab_size = model.vocab_size
         self.weight_bytes = model.weight_bytes

@@ -1,0 +1,101 @@
+"""Whose lines reach the terminal: at the command line's default verbosity only specdec's, and all of them with
+``--verbose``.
+
+- llama.cpp's log callback (``llama_log_set``) is routed into Python logging, logger ``llama.cpp``, at WARNING and
+  above (everything with ``--verbose``). llama-cpp-python's own callback reads ggml's levels in an older order
+  and prints llama.cpp's warnings to stderr as errors; :func:`route_llama_cpp_logs` replaces it.
+- What a user must know is said once, as a ``specdec:`` line, through :func:`notice`.
+- transformers' logging and Python's warnings are kept off the terminal unless ``--verbose``.
+
+A library user who configures logging sees llama.cpp's warnings under ``llama.cpp`` and the notices under
+``specdec.notice``; :func:`configure` is the command line's choice, not the library's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sys
+import warnings
+
+LLAMA_CPP = logging.getLogger("llama.cpp")
+NOTICES = logging.getLogger("specdec.notice")
+QUIET_BY_DEFAULT = ("llama.cpp", "transformers")  # loggers the command line keeps off the terminal
+
+# ggml_log_level, as llama.cpp 0.3.16's ggml numbers it: NONE, DEBUG, INFO, WARN, ERROR, then CONT (the rest of
+# the previous message)
+GGML_LEVELS = {0: logging.INFO, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+GGML_CONTINUE = 5
+
+_verbose = False
+
+
+def verbose() -> bool:
+    """Whether the command line asked for every library's lines (``--verbose``)."""
+    return _verbose
+
+
+def configure(verbose: bool) -> None:
+    """The command line's logging: notices as ``specdec:`` lines on stderr; llama.cpp's, transformers' and Python's
+    warnings nowhere, or, with ``verbose``, everything they say on stderr under their logger's name."""
+    global _verbose
+    _verbose = verbose
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("specdec: %(message)s"))
+    NOTICES.handlers[:] = [handler]
+    NOTICES.propagate = False
+    if verbose:
+        logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format="%(name)s: %(message)s")
+    else:
+        warnings.simplefilter("ignore")
+    os.environ["TRANSFORMERS_VERBOSITY"] = "info" if verbose else "critical"  # read when transformers is imported
+    LLAMA_CPP.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    for name in QUIET_BY_DEFAULT:
+        logger = logging.getLogger(name)
+        logger.propagate = verbose
+        if not verbose:
+            logger.handlers[:] = [logging.NullHandler()]
+    if "transformers" in sys.modules:  # imported before this call: the variable above came too late
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.set_verbosity(logging.INFO if verbose else logging.CRITICAL)
+
+
+def notice(message: str) -> None:
+    """Say one thing a user must know, once, in specdec's voice."""
+    NOTICES.warning(message)
+
+
+class _LlamaCppLines:
+    """llama.cpp's log pieces joined into lines, each logged at the level of the piece that began it."""
+
+    def __init__(self) -> None:
+        self.level = logging.INFO
+        self.pending = ""
+
+    def __call__(self, level: int, text: bytes, user_data) -> None:
+        if level != GGML_CONTINUE:
+            self.level = GGML_LEVELS.get(level, logging.INFO)
+        if not LLAMA_CPP.isEnabledFor(self.level):
+            self.pending = ""
+            return
+        self.pending += text.decode("utf-8", errors="replace")
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            if line.strip():
+                LLAMA_CPP.log(self.level, line.rstrip())
+
+
+_callback = None  # the ctypes callback llama.cpp holds: kept alive here
+
+
+def route_llama_cpp_logs(lib) -> None:
+    """Send llama.cpp's log lines (and ggml's) to the ``llama.cpp`` logger, once per process."""
+    global _callback
+    if _callback is not None:
+        return
+    if LLAMA_CPP.level == logging.NOTSET:
+        LLAMA_CPP.setLevel(logging.WARNING)
+    _callback = lib.llama_log_callback(_LlamaCppLines())
+    lib.llama_log_set(_callback, ctypes.c_void_p(0))

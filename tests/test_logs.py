@@ -1,0 +1,74 @@
+"""Only specdec's voice on the terminal: llama.cpp's log lines go to Python logging (WARNING and above, everything
+with --verbose), what a user must know is one ``specdec:`` line, and ``--verbose`` shows the rest."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+from tiny_gguf import write_tiny_gguf
+
+from specdec.backends.llamacpp import LlamaCppLM
+from specdec.cli import summary_line
+
+LONG_CONTEXT = 32768  # trained positions beyond the 8192 a single-sequence llama.cpp cache keeps
+SHORT_CONTEXT_WARNING = "n_ctx_per_seq (8192) < n_ctx_train (32768)"  # llama.cpp's own warning about it
+
+
+@pytest.fixture(scope="module")
+def long_context_gguf(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("logs") / "long.gguf", context=LONG_CONTEXT)
+
+
+def generate(model, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "hi", "--model", str(model),
+                           "--max-new-tokens", "4", *flags], capture_output=True, text=True, timeout=300, check=False)
+
+
+def is_summary(line: str) -> bool:
+    return line.startswith("[prompt-lookup] ") and line.endswith(" tokens per target pass")
+
+
+def test_generate_on_a_gguf_says_only_specdecs_lines(long_context_gguf):
+    result = generate(long_context_gguf)
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[0] == "specdec: long.gguf was trained on 32768 positions; prompt and answer together get 8192 here"
+    assert len(lines) == 2 and is_summary(lines[1]), result.stderr
+
+
+def test_verbose_shows_what_llama_cpp_says(long_context_gguf):
+    result = generate(long_context_gguf, "--verbose")
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert any(line.startswith("llama.cpp: ") and SHORT_CONTEXT_WARNING in line for line in lines)
+    assert sum(line.startswith("llama.cpp: llama_model_loader: ") for line in lines) > 10  # its INFO lines too
+    assert is_summary(lines[-1])
+
+
+def test_llama_cpp_warnings_reach_python_logging_and_its_info_does_not(long_context_gguf, caplog):
+    with caplog.at_level(logging.DEBUG):
+        LlamaCppLM.load(long_context_gguf)
+    from_llama_cpp = [r for r in caplog.records if r.name == "llama.cpp"]
+    assert any(r.levelno == logging.WARNING and SHORT_CONTEXT_WARNING in r.getMessage() for r in from_llama_cpp)
+    assert all(r.levelno >= logging.WARNING for r in from_llama_cpp)  # the loader's INFO lines are dropped at source
+    assert all("\n" not in r.getMessage() for r in from_llama_cpp)  # one record a line
+    notices = [r.getMessage() for r in caplog.records if r.name == "specdec.notice"]
+    assert notices == ["long.gguf was trained on 32768 positions; prompt and answer together get 8192 here"]
+
+
+@pytest.mark.slow
+def test_generate_on_the_default_model_says_only_its_summary():
+    result = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "Write a haiku about the sea",
+                             "--max-new-tokens", "8"], capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and is_summary(lines[0]), result.stderr
+
+
+def test_the_summary_line_is_what_is_summary_reads():
+    from specdec.engine import GenerationStats
+
+    assert is_summary(summary_line("prompt-lookup", GenerationStats()))
