@@ -194,6 +194,71 @@ def test_models_health_and_metrics(server):
     assert per_position == values["specdec_accepted_tokens_total"]
 
 
+def scrape(server) -> tuple[str, dict, dict]:
+    """GET /metrics parsed by prometheus_client: its content type, {sample: value} and {family: type}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    connection.request("GET", "/metrics")
+    response = connection.getresponse()
+    content_type, text = response.getheader("Content-Type"), response.read().decode()
+    connection.close()
+    families = list(text_string_to_metric_families(text))
+    samples = {(s.name, tuple(s.labels.items())): s.value for family in families for s in family.samples}
+    return content_type, samples, {family.name: family.type for family in families}
+
+
+def test_metrics_parse_as_prometheus_text_and_equal_the_servers_counters(tiny):
+    from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
+
+    server = start_server(tiny, drafter="prompt-lookup", speculation="always")
+    try:
+        post(server, "/v1/completions", {"prompt": "w3 w3 w3 w3", "max_tokens": 8, "temperature": 0,
+                                         "ignore_eos": True})
+        stream(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "w5 w9 w5 w9"}],
+                                                "max_tokens": 6, "temperature": 0})
+        post(server, "/v1/engines", {"prompt": "w3"})  # a 404
+        scheduler, m = server.scheduler, server.scheduler.metrics
+        assert wait_for(lambda: sum(m.finished.values()) == 2 and scheduler.running == 0)
+        content_type, samples, types = scrape(server)
+        assert content_type == CONTENT_TYPE_PLAIN_0_0_4
+
+        def one(name, value):
+            return {(f"specdec_{name}", ()): value}
+
+        def by_position(name, values):
+            return {(f"specdec_{name}", (("position", str(i + 1)),)): v for i, v in enumerate(values)}
+
+        expected = {
+            **{("specdec_requests_total", (("finish_reason", r),)): n for r, n in m.finished.items()},
+            ("specdec_requests_rejected_total", (("status", "404"),)): 1,
+            **one("prompt_tokens_total", m.prompt_tokens), **one("generation_tokens_total", m.generation_tokens),
+            **one("drafts_total", m.positions.drafted[0]), **one("draft_tokens_total", sum(m.positions.drafted)),
+            **one("accepted_tokens_total", sum(m.positions.accepted)),
+            **by_position("draft_tokens_at_position_total", m.positions.drafted),
+            **by_position("accepted_tokens_at_position_total", m.positions.accepted),
+            **by_position("acceptance_rate_at_position",
+                          [a / d for a, d in zip(m.positions.accepted, m.positions.drafted)]),
+            **one("acceptance_rate", sum(m.positions.accepted) / sum(m.positions.drafted)),
+            **one("mean_accepted_length", m.generation_tokens / m.request_rounds),
+            **one("request_rounds_total", m.request_rounds), **one("prefill_seconds_total", m.prefill_seconds),
+            **one("step_seconds_total", m.step_seconds), **one("steps_total", m.steps),
+            **one("speculative_steps_total", m.speculative_steps), **one("batch_size", m.batch_size),
+            **one("speculation_enabled", int(m.speculating)), **one("running_requests", 0),
+            **one("waiting_requests", 0), **one("drafter_errors_total", m.drafter_errors),
+        }
+        assert m.draft_tokens > 0 and samples == expected
+        assert {name for name, kind in types.items() if kind == "counter"} == {
+            name[: -len("_total")] for name, _ in samples if name.endswith("_total")}
+        assert set(types.values()) == {"counter", "gauge"}
+
+        odd = 'a "quoted"\\reason\nover two lines'  # no label is free text today: a finish reason is the likeliest
+        m.observe_finish(odd)
+        assert scrape(server)[1][("specdec_requests_total", (("finish_reason", odd),))] == 1
+    finally:
+        server.shutdown(timeout=5)
+
+
 # --- bad input ---------------------------------------------------------------------------------------------------
 
 

@@ -27,11 +27,13 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from specdec.errors import UsageError
 from specdec.server import BatchSettings, build_scheduler
+from specdec.server.metrics import MetricsCollector
 from specdec.server.protocol import (
     ApiError,
     BadRequest,
@@ -256,6 +258,8 @@ def build_app(server: OpenAIServer) -> FastAPI:
     app = FastAPI(title="specdec", summary="OpenAI-compatible completions with exact speculative decoding",
                   docs_url=None, redoc_url=None, default_response_class=_JSON)
     metrics = server.scheduler.metrics
+    registry = CollectorRegistry()  # this server's, not the process-wide default: a process may hold several
+    registry.register(MetricsCollector(metrics, lambda: (server.scheduler.running, server.scheduler.waiting)))
     app.add_middleware(_InstanceHeader, value=server.instance.encode())
 
     def error_response(error: ApiError) -> JSONResponse:
@@ -305,9 +309,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus(request: Request):
         server.authorize(request.headers.get("Authorization"))
-        scheduler = server.scheduler
-        return PlainTextResponse(metrics.render(scheduler.running, scheduler.waiting),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_PLAIN_0_0_4)  # the format it writes
 
     async def generate(request: Request, chat: bool):
         server.authorize(request.headers.get("Authorization"))

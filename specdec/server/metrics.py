@@ -1,4 +1,4 @@
-"""The server's counters and gauges, rendered in the Prometheus text format (``GET /metrics``).
+"""The server's counters and gauges, for ``GET /metrics`` (prometheus_client writes them out).
 
 The words are those of the rest of specdec: a *draft* is one request's scored draft in one step; *draft tokens*
 are its tokens; *accepted* those that survived verification. Acceptance per draft position i is
@@ -9,7 +9,11 @@ per target pass.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from specdec.step import DraftTotals, PositionCounts, Round
 
@@ -67,59 +71,76 @@ class Metrics(DraftTotals):
         with self._lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
 
-    def render(self, running: int, waiting: int) -> str:
-        """The text of ``GET /metrics``; ``running`` and ``waiting`` are the scheduler's requests now."""
-        with self._lock:  # the scheduler's thread counts while a request's thread renders
-            return self._render(running, waiting)
+    def families(self, running: int, waiting: int) -> list[Metric]:
+        """The metrics as Prometheus metric families; ``running`` and ``waiting`` are the scheduler's requests now.
+        A counter is named without the ``_total`` that its exposed samples end in."""
+        with self._lock:  # the scheduler's thread counts while a request's thread scrapes
+            return self._families(running, waiting)
 
-    def _render(self, running: int, waiting: int) -> str:
-        lines: list[str] = []
-
-        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-            lines.append(f"# HELP {PREFIX}_{name} {help_}")
-            lines.append(f"# TYPE {PREFIX}_{name} {kind}")
-            lines.extend(f"{PREFIX}_{name}{labels} {_number(value)}" for labels, value in samples)
-
-        finished = sorted(self.finished.items())
-        metric("requests_total", "counter", "Requests finished, by finish reason.",
-               [(f'{{finish_reason="{reason}"}}', n) for reason, n in finished] or [("", 0)])
-        metric("requests_rejected_total", "counter", "Requests refused, by HTTP status.",
-               [(f'{{status="{status}"}}', n) for status, n in sorted(self.rejected.items())] or [("", 0)])
-        metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", self.prompt_tokens)])
-        metric("generation_tokens_total", "counter", "Tokens generated.", [("", self.generation_tokens)])
-        metric("drafts_total", "counter", "Drafts scored (one per request per speculative step).",
-               [("", self.drafts)])
-        metric("draft_tokens_total", "counter", "Draft tokens scored.", [("", self.draft_tokens)])
-        metric("accepted_tokens_total", "counter", "Draft tokens accepted.", [("", self.accepted_tokens)])
+    def _families(self, running: int, waiting: int) -> list[Metric]:
         at = self.positions
-        metric("draft_tokens_at_position_total", "counter", "Draft tokens scored at each draft position.",
-               [(f'{{position="{i + 1}"}}', n) for i, n in enumerate(at.drafted)])
-        metric("accepted_tokens_at_position_total", "counter", "Draft tokens accepted at each draft position.",
-               [(f'{{position="{i + 1}"}}', n) for i, n in enumerate(at.accepted)])
-        metric("acceptance_rate_at_position", "gauge", "Accepted / scored draft tokens at each draft position.",
-               [(f'{{position="{i + 1}"}}', rate) for i, rate in enumerate(at.rates())])
-        metric("acceptance_rate", "gauge", "Accepted / scored draft tokens.",
-               [("", self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0)])
-        metric("mean_accepted_length", "gauge", "Tokens generated per request per target pass.",
-               [("", self.generation_tokens / self.request_rounds if self.request_rounds else 0.0)])
-        metric("request_rounds_total", "counter", "Request rounds: one per request per target pass.",
-               [("", self.request_rounds)])
-        metric("prefill_seconds_total", "counter", "Seconds in passes that prefill prompts.",
-               [("", self.prefill_seconds)])
-        metric("step_seconds_total", "counter", "Seconds in steps (drafting, the target pass, verifying).",
-               [("", self.step_seconds)])
-        metric("steps_total", "counter", "Target passes of the batch.", [("", self.steps)])
-        metric("speculative_steps_total", "counter", "Target passes that scored draft tokens.",
-               [("", self.speculative_steps)])
-        metric("batch_size", "gauge", "Requests in the last target pass.", [("", self.batch_size)])
-        metric("speculation_enabled", "gauge", "1 when the last target pass scored draft tokens, else 0.",
-               [("", int(self.speculating))])
-        metric("running_requests", "gauge", "Requests in the batch.", [("", running)])
-        metric("waiting_requests", "gauge", "Requests queued for a slot.", [("", waiting)])
-        metric("drafter_errors_total", "counter", "Drafter failures (the request then decodes plainly).",
-               [("", self.drafter_errors)])
-        return "\n".join(lines) + "\n"
+        counter, gauge = CounterMetricFamily, GaugeMetricFamily
+        return [
+            _family(counter, "requests", "Requests finished, by finish reason.",
+                    ("finish_reason", sorted(self.finished.items())) if self.finished else 0),
+            _family(counter, "requests_rejected", "Requests refused, by HTTP status.",
+                    ("status", sorted(self.rejected.items())) if self.rejected else 0),
+            _family(counter, "prompt_tokens", "Prompt tokens prefilled.", self.prompt_tokens),
+            _family(counter, "generation_tokens", "Tokens generated.", self.generation_tokens),
+            _family(counter, "drafts", "Drafts scored (one per request per speculative step).", self.drafts),
+            _family(counter, "draft_tokens", "Draft tokens scored.", self.draft_tokens),
+            _family(counter, "accepted_tokens", "Draft tokens accepted.", self.accepted_tokens),
+            _family(counter, "draft_tokens_at_position", "Draft tokens scored at each draft position.",
+                    _by_position(at.drafted)),
+            _family(counter, "accepted_tokens_at_position", "Draft tokens accepted at each draft position.",
+                    _by_position(at.accepted)),
+            _family(gauge, "acceptance_rate_at_position", "Accepted / scored draft tokens at each draft position.",
+                    _by_position(at.rates())),
+            _family(gauge, "acceptance_rate", "Accepted / scored draft tokens.",
+                    self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0),
+            _family(gauge, "mean_accepted_length", "Tokens generated per request per target pass.",
+                    self.generation_tokens / self.request_rounds if self.request_rounds else 0.0),
+            _family(counter, "request_rounds", "Request rounds: one per request per target pass.",
+                    self.request_rounds),
+            _family(counter, "prefill_seconds", "Seconds in passes that prefill prompts.", self.prefill_seconds),
+            _family(counter, "step_seconds", "Seconds in steps (drafting, the target pass, verifying).",
+                    self.step_seconds),
+            _family(counter, "steps", "Target passes of the batch.", self.steps),
+            _family(counter, "speculative_steps", "Target passes that scored draft tokens.", self.speculative_steps),
+            _family(gauge, "batch_size", "Requests in the last target pass.", self.batch_size),
+            _family(gauge, "speculation_enabled", "1 when the last target pass scored draft tokens, else 0.",
+                    int(self.speculating)),
+            _family(gauge, "running_requests", "Requests in the batch.", running),
+            _family(gauge, "waiting_requests", "Requests queued for a slot.", waiting),
+            _family(counter, "drafter_errors", "Drafter failures (the request then decodes plainly).",
+                    self.drafter_errors),
+        ]
 
 
-def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
+class MetricsCollector(Collector):
+    """A server's metrics for its CollectorRegistry; ``requests_now`` gives the scheduler's running and waiting
+    requests at the scrape."""
+
+    def __init__(self, metrics: Metrics, requests_now: Callable[[], tuple[int, int]]) -> None:
+        self.metrics = metrics
+        self.requests_now = requests_now
+
+    def collect(self) -> list[Metric]:
+        return self.metrics.families(*self.requests_now())
+
+
+def _family(kind: type[CounterMetricFamily | GaugeMetricFamily], name: str, help_: str,
+            samples: float | tuple[str, list[tuple[object, float]]]) -> Metric:
+    """One metric family: ``samples`` is its one value, or a label's name and (label value, value) pairs."""
+    if not isinstance(samples, tuple):
+        return kind(f"{PREFIX}_{name}", help_, value=samples)
+    label, values = samples
+    family = kind(f"{PREFIX}_{name}", help_, labels=[label])
+    for label_value, value in values:
+        family.add_metric([str(label_value)], value)
+    return family
+
+
+def _by_position(values: list[float]) -> tuple[str, list[tuple[object, float]]]:
+    """Samples by draft position, 1 first."""
+    return "position", [(i + 1, value) for i, value in enumerate(values)]
