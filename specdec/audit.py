@@ -144,14 +144,25 @@ def draw(endpoint: Endpoint, model: str, prompt: str, sampling: Sampling, seeds:
 # --- statistics ---------------------------------------------------------------------------------------------------
 
 
-def chi2_sf(statistic: float, df: int) -> float:
-    """P(X > statistic) for X chi-square with ``df`` degrees of freedom (the upper regularised gamma function)."""
-    import torch
+def scipy_stats():
+    """``scipy.stats``, imported when first needed: the audit's statistics come from it (the ``audit`` extra)."""
+    try:
+        import scipy.stats
+    except ImportError:
+        raise UsageError("specdec audit needs scipy: pip install 'specdec[audit]'") from None
+    return scipy.stats
 
-    if df <= 0:
-        return 1.0
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+
+def chi2_sf(statistic: float, df: int) -> float:
+    """P(X > statistic) for X chi-square with ``df`` degrees of freedom (1 for no degree of freedom: one bin)."""
+    return float(scipy_stats().chi2.sf(statistic, df)) if df > 0 else 1.0
+
+
+def chi2_power(noncentrality: float, df: int, alpha: float) -> float:
+    """The probability that the chi-square test at level ``alpha`` rejects when its statistic is non-central
+    chi-square with ``df`` degrees of freedom and parameter ``noncentrality`` (at 0, the level itself)."""
+    stats = scipy_stats()
+    return float(stats.ncx2.sf(stats.chi2.isf(alpha, df), df, noncentrality))  # isf(alpha): ppf(1 - alpha)
 
 
 def pooled_bins(totals: Counter, threshold: float) -> list[list[Outcome]]:
@@ -211,34 +222,20 @@ def one_sample(observed: Counter, exact: dict[Outcome, float], alpha: float) -> 
 
 def detectable_tv(probs: list[float], n_per_sample: int, df: int, alpha: float, two_sample: bool) -> float | None:
     """The smallest total-variation distance the test detects with 80% power at level ``alpha``, for the most
-    detectable kind of change: probability moved between the two likeliest bins. The chi-square statistic is then
-    non-central with parameter lambda = n (d^2/p1 + d^2/p2) (halved for two samples of n each); lambda is found for
-    80% power by simulating the non-central chi-square (fixed seed)."""
+    detectable kind of change: probability d moved between the two likeliest bins. The chi-square statistic is then
+    non-central with parameter lambda = n (d^2/p1 + d^2/p2) (halved for two samples of n each); lambda is the root of
+    the exact power function, ``chi2_power(lambda) = 0.8``."""
     if df < 1 or len(probs) < 2:
         return None
-    import torch
+    from scipy.optimize import brentq
 
-    generator = torch.Generator().manual_seed(0)
-    normals = torch.randn(20000, df, generator=generator, dtype=torch.float64)
-    critical = _chi2_quantile(1 - alpha, df)
-    low, high = 0.0, 1000.0
-    for _ in range(50):  # lambda: the noncentrality giving 80% power
-        lam = (low + high) / 2
-        shifted = normals.clone()
-        shifted[:, 0] += math.sqrt(lam)
-        power = float(((shifted ** 2).sum(-1) > critical).double().mean())
-        low, high = (low, lam) if power >= POWER else (lam, high)
+    high = 1.0
+    while chi2_power(high, df, alpha) < POWER:
+        high *= 2
+    lam = brentq(lambda lam: chi2_power(lam, df, alpha) - POWER, 0.0, high) if alpha < POWER else 0.0
     p1, p2 = probs[0], probs[1]
     per_d2 = n_per_sample * (1 / p1 + 1 / p2) / (2 if two_sample else 1)
-    return min(1.0, math.sqrt(high / per_d2))
-
-
-def _chi2_quantile(q: float, df: int) -> float:
-    low, high = 0.0, 1e4
-    for _ in range(100):
-        mid = (low + high) / 2
-        low, high = (mid, high) if 1 - chi2_sf(mid, df) < q else (low, mid)
-    return high
+    return min(1.0, math.sqrt(lam / per_d2))
 
 
 # --- the exact reference ------------------------------------------------------------------------------------------
@@ -326,6 +323,8 @@ def prompts_of(args) -> list[str]:
 
 def run_audit(args) -> int:
     sampling = check_args(args)
+    if not sampling.params.greedy:
+        scipy_stats()  # missing: one line now, not after the run
     api_key = os.environ.get(args.api_key_env) or None
     a = Endpoint(args.a, api_key)
     b = Endpoint(args.b, api_key) if args.b else None
@@ -366,12 +365,12 @@ def audit_sampled(a: Endpoint, b: Endpoint | None, model: str, prompts: list[str
             got_b = draw(b, model, prompt, sampling, [s + args.samples for s in seeds], args.concurrency, bar.update)
             if not got_a.n or not got_b.n:
                 raise UsageError(f"no completions to compare for prompt {number + 1}: {dict(got_a.errors + got_b.errors)}")
-            result = two_sample(got_a.outcomes, got_b.outcomes, args.alpha)
+            result = two_sample(got_a.outcomes, got_b.outcomes, threshold)
             errors = got_a.errors + got_b.errors
         else:
             if not got_a.n:
                 raise UsageError(f"no completions for prompt {number + 1}: {dict(got_a.errors)}")
-            result = one_sample(got_a.outcomes, exact_outcomes(args.model_path, prompt, sampling), args.alpha)
+            result = one_sample(got_a.outcomes, exact_outcomes(args.model_path, prompt, sampling), threshold)
             errors = got_a.errors
         rows.append({"prompt": prompt[:60], **asdict(result), "rejected": result.p_value < threshold,
                      "errors": dict(errors)})
@@ -406,8 +405,8 @@ def audit_greedy(a: Endpoint, b: Endpoint | None, model: str, prompts: list[str]
 
 def markdown(report: dict) -> str:
     lines = [f"# specdec audit: {report['mode']}", "",
-             f"{report['a']} against {report['b']}, model {report['model']}, {len(report['prompts'])} prompts, "
-             f"first {report['tokens']} tokens, {report['seconds'] if 'seconds' in report else '?'} s."]
+             (f"{report['a']} against {report['b']}, model {report['model']}, {len(report['prompts'])} prompts, "
+              f"first {report['tokens']} tokens, {report.get('seconds', '?')} s.")]
     if report["mode"] == "greedy identity":
         lines += ["", "| prompt | identical | first difference (token) |", "|---|---|---:|"]
         lines += [f"| {r['prompt']!r} | {'yes' if r['identical'] else 'NO'} | {'' if r['identical'] else r['first_difference']} |"
@@ -423,7 +422,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| {r['prompt']!r} | {r['statistic']:.2f} | {r['df']} | {r['bins']} | {r['p_value']:.4g} | "
                      f"{tv} |")
     verdict = "REJECTED: the distributions differ" if report["rejected"] else "not rejected"
-    lines += ["", f"Overall p (Bonferroni over prompts): {report['p_value']:.4g}; at alpha {report['alpha']}: "
-              f"**{verdict}**. A correct server is rejected with probability at most alpha; a pass means no "
-              "difference as large as the detectable total-variation distance above."]
+    lines += ["", (f"Overall p (Bonferroni over prompts): {report['p_value']:.4g}; at alpha {report['alpha']}: "
+                   f"**{verdict}**. A correct server is rejected with probability at most alpha; a pass means no "
+                   "difference as large as the detectable total-variation distance above.")]
     return "\n".join(lines)
