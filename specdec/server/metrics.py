@@ -71,6 +71,10 @@ class Metrics(DraftTotals):
         with self._lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
 
+    def observe_drafter_error(self) -> None:
+        with self._lock:
+            self.drafter_errors += 1
+
     def families(self, running: int, waiting: int) -> list[Metric]:
         """The metrics as Prometheus metric families; ``running`` and ``waiting`` are the scheduler's requests now.
         A counter is named without the ``_total`` that its exposed samples end in."""

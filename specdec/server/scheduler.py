@@ -332,7 +332,7 @@ class Scheduler:
             return self.new_proposer()
         except Exception as error:
             log.warning("request %d: no drafter (%r); decoding it plainly", handle.id, error)
-            self.metrics.drafter_errors += 1
+            self.metrics.observe_drafter_error()
             return NoProposer()
 
     def _drop_cancelled(self) -> None:
@@ -410,7 +410,7 @@ class Scheduler:
             except Exception as error:
                 log.warning("request %d: drafter %s raised %r; decoding it plainly from here",
                             r.handle.id, r.proposer.name, error)
-                self.metrics.drafter_errors += 1
+                self.metrics.observe_drafter_error()
                 r.speculates = False
                 continue
             drafted += len(r.draft)
