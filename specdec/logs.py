@@ -20,6 +20,7 @@ import sys
 import warnings
 
 LLAMA_CPP = logging.getLogger("llama.cpp")
+LLAMA_CPP.setLevel(logging.WARNING)  # what llama.cpp says below this is dropped in its callback, not formatted
 NOTICES = logging.getLogger("specdec.notice")
 QUIET_BY_DEFAULT = ("llama.cpp", "transformers")  # loggers the command line keeps off the terminal
 
@@ -95,7 +96,5 @@ def route_llama_cpp_logs(lib) -> None:
     global _callback
     if _callback is not None:
         return
-    if LLAMA_CPP.level == logging.NOTSET:
-        LLAMA_CPP.setLevel(logging.WARNING)
     _callback = lib.llama_log_callback(_LlamaCppLines())
     lib.llama_log_set(_callback, ctypes.c_void_p(0))

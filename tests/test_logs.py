@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from tiny import save_with_tokenizer, tiny_llama
 from tiny_gguf import write_tiny_gguf
 
 from specdec.backends.llamacpp import LlamaCppLM
@@ -57,6 +58,15 @@ def test_llama_cpp_warnings_reach_python_logging_and_its_info_does_not(long_cont
     assert all("\n" not in r.getMessage() for r in from_llama_cpp)  # one record a line
     notices = [r.getMessage() for r in caplog.records if r.name == "specdec.notice"]
     assert notices == ["long.gguf was trained on 32768 positions; prompt and answer together get 8192 here"]
+
+
+def test_generate_on_a_transformers_directory_says_only_its_summary(tmp_path):
+    """The torch runtime loads it through transformers, whose own warnings stay off the terminal."""
+    model = save_with_tokenizer(tiny_llama(seed=0), tmp_path / "tiny")
+    result = generate(model, "--backend", "torch")
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and is_summary(lines[0]), result.stderr
 
 
 @pytest.mark.slow
