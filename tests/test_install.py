@@ -14,7 +14,7 @@ CI_ONLY_INSTALL_FLAGS = ("-q", "--no-cache-dir")  # quiet, and a build from noth
 
 def readme_commands() -> list[str]:
     """The commands of the README's first code block, comments dropped."""
-    block = re.search(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    block = re.search(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL).group(1)
     return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.strip()]
 
 

@@ -121,6 +121,10 @@ class LlamaCppContext:
         params.n_seq_max = n_sequences
         params.n_threads = params.n_threads_batch = self.threads
         params.kv_unified = False
+        # flash attention: each row's attention is then computed alone, the same in a pass of any size as in a
+        # one-row pass (without it, rows after the first part from their one-row logits by up to 0.5 on the default
+        # model); with the quantised weights' kernels, a row's logits do not depend on the pass (docs/exactness.md)
+        params.flash_attn = True
         params.no_perf = True
         self.pointer = lib.llama_init_from_model(model.pointer, params)
         if not self.pointer:
