@@ -19,8 +19,8 @@ SHORT_CONTEXT_WARNING = "n_ctx_per_seq (8192) < n_ctx_train (32768)"  # llama.cp
 
 
 @pytest.fixture(scope="module")
-def long_context_gguf(tmp_path_factory):
-    return write_tiny_gguf(tmp_path_factory.mktemp("logs") / "long.gguf", context=LONG_CONTEXT)
+def long_context_gguf(tmp_path_factory):  # Q8_0: its rows are the same in any pass, so no notice says otherwise
+    return write_tiny_gguf(tmp_path_factory.mktemp("logs") / "long.gguf", context=LONG_CONTEXT, tensor_type="Q8_0")
 
 
 def generate(model, *flags: str) -> subprocess.CompletedProcess:
@@ -58,6 +58,16 @@ def test_llama_cpp_warnings_reach_python_logging_and_its_info_does_not(long_cont
     assert all("\n" not in r.getMessage() for r in from_llama_cpp)  # one record a line
     notices = [r.getMessage() for r in caplog.records if r.name == "specdec.notice"]
     assert notices == ["long.gguf was trained on 32768 positions; prompt and answer together get 8192 here"]
+
+
+def test_a_gguf_whose_rows_depend_on_the_pass_is_named_in_one_notice(tmp_path):
+    """F32 weights: llama.cpp multiplies one row and several by different kernels."""
+    result = generate(write_tiny_gguf(tmp_path / "f32.gguf", context=512))
+    assert result.returncode == 0, result.stderr
+    notice, summary = result.stderr.splitlines()
+    assert notice.startswith("specdec: f32.gguf: llama.cpp computes a position's logits differently alone and in a "
+                             "pass of several (F32 weights, this build)")
+    assert is_summary(summary)
 
 
 def test_generate_on_a_transformers_directory_says_only_its_summary(tmp_path):
