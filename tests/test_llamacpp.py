@@ -363,6 +363,38 @@ def test_the_scheduler_batches_on_llama_cpp_exactly_per_request(quantised):
         assert tokens == plain
 
 
+def decode_on_scheduler(lm, speculation: str, requests: list) -> list[list[int]]:
+    """Each request's tokens, the requests decoded together (up to 16 at once) by a scheduler on ``lm``."""
+    from specdec.server import BatchSettings, build_scheduler
+
+    scheduler = build_scheduler(lm, BatchSettings(speculation=speculation, num_draft_tokens=3, max_batch_size=16,
+                                                  max_model_len=128), set())
+    scheduler.start()
+    try:
+        handles = [scheduler.submit(request) for request in requests]
+        return [handle.collect()[0] for handle in handles]
+    finally:
+        scheduler.shutdown(5)
+
+
+@pytest.mark.parametrize("speculation", ["never", "always"])
+def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_burst(quantised, speculation):
+    """At temperature 0.8, a seeded request's tokens do not depend on the 15 others decoded beside it: each row of
+    the pass is computed as it is alone, and the request's draws come from its own generator. (With a fixed k the
+    drafts are the same too; -k auto under load would change them, and so the draws.)"""
+    from specdec.server.scheduler import GenerationRequest
+
+    def request(prompt, seed):
+        return GenerationRequest(prompt, max_tokens=24, sampling=SamplingParams(temperature=0.8), seed=seed,
+                                 stop_at_eos=False)
+
+    watched = request(PROMPT * 2, seed=5)
+    alone = decode_on_scheduler(quantised, speculation, [watched])[0]
+    others = [request([1, 9 + i, 10, 11, 9 + i, 10, 11], seed=100 + i) for i in range(15)]
+    in_burst = decode_on_scheduler(quantised, speculation, others[:7] + [watched] + others[7:])[7]
+    assert in_burst == alone
+
+
 def test_the_tokenizer_needs_no_transformers(tiny):
     loaded = load_model(str(tiny), backend="llama.cpp")
     assert loaded.model is None and loaded.tokenizer.eos_token_id is not None
