@@ -22,7 +22,6 @@ import warnings
 LLAMA_CPP = logging.getLogger("llama.cpp")
 LLAMA_CPP.setLevel(logging.WARNING)  # what llama.cpp says below this is dropped in its callback, not formatted
 NOTICES = logging.getLogger("specdec.notice")
-QUIET_BY_DEFAULT = ("llama.cpp", "transformers")  # loggers the command line keeps off the terminal
 
 # ggml_log_level, as llama.cpp 0.3.16's ggml numbers it: NONE, DEBUG, INFO, WARN, ERROR, then CONT (the rest of
 # the previous message)
@@ -50,13 +49,11 @@ def configure(verbose: bool) -> None:
         logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format="%(name)s: %(message)s")
     else:
         warnings.simplefilter("ignore")
-    os.environ["TRANSFORMERS_VERBOSITY"] = "info" if verbose else "critical"  # read when transformers is imported
     LLAMA_CPP.setLevel(logging.DEBUG if verbose else logging.WARNING)
-    for name in QUIET_BY_DEFAULT:
-        logger = logging.getLogger(name)
-        logger.propagate = verbose
-        if not verbose:
-            logger.handlers[:] = [logging.NullHandler()]
+    LLAMA_CPP.propagate = verbose  # to the root handler above; by default to no handler at all
+    LLAMA_CPP.handlers[:] = [] if verbose else [logging.NullHandler()]
+    # transformers keeps its own handler on stderr (and does not propagate): only its level is set
+    os.environ["TRANSFORMERS_VERBOSITY"] = "info" if verbose else "critical"  # read when transformers is imported
     if "transformers" in sys.modules:  # imported before this call: the variable above came too late
         from transformers.utils import logging as transformers_logging
 

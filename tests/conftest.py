@@ -18,7 +18,7 @@ def command_line_logging_undone(monkeypatch):
 
     from specdec import logs
 
-    names = (*logs.QUIET_BY_DEFAULT, logs.NOTICES.name)
+    names = (logs.LLAMA_CPP.name, logs.NOTICES.name)
     saved = {name: (logging.getLogger(name).level, logging.getLogger(name).propagate,
                     list(logging.getLogger(name).handlers)) for name in names}
     root_handlers = list(logging.getLogger().handlers)

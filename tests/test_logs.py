@@ -12,7 +12,6 @@ from tiny import save_with_tokenizer, tiny_llama
 from tiny_gguf import write_tiny_gguf
 
 from specdec.backends.llamacpp import LlamaCppLM
-from specdec.cli import summary_line
 
 LONG_CONTEXT = 32768  # trained positions beyond the 8192 a single-sequence llama.cpp cache keeps
 SHORT_CONTEXT_WARNING = "n_ctx_per_seq (8192) < n_ctx_train (32768)"  # llama.cpp's own warning about it
@@ -87,8 +86,3 @@ def test_generate_on_the_default_model_says_only_its_summary():
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and is_summary(lines[0]), result.stderr
 
-
-def test_the_summary_line_is_what_is_summary_reads():
-    from specdec.engine import GenerationStats
-
-    assert is_summary(summary_line("prompt-lookup", GenerationStats()))

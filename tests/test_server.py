@@ -72,12 +72,18 @@ def post(server, path: str, body, headers: dict | None = None, raw: bytes | None
 
 
 def get(server, path: str, headers: dict | None = None) -> tuple[int, str]:
+    status, _, text = get_with_type(server, path, headers)
+    return status, text
+
+
+def get_with_type(server, path: str, headers: dict | None = None) -> tuple[int, str, str]:
+    """The status, Content-Type and body of a GET."""
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     connection.request("GET", path, headers=headers or {})
     response = connection.getresponse()
-    status, text = response.status, response.read().decode()
+    status, content_type, text = response.status, response.getheader("Content-Type"), response.read().decode()
     connection.close()
-    return status, text
+    return status, content_type, text
 
 
 def stream(server, path: str, body: dict) -> list:
@@ -198,11 +204,8 @@ def scrape(server) -> tuple[str, dict, dict]:
     """GET /metrics parsed by prometheus_client: its content type, {sample: value} and {family: type}."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    connection.request("GET", "/metrics")
-    response = connection.getresponse()
-    content_type, text = response.getheader("Content-Type"), response.read().decode()
-    connection.close()
+    status, content_type, text = get_with_type(server, "/metrics")
+    assert status == 200
     families = list(text_string_to_metric_families(text))
     samples = {(s.name, tuple(s.labels.items())): s.value for family in families for s in family.samples}
     return content_type, samples, {family.name: family.type for family in families}

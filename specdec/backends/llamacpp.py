@@ -240,8 +240,8 @@ def probe_pass_invariance(context: LlamaCppContext) -> None:
     if not model.pass_invariant:
         notice(f"{model.path.name}: llama.cpp computes a position's logits differently alone and in a pass of "
                f"several ({model.weight_type} weights, this build), so speculation can part from plain greedy "
-               "output where the top two logits nearly tie; Q4_0, Q4_1 and Q8_0 weights compute every row the "
-               "same in any pass (docs/exactness.md)")
+               "output where the top two logits nearly tie; a quantised copy may not (Q4_0, Q4_1 and Q8_0 did "
+               "not, where docs/exactness.md measured)")
 
 
 class LlamaCppLM(FeatureSource):
