@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from specdec.backends import target_backend
+from specdec.choices import DEFAULT_SAMPLING_METHOD
 from specdec.engine import Engine, GenerationConfig, GenerationStats
 from specdec.errors import UsageError
 from specdec.loading import draft_source, encode_prompt, load_target
@@ -103,17 +104,19 @@ class SpecDecoder:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = None,
+        sampling: str = DEFAULT_SAMPLING_METHOD,
         num_draft_tokens: int | str = 4,
         tree: tuple[int, ...] | str | None = None,
         chat: bool | None = None,
         on_text: Callable[[str], None] | None = None,
     ) -> Completion:
         """Generate a completion; ``on_text`` receives the text as it is produced. ``tree``: draft token trees,
-        the candidates at each depth, or "auto" (as ``--tree``)."""
+        the candidates at each depth, or "auto" (as ``--tree``). ``sampling``: "invariant" or "standard" (as
+        ``--sampling``)."""
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
             num_draft_tokens=num_draft_tokens,
-            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, method=sampling),
             seed=seed,
             tree=tree,
         )

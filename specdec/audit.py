@@ -76,6 +76,7 @@ class Sampling:
     tokens: int = 1  # T: the joint of the first T tokens
     lookahead: int = 4  # tokens asked for beyond T, room for a speculating server to draft over the T
     params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=1.0))
+    method: str | None = None  # specdec's "sampling" field (invariant or standard); None: the server's default
 
 
 @dataclass
@@ -107,6 +108,8 @@ def body(model: str, prompt: str, sampling: Sampling, seed: int | None) -> dict:
         request["top_k"] = params.top_k
     if seed is not None:
         request["seed"] = seed
+    if sampling.method is not None:
+        request["sampling"] = sampling.method
     return request
 
 
@@ -310,7 +313,7 @@ def check_args(args) -> Sampling:
         raise UsageError(f"--reference takes local, got {args.reference!r}")
     if args.lookahead < 0:
         raise UsageError(f"--lookahead must be >= 0, got {args.lookahead}")
-    return Sampling(tokens=args.tokens, lookahead=args.lookahead, params=params)
+    return Sampling(tokens=args.tokens, lookahead=args.lookahead, params=params, method=args.sampling)
 
 
 def prompts_of(args) -> list[str]:
@@ -379,7 +382,8 @@ def audit_sampled(a: Endpoint, b: Endpoint | None, model: str, prompts: list[str
     params = sampling.params
     return {"mode": "two-sample" if b else "one-sample (exact reference)", "a": a.url, "b": b.url if b else "local",
             "model": model, "samples": args.samples, "tokens": sampling.tokens, "temperature": params.temperature,
-            "top_p": params.top_p, "top_k": params.top_k, "alpha": args.alpha, "concurrency": args.concurrency,
+            "sampling": sampling.method, "top_p": params.top_p, "top_k": params.top_k, "alpha": args.alpha,
+            "concurrency": args.concurrency,
             "prompts": rows, "p_value": overall, "rejected": overall < args.alpha,
             "errors": sum(sum(r["errors"].values()) for r in rows)}
 

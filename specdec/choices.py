@@ -15,6 +15,8 @@ MAX_DRAFT_TOKENS = 64  # --num-draft-tokens
 EXPORT_FORMATS = {"eagle": "eagle", "medusa": "mtp"}  # specdec export --format: published layout -> drafter method
 POLICY_NAMES = ("auto", "heuristic")  # --num-draft-tokens that adapt: the cost model, transformers' schedule
 MAX_TREE_WIDTH = 16  # --tree: candidates at one depth
+SAMPLING_METHODS = ("invariant", "standard")  # --sampling: Gumbel-max under shared noise, or min(1, p/q)
+DEFAULT_SAMPLING_METHOD = "invariant"
 SEED_RANGE = (-(1 << 63), 1 << 64)  # what a 64-bit generator takes: signed or unsigned 64-bit integers
 
 
@@ -71,6 +73,11 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
         raise UsageError(f"top-k must be >= 0, got {top_k}")
     if not 0 < top_p <= 1:
         raise UsageError(f"top-p must be in (0, 1], got {top_p}")
+
+
+def check_sampling_method(method: str) -> None:
+    if method not in SAMPLING_METHODS:
+        raise UsageError(f"sampling must be one of {', '.join(SAMPLING_METHODS)}, got {method!r}")
 
 
 def check_seed(seed: int | None) -> None:

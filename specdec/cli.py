@@ -14,7 +14,9 @@ from specdec.choices import (
     BACKENDS,
     DRAFTERS,
     EXPORT_FORMATS,
+    DEFAULT_SAMPLING_METHOD,
     MAX_DRAFT_TOKENS,
+    SAMPLING_METHODS,
     SERVED_DRAFTERS,
     SPECULATION_MODES,
     TRAINED_METHODS,
@@ -31,6 +33,10 @@ TREE_HELP = ("draft a token tree, verified in one target pass: the candidates at
              "draft-model), or W1 continuations K deep (prompt-lookup, retrieval); auto: the cost model chooses "
              "each round's shape from the acceptance of each candidate and the cost of each pass size, measured as "
              "it runs (K caps the depth); default: a chain")
+SAMPLING_HELP = (f"how tokens are drawn at a temperature > 0 (default {DEFAULT_SAMPLING_METHOD}): invariant, Gumbel-max "
+                 "with noise keyed by the seed and each token's position, so a seed gives the same tokens with any "
+                 "drafter or none; standard, the rejection rule min(1, p/q) with one random stream, whose tokens "
+                 "depend on the drafts. Both draw exactly from the target's distribution")
 BACKEND_HELP = ("what runs the target: torch (specdec's runtime), llama.cpp (a .gguf file's weights as stored, on "
                 "llama.cpp's CPU kernels), or auto (default: llama.cpp for a .gguf target on the CPU with --dtype auto, "
                 "the default model among them; torch otherwise)")
@@ -82,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--sampling", choices=SAMPLING_METHODS, default=DEFAULT_SAMPLING_METHOD, help=SAMPLING_HELP)
     add_model_flags(gen)
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="apply the chat template (default: when the model has one)")
@@ -243,6 +250,7 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--top-k", type=int, default=0)
     bench.add_argument("--top-p", type=float, default=1.0)
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--sampling", choices=SAMPLING_METHODS, default=DEFAULT_SAMPLING_METHOD, help=SAMPLING_HELP)
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--out", default=None, help="also write the report as JSON here")
@@ -293,6 +301,8 @@ def _add_audit_parser(commands) -> None:
     audit.add_argument("--top-k", type=int, default=0)
     audit.add_argument("--concurrency", type=int, default=8)
     audit.add_argument("--seed", type=int, default=0, help="the first request's seed; each request has its own")
+    audit.add_argument("--sampling", choices=SAMPLING_METHODS, default=None,
+                       help="ask specdec's servers to sample this way (default: leave it to the server)")
     audit.add_argument("--alpha", type=float, default=0.001, help="the false-alarm rate of the whole audit")
     audit.add_argument("--api-key-env", default="SPECDEC_API_KEY", metavar="VAR",
                        help="the environment variable holding the endpoints' API key (default: SPECDEC_API_KEY)")
@@ -377,7 +387,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, num_draft_tokens=num_draft_tokens,
-        sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
+        sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                method=args.sampling),
         seed=args.seed, tree=tree,
     )
     _set_threads(args.threads)

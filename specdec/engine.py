@@ -245,13 +245,14 @@ class Engine:
         """One target pass over the pending token and the draft (a chain, or a tree with its attention mask), the
         verdict, and the target's cache cut to the accepted tokens (a tree's accepted branch moved into place)."""
         cached = len(self.target.tokens)
+        position = cached + 1  # of the token that follows the pending one
         if draft.parents is None:
             logits = self.target.extend([pending] + draft.tokens, num_logits=len(draft) + 1)  # [k+1, V]
-            verdict = verify_draft(draft, logits, params, generator)
+            verdict = verify_draft(draft, logits, params, generator, position)
             self.target.rollback(cached + 1 + verdict.accepted)
             return verdict
         logits = self.target.extend_tree([pending] + draft.tokens, [-1] + [p + 1 for p in draft.parents])  # [m+1, V]
-        verdict = verify_draft_tree(draft, logits, params, generator)
+        verdict = verify_draft_tree(draft, logits, params, generator, position)
         self.target.keep_path(cached, [0] + [node + 1 for node in verdict.path])
         return verdict
 

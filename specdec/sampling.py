@@ -1,7 +1,18 @@
-"""Sampling settings, and the one transform from logits to the distributions the verifier compares.
+"""Sampling settings, the one transform from logits to the distributions the verifier compares, and the Gumbel noise
+of the drafter-invariant sampler.
 
 Exactness needs draft and target logits to pass through the same transform: every caller that turns logits
-into probabilities goes through :func:`logits_to_probs`.
+into probabilities goes through :func:`logits_to_probs` (or :func:`scaled_logits`, its logarithm up to a constant).
+
+Two ways to sample (``SamplingParams.method``):
+
+- ``invariant`` (Daliri, Musco and Suresh, "Coupling without communication and drafter-invariant speculative
+  decoding"): the token at absolute position t is argmax(scaled logits + G), with G [vocab] Gumbel noise keyed by
+  (seed, t) alone. The Gumbel-max trick makes it an exact draw from the distribution; drafter and target use the
+  same noise, a draft token is accepted when it equals the target's own choice, and otherwise the target's choice is
+  emitted. So the same seed gives the same tokens with any drafter, any k, any tree, or none.
+- ``standard``: the rejection rule min(1, p/q) and its residual (:mod:`specdec.verify`), with draws from one
+  seeded generator per sequence: exact too, but which tokens a seed gives depends on the drafts.
 """
 
 from __future__ import annotations
@@ -9,9 +20,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from specdec.choices import check_sampling
+from specdec.choices import DEFAULT_SAMPLING_METHOD, check_sampling, check_sampling_method
 
 
 @dataclass(frozen=True)
@@ -19,19 +31,27 @@ class SamplingParams:
     """How logits become a distribution over the next token.
 
     temperature == 0 means greedy decoding (argmax); top_k == 0 and top_p == 1 mean "no truncation".
-    The order is that of transformers: temperature, then top-k, then top-p.
+    The order is that of transformers: temperature, then top-k, then top-p. ``method`` is how draws are made
+    (the module's docstring): ``invariant`` or ``standard``; greedy decoding is the same under both.
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    method: str = DEFAULT_SAMPLING_METHOD
 
     def __post_init__(self) -> None:
         check_sampling(self.temperature, self.top_k, self.top_p)
+        check_sampling_method(self.method)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def invariant(self) -> bool:
+        """Whether tokens are Gumbel-max choices under noise keyed by (seed, position): see the module docstring."""
+        return self.method == "invariant" and not self.greedy
 
 
 @dataclass(frozen=True)
@@ -85,13 +105,18 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.softmax(scaled_logits(logits, params), dim=-1)
+
+
+def scaled_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits [..., vocab] -> the sampling distribution's logarithm [..., vocab], up to a constant per row: divided
+    by the temperature, -inf outside top-k and top-p (a sampling temperature: not greedy)."""
     # shifted first, so that the largest logit is 0 however small the temperature (kept 0 where the temperature
     # underflows the dtype: not 0/0): the others then go to -inf at worst, never NaN
     shifted = logits - logits.amax(-1, keepdim=True)
     scaled = torch.where(shifted == 0, shifted, shifted / params.temperature)
     scaled = _mask_top_k(scaled, params.top_k)
-    scaled = _mask_top_p(scaled, params.top_p)
-    return torch.softmax(scaled, dim=-1)
+    return _mask_top_p(scaled, params.top_p)
 
 
 def _mask_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -119,15 +144,53 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
+# --- the invariant sampler: Gumbel-max under noise keyed by (seed, position) -----------------------------------
+
+
+def gumbel_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:  # [vocab] float64
+    """Standard Gumbel noise for the token at absolute ``position`` of a sequence seeded with ``seed``: a function of
+    the two alone, the same on every machine and device (Philox keyed by the 128-bit pair, on the CPU)."""
+    key = (seed % (1 << 64)) | (position << 64)
+    uniforms = np.random.Generator(np.random.Philox(key=key)).random(vocab_size)  # [0, 1), 53 bits
+    return -torch.from_numpy(uniforms).log_().neg_().log_()  # -log(-log u); u = 0 gives -inf: never chosen
+
+
+def invariant_choice(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:  # [vocab]
+    """The token at ``position`` under the invariant sampler: argmax(scaled logits + Gumbel noise), an exact draw
+    from ``logits_to_probs(logits, params)``. One row at a time, in float64: its value never depends on what else
+    was scored beside it."""
+    scaled = scaled_logits(logits.double(), params)  # [vocab]
+    return int((scaled + gumbel_noise(seed, position, scaled.shape[-1]).to(scaled.device)).argmax())
+
+
+def noise_seed(generator: torch.Generator) -> int:
+    """The seed a sequence's invariant noise is keyed by: the seed its generator was seeded with (``make_generator``
+    seeds it from the request's seed, or at random)."""
+    return generator.initial_seed()
+
+
+def target_choices(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+                   positions: list[int]) -> list[int]:  # logits [n, vocab]
+    """The target's own token after each row's context: its argmax when greedy, its invariant choice at
+    ``positions[i]`` otherwise (the invariant sampler only)."""
+    if params.greedy:
+        return logits.argmax(-1).tolist()
+    seed = noise_seed(generator)
+    return [invariant_choice(row, params, seed, position) for row, position in zip(logits, positions)]
+
+
 # --- what drafters draw with: the same transform, so that draft and target compare ----------------------------
 
 
-def draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+def draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, position: int
                 ) -> tuple[int, torch.Tensor | None]:  # logits [vocab]
-    """One draft token from a drafter's logits: the argmax when greedy (a point mass: no distribution kept), else
-    a draw from the logits through the same transform the target's go through, with that distribution."""
+    """One draft token from a drafter's logits for absolute ``position``: the argmax when greedy, the invariant
+    choice under the same noise the target will use (both point masses: no distribution kept), else a draw from
+    the logits through the same transform the target's go through, with that distribution."""
     if params.greedy:
         return int(logits.argmax()), None
+    if params.invariant:
+        return invariant_choice(logits, params, noise_seed(generator), position), None
     probs = logits_to_probs(logits, params)  # [vocab]
     return sample(probs, generator), probs
 

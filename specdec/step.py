@@ -10,8 +10,16 @@ import torch
 
 from specdec.choices import check_seed
 from specdec.proposers.base import Draft
-from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.verify import TreeVerdict, Verdict, verify, verify_greedy, verify_tree, verify_tree_greedy
+from specdec.sampling import SamplingParams, logits_to_probs, target_choices
+from specdec.verify import (
+    TreeVerdict,
+    Verdict,
+    node_depths,
+    verify,
+    verify_choices,
+    verify_tree,
+    verify_tree_choices,
+)
 
 
 @dataclass(frozen=True)
@@ -83,10 +91,14 @@ def verify_draft(
     logits: torch.Tensor,  # [k+1, vocab]
     params: SamplingParams,
     generator: torch.Generator,
+    position: int,  # the absolute position of the token that row 0 chooses (the context's length)
 ) -> Verdict:
+    """Greedy and invariant sampling keep draft tokens while they are the target's own choices; standard sampling
+    tests them with min(1, p/q)."""
     draft_tokens = torch.tensor(draft.tokens, dtype=torch.long, device=logits.device)  # [k]
-    if params.greedy:
-        return verify_greedy(draft_tokens, logits.argmax(-1))
+    if params.greedy or params.invariant:
+        choices = target_choices(logits, params, generator, [position + j for j in range(len(draft) + 1)])
+        return verify_choices(draft_tokens, torch.tensor(choices, device=logits.device))
     return verify(draft_tokens, draft.probs, logits_to_probs(logits, params), generator)
 
 
@@ -95,9 +107,11 @@ def verify_draft_tree(
     logits: torch.Tensor,  # [m+1, vocab]: after the pending token, then after each node
     params: SamplingParams,
     generator: torch.Generator,
+    position: int,  # the absolute position of the token that row 0 chooses; row 1+i chooses the one after node i
 ) -> TreeVerdict:
-    if params.greedy:
-        return verify_tree_greedy(draft.tokens, draft.parents, logits.argmax(-1).tolist())
+    if params.greedy or params.invariant:
+        positions = [position] + [position + depth for depth in node_depths(draft.parents)]
+        return verify_tree_choices(draft.tokens, draft.parents, target_choices(logits, params, generator, positions))
     return verify_tree(draft.tokens, draft.parents, draft.probs, logits_to_probs(logits, params), generator)
 
 

@@ -107,15 +107,16 @@ def verify(
     return Verdict(num_draft=k, accepted=accepted, token=sample(residual, generator))
 
 
-def verify_greedy(
+def verify_choices(
     draft_tokens: torch.Tensor,  # [k] long
-    target_argmax: torch.Tensor,  # [k+1] long, the target's greedy token at each position
+    target_choice: torch.Tensor,  # [k+1] long, the target's own token at each position
 ) -> Verdict:
-    """Greedy verification: keep draft tokens while they equal the target's argmax; the output is the
-    target's own greedy continuation, token for token."""
+    """Verification against the target's own choices (its argmax when greedy, its Gumbel-max choice under the
+    invariant sampler): keep draft tokens while they equal the target's choice, then emit its choice; the output is
+    the target's own continuation, token for token."""
     k = draft_tokens.shape[0]
-    accepted = _leading_true(draft_tokens == target_argmax[:k])
-    return Verdict(num_draft=k, accepted=accepted, token=int(target_argmax[accepted]))
+    accepted = _leading_true(draft_tokens == target_choice[:k])
+    return Verdict(num_draft=k, accepted=accepted, token=int(target_choice[accepted]))
 
 
 def _leading_true(mask: torch.Tensor) -> int:
@@ -151,12 +152,17 @@ def children_of(parents: list[int]) -> dict[int, list[int]]:
     return children
 
 
-def tree_depth(parents: list[int]) -> int:
-    """The longest root-to-leaf path, in nodes (parents come before their children)."""
+def node_depths(parents: list[int]) -> list[int]:
+    """Each node's depth: 1 for a child of the root (parents come before their children)."""
     depth: list[int] = []
     for parent in parents:
         depth.append(1 + (depth[parent] if parent >= 0 else 0))
-    return max(depth, default=0)
+    return depth
+
+
+def tree_depth(parents: list[int]) -> int:
+    """The longest root-to-leaf path, in nodes."""
+    return max(node_depths(parents), default=0)
 
 
 def candidate_outcomes(
@@ -200,16 +206,16 @@ def verify_tree(
     return _descend(parents, choose)
 
 
-def verify_tree_greedy(
+def verify_tree_choices(
     draft_tokens: list[int],  # [m]
     parents: list[int],  # [m]
-    target_argmax: list[int],  # [m+1]: the target's greedy token after the root and after each node
+    target_choice: list[int],  # [m+1]: the target's own token after the root and after each node
 ) -> TreeVerdict:
-    """Greedy tree verification: descend into the child that is the target's argmax while there is one; the output
-    is the target's own greedy continuation."""
+    """Tree verification against the target's own choices (as :func:`verify_choices`): descend into the child that
+    is the target's choice while there is one; the output is the target's own continuation."""
 
     def choose(node: int, tried: list[int]) -> tuple[int | None, int]:
-        wanted = target_argmax[node + 1]
+        wanted = target_choice[node + 1]
         return next((i for i, child in enumerate(tried) if draft_tokens[child] == wanted), None), wanted
 
     return _descend(parents, choose)

@@ -86,10 +86,12 @@ def test_speculation_always_against_never_passes(servers, prompt, capsys):
 
 def test_a_wrong_verifier_is_rejected(servers, prompt, wrong_verifier, model, capsys):
     always, never = servers
-    code, report = audit("--a", always.url, "--b", never.url, "--prompt", prompt, "--samples", N, "--tokens", "2")
+    standard = ("--sampling", "standard")  # the rule the wrong verifier bends
+    code, report = audit("--a", always.url, "--b", never.url, "--prompt", prompt, "--samples", N, "--tokens", "2",
+                         *standard)
     assert code == 1 and report["rejected"] and "REJECTED" in capsys.readouterr().out
     code, _ = audit("--a", always.url, "--reference", "local", "--reference-model", str(model[2]), "--prompt",
-                    prompt, "--samples", N, "--tokens", "2")
+                    prompt, "--samples", N, "--tokens", "2", *standard)
     assert code == 1
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from tiny import perturbed_copy, save_with_tokenizer, tiny_llama
@@ -79,6 +80,18 @@ def test_summary_on_synthetic_runs():
     assert reference["acceptance_rate"] is None and reference["speedup"] == pytest.approx(2.0)
 
 
+def test_seeded_mismatches_compare_runs_with_the_same_prompt_and_seed():
+    plain = dict(rounds=10, draft_tokens=0, accepted_tokens=0, draft_seconds=0.0, target_seconds=1.0)
+    spec = dict(rounds=4, draft_tokens=12, accepted_tokens=6, draft_seconds=0.1, target_seconds=0.4)
+    runs = [replace(make_run("none", "p1", [1, 2], 1.0, **plain), seed=0),
+            replace(make_run("none", "p1", [3, 4], 1.0, **plain), seed=1),  # a second repeat: its own seed
+            replace(make_run("fast", "p1", [1, 2], 0.5, **spec), seed=0),
+            replace(make_run("fast", "p1", [3, 5], 0.5, **spec), seed=1)]
+    fields = summarise(runs, "fast", greedy=False)
+    assert fields["seeded_mismatches"] == 1 and fields["greedy_mismatches"] is None
+    assert summarise(runs, "none", greedy=False)["seeded_mismatches"] == 0
+
+
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench-models")
@@ -118,6 +131,25 @@ def test_bench_smoke_on_tiny_models(tiny_models, tmp_path, capsys):
     assert roofline["floor_seconds"] > 0 and roofline["step_seconds"] > 0
     assert "**roofline — float32" in printed and "| cost of k+1 positions / one |" in printed
     assert "Per-position acceptance a chain needs at these costs" in printed
+
+
+def test_seeded_bench_reports_no_seeded_mismatch(tiny_models, tmp_path):
+    """At temperature 0.7 the invariant sampler gives every drafter the tokens plain sampling gives for each
+    prompt's seed: the seeded-mismatch column reads 0, with drafts accepted and rejected."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "copy", "turns": ["w5 w9 w12 w9 w12 w40 w5 w9"]})
+                       + "\n" + json.dumps({"question_id": 2, "category": "other", "turns": ["w3 w4 w60 w2"]}) + "\n")
+    out = tmp_path / "report.json"
+    target, draft = tiny_models
+    assert main(["bench", "--prompts", str(prompts), "--model", str(target), "--draft-model", str(draft),
+                 "--drafters", "prompt-lookup,draft-model,retrieval:auto", "--max-new-tokens", "16", "--repeats", "2",
+                 "--temperature", "0.7", "--out", str(out), "--no-progress", "--dtype", "float32"]) == 0
+    report = json.loads(out.read_text())
+    assert report["settings"]["sampling"] == "invariant"
+    for config in report["configs"]:
+        assert config["seeded_mismatches"] == 0 and config["greedy_mismatches"] is None, config["drafter"]
+    draft_model = report["configs"][2]
+    assert 0 < draft_model["acceptance_rate"] < 1
 
 
 @pytest.mark.parametrize("args, message", [

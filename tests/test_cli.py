@@ -103,6 +103,7 @@ def test_seed_makes_sampling_repeatable(models, capsys):
         (["generate", PROMPT, "--drafter", "draft-model"], "no trained draft-model drafter ships for this target"),
         (["generate", PROMPT, "--drafter", "nonsense"], "invalid choice"),
         (["generate", PROMPT, "--temperature", "warm"], "invalid float"),
+        (["generate", PROMPT, "--temperature", "1", "--sampling", "gumbel"], "argument --sampling: invalid choice"),
         (["generate", PROMPT, "--tree", "3,x"], "--tree takes candidates per depth"),
         (["generate", PROMPT, "--tree", "3,0"], "tree widths must be between 1 and 16"),
         (["generate", PROMPT, "--tree", "3", "--drafter", "none"], "drafts chains only, not trees"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -102,6 +103,66 @@ def test_greedy_speculation_with_trees_of_auto_shape_is_plain_greedy(target_and_
         assert result.stats.policy == "auto-tree"
         nodes, depth = nodes + result.stats.draft_nodes, depth + result.stats.draft_tokens
     assert nodes > depth > 0
+
+
+SEEDED = SamplingParams(temperature=0.7, top_p=0.95)  # the invariant sampler, by default
+
+
+@pytest.mark.parametrize("backend_class", BACKENDS)
+@pytest.mark.parametrize("k", [1, 3, "auto"])
+def test_seeded_speculation_samples_plain_sampling_tokens(target_and_draft, k, backend_class):
+    """At temperature 0.7 (top-p 0.95), a seed gives the same tokens with every drafter as without one: the
+    invariant sampler's choices depend on the seed and the position alone. Drafts are accepted and rejected."""
+    target, draft = target_and_draft
+    target_backend = backend_class(target)
+    plain = Engine(target_backend, NoProposer())
+    engines = {
+        "prompt-lookup": Engine(target_backend, PromptLookupProposer()),
+        "retrieval": Engine(target_backend, RetrievalProposer(min_order=1)),
+        "draft-model": Engine(target_backend, DraftModelProposer(backend_class(draft), target_backend.vocab_size)),
+    }
+    accepted = rejected = 0
+    for seed, prompt in enumerate(PROMPTS):
+        config = GenerationConfig(max_new_tokens=24, sampling=SEEDED, seed=seed, stop_at_eos=False)
+        expected = plain.generate(prompt, config).token_ids
+        for name, engine in engines.items():
+            stats = engine.generate(prompt, replace(config, num_draft_tokens=k))
+            assert stats.token_ids == expected, (name, prompt)
+            accepted += stats.stats.accepted_tokens
+            rejected += stats.stats.draft_tokens - stats.stats.accepted_tokens
+    assert accepted > 0 and rejected > 0
+
+
+@pytest.mark.parametrize("tree", [(3, 2, 1), "auto"])
+def test_seeded_tree_speculation_samples_plain_sampling_tokens(target_and_draft, tree):
+    """Trees too: a node is accepted when its token is the target's own choice at its depth's position."""
+    target, draft = target_and_draft
+    target_backend = LlamaRuntime(target)
+    plain = Engine(target_backend, NoProposer())
+    engines = [Engine(target_backend, PromptLookupProposer(min_ngram=1)),
+               Engine(target_backend, DraftModelProposer(LlamaRuntime(draft), target_backend.vocab_size))]
+    nodes = depth = 0
+    for seed, prompt in enumerate(PROMPTS):
+        config = GenerationConfig(max_new_tokens=24, sampling=SEEDED, seed=seed, stop_at_eos=False)
+        expected = plain.generate(prompt, config).token_ids
+        for engine in engines:
+            result = engine.generate(prompt, replace(config, num_draft_tokens=3, tree=tree))
+            assert result.token_ids == expected, (engine.proposer.name, prompt)
+            nodes, depth = nodes + result.stats.draft_nodes, depth + result.stats.draft_tokens
+    assert nodes > depth > 0  # the drafts were trees
+
+
+def test_the_standard_rule_keeps_its_own_draws(target_and_draft):
+    """``method="standard"``: the rejection rule with one random stream, reproducible for a seed (its tokens depend
+    on the drafts, so they are compared with the same drafter's)."""
+    target, draft = target_and_draft
+    backend = LlamaRuntime(target)
+    engine = Engine(backend, DraftModelProposer(LlamaRuntime(draft), backend.vocab_size))
+    config = GenerationConfig(max_new_tokens=24, num_draft_tokens=3, sampling=replace(SEEDED, method="standard"),
+                              seed=4, stop_at_eos=False)
+    first = engine.generate(PROMPTS[0], config)
+    assert engine.generate(PROMPTS[0], config).token_ids == first.token_ids
+    assert 0 < first.stats.accepted_tokens < first.stats.draft_tokens
 
 
 def _branches(draft) -> bool:
@@ -265,28 +326,35 @@ def bin_counts(samples: list[tuple[int, ...]], bins: list[tuple]) -> np.ndarray:
 
 
 @pytest.mark.slow  # over 10 s on 2 cores
-def test_speculative_sampling_matches_plain_sampling_end_to_end():
+@pytest.mark.parametrize("method", ["invariant", "standard"])
+def test_speculative_sampling_matches_plain_sampling_end_to_end(method):
     """The first three tokens of speculative sampling (draft model, k=2, temperature 0.9, top-p 0.95) have the
-    joint distribution of plain sampling.
+    joint distribution of plain sampling, under each sampling method.
 
     20,000 samples per arm. Bins: every 3-token outcome expected at least 5 times, plus one bin for the rest.
-    Three chi-square tests at alpha = 0.001 each (speculative vs exact, plain vs exact, speculative vs plain):
-    a correct engine fails one with probability under 0.3%; the seeds are fixed, so the outcome is repeatable.
+    Standard: three chi-square tests at alpha = 0.001 each (speculative vs exact, plain vs exact, speculative vs
+    plain): a correct engine fails one with probability under 0.3%. Invariant: plain sampling gives the very tokens
+    speculation gives for each seed (checked on 500 seeds), so one test, speculative vs exact, at alpha = 0.001.
+    The seeds are fixed, so the outcome is repeatable.
     """
-    sampling = SamplingParams(**E2E_SAMPLING)
+    sampling = SamplingParams(**E2E_SAMPLING, method=method)
     exact = exact_joint_of_first_three(sampling)
     bins = [outcome for outcome, p in exact.items() if p * E2E_SAMPLES >= 5]
     expected = np.array([exact[b] for b in bins] + [1 - sum(exact[b] for b in bins)]) * E2E_SAMPLES
+    assert len(bins) > 100 and expected[-1] < 0.2 * E2E_SAMPLES  # the bins hold most of the mass
 
     half = E2E_SAMPLES // 2
-    jobs = [("draft-model", 0), ("draft-model", half), ("none", 10**6), ("none", 10**6 + half)]
+    arms = {"draft-model": [(0, half), (half, half)]}
+    arms["none"] = [(0, 500)] if method == "invariant" else [(10**6, half), (10**6 + half, half)]
+    jobs = [(drafter, seed, n) for drafter, runs in arms.items() for seed, n in runs]
     with multiprocessing.get_context("spawn").Pool(2) as pool:
-        results = pool.starmap(e2e_samples, [(d, E2E_SAMPLING, half, seed) for d, seed in jobs])
+        results = pool.starmap(e2e_samples, [(d, {**E2E_SAMPLING, "method": method}, n, seed) for d, seed, n in jobs])
     speculative = bin_counts(results[0] + results[1], bins)
-    plain = bin_counts(results[2] + results[3], bins)
-
-    assert len(bins) > 100 and expected[-1] < 0.2 * E2E_SAMPLES  # the bins hold most of the mass
     assert chisquare(speculative, expected).pvalue > 1e-3
+    if method == "invariant":
+        assert results[2] == results[0][:500]
+        return
+    plain = bin_counts(results[2] + results[3], bins)
     assert chisquare(plain, expected).pvalue > 1e-3
     seen = (speculative + plain) > 0  # a bin neither arm hit carries no information on their difference
     assert chi2_contingency(np.stack([speculative[seen], plain[seen]])).pvalue > 1e-3

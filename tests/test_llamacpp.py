@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -145,23 +146,32 @@ def test_bad_input_is_refused_before_llama_cpp_sees_it(lm):
     assert lm.extend([1, 5], 1).shape == (1, lm.vocab_size)  # and it still works
 
 
+SEEDED = SamplingParams(temperature=0.7, top_p=0.95)  # the invariant sampler, by default
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SEEDED], ids=["greedy", "seeded-0.7"])
 @pytest.mark.parametrize("drafter,k", [("prompt-lookup", 4), ("prompt-lookup", "auto"), ("retrieval", 3),
                                        ("draft-model", 3), ("draft-model", "auto")])
-def test_greedy_speculation_is_plain_greedy(tiny, quantised, drafter, k):
+def test_speculation_gives_plain_decodings_tokens(tiny, quantised, drafter, k, sampling):
+    """Greedy, and seeded sampling at temperature 0.7 with the invariant sampler: every drafter gives the tokens of
+    plain decoding, bit for bit."""
     lm = quantised
     plain_engine = Engine(lm, make_proposer("none", lm))
-    config = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
     draft = LlamaCppLM.load(tiny, threads=2) if drafter == "draft-model" else None  # F32: near the Q8_0 target
     engine = Engine(lm, make_proposer(drafter, lm, draft))
     prompts = [PROMPT, PROMPT * 3, [1, 9, 10, 11, 9, 10, 11, 9, 10]]
-    accepted = 0
-    for prompt in prompts:
+    accepted = rejected = 0
+    for seed, prompt in enumerate(prompts):
+        config = GenerationConfig(max_new_tokens=40, sampling=sampling, seed=seed, stop_at_eos=False)
         plain = plain_engine.generate(prompt, config).token_ids
-        result = engine.generate(prompt, GenerationConfig(max_new_tokens=40, num_draft_tokens=k, stop_at_eos=False))
+        result = engine.generate(prompt, replace(config, num_draft_tokens=k))
         assert result.token_ids == plain
         accepted += result.stats.accepted_tokens
+        rejected += result.stats.draft_tokens - result.stats.accepted_tokens
     if drafter == "draft-model":
         assert accepted > 0  # the near-copy draft is accepted: the identity above covers accepted drafts
+    if drafter != "draft-model":  # (the near-copy, under the same noise, nearly always picks the target's token)
+        assert rejected > 0  # copies are rejected too: the identity covers rejected drafts
 
 
 def first_tokens(tiny, tiny_draft, sampling: SamplingParams, count: int, samples: int) -> list[tuple[int, ...]]:
@@ -204,11 +214,13 @@ def binned(samples: list[tuple[int, ...]], exact: dict[tuple, float]) -> tuple[n
     return np.array(observed, float), np.array(expected, float)
 
 
-def test_speculative_sampling_at_temperature_1_follows_llama_cpps_distribution(tiny, tiny_draft, lm):
+@pytest.mark.parametrize("method", ["invariant", "standard"])
+def test_speculative_sampling_at_temperature_1_follows_llama_cpps_distribution(tiny, tiny_draft, lm, method):
     """The first token of draft-model speculation (k = 2, temperature 1, the whole vocabulary) against the exact
-    distribution from llama.cpp's logits: 6,000 samples, bins expected at least 5 times plus the rest, one
-    chi-square test at alpha = 0.001 (a correct engine fails it with probability 0.1%; the seeds are fixed)."""
-    sampling = SamplingParams(temperature=1.0)
+    distribution from llama.cpp's logits, for each sampling method: 6,000 samples, bins expected at least 5 times
+    plus the rest, one chi-square test at alpha = 0.001 each (a correct engine fails one with probability 0.2%;
+    the seeds are fixed)."""
+    sampling = SamplingParams(temperature=1.0, method=method)
     lm.rollback(0)
     p1 = logits_to_probs(lm.extend(PROMPT, 1)[0].double(), sampling)
     exact = {(token,): float(p) for token, p in enumerate(p1.tolist()) if p > 0}
@@ -377,22 +389,26 @@ def decode_on_scheduler(lm, speculation: str, requests: list) -> list[list[int]]
         scheduler.shutdown(5)
 
 
-@pytest.mark.parametrize("speculation", ["never", "always"])
-def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_burst(quantised, speculation):
+@pytest.mark.parametrize("method", ["invariant", "standard"])
+def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_burst(quantised, method):
     """At temperature 0.8, a seeded request's tokens do not depend on the 15 others decoded beside it: each row of
-    the pass is computed as it is alone, and the request's draws come from its own generator. (With a fixed k the
-    drafts are the same too; -k auto under load would change them, and so the draws.)"""
+    the pass is computed as it is alone, and the request's draws are its own. With the invariant sampler they do
+    not depend on speculation either: never, always and auto (whose draft lengths follow the load) give plain
+    decoding's tokens. The standard rule's draws depend on the drafts, so there each mode is compared with itself
+    at a fixed k."""
     from specdec.server.scheduler import GenerationRequest
 
     def request(prompt, seed):
-        return GenerationRequest(prompt, max_tokens=24, sampling=SamplingParams(temperature=0.8), seed=seed,
-                                 stop_at_eos=False)
+        return GenerationRequest(prompt, max_tokens=24, sampling=SamplingParams(temperature=0.8, method=method),
+                                 seed=seed, stop_at_eos=False)
 
     watched = request(PROMPT * 2, seed=5)
-    alone = decode_on_scheduler(quantised, speculation, [watched])[0]
     others = [request([1, 9 + i, 10, 11, 9 + i, 10, 11], seed=100 + i) for i in range(15)]
-    in_burst = decode_on_scheduler(quantised, speculation, others[:7] + [watched] + others[7:])[7]
-    assert in_burst == alone
+    plain_alone = decode_on_scheduler(quantised, "never", [watched])[0]
+    for speculation in ["never", "always", "auto"] if method == "invariant" else ["never", "always"]:
+        alone = plain_alone if method == "invariant" else decode_on_scheduler(quantised, speculation, [watched])[0]
+        in_burst = decode_on_scheduler(quantised, speculation, others[:7] + [watched] + others[7:])[7]
+        assert in_burst == alone, speculation
 
 
 def test_the_tokenizer_needs_no_transformers(tiny):

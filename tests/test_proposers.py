@@ -82,7 +82,7 @@ def test_draft_model_greedy_draft_is_its_own_greedy_continuation(backend_class):
 def test_draft_model_sampled_draft_carries_its_distributions_padded_to_the_target():
     model = tiny_llama(seed=6, vocab_size=60, init_range=0.5).double()
     proposer = make_proposer("draft-model", HFCausalLM(tiny_llama(seed=0)), HFCausalLM(model))
-    params = SamplingParams(temperature=0.8, top_k=10)
+    params = SamplingParams(temperature=0.8, top_k=10, method="standard")
     context = [3, 8, 13, 21]
     draft = proposer.propose(context, 3, params, torch.Generator().manual_seed(0))
     assert draft.probs.shape == (3, 64)

@@ -1,13 +1,23 @@
-"""The logits -> probabilities transform, checked against transformers' own logits warpers."""
+"""The logits -> probabilities transform, checked against transformers' own logits warpers; the invariant sampler's
+noise and choices, against the exact distribution."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from scipy.stats import chi2_contingency, chisquare
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from specdec.errors import UsageError
-from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.sampling import (
+    SamplingParams,
+    gumbel_noise,
+    invariant_choice,
+    logits_to_probs,
+    scaled_logits,
+    target_choices,
+)
 
 
 def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -72,3 +82,83 @@ def test_half_precision_logits_give_float32_probs():
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(UsageError, match=message):
         SamplingParams(**kwargs)
+
+
+# --- the invariant sampler -------------------------------------------------------------------------------------------
+
+DRAWS = 8000
+
+
+def invariant_draws(logits: torch.Tensor, params: SamplingParams, position: int = 7, noise=gumbel_noise
+                    ) -> list[int]:
+    """One invariant choice per seed 0..DRAWS-1 at one position."""
+    scaled = scaled_logits(logits.double(), params)
+    return [int((scaled + noise(seed, position, logits.shape[-1])).argmax()) for seed in range(DRAWS)]
+
+
+def test_gumbel_noise_is_a_function_of_the_seed_and_the_position_alone():
+    noise = gumbel_noise(5, 3, 1000)
+    assert noise.shape == (1000,) and noise.dtype == torch.float64
+    assert torch.equal(noise, gumbel_noise(5, 3, 1000))
+    assert not torch.equal(noise, gumbel_noise(5, 4, 1000)) and not torch.equal(noise, gumbel_noise(6, 3, 1000))
+    assert not torch.equal(noise, gumbel_noise(5 + (1 << 32), 3, 1000))  # all 64 bits of the seed count
+    assert torch.equal(gumbel_noise(-1, 3, 10), gumbel_noise((1 << 64) - 1, 3, 10))  # one seed, two spellings
+    assert torch.equal(gumbel_noise(5, 3, 10), noise[:10])  # a narrower vocabulary reads the same noise
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=8),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=0.7, top_k=12, top_p=0.9),
+], ids=["T1", "T0.7-topk8", "T1.3-topp0.8", "T0.7-topk12-topp0.9"])
+def test_invariant_choices_are_draws_from_the_exact_distribution(params):
+    """8,000 seeds' choices at one position against logits_to_probs: bins of the tokens expected at least 5 times,
+    plus the rest; one chi-square test at alpha = 0.001 each (a correct sampler fails one of the four with
+    probability under 0.4%; the seeds are fixed, so the outcome is repeatable). A token outside top-k / top-p is
+    never drawn."""
+    logits = torch.randn(40, generator=torch.Generator().manual_seed(3)) * 2
+    probs = logits_to_probs(logits.double(), params)
+    counts = np.bincount(invariant_draws(logits, params), minlength=40)
+    assert counts[(probs == 0).numpy()].sum() == 0
+    kept = (probs * DRAWS >= 5).numpy()
+    observed = np.append(counts[kept], counts[~kept].sum())
+    expected = np.append(probs.numpy()[kept], probs.numpy()[~kept].sum()) * DRAWS
+    if expected[-1] < 1e-9:  # nothing outside the bins
+        observed, expected = observed[:-1], expected[:-1]
+    assert kept.sum() >= 5
+    assert chisquare(observed, expected * observed.sum() / expected.sum()).pvalue > 1e-3
+
+
+def test_each_position_draws_independently():
+    """Choices at positions 7 and 8 of one sequence (the same logits) are independent: a chi-square test of
+    independence over 8,000 seeds at alpha = 0.001 (false alarm 0.1%, fixed seeds). Noise keyed by the seed
+    alone, the mistake this guards against, makes them equal and fails the same test."""
+    params = SamplingParams(temperature=1.0)
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5])
+
+    def dependence(noise) -> float:
+        pairs = zip(invariant_draws(logits, params, 7, noise), invariant_draws(logits, params, 8, noise))
+        table = np.zeros((4, 4))
+        for first, second in pairs:
+            table[first, second] += 1
+        return chi2_contingency(table).pvalue
+
+    assert dependence(gumbel_noise) > 1e-3
+    assert dependence(lambda seed, position, vocab: gumbel_noise(seed, 0, vocab)) < 1e-9
+
+
+def test_target_choices_take_each_row_alone():
+    """A row's choice is the same scored alone or beside others, and greedy choices are the argmax."""
+    logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(11)
+    params = SamplingParams(temperature=0.9, top_p=0.9)
+    together = target_choices(logits, params, generator, [20, 21, 22, 23, 24])
+    assert together == [invariant_choice(row, params, 11, 20 + i) for i, row in enumerate(logits)]
+    assert together[2:3] == target_choices(logits[2:3], params, generator, [22])
+    assert target_choices(logits, SamplingParams(), generator, [0] * 5) == logits.argmax(-1).tolist()
+
+
+def test_an_unknown_sampling_method_is_refused():
+    with pytest.raises(UsageError, match="sampling must be one of invariant, standard"):
+        SamplingParams(temperature=1.0, method="gumbel")

@@ -431,20 +431,34 @@ def test_a_drafter_that_raises_falls_back_to_plain_decoding(tiny):
         server.shutdown(timeout=5)
 
 
-def test_a_seeded_request_is_reproducible(server, tiny):
-    body = {"prompt": "w3 w4 w5", "max_tokens": 24, "temperature": 1.0, "seed": 7, "ignore_eos": True}
-    first = post(server, "/v1/completions", body)[1]["choices"][0]["text"]
-    assert post(server, "/v1/completions", body)[1]["choices"][0]["text"] == first
-    # without speculation a request draws the same random numbers whatever else is in the batch
+def test_a_seeded_request_gives_the_same_tokens_alone_in_a_burst_and_without_speculation(server, tiny):
+    """The invariant sampler (the default): a seeded request at temperature 1 answers the same text on a server that
+    always speculates and on one that never does, alone and among 15 other requests. Under the standard rule the
+    draws follow the drafts, so there a request is reproducible on one server alone, and without speculation
+    whatever else is in the batch."""
+    body = {"prompt": "w3 w4 w5 w3 w4", "max_tokens": 24, "temperature": 1.0, "seed": 7, "ignore_eos": True}
     plain = start_server(tiny, speculation="never")
-    try:
-        alone = post(plain, "/v1/completions", body)[1]["choices"][0]["text"]
-        others = {**body, "seed": None, "max_tokens": 40}
-        with ThreadPoolExecutor(8) as pool:
-            crowd = [pool.submit(post, plain, "/v1/completions", others) for _ in range(7)]
-            in_batch = pool.submit(post, plain, "/v1/completions", body)
-            assert in_batch.result()[1]["choices"][0]["text"] == alone
+
+    def text(on, request=body):
+        status, answer = post(on, "/v1/completions", request)
+        assert status == 200, answer
+        return answer["choices"][0]["text"]
+
+    def in_burst(on, request=body):
+        others = [{**request, "prompt": f"w{3 + i} w{9 + i} w3 w{9 + i}", "seed": 100 + i} for i in range(15)]
+        with ThreadPoolExecutor(16) as pool:
+            crowd = [pool.submit(post, on, "/v1/completions", other) for other in others[:7]]
+            watched = pool.submit(text, on, request)
+            crowd += [pool.submit(post, on, "/v1/completions", other) for other in others[7:]]
             assert all(f.result()[0] == 200 for f in crowd)
+            return watched.result()
+
+    try:
+        alone = text(plain)
+        assert text(server) == alone and in_burst(server) == alone and in_burst(plain) == alone
+        standard = {**body, "sampling": "standard"}
+        assert text(server, standard) == text(server, standard)
+        assert in_burst(plain, standard) == text(plain, standard)
     finally:
         plain.shutdown(timeout=5)
 

@@ -127,6 +127,7 @@ def test_logit_bias_bans_the_greedy_token_and_echo_repeats_the_prompt(client, ti
     ({"logit_bias": {"99999": 1}}, "logit_bias"),
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"seed": 2**64}, "seed"),
+    ({"sampling": "gumbel"}, "sampling"),
 ])
 def test_parameters_not_implemented_or_out_of_range_are_refused_by_name(client, params, param):
     with pytest.raises(openai.BadRequestError) as refused:

@@ -120,18 +120,22 @@ def test_token_reading_mtp_heads_start_as_feature_heads_and_read_the_token():
 TREES = {"eagle": (3, 2), "mtp": (3, 2), "draft-model": (3, 2)}  # drafters of token trees, and a tree for each
 
 
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.95)],
+                         ids=["greedy", "seeded-0.7"])
 @pytest.mark.parametrize("method", METHODS)
-def test_greedy_speculation_with_a_trained_drafter_is_plain_greedy(trained, method):
-    """Chains of 1, 3 and 5 tokens and, for the drafters of trees, trees of those depths."""
+def test_speculation_with_a_trained_drafter_gives_plain_decodings_tokens(trained, method, sampling):
+    """Chains of 1, 3 and 5 tokens and, for the drafters of trees, trees of those depths: greedy, and seeded at
+    temperature 0.7 with the invariant sampler (the drafter proposes under the target's noise)."""
     target = load_model(trained["target"])
     plain = SpecDecoder(target, drafter="none")
     speculative = SpecDecoder(target, drafter=method, drafter_path=trained[method])
     drafts = [(k, None) for k in (1, 3, 5)] + ([(1, (4,)), (3, TREES[method]), (5, (2, 1))] if method in TREES
                                               else [])
     accepted = 0
-    for prompt in ([5, 9], [17, 4, 33], [60, 61, 62, 63, 3], list(range(3, 40))):
+    for seed, prompt in enumerate(([5, 9], [17, 4, 33], [60, 61, 62, 63, 3], list(range(3, 40)))):
         for k, tree in drafts:
-            config = GenerationConfig(max_new_tokens=30, num_draft_tokens=k, stop_at_eos=False, tree=tree)
+            config = GenerationConfig(max_new_tokens=30, num_draft_tokens=k, stop_at_eos=False, tree=tree,
+                                      sampling=sampling, seed=seed)
             result = speculative.generate_ids(prompt, config)
             expected = plain.generate_ids(prompt, replace(config, tree=None)).token_ids
             assert result.token_ids == expected, (method, prompt, k, tree)

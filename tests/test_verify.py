@@ -14,9 +14,9 @@ from specdec.verify import (
     candidate_outcomes,
     residual_probs,
     verify,
-    verify_greedy,
+    verify_choices,
     verify_tree,
-    verify_tree_greedy,
+    verify_tree_choices,
 )
 
 V = 6  # vocabulary of the enumeration tests
@@ -154,38 +154,38 @@ def test_same_seed_same_verdicts():
 
 
 def test_greedy_all_accepted_gives_bonus():
-    verdict = verify_greedy(torch.tensor([4, 5, 6]), torch.tensor([4, 5, 6, 7]))
+    verdict = verify_choices(torch.tensor([4, 5, 6]), torch.tensor([4, 5, 6, 7]))
     assert (verdict.accepted, verdict.token, verdict.bonus) == (3, 7, True)
     assert verdict.emitted([4, 5, 6]) == [4, 5, 6, 7]
 
 
 def test_greedy_first_rejected_gives_targets_token():
-    verdict = verify_greedy(torch.tensor([9, 5, 6]), torch.tensor([4, 5, 6, 7]))
+    verdict = verify_choices(torch.tensor([9, 5, 6]), torch.tensor([4, 5, 6, 7]))
     assert (verdict.accepted, verdict.token, verdict.bonus) == (0, 4, False)
     assert verdict.emitted([9, 5, 6]) == [4]
 
 
 def test_greedy_rejection_in_the_middle_ignores_later_matches():
-    verdict = verify_greedy(torch.tensor([4, 9, 6]), torch.tensor([4, 5, 6, 7]))
+    verdict = verify_choices(torch.tensor([4, 9, 6]), torch.tensor([4, 5, 6, 7]))
     assert verdict.emitted([4, 9, 6]) == [4, 5]
 
 
 def test_empty_draft_is_one_plain_step():
-    assert verify_greedy(torch.tensor([], dtype=torch.long), torch.tensor([3])).emitted([]) == [3]
+    assert verify_choices(torch.tensor([], dtype=torch.long), torch.tensor([3])).emitted([]) == [3]
     p = torch.tensor([[0.0, 1.0, 0.0]])
     verdict = verify(torch.tensor([], dtype=torch.long), None, p, torch.Generator().manual_seed(0))
     assert (verdict.accepted, verdict.token, verdict.bonus) == (0, 1, True)
 
 
 def test_sampling_verifier_at_zero_temperature_is_greedy():
-    """Greedy is the zero-temperature case of the same test: one-hot p and q give verify_greedy's verdicts."""
+    """Greedy is the zero-temperature case of the same test: one-hot p and q give verify_choices's verdicts."""
     generator = torch.Generator().manual_seed(8)
     greedy = SamplingParams(temperature=0.0)
     for _ in range(200):
         target_logits = torch.randn(5, 7, generator=generator)
         draft_logits = torch.randn(4, 7, generator=generator)
         tokens = draft_logits.argmax(-1)
-        expected = verify_greedy(tokens, target_logits.argmax(-1))
+        expected = verify_choices(tokens, target_logits.argmax(-1))
         as_sampling = verify(tokens, logits_to_probs(draft_logits, greedy), logits_to_probs(target_logits, greedy),
                              generator)
         as_point_mass = verify(tokens, None, logits_to_probs(target_logits, greedy), generator)
@@ -293,11 +293,11 @@ def test_greedy_tree_descends_the_targets_argmax():
     #   6 (2)    8 (3) 9 (4)
     tokens, parents = [5, 7, 6, 8, 9], [-1, -1, 0, 1, 1]
     argmax = [7, 6, 2, 1, 4, 3]  # after root: 7 -> node 1; after node 1: 2, no child is 2
-    verdict = verify_tree_greedy(tokens, parents, argmax)
+    verdict = verify_tree_choices(tokens, parents, argmax)
     assert (verdict.path, verdict.token, verdict.emitted(tokens)) == ([1], 2, [7, 2])
     argmax[2] = 9  # after node 1: 9 -> node 4, a leaf: its argmax is the bonus
-    assert verify_tree_greedy(tokens, parents, argmax).emitted(tokens) == [7, 9, 3]
-    assert verify_tree_greedy(tokens, parents, [1, 0, 0, 0, 0, 0]).emitted(tokens) == [1]
+    assert verify_tree_choices(tokens, parents, argmax).emitted(tokens) == [7, 9, 3]
+    assert verify_tree_choices(tokens, parents, [1, 0, 0, 0, 0, 0]).emitted(tokens) == [1]
 
 
 def test_the_sampling_tree_verifier_at_zero_temperature_is_greedy():
@@ -306,5 +306,5 @@ def test_the_sampling_tree_verifier_at_zero_temperature_is_greedy():
     tokens, parents = [0, 1, 2, 3, 4], [-1, -1, 0, 0, 1]
     for _ in range(100):
         logits = torch.randn(6, V, generator=generator)
-        expected = verify_tree_greedy(tokens, parents, logits.argmax(-1).tolist())
+        expected = verify_tree_choices(tokens, parents, logits.argmax(-1).tolist())
         assert verify_tree(tokens, parents, None, logits_to_probs(logits, greedy), generator) == expected

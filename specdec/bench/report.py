@@ -17,6 +17,7 @@ class Run:
     prompt_id: str
     category: str
     outcome: Outcome
+    seed: int | None = None  # the run's seed: contenders run a prompt's repeat with the same one
 
 
 def summarise(runs: list[Run], config: str, greedy: bool) -> dict:
@@ -34,11 +35,14 @@ def summarise(runs: list[Run], config: str, greedy: bool) -> dict:
         "mean_draft_nodes": None,
         "ideal_speedup": None,
         "fraction_of_ideal": None,
-        "greedy_mismatches": _greedy_mismatches(mine, baseline) if greedy else None,
+        "greedy_mismatches": _mismatches(mine, baseline) if greedy else None,
+        "seeded_mismatches": None,
         "runs": len(mine),
     }
-    if mine and all(r.outcome.rounds is not None for r in mine):
+    if mine and all(r.outcome.rounds is not None for r in mine):  # specdec's own: the same seeds mean the same noise
         fields.update(_acceptance_fields(mine, baseline, fields["speedup"]))
+        if not greedy and all(r.seed is not None for r in mine):
+            fields["seeded_mismatches"] = _mismatches(mine, baseline)
     return fields
 
 
@@ -88,10 +92,11 @@ def _per_prompt_rate(runs: list[Run]) -> dict[str, float]:
     return {p: tokens[p] / seconds[p] for p in tokens if seconds[p] > 0}
 
 
-def _greedy_mismatches(mine: list[Run], baseline: list[Run]) -> int:
-    """Runs whose tokens differ from the baseline's on the same prompt (greedy decoding: there must be none)."""
-    expected = {r.prompt_id: r.outcome.token_ids for r in baseline}
-    return sum(1 for r in mine if r.prompt_id in expected and r.outcome.token_ids != expected[r.prompt_id])
+def _mismatches(mine: list[Run], baseline: list[Run]) -> int:
+    """Runs whose tokens differ from the baseline's on the same prompt with the same seed: greedy decoding, and
+    seeded sampling with the invariant sampler, must have none."""
+    expected = {(r.prompt_id, r.seed): r.outcome.token_ids for r in baseline}
+    return sum(1 for r in mine if expected.get((r.prompt_id, r.seed), r.outcome.token_ids) != r.outcome.token_ids)
 
 
 def build_report(runs: list[Run], contenders: list, settings: dict) -> dict:
@@ -119,6 +124,7 @@ COLUMNS = [
     ("ideal_speedup", "ideal speedup", "{:.2f}x"),
     ("fraction_of_ideal", "of ideal", "{:.0%}"),
     ("greedy_mismatches", "greedy mismatches", "{}"),
+    ("seeded_mismatches", "seeded mismatches", "{}"),
 ]
 
 

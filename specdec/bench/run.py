@@ -117,7 +117,7 @@ def run_interleaved(contenders: list[Contender], prompts: list[tuple[str, str, l
             run_config = replace(config, seed=None if seed is None else seed + i * repeats + repeat)
             for contender in contenders[shift:] + contenders[:shift]:
                 bar.set_postfix_str(f"{contender.name} on {prompt_id}", refresh=False)
-                runs.append(Run(contender.name, prompt_id, category, contender.run(ids, run_config)))
+                runs.append(Run(contender.name, prompt_id, category, contender.run(ids, run_config), run_config.seed))
                 bar.update()
     bar.close()
     return runs
@@ -127,7 +127,7 @@ def run_bench(args) -> int:
     k = parse_num_draft_tokens(args.num_draft_tokens)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, num_draft_tokens=k,
                               sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k,
-                                                      top_p=args.top_p))
+                                                      top_p=args.top_p, method=args.sampling))
     if args.repeats < 1:
         raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
     names = [n.strip() for n in args.drafters.split(",") if n.strip()]
@@ -149,7 +149,7 @@ def run_bench(args) -> int:
     settings = {
         "prompts": str(args.prompts), "category": args.category, "num_prompts": len(prompts),
         "repeats": args.repeats, "max_new_tokens": args.max_new_tokens, "num_draft_tokens": k,
-        "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "model": args.model or "default",
+        "temperature": args.temperature, "sampling": args.sampling, "top_k": args.top_k, "top_p": args.top_p, "model": args.model or "default",
         "draft_model": args.draft_model, "drafter_paths": drafter_paths,
         "dtype": precision_of(backend),
         "device": str(backend.device), "backend": target.backend_name,

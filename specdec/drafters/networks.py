@@ -79,13 +79,13 @@ class DraftVocab(nn.Module):
         full[..., self.ids] = logits
         return full
 
-    def draft_token(self, logits: torch.Tensor, params, generator: torch.Generator | None
+    def draft_token(self, logits: torch.Tensor, params, generator: torch.Generator | None, position: int
                     ) -> tuple[int, torch.Tensor | None]:  # logits [V']
         """``sampling.draft_token`` over the draft vocabulary: greedy picks among its V' logits directly;
         sampling draws from them widened to the target's vocabulary (q = 0 off the draft vocabulary)."""
         if params.greedy:
             return int(self.ids[logits.argmax()]), None
-        return draft_token(self.widen(logits), params, generator)
+        return draft_token(self.widen(logits), params, generator, position)
 
     def ranked(self, logits: torch.Tensor, count: int, exclude: int) -> list[int]:  # logits [V']
         """``sampling.ranked`` over the draft vocabulary, as the target's ids."""

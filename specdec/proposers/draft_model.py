@@ -50,7 +50,7 @@ class DraftModelProposer(TreeProposer):
         rows: list[torch.Tensor | None] = []
         alternatives: list[list[int]] = []
         for i, width in enumerate(widths):
-            token, probs = draft_token(logits, params, generator)
+            token, probs = draft_token(logits, params, generator, len(context) + i)
             tokens.append(token)
             rows.append(None if probs is None else self._pad(probs))
             alternatives.append(ranked(logits, width - 1, exclude=token) if width > 1 else [])

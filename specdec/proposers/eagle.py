@@ -56,7 +56,7 @@ class EagleProposer(FeatureProposer, TreeProposer):
         vocab = self.head.vocab
         for i, width in enumerate(widths):
             logits = vocab.logits(hidden)  # [V']
-            token, probs = vocab.draft_token(logits, params, generator)
+            token, probs = vocab.draft_token(logits, params, generator, n + i)
             tokens.append(token)
             rows.append(probs)
             alternatives.append(vocab.ranked(logits, width - 1, exclude=token) if width > 1 else [])

@@ -34,9 +34,9 @@ class EarlyExitProposer:
             return EMPTY_DRAFT
         vocab = self.adapter.vocab
         token, tokens, rows = context[-1], [], []
-        for _ in range(k):
+        for i in range(k):
             state = self.target.extend_shallow([token], self.exit_layer)[-1]  # [hidden]
-            token, probs = vocab.draft_token(vocab.logits(self.adapter(state)), params, generator)
+            token, probs = vocab.draft_token(vocab.logits(self.adapter(state)), params, generator, len(context) + i)
             tokens.append(token)
             rows.append(probs)
         return draft_of(tokens, rows)

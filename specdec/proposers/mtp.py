@@ -48,8 +48,8 @@ class MTPProposer(FeatureProposer, TreeProposer):
         rows: list[torch.Tensor | None] = []
         alternatives: list[list[int]] = []
         vocab = self.heads.vocab
-        for row, width in zip(logits, widths):
-            token, probs = vocab.draft_token(row, params, generator)
+        for depth, (row, width) in enumerate(zip(logits, widths)):
+            token, probs = vocab.draft_token(row, params, generator, len(context) + depth)
             tokens.append(token)
             rows.append(probs)
             alternatives.append(vocab.ranked(row, width - 1, exclude=token) if width > 1 else [])

@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from specdec.choices import SEED_RANGE
+from specdec.choices import DEFAULT_SAMPLING_METHOD, SAMPLING_METHODS, SEED_RANGE
 from specdec.sampling import LogitsAdjustment, SamplingParams
 from specdec.server.scheduler import GenerationRequest
 
@@ -97,6 +97,7 @@ class _Sampling(_Body):
     top_k: Annotated[int, Field(ge=-1)] = 0  # vLLM's extension: -1 or 0, no limit
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     seed: Annotated[int, Field(ge=SEED_RANGE[0], lt=SEED_RANGE[1])] | None = None
+    sampling: Literal[SAMPLING_METHODS] = DEFAULT_SAMPLING_METHOD  # specdec's: how draws are made (sampling.py)
     stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -280,7 +281,8 @@ def parse_job(body: dict, chat: bool, model_name: str, vocab_size: int) -> Job:
         chat=chat,
         prompt=prompt,
         max_tokens=max_tokens,
-        sampling=SamplingParams(temperature=request.temperature, top_k=max(request.top_k, 0), top_p=request.top_p),
+        sampling=SamplingParams(temperature=request.temperature, top_k=max(request.top_k, 0), top_p=request.top_p,
+                                method=request.sampling),
         seed=request.seed,
         stop=stop,
         stream=request.stream,

@@ -422,7 +422,7 @@ class Scheduler:
             if request.adjustment.penalises and r.counts is None:
                 r.counts = torch.zeros(logits.shape[-1], device=logits.device)
             logits = request.adjustment.apply(logits, r.counts, draft.tokens)
-        verdict = verify_draft(draft, logits, request.sampling, r.generator)
+        verdict = verify_draft(draft, logits, request.sampling, r.generator, len(r.context))
         r.slot.length = len(r.context) + verdict.accepted  # the context, less its last token, was cached
         self._learn_acceptance(r, draft, verdict)
         round_ = emitted_round(draft, verdict, r.remaining, r.stop_ids, 0.0, 0.0, len(draft))
