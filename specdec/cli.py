@@ -16,6 +16,7 @@ from specdec.choices import (
     EXPORT_FORMATS,
     DEFAULT_SAMPLING_METHOD,
     MAX_DRAFT_TOKENS,
+    QUANTIZE_TYPES,
     SAMPLING_METHODS,
     SERVED_DRAFTERS,
     SPECULATION_MODES,
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_exits_parser(commands)
     _add_figures_parser(commands)
     _add_export_parser(commands)
+    _add_quantize_parser(commands)
     _add_audit_parser(commands)
     _add_datastore_parser(commands)
     _add_serve_parser(commands)
@@ -321,6 +323,19 @@ def _add_export_parser(commands) -> None:
                         help="the drafter (default: the one shipped for the target)")
     export.add_argument("--model", default=None, help="the target it was trained for (default: the default model)")
     export.set_defaults(run=_runs("specdec.drafters.export", "run_export"))
+
+
+def _add_quantize_parser(commands) -> None:
+    quantize = commands.add_parser("quantize", help="write a quantised copy of a GGUF file (once), for greedy output "
+                                   "that speculation keeps bit for bit on llama.cpp")
+    quantize.add_argument("model", metavar="MODEL.gguf", help="the GGUF file to convert")
+    quantize.add_argument("--type", default="q8_0", type=str.upper, choices=QUANTIZE_TYPES,
+                          help="the copy's weight type (default q8_0: nearly lossless, and its one-row pass costs "
+                          "what Q4_1's does on AVX2)")
+    quantize.add_argument("--out", default=None, metavar="PATH",
+                          help="where to write it (default: beside the source, as NAME.TYPE.gguf)")
+    quantize.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    quantize.set_defaults(run=_runs("specdec.backends.quantize", "run_quantize"))
 
 
 def _add_figures_parser(commands) -> None:

@@ -127,9 +127,10 @@ def test_cache_grows_past_its_first_allocation_and_keeps_a_reservation():
     assert runtime.tokens == ids
     reserved = LlamaRuntime(model)
     reserved.reserve(len(ids) + 4)
-    assert reserved._capacity == len(ids) + 4  # sized to the request, not to a power of two
+    blocks = llama_backend.whole_blocks(len(ids) + 4)  # sized to the request, in whole blocks of keys
+    assert reserved._capacity == blocks
     assert (runtime_logits_in_pieces(reserved, ids, [200, 50, 1, 65]) - ours).abs().max() < 1e-12
-    assert reserved._capacity == len(ids) + 4  # no pass reallocated it
+    assert reserved._capacity == blocks  # no pass reallocated it
 
 
 def test_make_backend_picks_the_runtime_only_where_it_is_exact():

@@ -342,6 +342,35 @@ def test_bad_model_files_are_refused_in_one_line(tmp_path, tiny, capsys):
         assert len(err.splitlines()) == 1 and message in err, err
 
 
+def test_quantize_makes_a_float_gguf_pass_invariant(tiny, tmp_path, capsys):
+    """The tiny F32 GGUF's rows depend on the pass (its load says so); ``specdec quantize`` writes a Q8_0 copy whose
+    rows do not, on which speculation gives plain greedy output."""
+    assert GGUFModel(tiny).pass_invariant is None and LlamaCppLM.load(tiny).model.pass_invariant is False
+    out = tmp_path / "copy.gguf"
+    assert main(["quantize", str(tiny), "--out", str(out)]) == 0
+    assert "bit for bit" in capsys.readouterr().out
+    copy = LlamaCppLM.load(out, threads=2)
+    assert copy.model.pass_invariant and copy.model.weight_type == "Q8_0"
+    config = GenerationConfig(max_new_tokens=24, stop_at_eos=False)
+    prompt = [1, 9, 10, 11, 9, 10, 11, 9, 10]
+    plain = Engine(copy, make_proposer("none", copy)).generate(prompt, config).token_ids
+    assert Engine(copy, make_proposer("prompt-lookup", copy)).generate(prompt, config).token_ids == plain
+
+
+def test_quantize_refuses_what_it_cannot_convert_in_one_line(tiny, tmp_path, capsys):
+    text = tmp_path / "notes.gguf"
+    text.write_text("not weights")
+    cases = [([str(text)], f"not a GGUF file: {text}"),
+             ([str(tmp_path / "missing.gguf")], "model file not found"),
+             ([str(tiny), "--out", str(tmp_path / "no" / "such" / "dir.gguf")], "does not exist"),
+             ([str(tiny), "--out", str(tiny)], "onto itself"),
+             ([str(tiny), "--type", "q3_k"], "argument --type: invalid choice")]
+    for args, message in cases:
+        assert main(["quantize", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+
+
 def test_the_cli_generates_on_llama_cpp(tiny, capsys):
     assert main(["generate", "Write a haiku", "--model", str(tiny), "--backend", "llama.cpp", "--threads", "1",
                  "--max-new-tokens", "8", "--json"]) == 0

@@ -64,8 +64,8 @@ def test_a_gguf_whose_rows_depend_on_the_pass_is_named_in_one_notice(tmp_path):
     result = generate(write_tiny_gguf(tmp_path / "f32.gguf", context=512))
     assert result.returncode == 0, result.stderr
     notice, summary = result.stderr.splitlines()
-    assert notice.startswith("specdec: f32.gguf: llama.cpp computes a position's logits differently alone and in a "
-                             "pass of several (F32 weights, this build)")
+    assert notice.startswith("specdec: f32.gguf: llama.cpp (F32 weights, this build) computes a position's logits "
+                             "differently alone and in a pass of several") and "specdec quantize" in notice
     assert is_summary(summary)
 
 

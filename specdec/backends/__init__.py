@@ -6,7 +6,7 @@ Nothing here imports transformers until a transformers model is wrapped: the lla
 
 from __future__ import annotations
 
-from specdec.backends.base import CausalLM, sync
+from specdec.backends.base import CausalLM, probe_pass_invariance, sync
 from specdec.choices import BACKENDS
 
 
@@ -24,9 +24,12 @@ def make_backend(model, precision: str | None = None) -> CausalLM:
         from specdec.backends.hf import HFCausalLM
 
         return HFCausalLM(model)
-    if precision == "auto":
-        return llama.LlamaRuntime(model, _auto_precisions(model))
-    return llama.LlamaRuntime(model, precision)
+    runtime = llama.LlamaRuntime(model, _auto_precisions(model) if precision == "auto" else precision)
+    runtime.pass_invariant = probe_pass_invariance(
+        runtime, getattr(model.config, "_name_or_path", "") or "the model", f"specdec's runtime ({runtime.precisions})",
+        "one precision for every pass (--dtype float32, float16 or bfloat16) is invariant where docs/exactness.md "
+        "measured")
+    return runtime
 
 
 def target_backend(loaded, precision: str | None = None) -> CausalLM:

@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 
 from specdec.errors import UsageError
+from specdec.logs import notice
 
 
 class CausalLM(Protocol):
@@ -124,6 +125,37 @@ def pass_seconds(model: CausalLM, positions: int) -> float:
     elapsed = time.perf_counter() - started
     model.rollback(cached)
     return elapsed
+
+
+PROBE_PREFIX = (1, 7, 42)  # the pass-invariance probe: a cached prefix, then five positions (ids mod the vocabulary)
+PROBE_TOKENS = (100, 1000, 10000, 20000, 30000)
+
+
+def rows_are_pass_invariant(model: CausalLM) -> bool:
+    """Whether a few positions' logits, computed one position per pass (plain decoding), equal those of one pass
+    over them all (a verifying pass), bit for bit, after a cached prefix; the cache is left empty. Where they do,
+    speculation cannot change a greedy or seeded token on that backend; where not, it can at near-ties."""
+    prefix = [token % model.vocab_size for token in PROBE_PREFIX]
+    probe = [token % model.vocab_size for token in PROBE_TOKENS]
+    model.rollback(0)
+    model.extend(prefix, 0)
+    alone = torch.cat([model.extend([token], 1) for token in probe])  # [5, vocab]
+    model.rollback(len(prefix))
+    together = model.extend(probe, len(probe))  # [5, vocab]
+    model.rollback(0)
+    return torch.equal(alone, together)
+
+
+def probe_pass_invariance(model: CausalLM, name: str, runtime: str, remedy: str) -> bool | None:
+    """Whether ``model``'s rows are pass-invariant (:func:`rows_are_pass_invariant`; None where its context is too
+    short to probe), and one notice where they are not, naming ``remedy``."""
+    if model.max_length < len(PROBE_PREFIX) + len(PROBE_TOKENS):
+        return None
+    invariant = rows_are_pass_invariant(model)
+    if not invariant:
+        notice(f"{name}: {runtime} computes a position's logits differently alone and in a pass of several, so "
+               f"speculation can part from plain decoding where two tokens nearly tie; {remedy}")
+    return invariant
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:

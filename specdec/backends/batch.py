@@ -14,9 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from specdec.backends.llama import LlamaRuntime, mlp, project_qkv, rms_norm
+from specdec.backends.llama import LlamaRuntime, blocked_attention, mlp, project_qkv, rms_norm, whole_blocks
 
 
 class PoolFull(RuntimeError):
@@ -51,7 +50,8 @@ class BatchedLlama:
         self.vocab_size = runtime.vocab_size
         self.max_length = min(max_length, runtime.max_length)
         self.max_slots = max_slots
-        shape = (max_slots, runtime.kv_heads, self.max_length, runtime.head_dim)
+        shape = (max_slots, runtime.kv_heads, whole_blocks(self.max_length), runtime.head_dim)  # attention reads
+        # whole blocks of keys
         # torch.empty leaves pages untouched until written: memory grows with the positions actually used
         self._keys = [torch.empty(shape, dtype=runtime.dtype, device=self.device) for _ in range(runtime.num_layers)]
         self._values = [torch.empty(shape, dtype=runtime.dtype, device=self.device) for _ in range(runtime.num_layers)]
@@ -152,9 +152,7 @@ class BatchedLlama:
         padded = q.new_zeros(rows * width, rt.heads, rt.head_dim)
         padded[layout.padded_index] = q
         queries = padded.view(rows, width, rt.heads, rt.head_dim).transpose(1, 2)  # [R, heads, width, hd]
-        attended = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=layout.mask, enable_gqa=rt.heads != rt.kv_heads
-        )  # [R, heads, width, hd]
+        attended = blocked_attention(queries, keys, values, layout.mask)  # [R, heads, width, hd]: each row as alone
         flat = attended.transpose(1, 2).reshape(rows * width, rt.heads * rt.head_dim)
         return flat[layout.padded_index]
 
@@ -166,7 +164,7 @@ class _Layout:
         self.lengths = lengths
         self.total = sum(lengths)
         self.width = max(lengths)
-        span = max(start + n for start, n in zip(starts, lengths))  # keys any query may see
+        span = whole_blocks(max(start + n for start, n in zip(starts, lengths)))  # the blocks of keys read
         indexes = [row.slot.index for row in rows]
         self.slot_range = (indexes[0], indexes[-1] + 1) if indexes == list(range(indexes[0], indexes[-1] + 1)) \
             else None
@@ -187,8 +185,7 @@ class _Layout:
         last_seen = torch.tensor(starts, device=device)[:, None] + torch.minimum(
             torch.arange(self.width, device=device)[None, :], torch.tensor(lengths, device=device)[:, None] - 1
         )  # [R, width]
-        self.mask = (torch.arange(span, device=device)[None, None, :] <= last_seen[:, :, None])[:, None]
-        # [R, 1, width, span]
+        self.mask = torch.arange(span, device=device)[None, None, :] <= last_seen[:, :, None]  # [R, width, span]
 
     def cached(self, pool: torch.Tensor) -> torch.Tensor:  # [R, kv_heads, span, hd]
         """The rows' caches: a view when their slots are consecutive, else gathered."""

@@ -53,8 +53,17 @@ def _plain(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
 
 
 def _onednn(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    """oneDNN's product over reordered weights. One row goes through as two (itself twice): oneDNN's one-row path
+    sums some products (the down projection's, 1536 long) in another order than its path for several rows, so a
+    position's output would depend on the pass; two rows cost what one does."""
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACKED_ROWS)
-    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return torch.ops.mkldnn._linear_pointwise(x.repeat(2, 1), packed, bias, "none", [], "")[:1]
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    return linear
 
 
 def _fbgemm_half(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:

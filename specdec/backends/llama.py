@@ -19,7 +19,8 @@ from specdec.backends.base import FeatureSource, ShallowRunner, TreeScorer, stre
 from specdec.backends.linear import DTYPE_OF, Linear, PassPrecisions, activation_dtype, make_linear, precision_name
 
 FAMILIES = ("llama", "mistral", "qwen2")
-INITIAL_CAPACITY = 256  # cache positions allocated when nothing was reserved; doubled when a request needs more
+KEY_BLOCK = 256  # keys attention reduces over at a time; caches hold whole blocks (see blocked_attention)
+INITIAL_CAPACITY = KEY_BLOCK  # cache positions allocated when nothing was reserved; doubled when a request needs more
 
 
 def supports(model) -> bool:
@@ -80,6 +81,7 @@ class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
         self._cos = self._sin = torch.empty(0, self.head_dim, device=self.device)  # [capacity, head_dim]
         self._capacity = 0
         self._shallow = _Shallow()  # positions after the cache run through the first layers only (extend_shallow)
+        self.pass_invariant: bool | None = None  # whether a row's logits are the same in any pass; None: not probed
 
     def reserve(self, length: int) -> None:
         """Hold at least ``length`` positions (capped at max_length), so that no pass reallocates the cache."""
@@ -206,10 +208,11 @@ class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
         values written to those layers' cache), in the precision of a pass over that many positions."""
         layers = self.weights_for(x.shape[0])[0]
         cos, sin = self._cos[positions], self._sin[positions]  # [n, head_dim] each
+        allowed = blocked_mask(mask, start, x.shape[0], self.device)  # [1, n, whole blocks of keys]
         for index in range(first, end):
             layer = layers[index]
             x = x + self._attention(layer, rms_norm(x, layer.input_norm, self.eps), self._keys[index],
-                                    self._values[index], start, cos, sin, mask)
+                                    self._values[index], start, cos, sin, allowed)
             x = x + mlp(layer, x, self.eps)
         return x
 
@@ -233,15 +236,14 @@ class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
         return self._weights[self.precisions.for_positions(positions)]
 
     def _attention(self, layer: _Layer, h: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                   cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:  # [n, hidden]
+                   cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:  # [n, hidden]
         n, heads, hd = h.shape[0], self.heads, self.head_dim
         q, k, v = project_qkv(layer, h, cos, sin, heads, self.kv_heads, hd)
         keys[:, start : start + n] = k.transpose(0, 1)
         values[:, start : start + n] = v.transpose(0, 1)
-        attended = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys[None, :, : start + n], values[None, :, : start + n], attn_mask=mask,
-            enable_gqa=heads != self.kv_heads,
-        )  # [1, heads, n, hd]
+        span = allowed.shape[-1]
+        attended = blocked_attention(q.transpose(0, 1)[None], keys[None, :, :span], values[None, :, :span],
+                                     allowed)  # [1, heads, n, hd]
         return layer.out(attended[0].transpose(0, 1).reshape(n, heads * hd))
 
     def _grow(self, needed: int) -> None:
@@ -251,13 +253,15 @@ class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
         self._resize(min(capacity, self.max_length))
 
     def _resize(self, capacity: int) -> None:
+        capacity = whole_blocks(capacity)  # attention reads whole blocks of keys
         if capacity == self._capacity:
             return
         shape = (self.kv_heads, capacity, self.head_dim)
         used = min(len(self.tokens), capacity)
         for buffers in (self._keys, self._values):
             for i in range(self.num_layers):
-                resized = torch.empty(shape, dtype=self.dtype, device=self.device)
+                # zeros: attention reads the unwritten positions of its last block, masked; they must be finite
+                resized = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 if i < len(buffers):
                     resized[:, :used] = buffers[i][:, :used]
                     buffers[i] = resized
@@ -346,6 +350,58 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos[:, None] + rotated * sin[:, None]
+
+
+def whole_blocks(length: int) -> int:
+    """``length`` rounded up to whole blocks of KEY_BLOCK keys."""
+    return -(-length // KEY_BLOCK) * KEY_BLOCK
+
+
+def blocked_mask(mask: torch.Tensor | None, start: int, n: int, device: torch.device) -> torch.Tensor:
+    """[1, n, whole_blocks(start+n)]: True where query i may attend key j; ``mask`` [n, start+n] as given (None:
+    causal), keys past start+n never."""
+    span = whole_blocks(start + n)
+    if mask is None:
+        mask = _causal_mask(start, n, device) if n > 1 else torch.ones(1, start + n, dtype=torch.bool, device=device)
+    return F.pad(mask, (0, span - mask.shape[-1]))[None]
+
+
+def blocked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor
+                      ) -> torch.Tensor:  # [B, heads, n, hd]
+    """softmax(q k^T / sqrt(hd)) v, invariant to the pass: q [B, heads, n, hd]; keys and values [B, kv_heads, S, hd],
+    S whole blocks of KEY_BLOCK keys (those no query may see: finite); ``allowed`` [B or 1, n, S].
+
+    Block by block, with a running maximum and sum (flash attention's online softmax), every row reduces over the
+    same whole blocks in the same order, and every matmul's row is computed as it is alone: a row's result is
+    the same bit for bit whatever the number of rows in the pass, whichever sequences share it, and however many
+    blocks the pass reads beyond the row's own (a block a row may not see leaves its maximum, sum and output
+    exactly as they were). PyTorch's fused attention is not: one query and several take different paths."""
+    batch, heads, n, hd = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads  # heads h*group .. (h+1)*group-1 read kv head h
+    q = (q * hd**-0.5).reshape(batch * kv_heads, group * n, hd)
+    hidden = ~allowed[:, None, None]  # [B or 1, 1, 1, n, S]
+    top = total = out = None
+    for block in range(0, keys.shape[2], KEY_BLOCK):
+        k = keys[:, :, block : block + KEY_BLOCK].reshape(batch * kv_heads, KEY_BLOCK, hd)
+        v = values[:, :, block : block + KEY_BLOCK].reshape(batch * kv_heads, KEY_BLOCK, hd)
+        scores = torch.bmm(q, k.transpose(1, 2)).view(batch, kv_heads, group, n, KEY_BLOCK)
+        scores = scores.masked_fill(hidden[..., block : block + KEY_BLOCK], float("-inf"))
+        block_top = scores.amax(-1, keepdim=True)  # [B, kv_heads, group, n, 1]
+        if top is None:
+            top = block_top
+            weights = torch.exp(scores - top)
+            total = weights.sum(-1, keepdim=True)
+            out = torch.bmm(weights.view(batch * kv_heads, group * n, KEY_BLOCK), v)
+        else:
+            new_top = torch.maximum(top, block_top)
+            rescale = torch.exp(top - new_top)  # 1 exactly where the block adds nothing
+            weights = torch.exp(scores - new_top)
+            total = total * rescale + weights.sum(-1, keepdim=True)
+            out = out * rescale.view(batch * kv_heads, group * n, 1) + torch.bmm(
+                weights.view(batch * kv_heads, group * n, KEY_BLOCK), v)
+            top = new_top
+    return (out / total.view(batch * kv_heads, group * n, 1)).view(batch, heads, n, hd)
 
 
 def _causal_mask(start: int, n: int, device: torch.device) -> torch.Tensor | None:

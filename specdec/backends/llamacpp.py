@@ -23,13 +23,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdec.backends.base import FeatureSource
+from specdec.backends.base import FeatureSource, probe_pass_invariance
 from specdec.backends.batch import PoolFull, Row, Slot
 from specdec.errors import UsageError
 from specdec.logs import notice, route_llama_cpp_logs
 
 DEFAULT_CONTEXT = 8192  # positions of the single-sequence cache, when the model was trained for more
-PROBE_TOKENS = (1, 100, 1000, 10000, 20000)  # the pass-invariance probe's positions (ids taken mod the vocabulary)
 BATCH_TOKENS = 512  # entries in one llama_decode; a longer pass (a prefill) is cut into pieces of this size
 GGUF_MAGIC = b"GGUF"
 
@@ -166,16 +165,6 @@ class LlamaCppContext:
         logits = torch.cat([piece[0] for piece in pieces])
         return logits, torch.cat([piece[1] for piece in pieces]) if self.keeps_states else None
 
-    def rows_are_pass_invariant(self) -> bool:
-        """Whether a few positions' logits, computed one row per pass, equal those of one pass over them all, bit
-        for bit (on sequence 0, which must be empty; it is left empty)."""
-        entries = [Entry(token % self.model.vocab_size, i, 0, True) for i, token in enumerate(PROBE_TOKENS)]
-        alone = torch.cat([self.decode([entry]) for entry in entries])
-        self.remove(0, 0)
-        together = self.decode(entries)
-        self.remove(0, 0)
-        return torch.equal(alone, together)
-
     def remove(self, sequence: int, start: int) -> None:
         """Forget the sequence's cached positions from ``start`` on."""
         self._lib.llama_memory_seq_rm(self.memory, sequence, start, -1)
@@ -230,20 +219,6 @@ class LlamaCppContext:
             self.pointer = None
 
 
-def probe_pass_invariance(context: LlamaCppContext) -> None:
-    """Once per model: whether its rows come out the same alone and in a pass (``GGUFModel.pass_invariant``), and
-    one notice where they do not, since speculation can then part from plain greedy output."""
-    model = context.model
-    if model.pass_invariant is not None or context.positions < len(PROBE_TOKENS):
-        return
-    model.pass_invariant = context.rows_are_pass_invariant()
-    if not model.pass_invariant:
-        notice(f"{model.path.name}: llama.cpp computes a position's logits differently alone and in a pass of "
-               f"several ({model.weight_type} weights, this build), so speculation can part from plain greedy "
-               "output where the top two logits nearly tie; a quantised copy may not (Q4_0, Q4_1 and Q8_0 did "
-               "not, where docs/exactness.md measured)")
-
-
 class LlamaCppLM(FeatureSource):
     """The CausalLM protocol on llama.cpp: one sequence's cache, extended and rolled back."""
 
@@ -256,11 +231,15 @@ class LlamaCppLM(FeatureSource):
             notice(f"{model.path.name} was trained on {model.trained_context} positions; prompt and answer together "
                    f"get {self.max_length} here")
         self.context = LlamaCppContext(model, self.max_length, 1, threads)
-        probe_pass_invariance(self.context)
         self.vocab_size = model.vocab_size
         self.weight_bytes = model.weight_bytes
         self.tokens: list[int] = []
         self._hidden: torch.Tensor | None = None  # [max_length, hidden] once keep_hidden_states() was called
+        if model.pass_invariant is None:  # once per model: its contexts share its kernels
+            model.pass_invariant = probe_pass_invariance(
+                self, model.path.name, f"llama.cpp ({model.weight_type} weights, this build)",
+                f"`specdec quantize {model.path}` writes a Q8_0 copy once, and says whether its rows are the same in "
+                "any pass")
 
     @classmethod
     def load(cls, path: str | os.PathLike, max_length: int | None = None, threads: int | None = None
@@ -320,7 +299,6 @@ class LlamaCppPool:
         self.max_slots = max_slots
         self.max_length = min(max_length, model.trained_context or max_length)
         self.context = LlamaCppContext(model, self.max_length, max_slots, threads)
-        probe_pass_invariance(self.context)
         self.slots: list[Slot] = []  # open slots
         self._free = list(range(max_slots - 1, -1, -1))  # sequence ids not in use; the lowest is taken first
         self._cached: dict[int, int] = {}  # sequence id -> positions llama.cpp holds for it

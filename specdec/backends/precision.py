@@ -10,7 +10,8 @@ Each candidate precision is measured on the machine it will run on, against floa
   pass (``BULK_TIMED`` positions: prefill, a large batch), the candidates interleaved so that the machine's noise
   falls on all alike.
 
-The fastest admitted candidate is chosen for each kind of pass; float32 is always admitted. The choice is kept in
+The admitted candidate fastest at decode and scoring passes together is chosen for every kind of pass (one
+precision keeps each position's logits the same in any pass); float32 is always admitted. The choice is kept in
 the specdec cache, keyed by model, machine, threads and PyTorch version, so the measurement runs once.
 """
 
@@ -35,7 +36,7 @@ PROBE_TOKENS = 128  # the probe sequence whose logits are compared
 SCORED_POSITIONS = 5  # a scoring pass as timed: k+1 at the default k=4
 BULK_TIMED = 2 * BULK_POSITIONS  # a bulk pass as timed
 REPEATS = 5  # timed passes per candidate and kind; the median is kept
-CACHE_VERSION = 2  # 2: with the bulk pass
+CACHE_VERSION = 3  # 2: with the bulk pass; 3: one precision for every pass
 
 
 @dataclass(frozen=True)
@@ -63,12 +64,11 @@ def auto_precisions(model) -> PassPrecisions:
 
 
 def choose(measurements: list[PrecisionMeasurement]) -> PassPrecisions:
+    """One precision for every kind of pass: the admitted one whose decode and scoring passes take least time
+    together. Weights in two precisions would make a position's logits depend on the pass that computed it, and
+    speculation or batching could then change a token; in one, the runtime computes each row as it does alone."""
     admitted = [m for m in measurements if m.admitted]
-    return PassPrecisions(
-        decode=min(admitted, key=lambda m: m.decode_ms).precision,
-        score=min(admitted, key=lambda m: m.score_ms).precision,
-        bulk=min(admitted, key=lambda m: m.bulk_ms).precision,
-    )
+    return PassPrecisions.uniform(min(admitted, key=lambda m: m.decode_ms + m.score_ms).precision)
 
 
 def measure(model, candidates: tuple[str, ...] = PRECISIONS, seed: int = 0) -> list[PrecisionMeasurement]:
