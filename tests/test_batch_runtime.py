@@ -59,3 +59,27 @@ def test_rollback_is_a_length_and_a_full_pool_refuses(model):
         pool.open()
     with pytest.raises(ValueError):
         pool.forward([Row(slot, list(range(3, 16)), 1)])  # past max_length
+
+
+@pytest.mark.parametrize("precision", ["float32", "float16", "bfloat16"])
+def test_a_rows_logits_are_the_same_bit_for_bit_whatever_shares_its_pass(precision):
+    """In each precision the runtime runs: a sequence's logits, one position at a time on the single-sequence
+    runtime, equal those of its rows in pool passes beside other sequences of other lengths (some crossing into a
+    second block of keys), and those of one pass over its positions; bit for bit."""
+    runtime = LlamaRuntime(tiny_llama(seed=0, init_range=0.5), precision)
+    sequence = list(range(3, 63)) * 5  # 300 positions: past the first block of 256 keys
+    runtime.extend(sequence[:250], 0)
+    alone = torch.cat([runtime.extend([token], 1) for token in sequence[250:260]])  # [10, vocab]
+    runtime.rollback(250)
+    assert torch.equal(runtime.extend(sequence[250:260], 10), alone)
+    pool = BatchedLlama(runtime, max_slots=4, max_length=512)
+    watched, others = pool.open(), [pool.open() for _ in range(3)]
+    pool.forward([Row(watched, sequence[:250], 0)] + [Row(slot, [5 + i] * (40 + 100 * i), 0)
+                                                       for i, slot in enumerate(others)])
+    rows = []
+    for j, token in enumerate(sequence[250:260]):  # one position at a time, beside 0 to 3 others' drafts
+        beside = [Row(slot, [7] * (1 + (j + i) % 5), 1) for i, slot in enumerate(others[: j % 4])]
+        rows.append(pool.forward([Row(watched, [token], 1)] + beside)[0])
+        for row in beside:
+            row.slot.length -= len(row.token_ids)  # forget the others' drafts
+    assert torch.equal(torch.cat(rows), alone)

@@ -14,7 +14,6 @@ from tiny import E2E_PROMPT, e2e_models, e2e_samples, perturbed_copy, tiny_llama
 
 from specdec.backends import HFCausalLM, LlamaRuntime
 from specdec.backends.base import sync
-from specdec.bench.agreement import first_difference
 from specdec.engine import Engine, GenerationConfig
 from specdec.errors import UsageError
 from specdec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer, RetrievalProposer
@@ -390,32 +389,18 @@ def test_retrieval_with_an_adaptive_draft_length_samples_exactly():
     assert 0 < sum(st.accepted_tokens for st in stats) < sum(st.draft_tokens for st in stats)
 
 
-# bfloat16 keeps 8 significant bits: one rounding of a logit below 8 in magnitude moves it by up to 8 * 2**-8;
-# a near-tie is a top-two gap within four such roundings
-BF16_NEAR_TIE = 4 * 8 * 2**-8
-
-
-@pytest.mark.parametrize("backend_class", BACKENDS)
-def test_bfloat16_speculation_is_plain_bfloat16_greedy_up_to_near_ties(backend_class):
-    """In bfloat16, scoring k+1 positions rounds differently from scoring one: a mismatch with plain decoding
-    may only sit where plain decoding's top two logits are within bfloat16 rounding of each other."""
+@pytest.mark.parametrize("backend_class", [LlamaRuntime])
+def test_bfloat16_speculation_is_plain_bfloat16_greedy(backend_class):
+    """In bfloat16 too, where one rounding moves a logit by up to 2^-8 of it: the runtime computes each position as
+    it does alone, so speculation gives plain decoding's tokens bit for bit."""
     target = tiny_llama(seed=0, init_range=0.5)
     draft = perturbed_copy(target, noise=0.03, seed=1).to(torch.bfloat16)
     target = target.to(torch.bfloat16)
     backend = backend_class(target)
     plain = Engine(backend, NoProposer())
     speculative = Engine(backend, DraftModelProposer(backend_class(draft), backend.vocab_size))
-    gaps = []
     for prompt in PROMPTS:
-        expected = greedy(plain, prompt, 4)
-        i = first_difference(greedy(speculative, prompt, 4), expected)
-        if i is not None:
-            with torch.no_grad():
-                logits = target(torch.tensor([prompt + expected[:i]])).logits[0, -1].float()
-            top = torch.topk(logits, 2).values
-            gaps.append(float(top[0] - top[1]))
-            assert logits.abs().max() < 8 and gaps[-1] < BF16_NEAR_TIE, (prompt, i, gaps[-1])
-    print("bfloat16 mismatches, at top-two gaps:", gaps)
+        assert greedy(speculative, prompt, 4) == greedy(plain, prompt, 4), prompt
 
 
 def test_capabilities_are_declared_and_a_missing_one_is_refused_by_name():

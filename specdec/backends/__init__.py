@@ -20,13 +20,18 @@ def make_backend(model, precision: str | None = None) -> CausalLM:
     """
     from specdec.backends import llama
 
+    name = getattr(model.config, "_name_or_path", "") or "the model"
     if not llama.supports(model):
         from specdec.backends.hf import HFCausalLM
 
-        return HFCausalLM(model)
+        runtime = HFCausalLM(model)
+        runtime.pass_invariant = probe_pass_invariance(
+            runtime, name, f"its transformers modules ({str(runtime.model.dtype).removeprefix('torch.')})",
+            "specdec's own runtime, which is invariant, runs llama, mistral and qwen2 models")
+        return runtime
     runtime = llama.LlamaRuntime(model, _auto_precisions(model) if precision == "auto" else precision)
     runtime.pass_invariant = probe_pass_invariance(
-        runtime, getattr(model.config, "_name_or_path", "") or "the model", f"specdec's runtime ({runtime.precisions})",
+        runtime, name, f"specdec's runtime ({runtime.precisions})",
         "one precision for every pass (--dtype float32, float16 or bfloat16) is invariant where docs/exactness.md "
         "measured")
     return runtime

@@ -15,7 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.backends.llama import LlamaRuntime, blocked_attention, mlp, project_qkv, rms_norm, whole_blocks
+from specdec.backends.llama import (
+    LlamaRuntime,
+    attention_bias,
+    blocked_attention,
+    mlp,
+    project_qkv,
+    rms_norm,
+    whole_blocks,
+)
 
 
 class PoolFull(RuntimeError):
@@ -123,6 +131,7 @@ class BatchedLlama:
         layout = _Layout(rows, starts, lengths, self.device)
         self._clear_up_to(layout.span, rows)
         rt = self.runtime
+        layout.bias = attention_bias(layout.mask, rt.kv_heads, rt.heads // rt.kv_heads, rt.dtype)
         cos, sin = self._cos[layout.positions], self._sin[layout.positions]  # [T, head_dim] each
         x = rt.embed[layout.token_ids]  # [T, hidden]
         for layer, keys, values in zip(rt.weights_for(layout.total)[0][:layers], self._keys, self._values):
@@ -152,7 +161,7 @@ class BatchedLlama:
         padded = q.new_zeros(rows * width, rt.heads, rt.head_dim)
         padded[layout.padded_index] = q
         queries = padded.view(rows, width, rt.heads, rt.head_dim).transpose(1, 2)  # [R, heads, width, hd]
-        attended = blocked_attention(queries, keys, values, layout.mask)  # [R, heads, width, hd]: each row as alone
+        attended = blocked_attention(queries, keys, values, layout.bias)  # [R, heads, width, hd]: each row as alone
         flat = attended.transpose(1, 2).reshape(rows * width, rt.heads * rt.head_dim)
         return flat[layout.padded_index]
 

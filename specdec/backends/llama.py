@@ -208,11 +208,12 @@ class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
         values written to those layers' cache), in the precision of a pass over that many positions."""
         layers = self.weights_for(x.shape[0])[0]
         cos, sin = self._cos[positions], self._sin[positions]  # [n, head_dim] each
-        allowed = blocked_mask(mask, start, x.shape[0], self.device)  # [1, n, whole blocks of keys]
+        bias = attention_bias(blocked_mask(mask, start, x.shape[0], self.device), self.kv_heads,
+                              self.heads // self.kv_heads, self.dtype)  # [1, group * n, whole blocks of keys]
         for index in range(first, end):
             layer = layers[index]
             x = x + self._attention(layer, rms_norm(x, layer.input_norm, self.eps), self._keys[index],
-                                    self._values[index], start, cos, sin, allowed)
+                                    self._values[index], start, cos, sin, bias)
             x = x + mlp(layer, x, self.eps)
         return x
 
@@ -236,14 +237,14 @@ class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
         return self._weights[self.precisions.for_positions(positions)]
 
     def _attention(self, layer: _Layer, h: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                   cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:  # [n, hidden]
+                   cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:  # [n, hidden]
         n, heads, hd = h.shape[0], self.heads, self.head_dim
         q, k, v = project_qkv(layer, h, cos, sin, heads, self.kv_heads, hd)
         keys[:, start : start + n] = k.transpose(0, 1)
         values[:, start : start + n] = v.transpose(0, 1)
-        span = allowed.shape[-1]
+        span = bias.shape[-1]
         attended = blocked_attention(q.transpose(0, 1)[None], keys[None, :, :span], values[None, :, :span],
-                                     allowed)  # [1, heads, n, hd]
+                                     bias)  # [1, heads, n, hd]
         return layer.out(attended[0].transpose(0, 1).reshape(n, heads * hd))
 
     def _grow(self, needed: int) -> None:
@@ -366,10 +367,21 @@ def blocked_mask(mask: torch.Tensor | None, start: int, n: int, device: torch.de
     return F.pad(mask, (0, span - mask.shape[-1]))[None]
 
 
-def blocked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor
+def attention_bias(allowed: torch.Tensor, kv_heads: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """``allowed`` [B or 1, n, S] as what :func:`blocked_attention` adds to its scores: [B * kv_heads or 1,
+    group * n, S], 0 where allowed and -inf elsewhere, in the rows' order there (each query once per head of a
+    kv head's group). Made once per pass."""
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+    batch, n, span = bias.shape
+    bias = bias[:, None, None].expand(batch, 1 if batch == 1 else kv_heads, group, n, span)
+    return bias.reshape(-1, group * n, span)
+
+
+def blocked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor
                       ) -> torch.Tensor:  # [B, heads, n, hd]
-    """softmax(q k^T / sqrt(hd)) v, invariant to the pass: q [B, heads, n, hd]; keys and values [B, kv_heads, S, hd],
-    S whole blocks of KEY_BLOCK keys (those no query may see: finite); ``allowed`` [B or 1, n, S].
+    """softmax(q k^T / sqrt(hd) + bias) v, invariant to the pass: q [B, heads, n, hd]; keys and values [B, kv_heads,
+    S, hd], S whole blocks of KEY_BLOCK keys (those no query may see: finite); ``bias`` from
+    :func:`attention_bias`.
 
     Block by block, with a running maximum and sum (flash attention's online softmax), every row reduces over the
     same whole blocks in the same order, and every matmul's row is computed as it is alone: a row's result is
@@ -378,30 +390,27 @@ def blocked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     exactly as they were). PyTorch's fused attention is not: one query and several take different paths."""
     batch, heads, n, hd = q.shape
     kv_heads = keys.shape[1]
-    group = heads // kv_heads  # heads h*group .. (h+1)*group-1 read kv head h
-    q = (q * hd**-0.5).reshape(batch * kv_heads, group * n, hd)
-    hidden = ~allowed[:, None, None]  # [B or 1, 1, 1, n, S]
+    rows = heads // kv_heads * n  # a kv head's queries: its group of heads, each over the n positions
+    q = q.reshape(batch * kv_heads, rows, hd)
     top = total = out = None
     for block in range(0, keys.shape[2], KEY_BLOCK):
         k = keys[:, :, block : block + KEY_BLOCK].reshape(batch * kv_heads, KEY_BLOCK, hd)
         v = values[:, :, block : block + KEY_BLOCK].reshape(batch * kv_heads, KEY_BLOCK, hd)
-        scores = torch.bmm(q, k.transpose(1, 2)).view(batch, kv_heads, group, n, KEY_BLOCK)
-        scores = scores.masked_fill(hidden[..., block : block + KEY_BLOCK], float("-inf"))
-        block_top = scores.amax(-1, keepdim=True)  # [B, kv_heads, group, n, 1]
+        scores = torch.baddbmm(bias[..., block : block + KEY_BLOCK], q, k.transpose(1, 2), alpha=hd**-0.5)
+        block_top = scores.amax(-1, keepdim=True)  # [B * kv_heads, rows, 1]
         if top is None:
             top = block_top
-            weights = torch.exp(scores - top)
+            weights = scores.sub_(top).exp_()
             total = weights.sum(-1, keepdim=True)
-            out = torch.bmm(weights.view(batch * kv_heads, group * n, KEY_BLOCK), v)
+            out = torch.bmm(weights, v)
         else:
             new_top = torch.maximum(top, block_top)
             rescale = torch.exp(top - new_top)  # 1 exactly where the block adds nothing
-            weights = torch.exp(scores - new_top)
+            weights = scores.sub_(new_top).exp_()
             total = total * rescale + weights.sum(-1, keepdim=True)
-            out = out * rescale.view(batch * kv_heads, group * n, 1) + torch.bmm(
-                weights.view(batch * kv_heads, group * n, KEY_BLOCK), v)
+            out = out * rescale + torch.bmm(weights, v)
             top = new_top
-    return (out / total.view(batch * kv_heads, group * n, 1)).view(batch, heads, n, hd)
+    return (out / total).view(batch, heads, n, hd)
 
 
 def _causal_mask(start: int, n: int, device: torch.device) -> torch.Tensor | None:
