@@ -233,3 +233,23 @@ def test_shallow_runs_are_dropped_by_a_rollback_or_other_tokens():
     torch.testing.assert_close(runtime.extend([11, 12], 2), expected, rtol=0, atol=1e-10)
     with pytest.raises(ValueError, match="layers must be in 1..4"):
         runtime.extend_shallow([3], 5)
+
+
+@pytest.mark.parametrize("precision", ["float32", "float16"])
+def test_a_tree_node_computes_what_its_branch_computes_as_a_chain(precision):
+    """Each node of a tree pass attends to its own keys laid out as its branch lays them out as a chain: its logits
+    equal the chain's last row's, bit for bit, past the first block of keys too."""
+    runtime = LlamaRuntime(tiny_llama(seed=0, init_range=0.5), precision)
+    prefix = list(range(3, 63)) * 5  # 300 positions
+    parents = [-1, 0, 0, 1, 1, 2, 3]
+    for seed in range(3):
+        tokens = torch.randint(3, 60, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
+        runtime.rollback(0)
+        runtime.extend(prefix, 0)
+        tree = runtime.extend_tree(tokens, parents)  # [7, vocab]
+        for node in range(7):
+            branch = [node]
+            while parents[branch[-1]] >= 0:
+                branch.append(parents[branch[-1]])
+            runtime.rollback(len(prefix))
+            assert torch.equal(runtime.extend([tokens[i] for i in branch[::-1]], 1)[0], tree[node]), (seed, node)

@@ -208,12 +208,13 @@ class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
         values written to those layers' cache), in the precision of a pass over that many positions."""
         layers = self.weights_for(x.shape[0])[0]
         cos, sin = self._cos[positions], self._sin[positions]  # [n, head_dim] each
-        bias = attention_bias(blocked_mask(mask, start, x.shape[0], self.device), self.kv_heads,
-                              self.heads // self.kv_heads, self.dtype)  # [1, group * n, whole blocks of keys]
+        reading = _tree_reading(mask, start, self.device) if isinstance(positions, torch.Tensor) else None
+        allowed = blocked_mask(mask, start, x.shape[0], self.device) if reading is None else reading[1]
+        bias = attention_bias(allowed, self.kv_heads, self.heads // self.kv_heads, self.dtype)
         for index in range(first, end):
             layer = layers[index]
             x = x + self._attention(layer, rms_norm(x, layer.input_norm, self.eps), self._keys[index],
-                                    self._values[index], start, cos, sin, bias)
+                                    self._values[index], start, cos, sin, bias, None if reading is None else reading[0])
             x = x + mlp(layer, x, self.eps)
         return x
 
@@ -237,15 +238,22 @@ class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
         return self._weights[self.precisions.for_positions(positions)]
 
     def _attention(self, layer: _Layer, h: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                   cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:  # [n, hidden]
+                   cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor, tree_keys: torch.Tensor | None
+                   ) -> torch.Tensor:  # [n, hidden]
+        """A chain's queries attend to the cache as it lies; a tree's (``tree_keys``: :func:`_tree_reading`) each to
+        its own keys gathered in chain order, so that every node computes what its branch computes as a chain."""
         n, heads, hd = h.shape[0], self.heads, self.head_dim
         q, k, v = project_qkv(layer, h, cos, sin, heads, self.kv_heads, hd)
         keys[:, start : start + n] = k.transpose(0, 1)
         values[:, start : start + n] = v.transpose(0, 1)
-        span = bias.shape[-1]
-        attended = blocked_attention(q.transpose(0, 1)[None], keys[None, :, :span], values[None, :, :span],
-                                     bias)  # [1, heads, n, hd]
-        return layer.out(attended[0].transpose(0, 1).reshape(n, heads * hd))
+        if tree_keys is None:
+            span = bias.shape[-1]
+            attended = blocked_attention(q.transpose(0, 1)[None], keys[None, :, :span], values[None, :, :span],
+                                         bias)[0].transpose(0, 1)  # [n, heads, hd]
+        else:  # one batch entry per node: [n, kv_heads, span, hd]
+            attended = blocked_attention(q[:, :, None], keys[:, tree_keys].transpose(0, 1),
+                                         values[:, tree_keys].transpose(0, 1), bias)[:, :, 0]  # [n, heads, hd]
+        return layer.out(attended.reshape(n, heads * hd))
 
     def _grow(self, needed: int) -> None:
         capacity = max(INITIAL_CAPACITY, self._capacity)
@@ -375,6 +383,22 @@ def attention_bias(allowed: torch.Tensor, kv_heads: int, group: int, dtype: torc
     batch, n, span = bias.shape
     bias = bias[:, None, None].expand(batch, 1 if batch == 1 else kv_heads, group, n, span)
     return bias.reshape(-1, group * n, span)
+
+
+def _tree_reading(mask: torch.Tensor, start: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a tree pass (``mask`` [n, start+n]: the cache, then each node's ancestry, itself included): each node's
+    keys in the order its branch lays them out as a chain (the cache, then its ancestors root first, then padding),
+    as cache columns [n, span], and what it may read of them [n, 1, span]."""
+    n = mask.shape[0]
+    branches = [torch.nonzero(mask[i, start:]).flatten() + start for i in range(n)]  # ancestors in depth order
+    span = whole_blocks(start + max(len(b) for b in branches))
+    columns = torch.zeros(n, span, dtype=torch.long, device=device)  # padding reads column 0: finite, masked
+    allowed = torch.zeros(n, 1, span, dtype=torch.bool, device=device)
+    columns[:, :start] = torch.arange(start, device=device)
+    for i, branch in enumerate(branches):
+        columns[i, start : start + len(branch)] = branch
+        allowed[i, 0, : start + len(branch)] = True
+    return columns, allowed
 
 
 def blocked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor
