@@ -102,10 +102,15 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     Greedy settings give a point mass on the argmax, so that greedy decoding is the zero-temperature case of
     the same rejection test.
     """
-    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    logits = _widened(logits)
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.softmax(scaled_logits(logits, params), dim=-1)
+
+
+def _widened(logits: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits in float32; others as they are."""
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
 def scaled_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -155,12 +160,15 @@ def gumbel_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:  # 
     return -torch.from_numpy(uniforms).log_().neg_().log_()  # -log(-log u); u = 0 gives -inf: never chosen
 
 
+def gumbel_choice(scaled: torch.Tensor, seed: int, position: int) -> int:  # scaled [vocab]
+    """argmax(scaled + Gumbel noise at ``position``): an exact draw from softmax(scaled), the noise added in float64."""
+    return int((scaled.double() + gumbel_noise(seed, position, scaled.shape[-1]).to(scaled.device)).argmax())
+
+
 def invariant_choice(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:  # [vocab]
-    """The token at ``position`` under the invariant sampler: argmax(scaled logits + Gumbel noise), an exact draw
-    from ``logits_to_probs(logits, params)``. One row at a time, in float64: its value never depends on what else
-    was scored beside it."""
-    scaled = scaled_logits(logits.double(), params)  # [vocab]
-    return int((scaled + gumbel_noise(seed, position, scaled.shape[-1]).to(scaled.device)).argmax())
+    """The token at ``position`` under the invariant sampler: an exact draw from ``logits_to_probs(logits,
+    params)``, by the same transform."""
+    return gumbel_choice(scaled_logits(_widened(logits), params), seed, position)
 
 
 def noise_seed(generator: torch.Generator) -> int:
@@ -176,7 +184,8 @@ def target_choices(logits: torch.Tensor, params: SamplingParams, generator: torc
     if params.greedy:
         return logits.argmax(-1).tolist()
     seed = noise_seed(generator)
-    return [invariant_choice(row, params, seed, position) for row, position in zip(logits, positions)]
+    scaled = scaled_logits(_widened(logits), params)  # [n, vocab]: each row transformed on its own
+    return [gumbel_choice(row, seed, position) for row, position in zip(scaled, positions)]
 
 
 # --- what drafters draw with: the same transform, so that draft and target compare ----------------------------

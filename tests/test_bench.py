@@ -152,6 +152,16 @@ def test_seeded_bench_reports_no_seeded_mismatch(tiny_models, tmp_path):
     assert 0 < draft_model["acceptance_rate"] < 1
 
 
+def test_the_invariance_bench_finds_every_precision_invariant_and_prices_it(tiny_models, capsys):
+    from specdec.bench.invariance import main as invariance
+
+    invariance(["--model", str(tiny_models[0]), "--precisions", "float32,float16", "--cost", "--sampler"])
+    printed = capsys.readouterr().out
+    assert "| specdec float32 | 0 |" in printed and "| specdec float16 | 0 |" in printed
+    assert printed.count("x |") == 4  # two ratios per precision
+    assert "verifying a round of k = 4 (vocabulary 64" in printed
+
+
 @pytest.mark.parametrize("args, message", [
     (["--drafters", "none,magic"], "unknown drafter"),
     (["--drafters", "draft-model"], "no trained draft-model drafter ships for this target"),
