@@ -177,15 +177,24 @@ def noise_seed(generator: torch.Generator) -> int:
     return generator.initial_seed()
 
 
-def target_choices(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
-                   positions: list[int]) -> list[int]:  # logits [n, vocab]
-    """The target's own token after each row's context: its argmax when greedy, its invariant choice at
-    ``positions[i]`` otherwise (the invariant sampler only)."""
-    if params.greedy:
-        return logits.argmax(-1).tolist()
-    seed = noise_seed(generator)
-    scaled = scaled_logits(_widened(logits), params)  # [n, vocab]: each row transformed on its own
-    return [gumbel_choice(row, seed, position) for row, position in zip(scaled, positions)]
+class TargetChoices:
+    """The target's own token after each row of ``logits`` [n, vocab]: its argmax when greedy, else its invariant
+    choice at ``positions[row]`` (the invariant sampler only), each computed from its row alone when first read:
+    a verifier reads the rows only as far as the first draft token that is not the target's choice."""
+
+    def __init__(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+                 positions: list[int]) -> None:
+        self._argmax = logits.argmax(-1).tolist() if params.greedy else None
+        self._logits, self._params, self._positions = logits, params, positions
+        self._seed = None if params.greedy else noise_seed(generator)
+        self._chosen: dict[int, int] = {}
+
+    def __getitem__(self, row: int) -> int:
+        if self._argmax is not None:
+            return self._argmax[row]
+        if row not in self._chosen:
+            self._chosen[row] = invariant_choice(self._logits[row], self._params, self._seed, self._positions[row])
+        return self._chosen[row]
 
 
 # --- what drafters draw with: the same transform, so that draft and target compare ----------------------------

@@ -10,7 +10,7 @@ import torch
 
 from specdec.choices import check_seed
 from specdec.proposers.base import Draft
-from specdec.sampling import SamplingParams, logits_to_probs, target_choices
+from specdec.sampling import SamplingParams, TargetChoices, logits_to_probs
 from specdec.verify import (
     TreeVerdict,
     Verdict,
@@ -95,10 +95,10 @@ def verify_draft(
 ) -> Verdict:
     """Greedy and invariant sampling keep draft tokens while they are the target's own choices; standard sampling
     tests them with min(1, p/q)."""
-    draft_tokens = torch.tensor(draft.tokens, dtype=torch.long, device=logits.device)  # [k]
     if params.greedy or params.invariant:
-        choices = target_choices(logits, params, generator, [position + j for j in range(len(draft) + 1)])
-        return verify_choices(draft_tokens, torch.tensor(choices, device=logits.device))
+        positions = [position + j for j in range(len(draft) + 1)]
+        return verify_choices(draft.tokens, TargetChoices(logits, params, generator, positions))
+    draft_tokens = torch.tensor(draft.tokens, dtype=torch.long, device=logits.device)  # [k]
     return verify(draft_tokens, draft.probs, logits_to_probs(logits, params), generator)
 
 
@@ -111,7 +111,7 @@ def verify_draft_tree(
 ) -> TreeVerdict:
     if params.greedy or params.invariant:
         positions = [position] + [position + depth for depth in node_depths(draft.parents)]
-        return verify_tree_choices(draft.tokens, draft.parents, target_choices(logits, params, generator, positions))
+        return verify_tree_choices(draft.tokens, draft.parents, TargetChoices(logits, params, generator, positions))
     return verify_tree(draft.tokens, draft.parents, draft.probs, logits_to_probs(logits, params), generator)
 
 

@@ -18,6 +18,7 @@ Every token emitted this way is a draw from the target's distribution, whatever 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -108,15 +109,18 @@ def verify(
 
 
 def verify_choices(
-    draft_tokens: torch.Tensor,  # [k] long
-    target_choice: torch.Tensor,  # [k+1] long, the target's own token at each position
+    draft_tokens: Sequence[int] | torch.Tensor,  # [k]
+    target_choice: Sequence[int] | torch.Tensor,  # [k+1]: the target's own token at each position
 ) -> Verdict:
     """Verification against the target's own choices (its argmax when greedy, its Gumbel-max choice under the
     invariant sampler): keep draft tokens while they equal the target's choice, then emit its choice; the output is
-    the target's own continuation, token for token."""
-    k = draft_tokens.shape[0]
-    accepted = _leading_true(draft_tokens == target_choice[:k])
-    return Verdict(num_draft=k, accepted=accepted, token=int(target_choice[accepted]))
+    the target's own continuation, token for token. ``target_choice`` is read only up to the first mismatch."""
+    k = len(draft_tokens)
+    for j in range(k + 1):
+        wanted = int(target_choice[j])
+        if j == k or int(draft_tokens[j]) != wanted:
+            return Verdict(num_draft=k, accepted=j, token=wanted)
+    raise AssertionError("unreachable")
 
 
 def _leading_true(mask: torch.Tensor) -> int:
@@ -209,7 +213,7 @@ def verify_tree(
 def verify_tree_choices(
     draft_tokens: list[int],  # [m]
     parents: list[int],  # [m]
-    target_choice: list[int],  # [m+1]: the target's own token after the root and after each node
+    target_choice: Sequence[int],  # [m+1]: the target's own token after the root and after each node (read lazily)
 ) -> TreeVerdict:
     """Tree verification against the target's own choices (as :func:`verify_choices`): descend into the child that
     is the target's choice while there is one; the output is the target's own continuation."""

@@ -12,11 +12,11 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from specdec.errors import UsageError
 from specdec.sampling import (
     SamplingParams,
+    TargetChoices,
     gumbel_noise,
     invariant_choice,
     logits_to_probs,
     scaled_logits,
-    target_choices,
 )
 
 
@@ -148,15 +148,19 @@ def test_each_position_draws_independently():
     assert dependence(lambda seed, position, vocab: gumbel_noise(seed, 0, vocab)) < 1e-9
 
 
-def test_target_choices_take_each_row_alone():
-    """A row's choice is the same scored alone or beside others, and greedy choices are the argmax."""
+def test_target_choices_take_each_row_alone_and_only_when_read():
+    """A row's choice is the same read from a pass or alone, computed only for the rows read; greedy choices are the
+    argmax."""
     logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(0))
     generator = torch.Generator().manual_seed(11)
     params = SamplingParams(temperature=0.9, top_p=0.9)
-    together = target_choices(logits, params, generator, [20, 21, 22, 23, 24])
-    assert together == [invariant_choice(row, params, 11, 20 + i) for i, row in enumerate(logits)]
-    assert together[2:3] == target_choices(logits[2:3], params, generator, [22])
-    assert target_choices(logits, SamplingParams(), generator, [0] * 5) == logits.argmax(-1).tolist()
+    choices = TargetChoices(logits, params, generator, [20, 21, 22, 23, 24])
+    assert choices[2] == invariant_choice(logits[2], params, 11, 22) == TargetChoices(logits[2:3], params, generator,
+                                                                                        [22])[0]
+    assert set(choices._chosen) == {2}
+    assert [choices[i] for i in range(5)] == [invariant_choice(row, params, 11, 20 + i) for i, row in enumerate(logits)]
+    greedy = TargetChoices(logits, SamplingParams(), generator, [0] * 5)
+    assert [greedy[i] for i in range(5)] == logits.argmax(-1).tolist()
 
 
 def test_an_unknown_sampling_method_is_refused():
