@@ -381,11 +381,12 @@ def test_retrieval_with_an_adaptive_draft_length_samples_exactly():
     assert len(bins) > 50 and expected[-1] < 0.3 * E2E_SAMPLES
     assert chisquare(observed, expected).pvalue > 1e-3
     # and retrieval really drafted, with both outcomes: the exactness above covers accepted and rejected drafts
+    # (its copies are accepted a few percent of the time on this random model: 400 seeds find some)
     target, _ = e2e_models()
     engine = Engine(LlamaRuntime(target), RetrievalProposer())
     stats = [engine.generate(REPEATING_PROMPT, GenerationConfig(max_new_tokens=3, num_draft_tokens=2,
                                                                 sampling=sampling, seed=s, stop_at_eos=False)).stats
-             for s in range(40)]
+             for s in range(400)]
     assert 0 < sum(st.accepted_tokens for st in stats) < sum(st.draft_tokens for st in stats)
 
 
