@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from specdec.backends import target_backend
+from specdec.backends import runtime_of
 from specdec.errors import UsageError
 from specdec.models import LoadedModel, chat_prompt_ids, check_same_vocabulary, load_model, resolve_backend
 
@@ -66,7 +66,7 @@ def draft_source(drafter: str, target: LoadedModel, backend, draft: LoadedModel 
 
     check_backend_serves(drafter, target.backend_name)
     if drafter == "draft-model" and draft is not None:
-        return target_backend(draft, precision)
+        return runtime_of(draft, precision)
     if drafter in TRAINED_METHODS:
         network = load_trained(drafter, target.transformers_model(), drafter_path)
         return DraftLMRuntime(network, backend.max_length) if drafter == "draft-model" else network

@@ -116,11 +116,8 @@ def verify_choices(
     invariant sampler): keep draft tokens while they equal the target's choice, then emit its choice; the output is
     the target's own continuation, token for token. ``target_choice`` is read only up to the first mismatch."""
     k = len(draft_tokens)
-    for j in range(k + 1):
-        wanted = int(target_choice[j])
-        if j == k or int(draft_tokens[j]) != wanted:
-            return Verdict(num_draft=k, accepted=j, token=wanted)
-    raise AssertionError("unreachable")
+    accepted = next((j for j in range(k) if int(draft_tokens[j]) != int(target_choice[j])), k)
+    return Verdict(num_draft=k, accepted=accepted, token=int(target_choice[accepted]))
 
 
 def _leading_true(mask: torch.Tensor) -> int:

@@ -18,6 +18,7 @@ from tiny_gguf import write_tiny_gguf
 llama_cpp = pytest.importorskip("llama_cpp")
 
 from specdec.api import SpecDecoder  # noqa: E402
+from specdec.backends.base import rows_are_pass_invariant  # noqa: E402
 from specdec.backends.batch import PoolFull, Row  # noqa: E402
 from specdec.backends.llamacpp import GGUFModel, LlamaCppLM, LlamaCppPool  # noqa: E402
 from specdec.cli import main  # noqa: E402
@@ -345,12 +346,12 @@ def test_bad_model_files_are_refused_in_one_line(tmp_path, tiny, capsys):
 def test_quantize_makes_a_float_gguf_pass_invariant(tiny, tmp_path, capsys):
     """The tiny F32 GGUF's rows depend on the pass (its load says so); ``specdec quantize`` writes a Q8_0 copy whose
     rows do not, on which speculation gives plain greedy output."""
-    assert GGUFModel(tiny).pass_invariant is None and LlamaCppLM.load(tiny).model.pass_invariant is False
+    assert not rows_are_pass_invariant(LlamaCppLM.load(tiny))
     out = tmp_path / "copy.gguf"
     assert main(["quantize", str(tiny), "--out", str(out)]) == 0
     assert "bit for bit" in capsys.readouterr().out
     copy = LlamaCppLM.load(out, threads=2)
-    assert copy.model.pass_invariant and copy.model.weight_type == "Q8_0"
+    assert rows_are_pass_invariant(copy) and copy.model.weight_type == "Q8_0"
     config = GenerationConfig(max_new_tokens=24, stop_at_eos=False)
     prompt = [1, 9, 10, 11, 9, 10, 11, 9, 10]
     plain = Engine(copy, make_proposer("none", copy)).generate(prompt, config).token_ids

@@ -20,27 +20,43 @@ def make_backend(model, precision: str | None = None) -> CausalLM:
     """
     from specdec.backends import llama
 
-    name = getattr(model.config, "_name_or_path", "") or "the model"
     if not llama.supports(model):
         from specdec.backends.hf import HFCausalLM
 
-        runtime = HFCausalLM(model)
-        runtime.pass_invariant = probe_pass_invariance(
-            runtime, name, f"its transformers modules ({str(runtime.model.dtype).removeprefix('torch.')})",
-            "specdec's own runtime, which is invariant, runs llama, mistral and qwen2 models")
-        return runtime
-    runtime = llama.LlamaRuntime(model, _auto_precisions(model) if precision == "auto" else precision)
-    runtime.pass_invariant = probe_pass_invariance(
-        runtime, name, f"specdec's runtime ({runtime.precisions})",
-        "one precision for every pass (--dtype float32, float16 or bfloat16) is invariant where docs/exactness.md "
-        "measured")
-    return runtime
+        return HFCausalLM(model)
+    return llama.LlamaRuntime(model, _auto_precisions(model) if precision == "auto" else precision)
 
 
-def target_backend(loaded, precision: str | None = None) -> CausalLM:
+def runtime_of(loaded, precision: str | None = None) -> CausalLM:
     """The backend that runs a loaded model: llama.cpp's runtime where it was loaded on llama.cpp, else one built
     from its transformers module (``make_backend``)."""
     return loaded.runtime if loaded.runtime is not None else make_backend(loaded.model, precision)
+
+
+def target_backend(loaded, precision: str | None = None) -> CausalLM:
+    """``runtime_of`` a target, probed for pass invariance as it loads: the target's rows decide every token, so
+    one line says where they depend on the pass, and what makes them not (a drafter's rows decide none)."""
+    backend = runtime_of(loaded, precision)
+    probe_pass_invariance(backend, loaded.path.name, *_runtime_and_remedy(backend, loaded.path))
+    return backend
+
+
+def _runtime_and_remedy(backend: CausalLM, path) -> tuple[str, str]:
+    """What computes a backend's rows, and what makes them the same in any pass where they are not
+    (docs/exactness.md)."""
+    from specdec.backends.llama import LlamaRuntime
+    from specdec.backends.llamacpp import LlamaCppLM
+
+    if isinstance(backend, LlamaCppLM):
+        return (f"llama.cpp ({backend.model.weight_type} weights, this build)",
+                f"`specdec quantize {path}` writes a Q8_0 copy once, and says whether its rows are the same in any "
+                "pass")
+    if isinstance(backend, LlamaRuntime):
+        return (f"specdec's runtime ({backend.precisions})",
+                "one precision for every pass (--dtype float32, float16 or bfloat16) is invariant where "
+                "docs/exactness.md measured")
+    return (f"its transformers modules ({precision_of(backend)})",
+            "specdec's own runtime, which is invariant, runs llama, mistral and qwen2 models")
 
 
 def precision_of(backend: CausalLM) -> str:
@@ -76,4 +92,4 @@ def __getattr__(name: str):  # the runtimes' classes, imported when first asked 
 
 
 __all__ = ["BACKENDS", "CausalLM", "HFCausalLM", "LlamaRuntime", "PassPrecisions", "make_backend", "precision_of",
-           "sync", "target_backend"]
+           "runtime_of", "sync", "target_backend"]

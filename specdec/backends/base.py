@@ -146,16 +146,12 @@ def rows_are_pass_invariant(model: CausalLM) -> bool:
     return torch.equal(alone, together)
 
 
-def probe_pass_invariance(model: CausalLM, name: str, runtime: str, remedy: str) -> bool | None:
-    """Whether ``model``'s rows are pass-invariant (:func:`rows_are_pass_invariant`; None where its context is too
-    short to probe), and one notice where they are not, naming ``remedy``."""
-    if model.max_length < len(PROBE_PREFIX) + len(PROBE_TOKENS):
-        return None
-    invariant = rows_are_pass_invariant(model)
-    if not invariant:
+def probe_pass_invariance(model: CausalLM, name: str, runtime: str, remedy: str) -> None:
+    """One notice, naming ``remedy``, where ``model``'s rows are not pass-invariant (:func:`rows_are_pass_invariant`;
+    nothing where its context is too short to probe)."""
+    if model.max_length >= len(PROBE_PREFIX) + len(PROBE_TOKENS) and not rows_are_pass_invariant(model):
         notice(f"{name}: {runtime} computes a position's logits differently alone and in a pass of several, so "
                f"speculation can part from plain decoding where two tokens nearly tie; {remedy}")
-    return invariant
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:

@@ -81,7 +81,6 @@ class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
         self._cos = self._sin = torch.empty(0, self.head_dim, device=self.device)  # [capacity, head_dim]
         self._capacity = 0
         self._shallow = _Shallow()  # positions after the cache run through the first layers only (extend_shallow)
-        self.pass_invariant: bool | None = None  # whether a row's logits are the same in any pass; None: not probed
 
     def reserve(self, length: int) -> None:
         """Hold at least ``length`` positions (capped at max_length), so that no pass reallocates the cache."""
@@ -422,18 +421,15 @@ def blocked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         v = values[:, :, block : block + KEY_BLOCK].reshape(batch * kv_heads, KEY_BLOCK, hd)
         scores = torch.baddbmm(bias[..., block : block + KEY_BLOCK], q, k.transpose(1, 2), alpha=hd**-0.5)
         block_top = scores.amax(-1, keepdim=True)  # [B * kv_heads, rows, 1]
+        new_top = block_top if top is None else torch.maximum(top, block_top)
+        weights = scores.sub_(new_top).exp_()
+        block_total, block_out = weights.sum(-1, keepdim=True), torch.bmm(weights, v)
         if top is None:
-            top = block_top
-            weights = scores.sub_(top).exp_()
-            total = weights.sum(-1, keepdim=True)
-            out = torch.bmm(weights, v)
-        else:
-            new_top = torch.maximum(top, block_top)
-            rescale = torch.exp(top - new_top)  # 1 exactly where the block adds nothing
-            weights = scores.sub_(new_top).exp_()
-            total = total * rescale + weights.sum(-1, keepdim=True)
-            out = out * rescale + torch.bmm(weights, v)
-            top = new_top
+            total, out = block_total, block_out
+        else:  # earlier blocks rescaled to the new maximum: by 1 exactly where this block adds nothing
+            rescale = torch.exp(top - new_top)
+            total, out = total * rescale + block_total, out * rescale + block_out
+        top = new_top
     return (out / total).view(batch, heads, n, hd)
 
 

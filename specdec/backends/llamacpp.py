@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdec.backends.base import FeatureSource, probe_pass_invariance
+from specdec.backends.base import FeatureSource
 from specdec.backends.batch import PoolFull, Row, Slot
 from specdec.errors import UsageError
 from specdec.logs import notice, route_llama_cpp_logs
@@ -80,7 +80,6 @@ class GGUFModel:
         description = ctypes.create_string_buffer(256)
         lib.llama_model_desc(self.pointer, description, len(description))
         self.weight_type = description.value.decode(errors="replace").split(" ")[-1]  # "llama ?B Q4_1" -> Q4_1
-        self.pass_invariant: bool | None = None  # whether a row's logits are the same in any pass; None: not probed
 
     def metadata(self, key: str) -> str | None:
         """A GGUF metadata value as text, or None."""
@@ -235,11 +234,6 @@ class LlamaCppLM(FeatureSource):
         self.weight_bytes = model.weight_bytes
         self.tokens: list[int] = []
         self._hidden: torch.Tensor | None = None  # [max_length, hidden] once keep_hidden_states() was called
-        if model.pass_invariant is None:  # once per model: its contexts share its kernels
-            model.pass_invariant = probe_pass_invariance(
-                self, model.path.name, f"llama.cpp ({model.weight_type} weights, this build)",
-                f"`specdec quantize {model.path}` writes a Q8_0 copy once, and says whether its rows are the same in "
-                "any pass")
 
     @classmethod
     def load(cls, path: str | os.PathLike, max_length: int | None = None, threads: int | None = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
+from specdec.backends.base import rows_are_pass_invariant
 from specdec.backends.llamacpp import GGUFModel, LlamaCppLM, check_gguf_file, default_threads, llama_cpp
 from specdec.choices import QUANTIZE_TYPES
 from specdec.errors import UsageError
@@ -44,9 +45,9 @@ def run_quantize(args) -> int:
     source = Path(args.model)
     out = Path(args.out) if args.out else copy_path(source, weight_type)
     quantize(source, out, weight_type, args.threads)
-    copy = LlamaCppLM(GGUFModel(out), max_length=64, threads=args.threads)  # loading probes it
+    copy = LlamaCppLM(GGUFModel(out), max_length=64, threads=args.threads)
     size = out.stat().st_size / 1e6
-    if copy.model.pass_invariant:
+    if rows_are_pass_invariant(copy):
         print(f"wrote {out} ({weight_type}, {size:.0f} MB): its rows are the same alone and in any pass on this "
               "build, so speculation keeps its greedy output bit for bit")
         return 0

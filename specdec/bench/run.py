@@ -149,7 +149,8 @@ def run_bench(args) -> int:
     settings = {
         "prompts": str(args.prompts), "category": args.category, "num_prompts": len(prompts),
         "repeats": args.repeats, "max_new_tokens": args.max_new_tokens, "num_draft_tokens": k,
-        "temperature": args.temperature, "sampling": args.sampling, "top_k": args.top_k, "top_p": args.top_p, "model": args.model or "default",
+        "temperature": args.temperature, "sampling": args.sampling, "top_k": args.top_k, "top_p": args.top_p,
+        "model": args.model or "default",
         "draft_model": args.draft_model, "drafter_paths": drafter_paths,
         "dtype": precision_of(backend),
         "device": str(backend.device), "backend": target.backend_name,
