@@ -38,9 +38,10 @@ SAMPLING_HELP = (f"how tokens are drawn at a temperature > 0 (default {DEFAULT_S
                  "with noise keyed by the seed and each token's position, so a seed gives the same tokens with any "
                  "drafter or none; standard, the rejection rule min(1, p/q) with one random stream, whose tokens "
                  "depend on the drafts. Both draw exactly from the target's distribution")
-BACKEND_HELP = ("what runs the target: torch (specdec's runtime), llama.cpp (a .gguf file's weights as stored, on "
-                "llama.cpp's CPU kernels), or auto (default: llama.cpp for a .gguf target on the CPU with --dtype auto, "
-                "the default model among them; torch otherwise)")
+BACKEND_HELP = ("what runs the target: torch (specdec's runtime), fused (specdec's fused CPU runtime: float16 weights, "
+                "every layer of a pass in one call), llama.cpp (a .gguf file's weights as stored, on llama.cpp's CPU "
+                "kernels), or auto (default: on the CPU with --dtype auto, whichever of them runs this target fastest "
+                "on this machine, measured once and cached; torch otherwise)")
 THREADS_HELP = "CPU threads (torch's, and llama.cpp's; default: every core this process may use)"
 DTYPE_HELP = ("the weights' precision. auto: bfloat16 on CUDA; on the CPU, for each kind of pass (one position; "
               "several), the fastest precision whose logits stay within 0.1 of float32's, measured once per model "
@@ -419,7 +420,7 @@ def run_generate(args: argparse.Namespace) -> int:
             _print_now(ansi(piece, kind) if args.show_acceptance else piece)
 
     completion = decoder.generate_ids(prompt_ids, config, on_token=on_token)
-    summary = summary_line(decoder.drafter, completion.stats)
+    summary = summary_line(decoder.drafter, completion.stats, decoder.target.backend_name)
     if args.html:
         _write_html(args.html, pieces, completion.kinds, prompt, summary)
     if args.json:
@@ -444,9 +445,10 @@ def _write_html(path: str, pieces: list[str], kinds: list[str], prompt: str, sum
         raise UsageError(f"cannot write {path}: {error.strerror}") from None
 
 
-def summary_line(drafter: str, stats) -> str:
+def summary_line(drafter: str, stats, backend: str) -> str:
     label = drafter if stats.policy == "fixed" else f"{drafter}, k {stats.policy}: mean draft " \
         f"{stats.draft_tokens / max(stats.rounds, 1):.1f}"
+    label += f" on {backend}"
     return (
         f"[{label}] {stats.new_tokens} new tokens in {stats.seconds:.2f} s, "
         f"{stats.tokens_per_second:.1f} tokens/s, acceptance rate {stats.acceptance_rate:.1%}, "

@@ -32,10 +32,10 @@ def load_target(model: str | os.PathLike | None = None, *, dtype: str = "auto", 
     from specdec import datastore as datastores
 
     store = None if datastore is None else datastores.load(datastore)
-    resolved = resolve_backend(backend, model, dtype, device)
+    resolved = resolve_backend(backend, model, dtype, device, threads)
     for drafter in drafters:
         check_backend_serves(drafter, resolved)
-    target = load_model(model, dtype=dtype, device=device, backend=backend, threads=threads)
+    target = load_model(model, dtype=dtype, device=device, backend=resolved, threads=threads)
     draft = None if draft_model is None else load_model(draft_model, dtype=dtype, device=device,
                                                         backend=draft_backend(target), threads=threads)
     if draft is not None:

@@ -34,6 +34,7 @@ class LoadedModel:
     path: Path  # the transformers directory it was loaded from, or the GGUF file llama.cpp runs
     runtime: object | None = None  # llama.cpp's CausalLM; None: the backend is built from ``model``
     source: Path | None = None  # the path given: a transformers directory or a .gguf file
+    fused: bool = False  # ``model`` runs on specdec's fused CPU runtime (backends/fused.py)
     _converted: "torch.nn.Module | None" = field(default=None, repr=False)  # transformers_model(), made once
 
     @property
@@ -43,7 +44,7 @@ class LoadedModel:
 
     @property
     def backend_name(self) -> str:
-        return "torch" if self.runtime is None else "llama.cpp"
+        return "llama.cpp" if self.runtime is not None else "fused" if self.fused else "torch"
 
     @property
     def vocab_size(self) -> int:
@@ -95,27 +96,39 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def resolve_backend(backend: str, path: str | os.PathLike | None, dtype: str = "auto", device: str = "auto") -> str:
-    """``--backend``: torch or llama.cpp; auto is llama.cpp for a .gguf target on the CPU (the default model among
-    them) with the weights' precision left to the backend (--dtype auto), torch otherwise."""
+def resolve_backend(backend: str, path: str | os.PathLike | None, dtype: str = "auto", device: str = "auto",
+                    threads: int | None = None) -> str:
+    """``--backend``: torch, fused or llama.cpp. auto, on the CPU with the weights' precision left to the backend
+    (--dtype auto), is the runtime measured fastest for this target on this machine (``backends/choice.py``; llama.cpp
+    a candidate for a .gguf target, the default model among them); torch otherwise."""
     from specdec.backends import BACKENDS
 
     if backend not in BACKENDS:
         raise UsageError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
     gguf = path is None or Path(path).suffix.lower() == ".gguf"
-    if backend == "llama.cpp":
-        if not gguf:
+    if backend in ("llama.cpp", "fused"):
+        if backend == "llama.cpp" and not gguf:
             raise UsageError(f"--backend llama.cpp runs a .gguf file, and {path} is not one (a transformers "
-                             "directory runs with --backend torch)")
+                             "directory runs with --backend torch or fused)")
         if device not in ("auto", "cpu"):
-            raise UsageError(f"--backend llama.cpp runs on the CPU here, not on {device}")
+            raise UsageError(f"--backend {backend} runs on the CPU here, not on {device}")
         if dtype != "auto":
-            raise UsageError(f"--backend llama.cpp runs the GGUF's weights as stored; --dtype {dtype} is for "
-                             "--backend torch")
+            stored = "the GGUF's weights as stored" if backend == "llama.cpp" else "float16 weights"
+            raise UsageError(f"--backend {backend} runs {stored}; --dtype {dtype} is for --backend torch")
+        if backend == "fused":
+            from specdec.backends.fused import unavailable
+
+            reason = unavailable()
+            if reason is not None:
+                raise UsageError(f"--backend fused cannot run here: {reason}")
         return backend
     if backend == "auto":
         on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-        return "llama.cpp" if gguf and on_cpu and dtype == "auto" else "torch"
+        if not (on_cpu and dtype == "auto"):
+            return "torch"
+        from specdec.backends.choice import auto_backend
+
+        return auto_backend(default_model_path() if path is None else Path(path), gguf, threads)
     return backend
 
 
@@ -126,7 +139,8 @@ def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str 
     ``backend`` (torch, llama.cpp or auto; see resolve_backend): on llama.cpp the GGUF file's weights run as stored,
     with its own vocabulary, and no transformers model is made; ``threads`` are llama.cpp's."""
     source = default_model_path() if path is None else Path(path)
-    if resolve_backend(backend, path, dtype, device) == "llama.cpp":
+    resolved = resolve_backend(backend, path, dtype, device, threads)
+    if resolved == "llama.cpp":
         return load_gguf(source, threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -139,7 +153,14 @@ def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str 
             model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, local_files_only=True)
         except Exception as error:  # any failure to read the files is the user's input, reported in one line
             raise UsageError(f"cannot load a causal language model from {directory}: {_first_line(error)}") from None
-    return LoadedModel(model=model.to(resolved_device).eval(), tokenizer=tokenizer, path=directory, source=source)
+    model = model.to(resolved_device).eval()
+    if resolved == "fused":
+        from specdec.backends.fused import unavailable
+
+        reason = unavailable(model)
+        if reason is not None:
+            raise UsageError(f"--backend fused cannot run {source.name}: {reason}")
+    return LoadedModel(model=model, tokenizer=tokenizer, path=directory, source=source, fused=resolved == "fused")
 
 
 def load_gguf(path: Path, threads: int | None = None) -> LoadedModel:

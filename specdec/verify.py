@@ -141,6 +141,11 @@ class TreeVerdict:
     def accepted(self) -> int:
         return len(self.path)
 
+    @property
+    def reached(self) -> int:
+        """Depths that were tested: the accepted path's and the one after it, where the tree goes deeper."""
+        return min(self.num_draft, self.accepted + 1)
+
     def emitted(self, draft_tokens: list[int]) -> list[int]:
         return [draft_tokens[node] for node in self.path] + [self.token]
 

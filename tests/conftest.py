@@ -9,6 +9,20 @@ def private_precision_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(precision, "_cache_path", lambda: tmp_path / "precisions.json")
 
 
+@pytest.fixture(scope="session")
+def backend_cache_directory(tmp_path_factory):
+    return tmp_path_factory.mktemp("backend-choice")
+
+
+@pytest.fixture(autouse=True)
+def private_backend_cache(backend_cache_directory, monkeypatch):
+    """``--backend auto`` keeps its measurements in the user's cache; tests keep theirs apart, in one place for the
+    whole session (a model is measured once)."""
+    from specdec.backends import choice
+
+    monkeypatch.setattr(choice, "cache_path", lambda: backend_cache_directory / "backends.json")
+
+
 @pytest.fixture(autouse=True)
 def command_line_logging_undone(monkeypatch):
     """``specdec.cli.main`` run in this process configures logging for a terminal (:func:`specdec.logs.configure`);

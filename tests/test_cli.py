@@ -23,6 +23,7 @@ def models(tmp_path_factory):
         "target": save_with_tokenizer(target, root / "target"),
         "draft": save_with_tokenizer(perturbed_copy(target, noise=0.03, seed=1), root / "draft"),
         "other_vocab": save_with_tokenizer(tiny_llama(seed=2), root / "other", words=other_words),
+        "uncovered": save_with_tokenizer(tiny_llama(seed=0, hidden=48), root / "uncovered"),  # heads of 12
     }
 
 
@@ -72,6 +73,25 @@ def test_streams_text_then_a_summary_line(models, capsys):
     summary = err.strip().splitlines()[-1]
     for words in ("new tokens", "tokens/s", "acceptance rate", "mean accepted length"):
         assert words in summary
+    assert " on fused]" in summary or " on torch]" in summary  # the backend --backend auto measured fastest
+
+
+def test_the_fused_runtime_named_for_a_model_it_does_not_cover_is_one_line_and_exit_2(models, capsys):
+    code, out, err = run_cli(capsys, "generate", PROMPT, "--model", str(models["uncovered"]), "--backend", "fused")
+    assert code == 2 and err.count("\n") == 1 and "--backend fused cannot run uncovered" in err, err
+    assert "multiples of 8" in err
+
+
+def test_auto_passes_the_fused_runtime_by_for_a_model_it_does_not_cover_and_says_why(models, capsys):
+    code, out, err = run_cli(capsys, "generate", PROMPT, "--model", str(models["uncovered"]), "--max-new-tokens", "4")
+    assert code == 0 and "passes specdec's fused runtime by" in err and "multiples of 8" in err, err
+    assert err.strip().splitlines()[-1].startswith("[prompt-lookup on torch]")
+
+
+def test_explicit_fused_runs_and_names_itself(models, capsys):
+    code, out, err = run_cli(capsys, "generate", PROMPT, "--model", str(models["target"]), "--backend", "fused",
+                             "--max-new-tokens", "6")
+    assert code == 0 and err.strip().splitlines()[-1].startswith("[prompt-lookup on fused]"), err
 
 
 def test_seed_makes_sampling_repeatable(models, capsys):
@@ -106,6 +126,8 @@ def test_seed_makes_sampling_repeatable(models, capsys):
         (["generate", PROMPT, "--tree", "3,x"], "--tree takes candidates per depth"),
         (["generate", PROMPT, "--tree", "3,0"], "tree widths must be between 1 and 16"),
         (["generate", PROMPT, "--tree", "3", "--drafter", "none"], "drafts chains only, not trees"),
+        (["generate", PROMPT, "--backend", "fused", "--dtype", "float32"], "--backend fused runs float16 weights"),
+        (["generate", PROMPT, "--backend", "fused", "--device", "cuda"], "runs on the CPU here"),
         (["frobnicate"], "invalid choice"),
     ],
 )

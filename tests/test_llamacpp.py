@@ -240,8 +240,17 @@ def test_speculative_sampling_with_top_k_and_top_p_follows_llama_cpps_joint(tiny
     assert chisquare(observed, expected).pvalue > 1e-3
 
 
-def test_the_api_and_the_default_backend_run_a_gguf_on_llama_cpp(tiny):
-    decoder = SpecDecoder.load(str(tiny), drafter="prompt-lookup", threads=2)
+def test_the_api_and_the_default_backend_run_a_gguf_on_the_runtime_measured_fastest(tiny):
+    """--backend auto measures llama.cpp, the fused runtime and the torch runtime once, keeps the fastest, and runs
+    it; llama.cpp, named, runs the GGUF without a transformers model."""
+    from specdec.backends import choice
+
+    auto = SpecDecoder.load(str(tiny), drafter="prompt-lookup", threads=2)
+    (entry,) = [value for key, value in choice._read_cache().items() if str(tiny.resolve()) in key]
+    measured = {m["backend"]: m["decode_ms"] + m["score_ms"] for m in entry["measurements"]}
+    assert set(measured) == {"llama.cpp", "fused", "torch"}
+    assert auto.target.backend_name == entry["backend"] == min(measured, key=measured.get)
+    decoder = SpecDecoder.load(str(tiny), drafter="prompt-lookup", backend="llama.cpp", threads=2)
     assert decoder.target.backend_name == "llama.cpp" and decoder.target.model is None
     completion = decoder.generate("Write a haiku about the sea", max_new_tokens=12)
     assert len(completion.token_ids) == 12 or completion.token_ids[-1] in decoder.engine.eos_token_ids
@@ -313,13 +322,15 @@ def test_feature_drafters_read_llama_cpps_hidden_states_and_keep_greedy_output(t
 
 def test_drafters_llama_cpp_cannot_serve_are_refused_in_one_line(tiny, capsys):
     drafter = "early-exit"
-    assert main(["generate", "hi", "--model", str(tiny), "--drafter", drafter, "--max-new-tokens", "2"]) == 2
+    assert main(["generate", "hi", "--model", str(tiny), "--drafter", drafter, "--max-new-tokens", "2",
+                 "--backend", "llama.cpp"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--backend torch" in err and drafter in err
 
 
 def test_trees_are_refused_on_llama_cpp(tiny, capsys):
-    assert main(["generate", "hi", "--model", str(tiny), "--tree", "2,1", "--max-new-tokens", "2"]) == 2
+    assert main(["generate", "hi", "--model", str(tiny), "--tree", "2,1", "--max-new-tokens", "2",
+                 "--backend", "llama.cpp"]) == 2
     assert "--backend torch" in capsys.readouterr().err
 
 
@@ -464,7 +475,7 @@ def test_figure_1_draws_llama_cpps_pass_costs_beside_the_torch_runtimes(tiny, tm
 
     target = load_model(str(tiny), dtype="float32")
     runtimes = dict(figure_1_runtimes(target.model, target.gguf, threads=2))
-    assert "llama.cpp, GGUF as stored" in runtimes and len(runtimes) >= 2
+    assert {"llama.cpp, GGUF as stored", "fused runtime, float16 weights", "float16 weights"} <= set(runtimes)
     latency = pass_latency(runtimes["llama.cpp, GGUF as stored"](), PROMPT, POSITIONS, repeats=1)
     assert len(latency) == len(POSITIONS) and all(s > 0 for s in latency)
     prompts = tmp_path / "prompts.jsonl"

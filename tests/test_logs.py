@@ -28,11 +28,11 @@ def generate(model, *flags: str) -> subprocess.CompletedProcess:
 
 
 def is_summary(line: str) -> bool:
-    return line.startswith("[prompt-lookup] ") and line.endswith(" tokens per target pass")
+    return line.startswith("[prompt-lookup on ") and line.endswith(" tokens per target pass")
 
 
 def test_generate_on_a_gguf_says_only_specdecs_lines(long_context_gguf):
-    result = generate(long_context_gguf)
+    result = generate(long_context_gguf, "--backend", "llama.cpp")
     assert result.returncode == 0, result.stderr
     lines = result.stderr.splitlines()
     assert lines[0] == "specdec: long.gguf was trained on 32768 positions; prompt and answer together get 8192 here"
@@ -40,7 +40,7 @@ def test_generate_on_a_gguf_says_only_specdecs_lines(long_context_gguf):
 
 
 def test_verbose_shows_what_llama_cpp_says(long_context_gguf):
-    result = generate(long_context_gguf, "--verbose")
+    result = generate(long_context_gguf, "--verbose", "--backend", "llama.cpp")
     assert result.returncode == 0, result.stderr
     lines = result.stderr.splitlines()
     assert any(line.startswith("llama.cpp: ") and SHORT_CONTEXT_WARNING in line for line in lines)
@@ -59,9 +59,22 @@ def test_llama_cpp_warnings_reach_python_logging_and_its_info_does_not(long_cont
     assert notices == ["long.gguf was trained on 32768 positions; prompt and answer together get 8192 here"]
 
 
+def test_auto_on_a_gguf_says_nothing_of_the_candidates_it_measured(tmp_path):
+    """--backend auto loads llama.cpp, the fused runtime and the torch runtime to time them (converting the GGUF for
+    transformers): none of what they say while measured reaches the terminal; the summary names the choice."""
+    result = generate(write_tiny_gguf(tmp_path / "measured.gguf", context=512), "--threads", "1")
+    assert result.returncode == 0, result.stderr
+    *notices, summary = result.stderr.splitlines()
+    assert is_summary(summary), result.stderr
+    chosen = summary.removeprefix("[prompt-lookup on ").split("]")[0]
+    # the one notice the chosen runtime may give of itself: llama.cpp's rows of F32 weights depend on the pass
+    assert notices == [] or (chosen == "llama.cpp" and len(notices) == 1
+                             and notices[0].startswith("specdec: measured.gguf: llama.cpp")), result.stderr
+
+
 def test_a_gguf_whose_rows_depend_on_the_pass_is_named_in_one_notice(tmp_path):
     """F32 weights: llama.cpp multiplies one row and several by different kernels."""
-    result = generate(write_tiny_gguf(tmp_path / "f32.gguf", context=512))
+    result = generate(write_tiny_gguf(tmp_path / "f32.gguf", context=512), "--backend", "llama.cpp")
     assert result.returncode == 0, result.stderr
     notice, summary = result.stderr.splitlines()
     assert notice.startswith("specdec: f32.gguf: llama.cpp (F32 weights, this build) computes a position's logits "

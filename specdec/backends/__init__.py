@@ -1,5 +1,6 @@
-"""Model backends behind the CausalLM protocol (base.py): a lean llama-family runtime, transformers as it is, and
-llama.cpp over a GGUF file's stored weights (llamacpp.py).
+"""Model backends behind the CausalLM protocol (base.py): a lean llama-family runtime (llama.py), its fused CPU
+twin (fused.py), transformers as it is, and llama.cpp over a GGUF file's stored weights (llamacpp.py); which one
+``--backend auto`` runs is measured (choice.py).
 
 Nothing here imports transformers until a transformers model is wrapped: the llama.cpp path never pays for it.
 """
@@ -28,9 +29,16 @@ def make_backend(model, precision: str | None = None) -> CausalLM:
 
 
 def runtime_of(loaded, precision: str | None = None) -> CausalLM:
-    """The backend that runs a loaded model: llama.cpp's runtime where it was loaded on llama.cpp, else one built
-    from its transformers module (``make_backend``)."""
-    return loaded.runtime if loaded.runtime is not None else make_backend(loaded.model, precision)
+    """The backend that runs a loaded model: llama.cpp's runtime where it was loaded on llama.cpp, the fused runtime
+    where it was loaded for it (float16 weights, whatever ``precision``), else one built from its transformers module
+    (``make_backend``)."""
+    if loaded.runtime is not None:
+        return loaded.runtime
+    if loaded.fused:
+        from specdec.backends.fused import FusedRuntime
+
+        return FusedRuntime(loaded.model)
+    return make_backend(loaded.model, precision)
 
 
 def target_backend(loaded, precision: str | None = None) -> CausalLM:
@@ -47,6 +55,8 @@ def _runtime_and_remedy(backend: CausalLM, path) -> tuple[str, str]:
     from specdec.backends.llama import LlamaRuntime
     from specdec.backends.llamacpp import LlamaCppLM
 
+    if getattr(backend, "fused", False):
+        return (f"specdec's fused runtime ({precision_of(backend)})", "none is needed: it computes each row alone")
     if isinstance(backend, LlamaCppLM):
         return (f"llama.cpp ({backend.model.weight_type} weights, this build)",
                 f"`specdec quantize {path}` writes a Q8_0 copy once, and says whether its rows are the same in any "
@@ -65,6 +75,8 @@ def precision_of(backend: CausalLM) -> str:
     from specdec.backends.llama import LlamaRuntime
     from specdec.backends.llamacpp import LlamaCppLM
 
+    if getattr(backend, "fused", False):
+        return "float16 weights, fused"
     if isinstance(backend, LlamaRuntime):
         return str(backend.precisions)
     if isinstance(backend, LlamaCppLM):
@@ -80,7 +92,8 @@ def _auto_precisions(model):
     return auto_precisions(model)
 
 
-_LAZY = {"HFCausalLM": "hf", "LlamaRuntime": "llama", "PassPrecisions": "linear"}  # class -> module
+# class -> module
+_LAZY = {"FusedRuntime": "fused", "HFCausalLM": "hf", "LlamaRuntime": "llama", "PassPrecisions": "linear"}
 
 
 def __getattr__(name: str):  # the runtimes' classes, imported when first asked for (submodules import as usual)
@@ -91,5 +104,5 @@ def __getattr__(name: str):  # the runtimes' classes, imported when first asked 
     return getattr(importlib.import_module(f"specdec.backends.{_LAZY[name]}"), name)
 
 
-__all__ = ["BACKENDS", "CausalLM", "HFCausalLM", "LlamaRuntime", "PassPrecisions", "make_backend", "precision_of",
-           "runtime_of", "sync", "target_backend"]
+__all__ = ["BACKENDS", "CausalLM", "FusedRuntime", "HFCausalLM", "LlamaRuntime", "PassPrecisions", "make_backend",
+           "precision_of", "runtime_of", "sync", "target_backend"]

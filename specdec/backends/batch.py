@@ -68,6 +68,12 @@ class BatchedLlama:
         # per slot index: positions below this hold finite numbers. Attention reads every row up to the pass's
         # longest; masked positions weigh 0, but 0 x NaN (never-written memory) is still NaN
         self._written = [0] * max_slots
+        self._fused_cache = None
+        if getattr(runtime, "fused", False):  # the fused runtime reads the pool through fused.c
+            from specdec.backends.fused import _PassCache
+
+            self._fused_cache = _PassCache(self._keys, self._values, shape[2] * shape[3], self._cos, self._sin)
+            self._slot_floats = shape[1] * shape[2] * shape[3]
 
     def open(self) -> Slot:
         if len(self.slots) == self.max_slots:
@@ -129,8 +135,13 @@ class BatchedLlama:
         if any(start + n > self.max_length for start, n in zip(starts, lengths)):
             raise ValueError(f"a row would pass the pool's {self.max_length} positions")
         layout = _Layout(rows, starts, lengths, self.device)
-        self._clear_up_to(layout.span, rows)
         rt = self.runtime
+        if self._fused_cache is not None:  # every layer in one call, each row computed as it is alone
+            x = self._fused_layers(layout, layers)
+            for row, n in zip(rows, lengths):
+                row.slot.length += n
+            return given, rows, layout, x
+        self._clear_up_to(layout.span, rows)
         layout.bias = attention_bias(layout.mask, rt.kv_heads, rt.heads // rt.kv_heads, rt.dtype)
         cos, sin = self._cos[layout.positions], self._sin[layout.positions]  # [T, head_dim] each
         x = rt.embed[layout.token_ids]  # [T, hidden]
@@ -144,6 +155,13 @@ class BatchedLlama:
         for row, n in zip(rows, lengths):
             row.slot.length += n
         return given, rows, layout, x
+
+    def _fused_layers(self, layout: "_Layout", layers: int) -> torch.Tensor:  # [T, hidden]
+        """The packed tokens through the first ``layers`` layers in one call of the fused runtime: each at its
+        position in its slot, attending its slot's keys up to itself."""
+        positions = layout.positions.numpy()
+        return self.runtime.run_rows(self.runtime.embed[layout.token_ids], 0, layers, self._fused_cache, positions,
+                                     layout.slot_of_token.numpy() * self._slot_floats, positions, positions + 1)
 
     def _clear_up_to(self, span: int, rows: list[Row]) -> None:
         """Zero the never-written positions below ``span`` of the rows' slots: the pass reads them, masked."""

@@ -70,7 +70,7 @@ class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
         self.embed = model.get_input_embeddings().weight.detach().to(self.dtype)  # [vocab, hidden]
         self.vocab_size = self.embed.shape[0]
         self.final_norm = model.model.norm.weight.detach().to(self.dtype)
-        self._weights = {precision: _build(model, precision, self.dtype) for precision in set(precisions.all)}
+        self._weights = self._build_weights(model, precisions)
         rope = _rope_parameters(config)
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, device=self.device).float() / self.head_dim))
@@ -81,6 +81,10 @@ class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
         self._cos = self._sin = torch.empty(0, self.head_dim, device=self.device)  # [capacity, head_dim]
         self._capacity = 0
         self._shallow = _Shallow()  # positions after the cache run through the first layers only (extend_shallow)
+
+    def _build_weights(self, model, precisions: PassPrecisions) -> dict:
+        """Per precision: the layers and LM head a pass in it computes with."""
+        return {precision: _build(model, precision, self.dtype) for precision in set(precisions.all)}
 
     def reserve(self, length: int) -> None:
         """Hold at least ``length`` positions (capped at max_length), so that no pass reallocates the cache."""

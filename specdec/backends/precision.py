@@ -17,9 +17,6 @@ the specdec cache, keyed by model, machine, threads and PyTorch version, so the 
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,6 +26,7 @@ import torch
 from specdec.backends.base import pass_seconds
 from specdec.backends.linear import BULK_POSITIONS, PRECISIONS, PassPrecisions
 from specdec.backends.llama import LlamaRuntime
+from specdec.cachefile import machine_name, read_entries, write_entry
 from specdec.models import cache_root
 
 MAX_LOGIT_ERROR = 0.1  # the largest logit difference from float32 that auto admits
@@ -100,20 +98,8 @@ def measure(model, candidates: tuple[str, ...] = PRECISIONS, seed: int = 0) -> l
 def _cache_key(model) -> str:
     name = getattr(model.config, "_name_or_path", "") or model.config.model_type
     parameters = sum(p.numel() for p in model.parameters())
-    machine = f"{platform.machine()} {_cpu_name()} {os.cpu_count()} cpus"
-    return f"v{CACHE_VERSION} | {name} | {parameters} parameters | {machine} | {torch.get_num_threads()} threads | " \
-           f"torch {torch.__version__}"
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown cpu"
+    return f"v{CACHE_VERSION} | {name} | {parameters} parameters | {machine_name()} | " \
+           f"{torch.get_num_threads()} threads | torch {torch.__version__}"
 
 
 def _cache_path() -> Path:
@@ -121,20 +107,8 @@ def _cache_path() -> Path:
 
 
 def _read_cache() -> dict:
-    try:
-        return json.loads(_cache_path().read_text())
-    except (OSError, ValueError):
-        return {}  # no cache yet, or a damaged one: measure again
+    return read_entries(_cache_path())
 
 
 def _write_cache(key: str, value: dict) -> None:
-    entries = _read_cache()
-    entries[key] = value
-    path = _cache_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(entries, indent=1, sort_keys=True))
-        temporary.replace(path)
-    except OSError:
-        pass  # a read-only cache costs a measurement next time, nothing else
+    write_entry(_cache_path(), key, value)

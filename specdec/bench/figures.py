@@ -50,10 +50,15 @@ def pass_latency(backend, context: list[int], positions: list[int], repeats: int
 
 
 def figure_1_runtimes(model, gguf: Path | None, threads: int | None) -> list[tuple[str, object]]:
-    """(label, backend) for each runtime figure 1 compares: the torch runtime at each precision, and llama.cpp over
-    the GGUF as stored where the target came from one and llama-cpp-python is installed."""
+    """(label, backend) for each runtime figure 1 compares: the torch runtime at each precision, the fused runtime
+    where it runs the model here, and llama.cpp over the GGUF as stored where the target came from one and
+    llama-cpp-python is installed."""
+    from specdec.backends.fused import FusedRuntime, unavailable
+
     runtimes = [(f"{precision} weights", lambda precision=precision: make_backend(model, precision))
                 for precision in PRECISIONS]
+    if unavailable(model) is None:
+        runtimes.append(("fused runtime, float16 weights", lambda: FusedRuntime(model)))
     if gguf is not None and importlib.util.find_spec("llama_cpp") is not None:
         from specdec.backends.llamacpp import LlamaCppLM
 

@@ -1,0 +1,17 @@
+"""The build's one step beyond pyproject.toml: specdec's fused CPU pass (specdec/backends/fused.c), compiled with
+the C compiler that llama-cpp-python's build already needs. It is optional: where it does not build, the install
+still succeeds, and specdec says why once, when the fused runtime is asked for (specdec/backends/fused.py)."""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "specdec.backends._fused",
+            sources=["specdec/backends/fused.c"],
+            extra_compile_args=["-O3", "-std=gnu11", "-fno-strict-aliasing"],
+            libraries=["pthread", "m"],
+            optional=True,
+        )
+    ]
+)

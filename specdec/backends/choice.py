@@ -1,0 +1,173 @@
+"""``--backend auto`` on the CPU: the runtime that runs a target fastest on this machine, by measurement.
+
+The candidates: llama.cpp (a .gguf target, its weights as stored), specdec's fused runtime (``fused.py``, where it
+was built, the CPU has AVX2/FMA/F16C and the model is one it covers) and specdec's torch runtime (``llama.py``, in
+float16 where fbgemm runs it, else float32). Each is loaded, fed the same context, and timed on a decode pass (one
+position) and a scoring pass (``SCORED_POSITIONS``), interleaved so that the machine's noise falls on all alike.
+The one whose two passes take least time together is chosen. The measure is the same whatever drafter runs, so
+the choice is too: a drafter never decides which runtime computes the target's tokens.
+
+The choice is kept in the specdec cache, keyed by the model file, the machine, the threads and the versions, so the
+measurement (a few seconds) runs once. ``--backend NAME`` skips it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import logging
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.backends.base import pass_seconds
+from specdec.cachefile import machine_name, read_entries, write_entry
+from specdec.logs import notice, verbose
+
+CACHE_VERSION = 1
+CONTEXT_TOKENS = 64  # cached before the timed passes
+SCORED_POSITIONS = 5  # a scoring pass: k+1 at the default k=4
+REPEATS = 5  # timed passes per candidate and kind; the median is kept
+
+
+@dataclass(frozen=True)
+class BackendMeasurement:
+    backend: str
+    decode_ms: float
+    score_ms: float
+
+    @property
+    def cost_ms(self) -> float:
+        return self.decode_ms + self.score_ms
+
+
+def choose(measurements: list[BackendMeasurement]) -> str:
+    return min(measurements, key=lambda m: m.cost_ms).backend
+
+
+def candidates(gguf: bool) -> list[str]:
+    """The runtimes that may run a target here (the fused runtime's unfitness for a model is found at load)."""
+    from specdec.backends.fused import unavailable
+
+    names = ["llama.cpp"] if gguf else []
+    reason = unavailable()
+    if reason is None:
+        names.append("fused")
+    else:
+        _passed_by(reason)
+    return names + ["torch"]
+
+
+@functools.cache
+def _passed_by(reason: str) -> None:
+    """Say once per process why --backend auto passes the fused runtime by."""
+    notice(f"--backend auto passes specdec's fused runtime by: {reason}")
+
+
+def auto_backend(source: Path, gguf: bool, threads: int | None = None) -> str:
+    """The measured choice for the target at ``source``, from the cache when it was measured before (a path that
+    does not exist is left to the first candidate's loader, which says so)."""
+    if not source.exists():
+        return "llama.cpp" if gguf else "torch"
+    names = candidates(gguf)
+    key = _cache_key(source, names, threads)
+    cached = _read_cache().get(key)
+    if cached is not None:
+        return cached["backend"]
+    if verbose():  # a few seconds, once; the summary line names the choice
+        notice(f"measuring which of {', '.join(names)} runs {source.name} fastest on this machine (once; cached)")
+    with _quiet_unless_verbose():  # what loading each candidate says is said again by the one that runs
+        measurements, passed_by = measure(source, names, threads)
+    for reason in passed_by:
+        _passed_by(reason)
+    chosen = choose(measurements)
+    _write_cache(key, {"backend": chosen, "measurements": [asdict(m) for m in measurements]})
+    return chosen
+
+
+def measure(source: Path, names: list[str], threads: int | None = None
+            ) -> tuple[list[BackendMeasurement], list[str]]:
+    """Load each candidate and time its decode and scoring passes after the same context, interleaved; and why
+    any candidate could not run the model."""
+    runtimes, passed_by = {}, []
+    for name in names:
+        runtime = _load(name, source, threads)
+        if isinstance(runtime, str):
+            passed_by.append(runtime)
+        else:
+            runtimes[name] = runtime
+    context = [(7 + 31 * i) % min(r.vocab_size for r in runtimes.values()) for i in range(CONTEXT_TOKENS)]
+    decode = {name: [] for name in runtimes}
+    score = {name: [] for name in runtimes}
+    for runtime in runtimes.values():
+        runtime.extend(context, 0)
+    for _ in range(REPEATS + 1):  # the first round warms up, and is dropped
+        for name, runtime in runtimes.items():
+            decode[name].append(pass_seconds(runtime, 1))
+            score[name].append(pass_seconds(runtime, SCORED_POSITIONS))
+    return [BackendMeasurement(name, 1000 * statistics.median(decode[name][1:]),
+                               1000 * statistics.median(score[name][1:])) for name in runtimes], passed_by
+
+
+def _load(name: str, source: Path, threads: int | None):
+    """A candidate's runtime of the target, or why the fused runtime does not cover the model."""
+    from specdec.models import load_gguf, load_model
+
+    if name == "llama.cpp":
+        return load_gguf(source, threads).runtime
+    model = load_model(source, dtype="float32", device="cpu", backend="torch").model
+    if name == "fused":
+        from specdec.backends.fused import FusedRuntime, unavailable
+
+        reason = unavailable(model)
+        return reason if reason is not None else FusedRuntime(model)
+    from specdec.backends.linear import has_fbgemm
+    from specdec.backends.llama import LlamaRuntime, supports
+
+    if not supports(model):
+        from specdec.backends.hf import HFCausalLM
+
+        return HFCausalLM(model)
+    return LlamaRuntime(model, "float16" if has_fbgemm() else "float32")
+
+
+@contextlib.contextmanager
+def _quiet_unless_verbose():
+    """Nothing on stderr (notices, conversion lines, progress bars) while the candidates load, unless --verbose."""
+    if verbose():
+        yield
+        return
+    from specdec.logs import NOTICES
+
+    level = NOTICES.level
+    NOTICES.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        NOTICES.setLevel(level)
+
+
+def _cache_key(source: Path, names: list[str], threads: int | None) -> str:
+    stat = source.stat() if source.is_file() else None
+    fingerprint = f"{source.resolve()} {stat.st_size} {int(stat.st_mtime)}" if stat else str(source.resolve())
+    threads = threads or torch.get_num_threads()
+    return f"v{CACHE_VERSION} | {fingerprint} | {'/'.join(names)} | {machine_name()} | " \
+           f"{threads} threads | torch {torch.__version__}"
+
+
+def cache_path() -> Path:
+    from specdec.models import cache_root
+
+    return cache_root() / "backends.json"
+
+
+def _read_cache() -> dict:
+    return read_entries(cache_path())
+
+
+def _write_cache(key: str, value: dict) -> None:
+    write_entry(cache_path(), key, value)

@@ -1,0 +1,438 @@
+/* specdec's fused CPU pass for llama-family models: every layer of a pass over n rows in one call.
+ *
+ * Built at install as specdec/backends/_fused (setup.py; optional: a failed build leaves the install working and
+ * fused.py says why once), loaded with ctypes. It needs AVX2, FMA and F16C; fused.py checks the CPU first.
+ *
+ * What it does that a chain of PyTorch ops does not:
+ * - one persistent thread team runs the whole pass; the phases of a layer meet at spin barriers, so no thread is
+ *   forked or joined per matrix, and Python is not re-entered per op;
+ * - weights are float16 and read once per pass whatever the row count: each tile of weights (a few output rows)
+ *   is converted with F16C and fed by FMA to every row of the pass while it sits in L1;
+ * - norms, RoPE, the cache writes, attention, SiLU and the residual adds are written around the products.
+ *
+ * Batch invariance by construction: every value a row computes (a product's output, a norm, an attention output)
+ * is reduced by one thread, in one order that depends on nothing but that row: its accumulator sees the same FMAs
+ * in the same order whether the tile holds 1 row or 4, and a row's attention runs over its own keys alone. So a
+ * row's logits are the same bit for bit alone, in a pass of 17, in a tree or beside other sequences.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef uint16_t half;
+
+typedef struct {
+    const float *input_norm, *post_norm;  /* [hidden] */
+    const half *qkv;                      /* [(heads + 2 kv_heads) head_dim, hidden] */
+    const float *qkv_bias;                /* [(heads + 2 kv_heads) head_dim] or NULL */
+    const half *out;                      /* [hidden, heads head_dim] */
+    const half *gate_up;                  /* [2 inter, hidden]: gate rows, then up rows */
+    const half *down;                     /* [hidden, inter] */
+} Layer;
+
+typedef struct {
+    int layers, hidden, heads, kv_heads, head_dim, inter, vocab;
+    float eps;
+    Layer *layer;
+    const float *final_norm; /* [hidden] */
+    const half *lm_head;     /* [vocab, hidden] */
+} Model;
+
+typedef struct {
+    float **keys, **values;  /* per layer: the cache's base */
+    int64_t head_stride;     /* floats from one kv head to the next (capacity * head_dim) */
+    const float *cos, *sin;  /* [capacity, head_dim] */
+} Cache;
+
+typedef struct {
+    int n;
+    const int32_t *rope;     /* [n] each row's rotary position */
+    const int64_t *base;     /* [n] floats from a layer cache's base to the row's sequence */
+    const int32_t *column;   /* [n] the cache column its key and value are written to */
+    const int32_t *n_keys;   /* [n] how many keys it attends */
+    const int32_t *key_cols; /* [n, key_stride] the columns it attends, in order; NULL: columns 0..n_keys-1 */
+    int key_stride;
+} Rows;
+
+/* ---------------------------------------------------------------- the thread team */
+
+#define MAX_THREADS 64
+#define SPINS_BEFORE_SLEEP 4000 /* about 0.2 ms of pause: past it, a member sleeps until the next pass */
+
+typedef void (*JobFn)(void *arg, int thread, int threads);
+
+static int team_size = 1, team_started = 1;
+static int has_avx512 = -1; /* set with the team: the tiles for 8 outputs then take AVX-512 */
+static pthread_t team[MAX_THREADS];
+static JobFn job_fn;
+static void *job_arg;
+static atomic_int job_generation, job_done, sleepers;
+static atomic_int barrier_count, barrier_sense;
+static pthread_mutex_t team_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t team_wake = PTHREAD_COND_INITIALIZER;
+static pthread_mutex_t pass_lock = PTHREAD_MUTEX_INITIALIZER; /* one pass at a time uses the team */
+
+static void *team_member(void *index_ptr) {
+    int index = (int)(intptr_t)index_ptr, seen = atomic_load(&job_generation);
+    for (;;) {
+        int spins = 0;
+        while (atomic_load_explicit(&job_generation, memory_order_acquire) == seen) {
+            if (++spins < SPINS_BEFORE_SLEEP) {
+                _mm_pause();
+                continue;
+            }
+            pthread_mutex_lock(&team_lock);
+            atomic_fetch_add(&sleepers, 1);
+            while (atomic_load(&job_generation) == seen) pthread_cond_wait(&team_wake, &team_lock);
+            atomic_fetch_sub(&sleepers, 1);
+            pthread_mutex_unlock(&team_lock);
+        }
+        seen = atomic_load(&job_generation);
+        job_fn(job_arg, index, team_size);
+        atomic_fetch_add_explicit(&job_done, 1, memory_order_release);
+    }
+    return NULL;
+}
+
+int sd_set_threads(int threads) {
+    if (has_avx512 < 0) has_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") && !getenv("SPECDEC_FUSED_AVX2");
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    pthread_mutex_lock(&pass_lock);
+    while (team_started < threads) { /* members are only ever added */
+        if (pthread_create(&team[team_started], NULL, team_member, (void *)(intptr_t)team_started) != 0) break;
+        team_started++;
+    }
+    team_size = threads < team_started ? threads : team_started;
+    pthread_mutex_unlock(&pass_lock);
+    return team_size;
+}
+
+/* Members beyond team_size run the job too, and return at once (their index says they have no share). */
+static void run_team(JobFn fn, void *arg) {
+    job_fn = fn;
+    job_arg = arg;
+    atomic_store(&job_done, 0);
+    atomic_fetch_add(&job_generation, 1); /* seq_cst: ordered before the read of sleepers */
+    if (atomic_load(&sleepers) > 0) {
+        pthread_mutex_lock(&team_lock);
+        pthread_cond_broadcast(&team_wake);
+        pthread_mutex_unlock(&team_lock);
+    }
+    fn(arg, 0, team_size);
+    while (atomic_load_explicit(&job_done, memory_order_acquire) < team_started - 1) _mm_pause();
+}
+
+/* All team_size members meet here; members past the team do not call it. */
+static void team_barrier(int threads, int *sense) {
+    if (threads == 1) return;
+    *sense ^= 1;
+    if (atomic_fetch_add(&barrier_count, 1) == threads - 1) {
+        atomic_store(&barrier_count, 0);
+        atomic_store_explicit(&barrier_sense, *sense, memory_order_release);
+    } else {
+        while (atomic_load_explicit(&barrier_sense, memory_order_acquire) != *sense) _mm_pause();
+    }
+}
+
+/* ---------------------------------------------------------------- products with float16 weights */
+
+__attribute__((target("avx2,fma,f16c"))) static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Weights are float16, repacked (fused.py, `repacked`) in blocks of 8 output rows: block b holds rows 8b..8b+7,
+ * one 8-wide chunk of `in` after another, each chunk the 8 rows' 8 halves (64 halves, 128 bytes). A block is one
+ * sequential stream, however many of its rows a tile reads.
+ *
+ * out[r][o] = dot(weight row o, x row r) for R rows and O weight rows, `w` pointing at the first one's halves in
+ * its block's first chunk. Each (r, o) has one accumulator fed in the order of k: the same arithmetic whatever R
+ * and O are. */
+#define CHUNK 64
+#ifndef PREFETCH
+#define PREFETCH 2048 /* halves ahead of the chunk being read that a tile asks the memory for */
+#endif
+#define GROUP 4    /* rows a tile computes at most: AVX2 has 16 registers */
+#define GROUP512 6 /* and AVX-512 32: 6 rows x 4 pairs of outputs accumulate in 24 */
+#define TILE(R, O)                                                                                                 \
+    __attribute__((target("avx2,fma,f16c"))) static void tile_##R##x##O(const half *w, const float *x,             \
+                                                                         int64_t ldx, int in, float out[GROUP512][8]) { \
+        __m256 acc[R][O];                                                                                          \
+        for (int r = 0; r < R; r++)                                                                                \
+            for (int o = 0; o < O; o++) acc[r][o] = _mm256_setzero_ps();                                           \
+        for (int k = 0; k < in; k += 8, w += CHUNK) {                                                              \
+            _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);                                               \
+            _mm_prefetch((const char *)(w + PREFETCH + 32), _MM_HINT_T0);                                          \
+            __m256 wv[O];                                                                                          \
+            for (int o = 0; o < O; o++) wv[o] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 8 * o)));     \
+            for (int r = 0; r < R; r++) {                                                                          \
+                __m256 xv = _mm256_loadu_ps(x + r * ldx + k);                                                      \
+                for (int o = 0; o < O; o++) acc[r][o] = _mm256_fmadd_ps(wv[o], xv, acc[r][o]);                     \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int r = 0; r < R; r++)                                                                                \
+            for (int o = 0; o < O; o++) out[r][o] = sum8(acc[r][o]);                                               \
+    }
+TILE(1, 8)
+TILE(2, 4)
+TILE(3, 2)
+TILE(4, 2)
+
+/* The same tiles for 8 outputs on AVX-512: a zmm holds a pair of rows' chunk (16 halves: row o's 8, then o+1's)
+ * and the 8 inputs twice, so each 16-lane FMA is the two 8-lane FMAs the tiles above do for o and o+1, lane for
+ * lane: the same bits, half the instructions. */
+#define TILE512(R)                                                                                                 \
+    __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) static void tile512_##R(                            \
+        const half *w, const float *x, int64_t ldx, int in, float out[GROUP512][8]) {                               \
+        __m512 acc[R][4];                                                                                          \
+        for (int r = 0; r < R; r++)                                                                                \
+            for (int o = 0; o < 4; o++) acc[r][o] = _mm512_setzero_ps();                                           \
+        for (int k = 0; k < in; k += 8, w += CHUNK) {                                                              \
+            _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);                                               \
+            _mm_prefetch((const char *)(w + PREFETCH + 32), _MM_HINT_T0);                                          \
+            __m512 wv[4];                                                                                          \
+            for (int o = 0; o < 4; o++) wv[o] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 16 * o))); \
+            for (int r = 0; r < R; r++) {                                                                          \
+                __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + r * ldx + k)); /* a load, no shuffle */      \
+                for (int o = 0; o < 4; o++) acc[r][o] = _mm512_fmadd_ps(wv[o], xv, acc[r][o]);                     \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int r = 0; r < R; r++)                                                                                \
+            for (int o = 0; o < 4; o++) {                                                                          \
+                out[r][2 * o] = sum8(_mm512_castps512_ps256(acc[r][o]));                                           \
+                out[r][2 * o + 1] = sum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][o]), 1))); \
+            }                                                                                                      \
+    }
+TILE512(1)
+TILE512(2)
+TILE512(3)
+TILE512(4)
+TILE512(5)
+TILE512(6)
+
+typedef void (*TileFn)(const half *, const float *, int64_t, int, float[GROUP512][8]);
+static const TileFn WIDE[5] = {0, tile_1x8, tile_2x4, tile_3x2, tile_4x2};
+static const int WIDTH[5] = {0, 8, 4, 2, 2};
+static const TileFn WIDE512[GROUP512 + 1] = {0, tile512_1, tile512_2, tile512_3, tile512_4, tile512_5, tile512_6};
+
+enum { STORE, ADD }; /* y = product (+ bias), or y += product (a residual) */
+
+/* out[r][j] for `rows` rows (up to GROUP, or GROUP512 with AVX-512) and the 8 rows of the block at w. */
+static void tile(const half *w, int in, const float *x, int64_t ldx, int rows, float out[GROUP512][8]) {
+    if (has_avx512) {
+        WIDE512[rows](w, x, ldx, in, out);
+        return;
+    }
+    float part[GROUP512][8];
+    for (int done = 0; done < 8; done += WIDTH[rows]) {
+        WIDE[rows](w + 8 * done, x, ldx, in, part);
+        for (int r = 0; r < rows; r++)
+            for (int j = 0; j < WIDTH[rows]; j++) out[r][done + j] = part[r][j];
+    }
+}
+
+/* y[r, o] for every row r < n and o in [o0, o1) (o0 a multiple of 8): W repacked, [*, in]; x [n, ldx]; y [n, ldy].
+ * A block of 8 weight rows is read from memory once, and stays in L1 while every group of rows reads it. */
+static void product(const half *w, const float *x, int64_t ldx, int n, int in, int o0, int o1, const float *bias,
+                    float *y, int64_t ldy, int mode) {
+    float out[GROUP512][8];
+    int group = has_avx512 ? GROUP512 : GROUP;
+    for (int o = o0; o < o1; o += 8) {
+        int count = o1 - o < 8 ? o1 - o : 8; /* a block past the matrix's last row is zero padding */
+        for (int r0 = 0; r0 < n; r0 += group) {
+            int rows = n - r0 < group ? n - r0 : group;
+            tile(w + (int64_t)o * in, in, x + r0 * ldx, ldx, rows, out);
+            for (int r = 0; r < rows; r++)
+                for (int j = 0; j < count; j++) {
+                    float *target = y + (int64_t)(r0 + r) * ldy + o + j;
+                    float value = out[r][j] + (bias ? bias[o + j] : 0.0f);
+                    *target = mode == ADD ? *target + value : value;
+                }
+        }
+    }
+}
+
+/* The share of `count` items (in units of `grain`) of member `thread` of `threads`. */
+static void share(int count, int grain, int thread, int threads, int *begin, int *end) {
+    int units = (count + grain - 1) / grain;
+    *begin = (int)((int64_t)units * thread / threads) * grain;
+    *end = (int)((int64_t)units * (thread + 1) / threads) * grain;
+    if (*end > count) *end = count;
+    if (*begin > count) *begin = count;
+}
+
+/* ---------------------------------------------------------------- the pass */
+
+typedef struct {
+    const Model *m;
+    const Cache *cache;
+    const Rows *rows;
+    float *x;            /* [n, hidden]: embeddings in, the residual stream out */
+    int first, end;      /* the layers run */
+    /* scratch */
+    float *h, *qkv, *attended, *act, *scores;
+    int scores_stride;
+} Pass;
+
+static void rms_norm_row(const float *x, const float *weight, int hidden, float eps, float *y) {
+    float total = 0.0f;
+    for (int i = 0; i < hidden; i++) total += x[i] * x[i];
+    float scale = 1.0f / sqrtf(total / hidden + eps);
+    for (int i = 0; i < hidden; i++) y[i] = weight[i] * (x[i] * scale);
+}
+
+static void rope_row(float *v, const float *cos, const float *sin, int head_dim) {
+    int half_dim = head_dim / 2;
+    for (int i = 0; i < half_dim; i++) {
+        float a = v[i], b = v[i + half_dim];
+        v[i] = a * cos[i] - b * sin[i];
+        v[i + half_dim] = b * cos[i + half_dim] + a * sin[i + half_dim];
+    }
+}
+
+__attribute__((target("avx2,fma,f16c"))) static float dot(const float *a, const float *b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    return sum8(acc);
+}
+
+/* One row's attention for one head: softmax(q . k / sqrt(hd)) over the row's keys, in their order, then the
+ * weighted sum of the values, in the same order. */
+__attribute__((target("avx2,fma,f16c"))) static void attend(const Pass *p, int layer, int r, int head, float *scores,
+                                                           float *out) {
+    const Model *m = p->m;
+    const Rows *rows = p->rows;
+    int hd = m->head_dim, kv = head / (m->heads / m->kv_heads), count = rows->n_keys[r];
+    const float *q = p->qkv + (int64_t)r * (m->heads + 2 * m->kv_heads) * hd + head * hd;
+    int64_t offset = rows->base[r] + kv * p->cache->head_stride;
+    const float *keys = p->cache->keys[layer] + offset, *values = p->cache->values[layer] + offset;
+    const int32_t *cols = rows->key_cols ? rows->key_cols + (int64_t)r * rows->key_stride : NULL;
+    float scale = 1.0f / sqrtf((float)hd), top = -INFINITY, total = 0.0f;
+    for (int t = 0; t < count; t++) {
+        scores[t] = dot(q, keys + (int64_t)(cols ? cols[t] : t) * hd, hd) * scale;
+        if (scores[t] > top) top = scores[t];
+    }
+    for (int t = 0; t < count; t++) {
+        scores[t] = expf(scores[t] - top);
+        total += scores[t];
+    }
+    __m256 acc[16]; /* head_dim <= 128 */
+    for (int j = 0; j < hd / 8; j++) acc[j] = _mm256_setzero_ps();
+    for (int t = 0; t < count; t++) {
+        const float *v = values + (int64_t)(cols ? cols[t] : t) * hd;
+        __m256 weight = _mm256_set1_ps(scores[t]);
+        for (int j = 0; j < hd / 8; j++) acc[j] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + 8 * j), acc[j]);
+    }
+    for (int j = 0; j < hd / 8; j++) _mm256_storeu_ps(out + 8 * j, _mm256_div_ps(acc[j], _mm256_set1_ps(total)));
+}
+
+static float silu(float g) { return g / (1.0f + expf(-g)); }
+
+static void pass_job(void *arg, int thread, int threads) {
+    Pass *p = (Pass *)arg;
+    if (thread >= threads) return;
+    const Model *m = p->m;
+    const Rows *rows = p->rows;
+    int n = rows->n, hidden = m->hidden, hd = m->head_dim, inter = m->inter;
+    int q_width = m->heads * hd, qkv_width = (m->heads + 2 * m->kv_heads) * hd;
+    int sense = atomic_load(&barrier_sense);
+    float *scores = p->scores + (int64_t)thread * p->scores_stride;
+    int b, e;
+    for (int li = p->first; li < p->end; li++) {
+        const Layer *layer = &m->layer[li];
+        for (int r = thread; r < n; r += threads)
+            rms_norm_row(p->x + (int64_t)r * hidden, layer->input_norm, hidden, m->eps, p->h + (int64_t)r * hidden);
+        team_barrier(threads, &sense);
+        share(qkv_width, 8, thread, threads, &b, &e);
+        product(layer->qkv, p->h, hidden, n, hidden, b, e, layer->qkv_bias, p->qkv, qkv_width, STORE);
+        team_barrier(threads, &sense);
+        for (int r = thread; r < n; r += threads) {
+            float *row = p->qkv + (int64_t)r * qkv_width;
+            const float *cos = p->cache->cos + (int64_t)rows->rope[r] * hd, *sin = p->cache->sin + (int64_t)rows->rope[r] * hd;
+            for (int head = 0; head < m->heads + m->kv_heads; head++) rope_row(row + head * hd, cos, sin, hd);
+            for (int kv = 0; kv < m->kv_heads; kv++) {
+                int64_t at = rows->base[r] + kv * p->cache->head_stride + (int64_t)rows->column[r] * hd;
+                memcpy(p->cache->keys[li] + at, row + q_width + kv * hd, hd * sizeof(float));
+                memcpy(p->cache->values[li] + at, row + q_width + (m->kv_heads + kv) * hd, hd * sizeof(float));
+            }
+        }
+        team_barrier(threads, &sense);
+        for (int item = thread; item < n * m->heads; item += threads) {
+            int r = item / m->heads, head = item % m->heads;
+            attend(p, li, r, head, scores, p->attended + (int64_t)r * q_width + head * hd);
+        }
+        team_barrier(threads, &sense);
+        share(hidden, 8, thread, threads, &b, &e);
+        product(layer->out, p->attended, q_width, n, q_width, b, e, NULL, p->x, hidden, ADD);
+        team_barrier(threads, &sense);
+        for (int r = thread; r < n; r += threads)
+            rms_norm_row(p->x + (int64_t)r * hidden, layer->post_norm, hidden, m->eps, p->h + (int64_t)r * hidden);
+        team_barrier(threads, &sense);
+        share(inter, 8, thread, threads, &b, &e); /* gate and up for the same units, then SiLU(gate) * up */
+        product(layer->gate_up, p->h, hidden, n, hidden, b, e, NULL, p->act, 2 * inter, STORE);
+        product(layer->gate_up, p->h, hidden, n, hidden, inter + b, inter + e, NULL, p->act, 2 * inter, STORE);
+        for (int r = 0; r < n; r++) {
+            float *row = p->act + (int64_t)r * 2 * inter;
+            for (int j = b; j < e; j++) row[j] = silu(row[j]) * row[inter + j];
+        }
+        team_barrier(threads, &sense);
+        share(hidden, 8, thread, threads, &b, &e);
+        product(layer->down, p->act, 2 * inter, n, inter, b, e, NULL, p->x, hidden, ADD);
+        team_barrier(threads, &sense);
+    }
+}
+
+typedef struct {
+    const Model *m;
+    const float *x;
+    int n;
+    float *logits;
+} Head;
+
+static void head_job(void *arg, int thread, int threads) {
+    Head *h = (Head *)arg;
+    int b, e;
+    if (thread >= threads) return;
+    share(h->m->vocab, 8, thread, threads, &b, &e);
+    product(h->m->lm_head, h->x, h->m->hidden, h->n, h->m->hidden, b, e, NULL, h->logits, h->m->vocab, STORE);
+}
+
+/* logits [n, vocab] of n rows already normed, x [n, hidden]. */
+void sd_head(const Model *m, const float *x, int n, float *logits) {
+    Head h = {m, x, n, logits};
+    pthread_mutex_lock(&pass_lock);
+    run_team(head_job, &h);
+    pthread_mutex_unlock(&pass_lock);
+}
+
+/* The rows through layers [first, end); x [n, hidden] holds their embeddings, then their residual stream. Returns
+ * 0, or -1 when scratch could not be had. */
+int sd_pass(const Model *m, const Cache *cache, const Rows *rows, float *x, int first, int end) {
+    int n = rows->n, max_keys = 1;
+    for (int r = 0; r < n; r++)
+        if (rows->n_keys[r] > max_keys) max_keys = rows->n_keys[r];
+    int qkv_width = (m->heads + 2 * m->kv_heads) * m->head_dim;
+    Pass p = {.m = m, .cache = cache, .rows = rows, .x = x, .first = first, .end = end};
+    p.scores_stride = (max_keys + 15) / 16 * 16;
+    size_t floats = (size_t)n * (m->hidden + qkv_width + m->heads * m->head_dim + 2 * m->inter) +
+                    (size_t)MAX_THREADS * p.scores_stride;
+    float *scratch = malloc(floats * sizeof(float));
+    if (!scratch) return -1;
+    p.h = scratch;
+    p.qkv = p.h + (size_t)n * m->hidden;
+    p.attended = p.qkv + (size_t)n * qkv_width;
+    p.act = p.attended + (size_t)n * m->heads * m->head_dim;
+    p.scores = p.act + (size_t)n * 2 * m->inter;
+    pthread_mutex_lock(&pass_lock);
+    run_team(pass_job, &p);
+    pthread_mutex_unlock(&pass_lock);
+    free(scratch);
+    return 0;
+}

@@ -1,0 +1,157 @@
+"""specdec's fused CPU runtime (fused.c through fused.py): what the lean runtime computes, each row as it is alone,
+and speculation on it gives plain decoding's tokens with every drafter."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from tiny import perturbed_copy, tiny_llama
+
+from specdec.backends import LlamaRuntime
+from specdec.backends.batch import BatchedLlama, Row
+from specdec.backends.fused import FusedRuntime, repacked, unavailable
+from specdec.drafters.networks import DrafterConfig, EagleHead, ExitAdapter, LayerShape, MTPHeads, TargetParts
+from specdec.engine import Engine, GenerationConfig
+from specdec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer, RetrievalProposer
+from specdec.proposers.eagle import EagleProposer
+from specdec.proposers.early_exit import EarlyExitProposer
+from specdec.proposers.mtp import MTPProposer
+from specdec.sampling import SamplingParams
+
+PROMPTS = [[5, 9, 12, 9, 12, 40], [3, 3, 3, 3], [60, 2, 17, 33, 8, 17, 33, 21, 9], [7]]
+
+
+def test_the_extension_was_built_and_runs_here():
+    """CI's machines have a C compiler and AVX2: a build that failed there must fail the suite, not skip it."""
+    assert unavailable() is None
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=0, init_range=0.5)
+
+
+def float16_rounded(model):
+    """The model with its weights rounded to float16 and held in float32: what the fused runtime multiplies by."""
+    copy = tiny_llama(seed=0, init_range=0.5)
+    copy.load_state_dict({name: value.half().float() for name, value in model.state_dict().items()})
+    return copy
+
+
+def test_logits_are_the_lean_runtimes_over_the_same_float16_weights(model):
+    """Against the lean runtime in float32 over the float16-rounded weights, only the order of float32 sums differs:
+    logits agree to 1e-4 (they are of order 10 here; float32 rounding of a 32-long sum is ~1e-6 of it) in a prefill,
+    steps, a chain of several positions after a rollback, a tree, and past a block of 256 cached keys."""
+    rounded = float16_rounded(model)
+    sequence = list(range(3, 63)) * 5
+    outputs = []
+    for runtime in (FusedRuntime(rounded), LlamaRuntime(rounded, "float32")):
+        logits = [runtime.extend(sequence[:250], 250)]
+        logits += [runtime.extend([token], 1) for token in sequence[250:260]]
+        runtime.rollback(252)
+        logits.append(runtime.extend([7, 8, 9], 3))
+        logits.append(runtime.extend_tree([1, 2, 3, 4], [0, 0, 1, 1]))
+        outputs.append(torch.cat(logits))
+    assert outputs[0].abs().max() > 1
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=1e-4)
+
+
+def test_a_rows_logits_are_the_same_bit_for_bit_alone_in_a_pass_in_a_tree_and_beside_other_sequences(model):
+    runtime = FusedRuntime(model)
+    sequence = list(range(3, 63)) * 5  # past the first 256 keys
+    runtime.extend(sequence[:250], 0)
+    alone = torch.cat([runtime.extend([token], 1) for token in sequence[250:260]])  # [10, vocab]
+    for width in (2, 5, 10):  # passes of several positions
+        runtime.rollback(250)
+        together = torch.cat([runtime.extend(sequence[250 + i : 250 + i + width], width) for i in range(0, 10, width)])
+        assert torch.equal(together, alone), width
+    runtime.rollback(250)  # a tree whose first branch is the sequence: its nodes compute that chain's logits
+    tree = runtime.extend_tree(sequence[250:253] + [9, 9], [0, 0, 1, 0, 3])
+    assert torch.equal(tree[:3], alone[:3])
+    pool = BatchedLlama(runtime, max_slots=4, max_length=512)
+    watched, others = pool.open(), [pool.open() for _ in range(3)]
+    pool.forward([Row(watched, sequence[:250], 0)] + [Row(slot, [5 + i] * (40 + 100 * i), 0)
+                                                       for i, slot in enumerate(others)])
+    rows = []
+    for j, token in enumerate(sequence[250:260]):  # one position at a time, beside 0 to 3 others' drafts
+        beside = [Row(slot, [7] * (1 + (j + i) % 5), 1) for i, slot in enumerate(others[: j % 4])]
+        rows.append(pool.forward([Row(watched, [token], 1)] + beside)[0])
+        for row in beside:
+            row.slot.length -= len(row.token_ids)
+    assert torch.equal(torch.cat(rows), alone)
+
+
+def test_rollback_and_a_reused_prefix_compute_what_a_fresh_runtime_does(model):
+    runtime, fresh = FusedRuntime(model), FusedRuntime(model)
+    runtime.extend([1, 2, 3, 4, 5], 0)
+    runtime.extend([6, 7, 8], 3)
+    runtime.rollback(6)
+    assert torch.equal(runtime.extend([9, 10], 2), fresh.extend([1, 2, 3, 4, 5, 6, 9, 10], 8)[-2:])
+    assert runtime.tokens == [1, 2, 3, 4, 5, 6, 9, 10]
+    shallow = runtime.extend_shallow([11, 12], 1)  # self-speculation's first layers, then the rest
+    assert torch.equal(shallow, fresh.layer_states([11, 12])[1])
+    fresh.rollback(8)
+    assert torch.equal(runtime.extend([11, 12], 2), fresh.extend([11, 12], 2))
+
+
+def test_weights_repack_into_blocks_of_eight_rows_read_as_one_stream():
+    weight = torch.arange(10 * 16, dtype=torch.float32).view(10, 16)  # 10 rows: the second block is padded
+    packed = repacked(weight).view(2, 2, 8, 8)  # [block, chunk of 8 inputs, row in block, input in chunk]
+    assert torch.equal(packed[0, 1, 3], weight[3, 8:16].half())
+    assert torch.equal(packed[1, 0, 1], weight[9, :8].half())
+    assert not packed[1, :, 2:].any()
+
+
+def untrained(method: str, model, **fields):
+    parts = TargetParts.of(model)
+    config = DrafterConfig(method=method, shape=LayerShape.of(model.config), vocab_size=64, **fields)
+    torch.manual_seed(0)
+    return {"mtp": MTPHeads, "eagle": EagleHead, "early-exit": ExitAdapter}[method](config, parts).eval()
+
+
+@pytest.mark.parametrize("k", [1, 3, 8, "auto"])
+def test_greedy_speculation_on_it_is_its_plain_greedy_with_every_drafter(model, k):
+    target = FusedRuntime(model)
+    draft = perturbed_copy(model, noise=0.03, seed=1)
+    engines = {
+        "prompt-lookup": Engine(target, PromptLookupProposer()),
+        "retrieval": Engine(target, RetrievalProposer(min_order=1)),
+        "draft-model": Engine(target, DraftModelProposer(LlamaRuntime(draft), target.vocab_size)),
+        "mtp": Engine(target, MTPProposer(untrained("mtp", model, heads=3))),
+        "eagle": Engine(target, EagleProposer(untrained("eagle", model))),
+        "early-exit": Engine(target, EarlyExitProposer(untrained("early-exit", model, exit_layer=1), target)),
+    }
+    config = GenerationConfig(max_new_tokens=24, num_draft_tokens=k, stop_at_eos=False)
+    accepted = 0
+    for prompt in PROMPTS:
+        expected = Engine(target, NoProposer()).generate(prompt, config).token_ids
+        for name, engine in engines.items():
+            result = engine.generate(prompt, config)
+            assert result.token_ids == expected, (name, prompt)
+            accepted += result.stats.accepted_tokens
+        tree = Engine(target, PromptLookupProposer()).generate(prompt, replace(config, tree=(3, 2, 1)))
+        assert tree.token_ids == expected
+    assert accepted > 0
+
+
+def test_seeded_speculation_on_it_samples_its_plain_sampling_tokens(model):
+    target = FusedRuntime(model)
+    draft = perturbed_copy(model, noise=0.03, seed=1)
+    plain = Engine(target, NoProposer())
+    engines = [Engine(target, PromptLookupProposer()),
+               Engine(target, DraftModelProposer(LlamaRuntime(draft), target.vocab_size))]
+    for seed, prompt in enumerate(PROMPTS):
+        config = GenerationConfig(max_new_tokens=24, sampling=SamplingParams(temperature=0.7, top_p=0.95), seed=seed,
+                                  num_draft_tokens=3, stop_at_eos=False)
+        expected = plain.generate(prompt, config).token_ids
+        for engine in engines:
+            assert engine.generate(prompt, config).token_ids == expected
+
+
+def test_a_model_it_does_not_cover_is_named_with_the_reason():
+    odd = tiny_llama(seed=0, hidden=48)  # heads of 12: not a multiple of 8
+    assert "multiples of 8" in unavailable(odd)
+    with pytest.raises(RuntimeError, match="multiples of 8"):
+        FusedRuntime(odd)
