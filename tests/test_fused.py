@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tiny import perturbed_copy, tiny_llama
+from tiny import perturbed_copy, save_with_tokenizer, tiny_llama
 
 from specdec.backends import LlamaRuntime
 from specdec.backends.batch import BatchedLlama, Row
@@ -155,3 +155,34 @@ def test_a_model_it_does_not_cover_is_named_with_the_reason():
     assert "multiples of 8" in unavailable(odd)
     with pytest.raises(RuntimeError, match="multiples of 8"):
         FusedRuntime(odd)
+
+
+def test_the_server_batches_on_it_and_each_answer_is_its_plain_decoding(tmp_path):
+    """Continuous batching on the fused runtime: 12 greedy requests, 6 at a time, speculating with prompt lookup
+    beside one another's rows; each answer is that prompt's plain decoding alone on the same runtime."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_server import EOS, ids_of, post, prompt_text, visible
+    from transformers import AutoTokenizer
+
+    from specdec.server import BatchSettings, build_scheduler
+    from specdec.server.app import OpenAIServer, ServerSettings
+
+    model = tiny_llama(seed=0, init_range=0.5)
+    tokenizer = AutoTokenizer.from_pretrained(save_with_tokenizer(model, tmp_path / "tiny"))
+    settings = BatchSettings(max_batch_size=6, max_model_len=256, drafter="prompt-lookup", speculation="always")
+    server = OpenAIServer(build_scheduler(FusedRuntime(model), settings, {EOS}), tokenizer, "tiny",
+                          ServerSettings(port=0))
+    server.start()
+    prompts = [PROMPTS[i % len(PROMPTS)] + [10 + i] for i in range(12)]
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda ids: post(server, "/v1/completions", {
+                "prompt": prompt_text(ids), "max_tokens": 16, "temperature": 0, "ignore_eos": True}), prompts))
+    finally:
+        server.shutdown(timeout=5)
+    alone = Engine(FusedRuntime(model), NoProposer(), eos_token_ids={EOS})
+    for ids, (status, body) in zip(prompts, answers):
+        assert status == 200, body
+        expected = alone.generate(ids, GenerationConfig(max_new_tokens=16, stop_at_eos=False)).token_ids
+        assert ids_of(body["choices"][0]["text"]) == visible(expected), ids
