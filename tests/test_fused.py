@@ -11,7 +11,7 @@ from tiny import perturbed_copy, save_with_tokenizer, tiny_llama
 
 from specdec.backends import LlamaRuntime
 from specdec.backends.batch import BatchedLlama, Row
-from specdec.backends.fused import FusedRuntime, repacked, unavailable
+from specdec.backends.fused import FusedRuntime, quantized8, repacked, unavailable
 from specdec.drafters.networks import DrafterConfig, EagleHead, ExitAdapter, LayerShape, MTPHeads, TargetParts
 from specdec.engine import Engine, GenerationConfig
 from specdec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer, RetrievalProposer
@@ -28,26 +28,54 @@ def test_the_extension_was_built_and_runs_here():
     assert unavailable() is None
 
 
-@pytest.fixture(scope="module")
-def model():
-    return tiny_llama(seed=0, init_range=0.5)
+def on_a_q4_1_grid(weight: torch.Tensor) -> torch.Tensor:
+    """A matrix's values moved to the 16 levels of a Q4_1 block per 32 inputs (scale and minimum in float16), as a
+    de-quantised GGUF holds them."""
+    if weight.dim() != 2 or weight.shape[1] % 32:
+        return weight
+    blocks = weight.view(weight.shape[0], -1, 32)
+    low, high = blocks.amin(-1, keepdim=True).half().float(), blocks.amax(-1, keepdim=True)
+    step = ((high - low) / 15).half().float().clamp_min(1e-4)
+    return ((blocks - low) / step).round().clamp(0, 15).mul(step).add(low).view_as(weight)
 
 
-def float16_rounded(model):
-    """The model with its weights rounded to float16 and held in float32: what the fused runtime multiplies by."""
+def copy_with(model, change):
     copy = tiny_llama(seed=0, init_range=0.5)
-    copy.load_state_dict({name: value.half().float() for name, value in model.state_dict().items()})
+    copy.load_state_dict({name: change(value) for name, value in model.state_dict().items()})
     return copy
 
 
-def test_logits_are_the_lean_runtimes_over_the_same_float16_weights(model):
-    """Against the lean runtime in float32 over the float16-rounded weights, only the order of float32 sums differs:
-    logits agree to 1e-4 (they are of order 10 here; float32 rounding of a 32-long sum is ~1e-6 of it) in a prefill,
-    steps, a chain of several positions after a rollback, a tree, and past a block of 256 cached keys."""
-    rounded = float16_rounded(model)
+@pytest.fixture(scope="module", params=["float16", "int8"])
+def weights(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model(weights):
+    """For float16, a random model (its weights are not on any grid: auto holds them in float16); for int8, the same
+    model moved to a Q4_1 grid, as the default model's are (auto holds them in int8, exactly)."""
+    random = tiny_llama(seed=0, init_range=0.5)
+    return random if weights == "float16" else copy_with(random, on_a_q4_1_grid)
+
+
+def exact_reference(model, weights):
+    """The model as the fused runtime multiplies by it: its weights rounded to float16, or (on the grid) as they are."""
+    return copy_with(model, lambda value: value.half().float()) if weights == "float16" else model
+
+
+def test_auto_holds_grid_weights_in_int8_and_others_in_float16(model, weights):
+    assert FusedRuntime(model).weights == weights
+
+
+def test_logits_are_the_lean_runtimes_over_the_same_weights(model, weights):
+    """Against the lean runtime in float32 over the weights as the fused runtime holds them (float16-rounded, or on
+    their grid), only the order of float32 sums differs: logits agree to 1e-4 (they are of order 10 here; float32
+    rounding of a 32-long sum is ~1e-6 of it) in a prefill, steps, a chain of several positions after a rollback, a
+    tree, and past a block of 256 cached keys."""
+    reference = exact_reference(model, weights)
     sequence = list(range(3, 63)) * 5
     outputs = []
-    for runtime in (FusedRuntime(rounded), LlamaRuntime(rounded, "float32")):
+    for runtime in (FusedRuntime(reference, weights), LlamaRuntime(reference, "float32")):
         logits = [runtime.extend(sequence[:250], 250)]
         logits += [runtime.extend([token], 1) for token in sequence[250:260]]
         runtime.rollback(252)
@@ -58,8 +86,8 @@ def test_logits_are_the_lean_runtimes_over_the_same_float16_weights(model):
     torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=1e-4)
 
 
-def test_a_rows_logits_are_the_same_bit_for_bit_alone_in_a_pass_in_a_tree_and_beside_other_sequences(model):
-    runtime = FusedRuntime(model)
+def test_a_rows_logits_are_the_same_bit_for_bit_alone_in_a_pass_in_a_tree_and_beside_other_sequences(model, weights):
+    runtime = FusedRuntime(model, weights)
     sequence = list(range(3, 63)) * 5  # past the first 256 keys
     runtime.extend(sequence[:250], 0)
     alone = torch.cat([runtime.extend([token], 1) for token in sequence[250:260]])  # [10, vocab]
@@ -83,8 +111,8 @@ def test_a_rows_logits_are_the_same_bit_for_bit_alone_in_a_pass_in_a_tree_and_be
     assert torch.equal(torch.cat(rows), alone)
 
 
-def test_rollback_and_a_reused_prefix_compute_what_a_fresh_runtime_does(model):
-    runtime, fresh = FusedRuntime(model), FusedRuntime(model)
+def test_rollback_and_a_reused_prefix_compute_what_a_fresh_runtime_does(model, weights):
+    runtime, fresh = FusedRuntime(model, weights), FusedRuntime(model, weights)
     runtime.extend([1, 2, 3, 4, 5], 0)
     runtime.extend([6, 7, 8], 3)
     runtime.rollback(6)
@@ -94,6 +122,22 @@ def test_rollback_and_a_reused_prefix_compute_what_a_fresh_runtime_does(model):
     assert torch.equal(shallow, fresh.layer_states([11, 12])[1])
     fresh.rollback(8)
     assert torch.equal(runtime.extend([11, 12], 2), fresh.extend([11, 12], 2))
+
+
+def test_int8_keeps_grid_weights_exactly_and_says_when_it_cannot():
+    """A Q4_1 block (16 levels), a Q8_0 block (a symmetric grid of 255) and a constant block are kept to float
+    rounding; random values are not, and are said not to be."""
+    q4_1 = torch.randint(0, 16, (8, 32)).float() * 0.0123 - 0.07
+    q8_0 = torch.randint(-127, 128, (8, 32)).float() * 0.004
+    grid = torch.cat([q4_1, q8_0, torch.full((8, 32), 0.25)], dim=1)
+    packed, exact = quantized8(grid)
+    assert exact and packed.numel() == 3 * 320
+    blocks = packed.view(3, 320)  # one block of 8 rows, three groups of 32 inputs
+    q = blocks[:, :256].view(3, 4, 8, 8).permute(2, 0, 1, 3).reshape(8, 96).float()  # [row, input]
+    scale = blocks[:, 256:288].contiguous().view(torch.float32).T.repeat_interleave(32, dim=1)  # [row, input]
+    offset = blocks[:, 288:].contiguous().view(torch.float32).T.repeat_interleave(32, dim=1)
+    torch.testing.assert_close(q * scale + offset, grid, rtol=0, atol=1e-6)
+    assert not quantized8(torch.randn(8, 32))[1]
 
 
 def test_weights_repack_into_blocks_of_eight_rows_read_as_one_stream():
@@ -112,8 +156,8 @@ def untrained(method: str, model, **fields):
 
 
 @pytest.mark.parametrize("k", [1, 3, 8, "auto"])
-def test_greedy_speculation_on_it_is_its_plain_greedy_with_every_drafter(model, k):
-    target = FusedRuntime(model)
+def test_greedy_speculation_on_it_is_its_plain_greedy_with_every_drafter(model, weights, k):
+    target = FusedRuntime(model, weights)
     draft = perturbed_copy(model, noise=0.03, seed=1)
     engines = {
         "prompt-lookup": Engine(target, PromptLookupProposer()),
@@ -136,8 +180,8 @@ def test_greedy_speculation_on_it_is_its_plain_greedy_with_every_drafter(model, 
     assert accepted > 0
 
 
-def test_seeded_speculation_on_it_samples_its_plain_sampling_tokens(model):
-    target = FusedRuntime(model)
+def test_seeded_speculation_on_it_samples_its_plain_sampling_tokens(model, weights):
+    target = FusedRuntime(model, weights)
     draft = perturbed_copy(model, noise=0.03, seed=1)
     plain = Engine(target, NoProposer())
     engines = [Engine(target, PromptLookupProposer()),

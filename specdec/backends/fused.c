@@ -27,11 +27,11 @@ typedef uint16_t half;
 
 typedef struct {
     const float *input_norm, *post_norm;  /* [hidden] */
-    const half *qkv;                      /* [(heads + 2 kv_heads) head_dim, hidden] */
+    const void *qkv;                      /* [(heads + 2 kv_heads) head_dim, hidden] */
     const float *qkv_bias;                /* [(heads + 2 kv_heads) head_dim] or NULL */
-    const half *out;                      /* [hidden, heads head_dim] */
-    const half *gate_up;                  /* [2 inter, hidden]: gate rows, then up rows */
-    const half *down;                     /* [hidden, inter] */
+    const void *out;                      /* [hidden, heads head_dim] */
+    const void *gate_up;                  /* [2 inter, hidden]: gate rows, then up rows */
+    const void *down;                     /* [hidden, inter] */
 } Layer;
 
 typedef struct {
@@ -39,7 +39,8 @@ typedef struct {
     float eps;
     Layer *layer;
     const float *final_norm; /* [hidden] */
-    const half *lm_head;     /* [vocab, hidden] */
+    const void *lm_head;     /* [vocab, hidden] */
+    int format;              /* how every weight matrix is stored: F16 or Q8 (below) */
 } Model;
 
 typedef struct {
@@ -217,6 +218,100 @@ TILE512(4)
 TILE512(5)
 TILE512(6)
 
+/* Q8: 8-bit weights with a float scale and offset per 32 inputs of a row (w = d q + m: exact for the GGUF's Q4_1,
+ * Q4_0 and Q8_0 blocks, fused.py `quantized8`), repacked like F16 in blocks of 8 output rows: block b holds, for
+ * each 32 inputs in turn, their four chunks of 8 (each the 8 rows' 8 bytes, 64 bytes), then the 8 rows' d, then
+ * their m (QBLOCK bytes). A weight is dequantised by one FMA, exactly as in every tile, then multiplied as F16's.
+ *
+ * out[r][o] for R rows and O outputs from row j of the block at w. */
+#define QBLOCK 320
+#define TILE_Q8(R, O)                                                                                              \
+    __attribute__((target("avx2,fma,f16c"))) static void q8_##R##x##O(const uint8_t *w, int j, const float *x,    \
+                                                                      int64_t ldx, int in, float out[GROUP512][8]) { \
+        __m256 acc[R][O];                                                                                          \
+        for (int r = 0; r < R; r++)                                                                                \
+            for (int o = 0; o < O; o++) acc[r][o] = _mm256_setzero_ps();                                           \
+        for (int k = 0; k < in; k += 32, w += QBLOCK) {                                                            \
+            const float *d = (const float *)(w + 256) + j, *m = (const float *)(w + 288) + j;                      \
+            _mm_prefetch((const char *)(w + 2 * PREFETCH), _MM_HINT_T0);                                           \
+            _mm_prefetch((const char *)(w + 2 * PREFETCH + 64), _MM_HINT_T0);                                      \
+            _mm_prefetch((const char *)(w + 2 * PREFETCH + 128), _MM_HINT_T0);                                     \
+            _mm_prefetch((const char *)(w + 2 * PREFETCH + 192), _MM_HINT_T0);                                     \
+            _mm_prefetch((const char *)(w + 2 * PREFETCH + 256), _MM_HINT_T0);                                     \
+            for (int s = 0; s < 4; s++) {                                                                          \
+                __m256 wv[O];                                                                                      \
+                for (int o = 0; o < O; o++) {                                                                      \
+                    __m128i q = _mm_loadl_epi64((const __m128i *)(w + 64 * s + 8 * (j + o)));                      \
+                    wv[o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), _mm256_broadcast_ss(d + o), \
+                                            _mm256_broadcast_ss(m + o));                                           \
+                }                                                                                                  \
+                for (int r = 0; r < R; r++) {                                                                      \
+                    __m256 xv = _mm256_loadu_ps(x + r * ldx + k + 8 * s);                                          \
+                    for (int o = 0; o < O; o++) acc[r][o] = _mm256_fmadd_ps(wv[o], xv, acc[r][o]);                 \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int r = 0; r < R; r++)                                                                                \
+            for (int o = 0; o < O; o++) out[r][o] = sum8(acc[r][o]);                                               \
+    }
+TILE_Q8(1, 8)
+TILE_Q8(2, 4)
+TILE_Q8(3, 2)
+TILE_Q8(4, 2)
+
+/* On AVX-512, two pairs of rows (4 outputs) from row j: each zmm the pair's 8 weights of one row, then the other's,
+ * dequantised by the pair's d and m in the matching halves; the same bits as the tiles above. */
+#define TILE_Q8_512(R)                                                                                             \
+    __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) static void q8z_##R(                               \
+        const uint8_t *w, int j, const float *x, int64_t ldx, int in, float out[GROUP512][8]) {                    \
+        __m512 acc[R][2];                                                                                          \
+        for (int r = 0; r < R; r++)                                                                                \
+            for (int p = 0; p < 2; p++) acc[r][p] = _mm512_setzero_ps();                                           \
+        for (int k = 0; k < in; k += 32, w += QBLOCK) {                                                            \
+            const float *d = (const float *)(w + 256) + j, *m = (const float *)(w + 288) + j;                      \
+            __m512 dz[2], mz[2];                                                                                   \
+            for (int p = 0; p < 2; p++) {                                                                          \
+                dz[p] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_broadcast_ss(d + 2 * p)),                 \
+                                           _mm256_broadcast_ss(d + 2 * p + 1), 1);                                 \
+                mz[p] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_broadcast_ss(m + 2 * p)),                 \
+                                           _mm256_broadcast_ss(m + 2 * p + 1), 1);                                 \
+            }                                                                                                      \
+            _mm_prefetch((const char *)(w + 2 * PREFETCH), _MM_HINT_T0);                                           \
+            _mm_prefetch((const char *)(w + 2 * PREFETCH + 64), _MM_HINT_T0);                                      \
+            _mm_prefetch((const char *)(w + 2 * PREFETCH + 128), _MM_HINT_T0);                                     \
+            _mm_prefetch((const char *)(w + 2 * PREFETCH + 192), _MM_HINT_T0);                                     \
+            _mm_prefetch((const char *)(w + 2 * PREFETCH + 256), _MM_HINT_T0);                                     \
+            for (int s = 0; s < 4; s++) {                                                                          \
+                __m512 wv[2];                                                                                      \
+                for (int p = 0; p < 2; p++) {                                                                      \
+                    __m128i q = _mm_loadu_si128((const __m128i *)(w + 64 * s + 8 * (j + 2 * p)));                  \
+                    wv[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), dz[p], mz[p]);           \
+                }                                                                                                  \
+                for (int r = 0; r < R; r++) {                                                                      \
+                    __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + r * ldx + k + 8 * s));                  \
+                    for (int p = 0; p < 2; p++) acc[r][p] = _mm512_fmadd_ps(wv[p], xv, acc[r][p]);                 \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int r = 0; r < R; r++)                                                                                \
+            for (int p = 0; p < 2; p++) {                                                                          \
+                out[r][2 * p] = sum8(_mm512_castps512_ps256(acc[r][p]));                                           \
+                out[r][2 * p + 1] = sum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][p]), 1))); \
+            }                                                                                                      \
+    }
+TILE_Q8_512(1)
+TILE_Q8_512(2)
+TILE_Q8_512(3)
+TILE_Q8_512(4)
+TILE_Q8_512(5)
+TILE_Q8_512(6)
+
+typedef void (*Q8Fn)(const uint8_t *, int, const float *, int64_t, int, float[GROUP512][8]);
+static const Q8Fn Q8_WIDE[GROUP + 1] = {0, q8_1x8, q8_2x4, q8_3x2, q8_4x2};
+static const Q8Fn Q8_512[GROUP512 + 1] = {0, q8z_1, q8z_2, q8z_3, q8z_4, q8z_5, q8z_6};
+
+enum { F16, Q8 }; /* Model.format */
+
 typedef void (*TileFn)(const half *, const float *, int64_t, int, float[GROUP512][8]);
 static const TileFn WIDE[5] = {0, tile_1x8, tile_2x4, tile_3x2, tile_4x2};
 static const int WIDTH[5] = {0, 8, 4, 2, 2};
@@ -225,30 +320,45 @@ static const TileFn WIDE512[GROUP512 + 1] = {0, tile512_1, tile512_2, tile512_3,
 enum { STORE, ADD }; /* y = product (+ bias), or y += product (a residual) */
 
 /* out[r][j] for `rows` rows (up to GROUP, or GROUP512 with AVX-512) and the 8 rows of the block at w. */
-static void tile(const half *w, int in, const float *x, int64_t ldx, int rows, float out[GROUP512][8]) {
-    if (has_avx512) {
-        WIDE512[rows](w, x, ldx, in, out);
+static void tile(int format, const void *w, int in, const float *x, int64_t ldx, int rows, float out[GROUP512][8]) {
+    float part[GROUP512][8];
+    if (format == Q8) {
+        int width = has_avx512 ? 4 : WIDTH[rows];
+        for (int done = 0; done < 8; done += width) {
+            (has_avx512 ? Q8_512 : Q8_WIDE)[rows]((const uint8_t *)w, done, x, ldx, in, part);
+            for (int r = 0; r < rows; r++)
+                for (int j = 0; j < width; j++) out[r][done + j] = part[r][j];
+        }
         return;
     }
-    float part[GROUP512][8];
+    if (has_avx512) {
+        WIDE512[rows]((const half *)w, x, ldx, in, out);
+        return;
+    }
     for (int done = 0; done < 8; done += WIDTH[rows]) {
-        WIDE[rows](w + 8 * done, x, ldx, in, part);
+        WIDE[rows]((const half *)w + 8 * done, x, ldx, in, part);
         for (int r = 0; r < rows; r++)
             for (int j = 0; j < WIDTH[rows]; j++) out[r][done + j] = part[r][j];
     }
 }
 
+/* Where the block of weight rows o..o+7 (o a multiple of 8) of a matrix with `in` inputs starts. */
+static const void *block_at(int format, const void *w, int64_t o, int in) {
+    return format == Q8 ? (const void *)((const uint8_t *)w + o / 8 * (in / 32) * QBLOCK)
+                        : (const void *)((const half *)w + o * in);
+}
+
 /* y[r, o] for every row r < n and o in [o0, o1) (o0 a multiple of 8): W repacked, [*, in]; x [n, ldx]; y [n, ldy].
  * A block of 8 weight rows is read from memory once, and stays in L1 while every group of rows reads it. */
-static void product(const half *w, const float *x, int64_t ldx, int n, int in, int o0, int o1, const float *bias,
-                    float *y, int64_t ldy, int mode) {
+static void product(int format, const void *w, const float *x, int64_t ldx, int n, int in, int o0, int o1,
+                    const float *bias, float *y, int64_t ldy, int mode) {
     float out[GROUP512][8];
     int group = has_avx512 ? GROUP512 : GROUP;
     for (int o = o0; o < o1; o += 8) {
         int count = o1 - o < 8 ? o1 - o : 8; /* a block past the matrix's last row is zero padding */
         for (int r0 = 0; r0 < n; r0 += group) {
             int rows = n - r0 < group ? n - r0 : group;
-            tile(w + (int64_t)o * in, in, x + r0 * ldx, ldx, rows, out);
+            tile(format, block_at(format, w, o, in), in, x + r0 * ldx, ldx, rows, out);
             for (int r = 0; r < rows; r++)
                 for (int j = 0; j < count; j++) {
                     float *target = y + (int64_t)(r0 + r) * ldy + o + j;
@@ -351,7 +461,7 @@ static void pass_job(void *arg, int thread, int threads) {
             rms_norm_row(p->x + (int64_t)r * hidden, layer->input_norm, hidden, m->eps, p->h + (int64_t)r * hidden);
         team_barrier(threads, &sense);
         share(qkv_width, 8, thread, threads, &b, &e);
-        product(layer->qkv, p->h, hidden, n, hidden, b, e, layer->qkv_bias, p->qkv, qkv_width, STORE);
+        product(m->format, layer->qkv, p->h, hidden, n, hidden, b, e, layer->qkv_bias, p->qkv, qkv_width, STORE);
         team_barrier(threads, &sense);
         for (int r = thread; r < n; r += threads) {
             float *row = p->qkv + (int64_t)r * qkv_width;
@@ -370,21 +480,21 @@ static void pass_job(void *arg, int thread, int threads) {
         }
         team_barrier(threads, &sense);
         share(hidden, 8, thread, threads, &b, &e);
-        product(layer->out, p->attended, q_width, n, q_width, b, e, NULL, p->x, hidden, ADD);
+        product(m->format, layer->out, p->attended, q_width, n, q_width, b, e, NULL, p->x, hidden, ADD);
         team_barrier(threads, &sense);
         for (int r = thread; r < n; r += threads)
             rms_norm_row(p->x + (int64_t)r * hidden, layer->post_norm, hidden, m->eps, p->h + (int64_t)r * hidden);
         team_barrier(threads, &sense);
         share(inter, 8, thread, threads, &b, &e); /* gate and up for the same units, then SiLU(gate) * up */
-        product(layer->gate_up, p->h, hidden, n, hidden, b, e, NULL, p->act, 2 * inter, STORE);
-        product(layer->gate_up, p->h, hidden, n, hidden, inter + b, inter + e, NULL, p->act, 2 * inter, STORE);
+        product(m->format, layer->gate_up, p->h, hidden, n, hidden, b, e, NULL, p->act, 2 * inter, STORE);
+        product(m->format, layer->gate_up, p->h, hidden, n, hidden, inter + b, inter + e, NULL, p->act, 2 * inter, STORE);
         for (int r = 0; r < n; r++) {
             float *row = p->act + (int64_t)r * 2 * inter;
             for (int j = b; j < e; j++) row[j] = silu(row[j]) * row[inter + j];
         }
         team_barrier(threads, &sense);
         share(hidden, 8, thread, threads, &b, &e);
-        product(layer->down, p->act, 2 * inter, n, inter, b, e, NULL, p->x, hidden, ADD);
+        product(m->format, layer->down, p->act, 2 * inter, n, inter, b, e, NULL, p->x, hidden, ADD);
         team_barrier(threads, &sense);
     }
 }
@@ -401,7 +511,7 @@ static void head_job(void *arg, int thread, int threads) {
     int b, e;
     if (thread >= threads) return;
     share(h->m->vocab, 8, thread, threads, &b, &e);
-    product(h->m->lm_head, h->x, h->m->hidden, h->n, h->m->hidden, b, e, NULL, h->logits, h->m->vocab, STORE);
+    product(h->m->format, h->m->lm_head, h->x, h->m->hidden, h->n, h->m->hidden, b, e, NULL, h->logits, h->m->vocab, STORE);
 }
 
 /* logits [n, vocab] of n rows already normed, x [n, hidden]. */

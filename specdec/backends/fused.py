@@ -25,7 +25,10 @@ from specdec.backends.llama import LlamaRuntime, _tree_reading, supports
 
 MAX_HEAD_DIM = 128  # fused.c's attention keeps one head's output in 16 registers of 8
 NEEDED_FLAGS = ("avx2", "fma", "f16c")
-PRECISION = "float16"  # the weights' precision; activations, norms, attention and the cache are float32
+WEIGHTS = ("float16", "int8")  # how fused.c holds the weights; activations, norms, attention and the cache are float32
+FORMAT = {"float16": 0, "int8": 1}  # fused.c's F16 and Q8
+Q8_GROUP = 32  # inputs that share an int8 weight's scale and offset
+Q8_BYTES_PER_WEIGHT = 320 / 256  # a block of 8 rows x 32 inputs: 256 bytes of weights, 8 scales and 8 offsets
 
 
 class FusedUnavailable(RuntimeError):
@@ -44,7 +47,7 @@ class _Model(ctypes.Structure):
     _fields_ = [("layers", ctypes.c_int), ("hidden", ctypes.c_int), ("heads", ctypes.c_int),
                 ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("inter", ctypes.c_int),
                 ("vocab", ctypes.c_int), ("eps", ctypes.c_float), ("layer", ctypes.POINTER(_Layer)),
-                ("final_norm", _p), ("lm_head", _p)]
+                ("final_norm", _p), ("lm_head", _p), ("format", ctypes.c_int)]
 
 
 class _Cache(ctypes.Structure):
@@ -90,8 +93,9 @@ def _library() -> ctypes.CDLL | str:
     return library
 
 
-def unavailable(model=None) -> str | None:
-    """Why the fused runtime cannot run ``model`` (or anything, for None) here; None where it can."""
+def unavailable(model=None, weights: str = "float16") -> str | None:
+    """Why the fused runtime cannot run ``model`` (or anything, for None) here, its weights held so; None where it
+    can."""
     library = _library()
     if isinstance(library, str):
         return library
@@ -106,6 +110,9 @@ def unavailable(model=None) -> str | None:
     sizes = (config.hidden_size, head_dim, config.intermediate_size)
     if any(size % 8 for size in sizes) or head_dim > MAX_HEAD_DIM:
         return f"its sizes (hidden, head, intermediate: {sizes}) are not multiples of 8 up to a head of {MAX_HEAD_DIM}"
+    if weights == "int8" and any(size % Q8_GROUP for size in (config.hidden_size, config.intermediate_size,
+                                                              config.num_attention_heads * head_dim)):
+        return f"int8 weights need inputs in whole groups of {Q8_GROUP}"
     layer = model.model.layers[0]
     if any(m.bias is not None for m in (layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
                                         layer.mlp.down_proj, model.get_output_embeddings())):
@@ -120,6 +127,45 @@ def repacked(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> [ceil(out / 
     padded = torch.zeros(-(-out // 8) * 8, inputs, dtype=torch.float16)
     padded[:out] = weight
     return padded.view(-1, 8, inputs // 8, 8).transpose(1, 2).contiguous().flatten()
+
+
+def quantized8(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:  # [ceil(out / 8) * in / 32 * 320] uint8
+    """``weight`` [out, in] as fused.c's Q8 reads it: per row and 32 inputs, bytes q with w = d q + m (d, m float32),
+    repacked in blocks of 8 rows (fused.c); and whether every weight is kept exactly. Where the 32 values lie on a
+    grid of at most 256 steps (a GGUF's Q4_0, Q4_1 and Q8_0 blocks, de-quantised), d is that grid's step and w is
+    kept (to float rounding); elsewhere d spans the values' range in 255 steps."""
+    out, inputs = weight.shape
+    rows = -(-out // 8) * 8
+    values = torch.zeros(rows, inputs, dtype=torch.float32)
+    values[:out] = weight.float()
+    values = values.view(rows, inputs // Q8_GROUP, Q8_GROUP)
+    low, high = values.amin(-1, keepdim=True), values.amax(-1, keepdim=True)
+    spread = (high - low).clamp_min(torch.finfo(torch.float32).tiny)
+    step = spread / 255  # the general grid
+    on_grid = torch.zeros_like(low, dtype=torch.bool)
+    ordered = values.sort(-1).values
+    gaps = ordered.diff(dim=-1)
+    gap = torch.where(gaps > spread * 1e-4, gaps, torch.inf).amin(-1, keepdim=True)  # the smallest step between values
+    for divisor in (4, 3, 2, 1):  # the stored grid's step: the smallest gap, or a fraction of it (levels skipped)
+        candidate = spread / (spread * divisor / gap).round().clamp_min(1)  # the gap's estimate, refined by the range
+        levels = (values - low) / candidate
+        exact = ((levels - levels.round()).abs() < 1e-3).all(-1, keepdim=True) & (levels.round().amax(-1, True) <= 255)
+        found = exact & torch.isfinite(candidate)
+        step, on_grid = torch.where(found, candidate, step), on_grid | found
+    q = ((values - low) / step).round().clamp(0, 255).to(torch.uint8)  # [rows, groups, 32]
+    groups = inputs // Q8_GROUP
+    q = q.view(rows // 8, 8, groups, 4, 8).permute(0, 2, 3, 1, 4).reshape(rows // 8, groups, 256)
+    scales = step.view(rows // 8, 8, groups).transpose(1, 2).contiguous().view(torch.uint8)  # [blocks, groups, 32]
+    offsets = low.view(rows // 8, 8, groups).transpose(1, 2).contiguous().view(torch.uint8)
+    on_grid |= high == low  # one value: kept whatever the step
+    return torch.cat([q, scales, offsets], dim=-1).flatten(), bool(on_grid.all())
+
+
+def _matrices(layer) -> list[torch.Tensor]:
+    """A layer's weight matrices as fused.c multiplies by them: qkv, out, gate and up, down."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return [torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]),
+            attention.o_proj.weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight]
 
 
 def _address(tensor: torch.Tensor | None) -> int | None:
@@ -139,56 +185,70 @@ class _PassCache:
 
 
 class FusedRuntime(LlamaRuntime):
-    """The CausalLM protocol for llama-family models, every pass one call into fused.c (float16 weights)."""
+    """The CausalLM protocol for llama-family models, every pass one call into fused.c."""
 
     fused = True  # the server's pool (batch.py) runs its passes through run_rows
 
-    def __init__(self, model) -> None:
-        reason = unavailable(model)
+    def __init__(self, model, weights: str = "auto") -> None:
+        """``weights``: float16; int8 with a float scale and offset per 32 inputs (``quantized8``); or auto: int8
+        where that keeps every weight exactly (a GGUF's Q4_0, Q4_1 and Q8_0 weights, de-quantised: the default
+        model's), so that the logits lose nothing and a pass streams 5/8 of float16's bytes, else float16."""
+        if weights not in WEIGHTS + ("auto",):
+            raise ValueError(f"the fused runtime holds weights in {' or '.join(WEIGHTS)} (or auto), not {weights}")
+        reason = unavailable(model, "float16" if weights == "auto" else weights)
         if reason is not None:
             raise FusedUnavailable(f"the fused runtime cannot run this model: {reason}")
         self._library = _library()
         self.threads = self._library.sd_set_threads(torch.get_num_threads())
-        super().__init__(model, PassPrecisions.uniform(PRECISION))
+        self.weights = weights if weights != "auto" or unavailable(model, "int8") is None else "float16"
+        super().__init__(model, PassPrecisions.uniform("float16"))  # its bookkeeping; fused.c holds the weights
+        if self.weights == "int8":
+            self.weight_bytes = int(self.weight_bytes / 2 * Q8_BYTES_PER_WEIGHT)
         self._pass_cache: _PassCache | None = None
 
     def _build_weights(self, model, precisions: PassPrecisions) -> dict:
-        """The C model over float16 copies of the weights (kept here, as fused.c points into them)."""
+        """The C model over copies of the weights as fused.c reads them (kept here, as fused.c points into them)."""
         config = model.config
-        keep = self._kept = []
+        layers = model.model.layers
+        matrices = [matrix for layer in layers for matrix in _matrices(layer)] + [model.get_output_embeddings().weight]
+        packed = []
+        if self.weights in ("int8", "auto"):
+            for matrix in matrices:
+                packed.append(quantized8(matrix.detach()))
+                if self.weights == "auto" and not packed[-1][1]:  # not on a grid: float16, asking no further
+                    self.weights = "float16"
+                    break
+            else:
+                self.weights = "int8"
+        if self.weights == "float16":
+            packed = [(repacked(matrix.detach()), True) for matrix in matrices]
+        self._kept = [blob for blob, _ in packed]
+        addresses = iter(blob.data_ptr() for blob in self._kept)
 
-        def held(tensor: torch.Tensor | None, dtype: torch.dtype) -> int | None:
+        def held(tensor: torch.Tensor | None) -> int | None:
             if tensor is None:
                 return None
-            tensor = tensor.detach().to(dtype).contiguous()
-            keep.append(tensor)
+            tensor = tensor.detach().float().contiguous()
+            self._kept.append(tensor)
             return tensor.data_ptr()
 
-        def weight(tensor: torch.Tensor) -> int:
-            return held(repacked(tensor.detach()), torch.float16)
-
-        layers = (_Layer * len(model.model.layers))()
-        for struct, layer in zip(layers, model.model.layers):
-            attention, mlp = layer.self_attn, layer.mlp
-            projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+        structs = (_Layer * len(layers))()
+        for struct, layer in zip(structs, layers):
+            projections = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
             bias = None if all(p.bias is None for p in projections) else torch.cat(
                 [p.bias if p.bias is not None else p.weight.new_zeros(p.weight.shape[0]) for p in projections])
-            struct.input_norm = held(layer.input_layernorm.weight, torch.float32)
-            struct.post_norm = held(layer.post_attention_layernorm.weight, torch.float32)
-            struct.qkv = weight(torch.cat([p.weight for p in projections]))
-            struct.qkv_bias = held(bias, torch.float32)
-            struct.out = weight(attention.o_proj.weight)
-            struct.gate_up = weight(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
-            struct.down = weight(mlp.down_proj.weight)
+            struct.input_norm = held(layer.input_layernorm.weight)
+            struct.post_norm = held(layer.post_attention_layernorm.weight)
+            struct.qkv_bias = held(bias)
+            struct.qkv, struct.out, struct.gate_up, struct.down = (next(addresses) for _ in range(4))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self._layer_structs = layers
+        self._layer_structs = structs
         self._model = _Model(len(layers), config.hidden_size, config.num_attention_heads,
                              config.num_key_value_heads, head_dim, config.intermediate_size,
-                             model.get_output_embeddings().weight.shape[0], config.rms_norm_eps, layers,
-                             held(model.model.norm.weight, torch.float32),
-                             weight(model.get_output_embeddings().weight))
+                             model.get_output_embeddings().weight.shape[0], config.rms_norm_eps, structs,
+                             held(model.model.norm.weight), next(addresses), FORMAT[self.weights])
         stub = [None] * len(layers)  # weights_for's layers: only their count is read (num_layers)
-        return {PRECISION: (stub, self._lm_head)}
+        return {"float16": (stub, self._lm_head)}  # the precision LlamaRuntime's bookkeeping is given
 
     def _resize(self, capacity: int) -> None:
         super()._resize(capacity)

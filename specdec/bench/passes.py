@@ -3,9 +3,10 @@ each runtime's roofline (its weights' bytes over the bandwidth this machine stre
 
     python -m specdec.bench.passes [--model FILE.gguf] [--threads 2] [--context 200] [--repeats 7]
 
-The runtimes: llama.cpp over the GGUF as stored, specdec's fused runtime (float16 weights) and specdec's torch
-runtime (float16 through fbgemm, float32 through oneDNN). Each is fed the same context; then passes over 1, 2, 3, 4,
-5, 8 and 17 positions are timed, every runtime and size interleaved within a repeat, and the medians kept. The
+The runtimes: llama.cpp over the GGUF as stored, specdec's fused runtime (float16 weights, and int8 with a scale and
+offset per 32 inputs) and specdec's torch runtime (float16 through fbgemm, float32 through oneDNN). Each is fed the same context; then passes over 1, 2, 3, 4,
+5, 8 and 17 positions are timed, runtime after runtime within each repeat (one untimed pass first: the runtime before
+may still hold a core while its threads spin down), and the medians kept. The
 bandwidth is the probe of ``specdec bench``'s roofline (a float32 sum over 256 MiB or more, larger than any cache).
 """
 
@@ -32,6 +33,8 @@ def runtimes(model_path, threads: int) -> dict[str, object]:
     found = {"llama.cpp (GGUF as stored)": load_gguf(source, threads).runtime}
     if unavailable(model) is None:
         found["fused (float16)"] = FusedRuntime(model)
+    if unavailable(model, "int8") is None:
+        found["fused (int8)"] = FusedRuntime(model, "int8")
     found["torch (float16, fbgemm)"] = LlamaRuntime(model, "float16")
     found["torch (float32, oneDNN)"] = LlamaRuntime(model, "float32")
     return found
@@ -44,8 +47,9 @@ def measure(found: dict[str, object], context: list[int], repeats: int) -> dict[
         runtime.extend(context, 0)
     seconds = {name: {n: [] for n in POSITIONS} for name in found}
     for repeat in range(repeats + 1):  # the first round warms up, and is dropped
-        for n in POSITIONS:
-            for name, runtime in found.items():
+        for name, runtime in found.items():
+            pass_seconds(runtime, 1)  # untimed: the runtime before it may still hold a core (threads spinning down)
+            for n in POSITIONS:
                 elapsed = pass_seconds(runtime, n)
                 if repeat:
                     seconds[name][n].append(elapsed)
