@@ -7,7 +7,9 @@ loading the converted directory under a second.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import os
 import shutil
 import tempfile
@@ -228,7 +230,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     """De-quantise a GGUF file through transformers and save it as a plain transformers directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with _quiet_transformers():
+    with _quiet_transformers(), _quiet_stderr():  # its de-quantising progress bar is not transformers' logging's
         try:
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -257,6 +259,11 @@ def _file_fingerprint(path: Path) -> str:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def _quiet_stderr():
+    """Nothing written to sys.stderr inside (unless --verbose)."""
+    return contextlib.nullcontext() if verbose() else contextlib.redirect_stderr(io.StringIO())
 
 
 class _quiet_transformers:

@@ -76,7 +76,7 @@ def precision_of(backend: CausalLM) -> str:
     from specdec.backends.llamacpp import LlamaCppLM
 
     if getattr(backend, "fused", False):
-        return "float16 weights, fused"
+        return f"{backend.weights} weights, fused"
     if isinstance(backend, LlamaRuntime):
         return str(backend.precisions)
     if isinstance(backend, LlamaCppLM):

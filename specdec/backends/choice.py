@@ -145,7 +145,7 @@ def _quiet_unless_verbose():
     level = NOTICES.level
     NOTICES.setLevel(logging.ERROR)
     try:
-        with contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stderr(io.StringIO()):  # the GGUF's conversion line, among others
             yield
     finally:
         NOTICES.setLevel(level)

@@ -522,6 +522,20 @@ void sd_head(const Model *m, const float *x, int n, float *logits) {
     pthread_mutex_unlock(&pass_lock);
 }
 
+/* A pass's scratch: kept and grown, never given back (a fresh allocation of over 128 KiB is a fresh mapping, whose
+ * pages fault in again on every pass). Under pass_lock. */
+static float *scratch_of(size_t floats) {
+    static float *scratch;
+    static size_t held;
+    if (floats > held) {
+        float *grown = realloc(scratch, floats * sizeof(float));
+        if (!grown) return NULL;
+        scratch = grown;
+        held = floats;
+    }
+    return scratch;
+}
+
 /* The rows through layers [first, end); x [n, hidden] holds their embeddings, then their residual stream. Returns
  * 0, or -1 when scratch could not be had. */
 int sd_pass(const Model *m, const Cache *cache, const Rows *rows, float *x, int first, int end) {
@@ -533,16 +547,18 @@ int sd_pass(const Model *m, const Cache *cache, const Rows *rows, float *x, int 
     p.scores_stride = (max_keys + 15) / 16 * 16;
     size_t floats = (size_t)n * (m->hidden + qkv_width + m->heads * m->head_dim + 2 * m->inter) +
                     (size_t)MAX_THREADS * p.scores_stride;
-    float *scratch = malloc(floats * sizeof(float));
-    if (!scratch) return -1;
+    pthread_mutex_lock(&pass_lock);
+    float *scratch = scratch_of(floats);
+    if (!scratch) {
+        pthread_mutex_unlock(&pass_lock);
+        return -1;
+    }
     p.h = scratch;
     p.qkv = p.h + (size_t)n * m->hidden;
     p.attended = p.qkv + (size_t)n * qkv_width;
     p.act = p.attended + (size_t)n * m->heads * m->head_dim;
     p.scores = p.act + (size_t)n * 2 * m->inter;
-    pthread_mutex_lock(&pass_lock);
     run_team(pass_job, &p);
     pthread_mutex_unlock(&pass_lock);
-    free(scratch);
     return 0;
 }
