@@ -103,8 +103,10 @@ class BatchedLlama:
         """As :meth:`forward`, and (when ``hidden``) each row's final hidden states, normed as the LM head reads
         them, at every one of its new tokens: per row [num_logits, vocab] and [n, hidden]."""
         rt = self.runtime
+        if self._fused_cache is not None and 0 < len(self._bulk_rows(rows)) < len(rows):
+            return self._split(rows, hidden)
         given, rows, layout, x = self._pass(rows, rt.num_layers)
-        lm_head = rt.weights_for(layout.total)[1]
+        lm_head = self._weights(rows, layout)[1]
         if hidden:
             normed = rms_norm(x, rt.final_norm, rt.eps)  # [T, hidden]
             picked = normed[layout.logit_rows]
@@ -136,7 +138,7 @@ class BatchedLlama:
             raise ValueError(f"a row would pass the pool's {self.max_length} positions")
         layout = _Layout(rows, starts, lengths, self.device)
         rt = self.runtime
-        if self._fused_cache is not None:  # every layer in one call, each row computed as it is alone
+        if self._fused_cache is not None and not self._bulk_rows(rows):  # one call, each row computed alone
             x = self._fused_layers(layout, layers)
             for row, n in zip(rows, lengths):
                 row.slot.length += n
@@ -145,7 +147,7 @@ class BatchedLlama:
         layout.bias = attention_bias(layout.mask, rt.kv_heads, rt.heads // rt.kv_heads, rt.dtype)
         cos, sin = self._cos[layout.positions], self._sin[layout.positions]  # [T, head_dim] each
         x = rt.embed[layout.token_ids]  # [T, hidden]
-        for layer, keys, values in zip(rt.weights_for(layout.total)[0][:layers], self._keys, self._values):
+        for layer, keys, values in zip(self._weights(rows, layout)[0][:layers], self._keys, self._values):
             h = rms_norm(x, layer.input_norm, rt.eps)
             q, k, v = project_qkv(layer, h, cos, sin, rt.heads, rt.kv_heads, rt.head_dim)  # [T, *, hd]
             keys[layout.slot_of_token, :, layout.positions] = k
@@ -155,6 +157,30 @@ class BatchedLlama:
         for row, n in zip(rows, lengths):
             row.slot.length += n
         return given, rows, layout, x
+
+    def _weights(self, rows: list[Row], layout: "_Layout") -> tuple:
+        """The layers and LM head of a pass over these rows: on the fused runtime, the bulk kernel's for prompts'
+        rows (each of BULK_POSITIONS or more) and fused.c's for the others, so that a row's kernel depends on the
+        row alone; elsewhere, the precision of a pass over that many positions."""
+        if self._fused_cache is None:
+            return self.runtime.weights_for(layout.total)
+        return self.runtime.pass_weights(layout.total if self._bulk_rows(rows) else 1, chain=True)
+
+    def _bulk_rows(self, rows: list[Row]) -> list[Row]:
+        from specdec.backends.fused import BULK_POSITIONS
+
+        return [row for row in rows if len(row.token_ids) >= BULK_POSITIONS]
+
+    def _split(self, rows: list[Row], hidden: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Prompts' rows through the bulk kernel, then the others through fused.c: two passes, one answer."""
+        bulk = self._bulk_rows(rows)
+        others = [row for row in rows if all(row is not b for b in bulk)]
+        answers = {}
+        for part in (bulk, others):
+            logits, states = self.forward_hidden(part, hidden)
+            for i, row in enumerate(part):
+                answers[id(row)] = (logits[i], states[i] if hidden else None)
+        return [answers[id(row)][0] for row in rows], [answers[id(row)][1] for row in rows] if hidden else None
 
     def _fused_layers(self, layout: "_Layout", layers: int) -> torch.Tensor:  # [T, hidden]
         """The packed tokens through the first ``layers`` layers in one call of the fused runtime: each at its

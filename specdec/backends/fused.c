@@ -387,7 +387,7 @@ typedef struct {
     float *x;            /* [n, hidden]: embeddings in, the residual stream out */
     int first, end;      /* the layers run */
     /* scratch */
-    float *h, *qkv, *attended, *act, *scores;
+    float *h, *qkv, *attended, *act, *mid, *scores; /* act: gate and up; mid: SiLU(gate) * up, the down's input */
     int scores_stride;
 } Pass;
 
@@ -489,12 +489,12 @@ static void pass_job(void *arg, int thread, int threads) {
         product(m->format, layer->gate_up, p->h, hidden, n, hidden, b, e, NULL, p->act, 2 * inter, STORE);
         product(m->format, layer->gate_up, p->h, hidden, n, hidden, inter + b, inter + e, NULL, p->act, 2 * inter, STORE);
         for (int r = 0; r < n; r++) {
-            float *row = p->act + (int64_t)r * 2 * inter;
-            for (int j = b; j < e; j++) row[j] = silu(row[j]) * row[inter + j];
+            const float *row = p->act + (int64_t)r * 2 * inter;
+            for (int j = b; j < e; j++) p->mid[(int64_t)r * inter + j] = silu(row[j]) * row[inter + j];
         }
         team_barrier(threads, &sense);
         share(hidden, 8, thread, threads, &b, &e);
-        product(m->format, layer->down, p->act, 2 * inter, n, inter, b, e, NULL, p->x, hidden, ADD);
+        product(m->format, layer->down, p->mid, inter, n, inter, b, e, NULL, p->x, hidden, ADD);
         team_barrier(threads, &sense);
     }
 }
@@ -545,7 +545,7 @@ int sd_pass(const Model *m, const Cache *cache, const Rows *rows, float *x, int 
     int qkv_width = (m->heads + 2 * m->kv_heads) * m->head_dim;
     Pass p = {.m = m, .cache = cache, .rows = rows, .x = x, .first = first, .end = end};
     p.scores_stride = (max_keys + 15) / 16 * 16;
-    size_t floats = (size_t)n * (m->hidden + qkv_width + m->heads * m->head_dim + 2 * m->inter) +
+    size_t floats = (size_t)n * (m->hidden + qkv_width + m->heads * m->head_dim + 3 * m->inter) +
                     (size_t)MAX_THREADS * p.scores_stride;
     pthread_mutex_lock(&pass_lock);
     float *scratch = scratch_of(floats);
@@ -557,7 +557,8 @@ int sd_pass(const Model *m, const Cache *cache, const Rows *rows, float *x, int 
     p.qkv = p.h + (size_t)n * m->hidden;
     p.attended = p.qkv + (size_t)n * qkv_width;
     p.act = p.attended + (size_t)n * m->heads * m->head_dim;
-    p.scores = p.act + (size_t)n * 2 * m->inter;
+    p.mid = p.act + (size_t)n * 2 * m->inter;
+    p.scores = p.mid + (size_t)n * m->inter;
     run_team(pass_job, &p);
     pthread_mutex_unlock(&pass_lock);
     return 0;

@@ -21,7 +21,8 @@ import torch
 
 from specdec.backends.base import FeatureSource, ShallowRunner, TreeScorer  # noqa: F401  (the protocols it keeps)
 from specdec.backends.linear import PassPrecisions
-from specdec.backends.llama import LlamaRuntime, _tree_reading, supports
+from specdec.backends.llama import LlamaRuntime, _build, _tree_reading, supports
+from specdec.choices import MAX_DRAFT_TOKENS
 
 MAX_HEAD_DIM = 128  # fused.c's attention keeps one head's output in 16 registers of 8
 NEEDED_FLAGS = ("avx2", "fma", "f16c")
@@ -29,6 +30,11 @@ WEIGHTS = ("float16", "int8")  # how fused.c holds the weights; activations, nor
 FORMAT = {"float16": 0, "int8": 1}  # fused.c's F16 and Q8
 Q8_GROUP = 32  # inputs that share an int8 weight's scale and offset
 Q8_BYTES_PER_WEIGHT = 320 / 256  # a block of 8 rows x 32 inputs: 256 bytes of weights, 8 scales and 8 offsets
+# A chain pass over more positions than a round can score (k <= MAX_DRAFT_TOKENS drafts and the pending token) holds
+# a prompt: it runs the bulk kernel, oneDNN's float32 GEMM and batched attention, which arithmetic rather than
+# weight streaming paces. Rounds, trees and plain decoding never reach it, so a prompt's prefill is the same for
+# speculation and plain decoding, and every token after it comes from fused.c.
+BULK_POSITIONS = MAX_DRAFT_TOKENS + 2
 
 
 class FusedUnavailable(RuntimeError):
@@ -205,6 +211,20 @@ class FusedRuntime(LlamaRuntime):
         if self.weights == "int8":
             self.weight_bytes = int(self.weight_bytes / 2 * Q8_BYTES_PER_WEIGHT)
         self._pass_cache: _PassCache | None = None
+        self._source = model  # the bulk kernel's float32 weights are made from it when a prompt first needs them
+        self._bulk: tuple | None = None
+
+    def pass_weights(self, positions: int, chain: bool) -> tuple:
+        """A bulk pass's float32 layers and LM head (made once, when first needed): a chain of BULK_POSITIONS or
+        more, a prompt; else fused.c's LM head (its layers are only counted)."""
+        if positions < BULK_POSITIONS or not chain:
+            return self._weights["float16"]
+        if self._bulk is None:
+            self._bulk = _build(self._source, "float32", self.dtype)
+        return self._bulk
+
+    def weights_for(self, positions: int) -> tuple:
+        return self.pass_weights(positions, chain=True)
 
     def _build_weights(self, model, precisions: PassPrecisions) -> dict:
         """The C model over copies of the weights as fused.c reads them (kept here, as fused.c points into them)."""
@@ -248,7 +268,7 @@ class FusedRuntime(LlamaRuntime):
                              model.get_output_embeddings().weight.shape[0], config.rms_norm_eps, structs,
                              held(model.model.norm.weight), next(addresses), FORMAT[self.weights])
         stub = [None] * len(layers)  # weights_for's layers: only their count is read (num_layers)
-        return {"float16": (stub, self._lm_head)}  # the precision LlamaRuntime's bookkeeping is given
+        return {"float16": (stub, self._lm_head)}  # what weights_for gives a pass of fewer than BULK_POSITIONS
 
     def _resize(self, capacity: int) -> None:
         super()._resize(capacity)
@@ -263,6 +283,8 @@ class FusedRuntime(LlamaRuntime):
     def _layers(self, x: torch.Tensor, first: int, end: int, start: int, positions: slice | torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
         n = x.shape[0]
+        if n >= BULK_POSITIONS and isinstance(positions, slice):  # a prompt: the bulk kernel, into the same cache
+            return super()._layers(x, first, end, start, positions, mask)
         columns = np.arange(start, start + n, dtype=np.int32)
         if isinstance(positions, torch.Tensor):  # a tree: each node reads the cache, then its ancestors
             reading, allowed = _tree_reading(mask, start, self.device)

@@ -184,7 +184,7 @@ class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
         [n, start+n] allows (None: all)."""
         start, n = len(self.tokens), len(token_ids)
         self._make_room(start + n)
-        lm_head = self.weights_for(n)[1]
+        lm_head = self.pass_weights(n, isinstance(positions, slice))[1]
         reused, shallow = self._reusable_shallow(token_ids, positions), self._shallow
         self._shallow = _Shallow()
         if reused:  # the first positions ran the shared layers while drafting: the rest run them now (a chain)
@@ -209,7 +209,7 @@ class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
                 mask: torch.Tensor | None) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
         """Layers ``first``..``end-1`` over the hidden states x of the positions after ``start`` (their keys and
         values written to those layers' cache), in the precision of a pass over that many positions."""
-        layers = self.weights_for(x.shape[0])[0]
+        layers = self.pass_weights(x.shape[0], isinstance(positions, slice))[0]
         cos, sin = self._cos[positions], self._sin[positions]  # [n, head_dim] each
         reading = _tree_reading(mask, start, self.device) if isinstance(positions, torch.Tensor) else None
         allowed = blocked_mask(mask, start, x.shape[0], self.device) if reading is None else reading[1]
@@ -235,6 +235,10 @@ class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
         if not shallow.tokens or not isinstance(positions, slice) or len(shallow.tokens) > len(token_ids):
             return 0
         return len(shallow.tokens) if token_ids[: len(shallow.tokens)] == shallow.tokens else 0
+
+    def pass_weights(self, positions: int, chain: bool) -> tuple[list[_Layer], Linear]:
+        """The weights of a pass over ``positions`` new tokens, a chain of them or a tree."""
+        return self.weights_for(positions)
 
     def weights_for(self, positions: int) -> tuple[list[_Layer], Linear]:
         """The layers and LM head of a pass over ``positions`` new tokens, in that kind of pass's precision."""
