@@ -77,6 +77,20 @@ static pthread_mutex_t team_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t team_wake = PTHREAD_COND_INITIALIZER;
 static pthread_mutex_t pass_lock = PTHREAD_MUTEX_INITIALIZER; /* one pass at a time uses the team */
 
+/* PyTorch's OpenMP runtime, where fused.py found it (sd_use_openmp): the team is then PyTorch's own threads, so no
+ * second set of threads competes for the cores with PyTorch's, which spin for a while after each of its parallel
+ * operations (a sampling step, the bulk kernel). */
+typedef void (*GompParallel)(void (*)(void *), void *, unsigned, unsigned);
+static GompParallel gomp_parallel;
+static int (*omp_thread_num)(void), (*omp_num_threads)(void);
+
+/* The team's members meet at team_barrier's spin barrier, cheaper than OpenMP's for a pass's 8 meetings a layer. */
+void sd_use_openmp(void *parallel, void *thread_num, void *num_threads) {
+    gomp_parallel = (GompParallel)parallel;
+    omp_thread_num = (int (*)(void))thread_num;
+    omp_num_threads = (int (*)(void))num_threads;
+}
+
 static void *team_member(void *index_ptr) {
     int index = (int)(intptr_t)index_ptr, seen = atomic_load(&job_generation);
     for (;;) {
@@ -104,6 +118,11 @@ int sd_set_threads(int threads) {
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     pthread_mutex_lock(&pass_lock);
+    if (gomp_parallel) { /* PyTorch's threads are the team */
+        team_size = threads;
+        pthread_mutex_unlock(&pass_lock);
+        return team_size;
+    }
     while (team_started < threads) { /* members are only ever added */
         if (pthread_create(&team[team_started], NULL, team_member, (void *)(intptr_t)team_started) != 0) break;
         team_started++;
@@ -113,8 +132,23 @@ int sd_set_threads(int threads) {
     return team_size;
 }
 
+typedef struct {
+    JobFn fn;
+    void *arg;
+} OpenmpJob;
+
+static void openmp_member(void *job_ptr) {
+    OpenmpJob *job = (OpenmpJob *)job_ptr;
+    job->fn(job->arg, omp_thread_num(), omp_num_threads());
+}
+
 /* Members beyond team_size run the job too, and return at once (their index says they have no share). */
 static void run_team(JobFn fn, void *arg) {
+    if (gomp_parallel) {
+        OpenmpJob job = {fn, arg};
+        gomp_parallel(openmp_member, &job, (unsigned)team_size, 0);
+        return;
+    }
     job_fn = fn;
     job_arg = arg;
     atomic_store(&job_done, 0);

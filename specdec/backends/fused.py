@@ -89,6 +89,14 @@ def _library() -> ctypes.CDLL | str:
         library = ctypes.CDLL(spec.origin)
     except OSError as error:
         return f"its C extension does not load ({error})"
+    try:
+        _declare(library)
+    except AttributeError as error:  # a library from an older specdec: a function is missing
+        return f"its C extension is out of date ({error}; reinstall specdec)"
+    return library
+
+
+def _declare(library: ctypes.CDLL) -> None:
     library.sd_pass.restype = ctypes.c_int
     library.sd_pass.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Cache), ctypes.POINTER(_Rows), _p,
                                 ctypes.c_int, ctypes.c_int]
@@ -96,7 +104,28 @@ def _library() -> ctypes.CDLL | str:
     library.sd_head.argtypes = [ctypes.POINTER(_Model), _p, ctypes.c_int, _p]
     library.sd_set_threads.restype = ctypes.c_int
     library.sd_set_threads.argtypes = [ctypes.c_int]
-    return library
+    library.sd_use_openmp.argtypes = [_p, _p, _p]
+    openmp = _torch_openmp()
+    if openmp is not None:
+        library.sd_use_openmp(*openmp)
+
+
+OPENMP_FUNCTIONS = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")
+
+
+def _torch_openmp() -> list[ctypes.c_void_p] | None:
+    """The functions fused.c's team needs from PyTorch's GNU OpenMP runtime (the one its CPU wheels for Linux ship
+    and load), or None: then fused.c starts threads of its own."""
+    import glob
+    import os
+
+    for path in glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*")):
+        try:
+            openmp = ctypes.CDLL(path)  # already loaded by PyTorch: the same handle, the same threads
+            return [ctypes.cast(getattr(openmp, name), _p) for name in OPENMP_FUNCTIONS]
+        except (OSError, AttributeError):
+            continue
+    return None
 
 
 def unavailable(model=None, weights: str = "float16") -> str | None:
