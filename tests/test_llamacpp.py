@@ -475,7 +475,7 @@ def test_figure_1_draws_llama_cpps_pass_costs_beside_the_torch_runtimes(tiny, tm
 
     target = load_model(str(tiny), dtype="float32")
     runtimes = dict(figure_1_runtimes(target.model, target.gguf, threads=2))
-    assert {"llama.cpp, GGUF as stored", "fused runtime, float16 weights", "float16 weights"} <= set(runtimes)
+    assert {"llama.cpp, GGUF as stored", "fused runtime", "float16 weights"} <= set(runtimes)
     latency = pass_latency(runtimes["llama.cpp, GGUF as stored"](), PROMPT, POSITIONS, repeats=1)
     assert len(latency) == len(POSITIONS) and all(s > 0 for s in latency)
     prompts = tmp_path / "prompts.jsonl"

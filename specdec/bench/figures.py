@@ -58,7 +58,7 @@ def figure_1_runtimes(model, gguf: Path | None, threads: int | None) -> list[tup
     runtimes = [(f"{precision} weights", lambda precision=precision: make_backend(model, precision))
                 for precision in PRECISIONS]
     if unavailable(model) is None:
-        runtimes.append(("fused runtime, float16 weights", lambda: FusedRuntime(model)))
+        runtimes.append(("fused runtime", lambda: FusedRuntime(model)))
     if gguf is not None and importlib.util.find_spec("llama_cpp") is not None:
         from specdec.backends.llamacpp import LlamaCppLM
 

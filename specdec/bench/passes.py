@@ -32,7 +32,7 @@ def runtimes(model_path, threads: int) -> dict[str, object]:
     model = load_model(source, dtype="float32", device="cpu", backend="torch").model
     found = {"llama.cpp (GGUF as stored)": load_gguf(source, threads).runtime}
     if unavailable(model) is None:
-        found["fused (float16)"] = FusedRuntime(model)
+        found["fused (float16)"] = FusedRuntime(model, "float16")
     if unavailable(model, "int8") is None:
         found["fused (int8)"] = FusedRuntime(model, "int8")
     found["torch (float16, fbgemm)"] = LlamaRuntime(model, "float16")
