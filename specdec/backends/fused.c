@@ -4,15 +4,17 @@
  * fused.py says why once), loaded with ctypes. It needs AVX2, FMA and F16C; fused.py checks the CPU first.
  *
  * What it does that a chain of PyTorch ops does not:
- * - one persistent thread team runs the whole pass; the phases of a layer meet at spin barriers, so no thread is
- *   forked or joined per matrix, and Python is not re-entered per op;
- * - weights are float16 and read once per pass whatever the row count: each tile of weights (a few output rows)
- *   is converted with F16C and fed by FMA to every row of the pass while it sits in L1;
+ * - one thread team (PyTorch's OpenMP threads, else threads of its own that persist) runs the whole pass; the
+ *   phases of a layer meet at spin barriers, so no thread is forked or joined per matrix, and Python is not
+ *   re-entered per op;
+ * - weights (float16, or int8 with a scale and offset per 32 inputs) are read once per pass whatever the row
+ *   count: each block of 8 weight rows is converted in registers and fed by FMA to every row of the pass while it
+ *   sits in L1;
  * - norms, RoPE, the cache writes, attention, SiLU and the residual adds are written around the products.
  *
  * Batch invariance by construction: every value a row computes (a product's output, a norm, an attention output)
  * is reduced by one thread, in one order that depends on nothing but that row: its accumulator sees the same FMAs
- * in the same order whether the tile holds 1 row or 4, and a row's attention runs over its own keys alone. So a
+ * in the same order whether the tile holds 1 row or 6, and a row's attention runs over its own keys alone. So a
  * row's logits are the same bit for bit alone, in a pass of 17, in a tree or beside other sequences.
  */
 #include <immintrin.h>

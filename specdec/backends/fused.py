@@ -1,10 +1,11 @@
 """specdec's fused CPU runtime: a llama-family pass in one call into ``fused.c`` (built at install as ``_fused``).
 
 :class:`FusedRuntime` is the lean runtime (``llama.py``: its cache, rollback, trees, shallow passes, hidden states)
-with every layer, and the LM head, computed by the C pass: float16 weights read once per pass whatever the row
-count, one persistent thread team, norms, RoPE and attention fused around the products, and each row computed as it
-is alone (batch-invariant by construction, see ``fused.c``). The server's pool (``batch.py``) runs its rows
-through the same call.
+with every layer, and the LM head, computed by the C pass: int8 or float16 weights read once per pass whatever the
+row count, one thread team (PyTorch's OpenMP threads), norms, RoPE and attention written around the products, and
+each row computed as it is alone (batch-invariant by construction, see ``fused.c``); a prompt longer than any round
+runs the bulk kernel (float32 oneDNN) into the same cache. The server's pool (``batch.py``) runs its rows through
+the same call.
 
 Where it cannot run (not built, a CPU without AVX2/FMA/F16C, a model it does not cover), :func:`unavailable` says
 why in one line, and ``--backend auto`` passes it by.
@@ -19,7 +20,6 @@ import importlib.util
 import numpy as np
 import torch
 
-from specdec.backends.base import FeatureSource, ShallowRunner, TreeScorer  # noqa: F401  (the protocols it keeps)
 from specdec.backends.linear import PassPrecisions
 from specdec.backends.llama import LlamaRuntime, _build, _tree_reading, supports
 from specdec.choices import MAX_DRAFT_TOKENS

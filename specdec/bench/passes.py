@@ -4,10 +4,11 @@ each runtime's roofline (its weights' bytes over the bandwidth this machine stre
     python -m specdec.bench.passes [--model FILE.gguf] [--threads 2] [--context 200] [--repeats 7]
 
 The runtimes: llama.cpp over the GGUF as stored, specdec's fused runtime (float16 weights, and int8 with a scale and
-offset per 32 inputs) and specdec's torch runtime (float16 through fbgemm, float32 through oneDNN). Each is fed the same context; then passes over 1, 2, 3, 4,
-5, 8 and 17 positions are timed, runtime after runtime within each repeat (one untimed pass first: the runtime before
-may still hold a core while its threads spin down), and the medians kept. The
-bandwidth is the probe of ``specdec bench``'s roofline (a float32 sum over 256 MiB or more, larger than any cache).
+offset per 32 inputs) and specdec's torch runtime (float16 through fbgemm, float32 through oneDNN). Each is fed the
+same context; then passes over 1, 2, 3, 4, 5, 8 and 17 positions are timed, runtime after runtime within each
+repeat (one untimed pass first: the runtime before may still hold a core while its threads spin down), and the
+medians kept. The bandwidth is the probe of ``specdec bench``'s roofline (a float32 sum over 256 MiB or more,
+larger than any cache).
 """
 
 from __future__ import annotations
