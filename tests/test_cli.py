@@ -193,3 +193,23 @@ def test_help_and_refused_values_do_not_import_torch():
               "print(codes, 'torch' in sys.modules, 'transformers' in sys.modules)\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.stdout.split() == ["[2,", "2,", "2,", "2]", "False", "False"], result.stdout + result.stderr
+
+
+def test_without_the_extension_auto_says_why_once_and_fused_is_refused(models, capsys, monkeypatch):
+    """A failed build at install (or a CPU without AVX2/FMA/F16C): --backend auto runs without the fused runtime
+    and says why once, when it measures; --backend fused is one line and exit 2."""
+    from specdec.backends import fused
+
+    reason = "its C extension was not built at install (reinstall with a C compiler: pip install -e . prints why)"
+    monkeypatch.setattr(fused, "_library", lambda: reason)
+    args = ["generate", PROMPT, "--model", str(models["draft"]), "--max-new-tokens", "4"]
+    first = run_cli(capsys, *args)
+    assert first[0] == 0 and f"passes specdec's fused runtime by: {reason}" in first[2], first[2]
+    assert first[2].strip().splitlines()[-1].startswith("[prompt-lookup on torch]")
+    from specdec.backends import choice
+
+    choice._passed_by.cache_clear()  # a new process: the choice comes from the cache, and is not said again
+    second = run_cli(capsys, *args)
+    assert second[0] == 0 and "passes specdec's fused runtime by" not in second[2], second[2]
+    code, _, err = run_cli(capsys, "generate", PROMPT, "--model", str(models["target"]), "--backend", "fused")
+    assert code == 2 and err.count("\n") == 1 and reason in err, err

@@ -48,17 +48,14 @@ def choose(measurements: list[BackendMeasurement]) -> str:
     return min(measurements, key=lambda m: m.cost_ms).backend
 
 
-def candidates(gguf: bool) -> list[str]:
-    """The runtimes that may run a target here (the fused runtime's unfitness for a model is found at load)."""
+def candidates(gguf: bool) -> tuple[list[str], list[str]]:
+    """The runtimes that may run a target here, and why the fused runtime may not where it may not (its unfitness
+    for a model is found at load)."""
     from specdec.backends.fused import unavailable
 
-    names = ["llama.cpp"] if gguf else []
     reason = unavailable()
-    if reason is None:
-        names.append("fused")
-    else:
-        _passed_by(reason)
-    return names + ["torch"]
+    names = (["llama.cpp"] if gguf else []) + (["fused"] if reason is None else []) + ["torch"]
+    return names, [] if reason is None else [reason]
 
 
 @functools.cache
@@ -72,16 +69,16 @@ def auto_backend(source: Path, gguf: bool, threads: int | None = None) -> str:
     does not exist is left to the first candidate's loader, which says so)."""
     if not source.exists():
         return "llama.cpp" if gguf else "torch"
-    names = candidates(gguf)
+    names, passed_by = candidates(gguf)
     key = _cache_key(source, names, threads)
     cached = _read_cache().get(key)
-    if cached is not None:
+    if cached is not None:  # said when it was measured
         return cached["backend"]
     if verbose():  # a few seconds, once; the summary line names the choice
         notice(f"measuring which of {', '.join(names)} runs {source.name} fastest on this machine (once; cached)")
     with _quiet_unless_verbose():  # what loading each candidate says is said again by the one that runs
-        measurements, passed_by = measure(source, names, threads)
-    for reason in passed_by:
+        measurements, unfit = measure(source, names, threads)
+    for reason in passed_by + unfit:  # once, as the choice is made: a build that failed, a model not covered
         _passed_by(reason)
     chosen = choose(measurements)
     _write_cache(key, {"backend": chosen, "measurements": [asdict(m) for m in measurements]})
