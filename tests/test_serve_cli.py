@@ -118,3 +118,20 @@ def test_bench_serve_replays_a_trace_against_a_server_per_mode(model_dir, tmp_pa
     assert (out / "bench_serve.png").stat().st_size > 0 and "| 2 | auto |" in (out / "bench_serve.md").read_text()
     never = [r for r in report["results"] if r["mode"] == "never"]
     assert all(r["speculative_steps"] == 0 and r["mean_accepted_length"] == 1 for r in never)
+
+
+def test_a_busy_port_is_refused_in_one_line_before_the_model_loads(model_dir, capsys, monkeypatch):
+    import socket
+
+    from specdec import loading
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the port was claimed")
+
+    monkeypatch.setattr(loading, "load_target", never)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        code = main(["serve", "--model", str(model_dir), "--port", str(busy.getsockname()[1])])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "cannot listen on 127.0.0.1" in err and "in use" in err, err

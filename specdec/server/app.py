@@ -76,8 +76,9 @@ class OpenAIServer:
     """OpenAI-compatible endpoints for one model, served by a scheduler."""
 
     def __init__(self, scheduler: Scheduler, tokenizer, model_name: str, settings: ServerSettings = ServerSettings(),
-                 listen: bool = True) -> None:
-        """``listen=False``: the app alone, for another server to run (a Ray Serve replica); no socket."""
+                 listen: bool = True, sock: socket.socket | None = None) -> None:
+        """``listen=False``: the app alone, for another server to run (a Ray Serve replica); no socket. ``sock``: a
+        socket already bound and listening (``bind``), else one is bound here."""
         import uvicorn
 
         self.scheduler = scheduler
@@ -87,7 +88,7 @@ class OpenAIServer:
         self.created = int(time.time())
         self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which process answered (X-Specdec-Instance)
         self.app = build_app(self)
-        self.socket = _listen(settings.host, settings.port) if listen else None  # a busy port fails before loading
+        self.socket = (sock or _listen(settings.host, settings.port)) if listen else None
         self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, http="h11", lifespan="off", log_level="warning",
                                                      access_log=False, timeout_keep_alive=30,
                                                      timeout_graceful_shutdown=5))
@@ -201,21 +202,33 @@ class ServerOptions:
 
 
 def load_server(options: ServerOptions, listen: bool = True) -> OpenAIServer:
-    """Load the model (checks first, the slow load last) and bind the server; ``start()`` it to serve
-    (``listen=False``: the app alone, for Ray Serve to run)."""
+    """Claim the port, then load the model (checks first, the slow load last); ``start()`` the server to serve
+    (``listen=False``: the app alone, for Ray Serve to run, and no port). A busy port is refused in one line before
+    anything slow."""
     from specdec.backends import target_backend
     from specdec.loading import load_target
     from specdec.models import eos_token_ids
 
-    loaded = load_target(options.model, dtype=options.dtype, device=options.device, backend=options.backend,
-                         threads=options.threads, datastore=options.datastore, drafters=(options.batch.drafter,))
-    runtime = target_backend(loaded.target, loaded.precision)
-    scheduler = build_scheduler(runtime, options.batch, eos_token_ids(loaded.target), loaded.datastore)
+    settings = options.settings
+    sock = bind(settings) if listen else None
+    try:
+        loaded = load_target(options.model, dtype=options.dtype, device=options.device, backend=options.backend,
+                             threads=options.threads, datastore=options.datastore, drafters=(options.batch.drafter,))
+        runtime = target_backend(loaded.target, loaded.precision)
+        scheduler = build_scheduler(runtime, options.batch, eos_token_ids(loaded.target), loaded.datastore)
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
     model = options.model
     name = options.served_model_name or (DEFAULT_MODEL_NAME if model is None else Path(model).name.removesuffix(".gguf"))
-    settings = options.settings
+    return OpenAIServer(scheduler, loaded.target.tokenizer, name, settings, listen=listen, sock=sock)
+
+
+def bind(settings: ServerSettings) -> socket.socket:
+    """The server's listening socket, or one line saying why the port cannot be had."""
     try:
-        return OpenAIServer(scheduler, loaded.target.tokenizer, name, settings, listen=listen)
+        return _listen(settings.host, settings.port)
     except OSError as error:
         raise UsageError(f"cannot listen on {settings.host}:{settings.port}: {error.strerror or error}") from None
 
