@@ -230,6 +230,10 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--max-waiting", type=int, default=256,
                        help="requests queued beyond the batch; more are refused with 429")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (413 above)")
+    serve.add_argument("--max-header-line", type=int, default=8 << 10,
+                       help="bytes of one header line (431 above; default 8 KiB)")
+    serve.add_argument("--max-head-bytes", type=int, default=32 << 10,
+                       help="bytes of the request line and headers together (431 above; default 32 KiB)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds requests in flight get to finish after SIGINT/SIGTERM")
     add_model_flags(serve)

@@ -39,8 +39,8 @@ def tiny(tmp_path_factory):
     return model, tokenizer
 
 
-def start_server(tiny, proposer=None, api_key=None, max_body_bytes=1 << 20, read_timeout=60.0, **batch
-                 ) -> OpenAIServer:
+def start_server(tiny, proposer=None, api_key=None, max_body_bytes=1 << 20, read_timeout=60.0, head_timeout=20.0,
+                 **batch) -> OpenAIServer:
     """A server on a free port; ``proposer`` (a factory) replaces the drafter of ``batch['drafter']``."""
     model, tokenizer = tiny
     settings = BatchSettings(**{"max_batch_size": 32, "max_model_len": 256, **batch})
@@ -49,7 +49,8 @@ def start_server(tiny, proposer=None, api_key=None, max_body_bytes=1 << 20, read
         scheduler.new_proposer = proposer
     server = OpenAIServer(scheduler, tokenizer, MODEL, ServerSettings(port=0, api_key=api_key,
                                                                       max_body_bytes=max_body_bytes,
-                                                                      read_timeout=read_timeout))
+                                                                      read_timeout=read_timeout,
+                                                                      head_timeout=head_timeout))
     server.start()
     return server
 

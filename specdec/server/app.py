@@ -64,7 +64,10 @@ class ServerSettings:
     port: int = 8000
     api_key: str | None = None  # checked on every endpoint but /health
     max_body_bytes: int = 1 << 20
-    read_timeout: float = 120.0  # seconds a request body may stall between reads
+    read_timeout: float = 30.0  # seconds a request body may stall between reads: 408 after
+    head_timeout: float = 20.0  # seconds a request head may take from its first byte to its last: 408 after
+    max_header_line: int = 8 << 10  # bytes of one header line (name, ": ", value): 431 above
+    max_head_bytes: int = 32 << 10  # bytes of the request line and headers together: 431 above
     stall_seconds: float = STALL_SECONDS
 
 
@@ -89,7 +92,8 @@ class OpenAIServer:
         self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which process answered (X-Specdec-Instance)
         self.app = build_app(self)
         self.socket = (sock or _listen(settings.host, settings.port)) if listen else None
-        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, http="h11", lifespan="off", log_level="warning",
+        protocol = _h11_protocol(settings.head_timeout)
+        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, http=protocol, lifespan="off", log_level="warning",
                                                      access_log=False, timeout_keep_alive=30,
                                                      timeout_graceful_shutdown=5))
         self._serving: threading.Thread | None = None
@@ -273,7 +277,8 @@ def build_app(server: OpenAIServer) -> FastAPI:
     metrics = server.scheduler.metrics
     registry = CollectorRegistry()  # this server's, not the process-wide default: a process may hold several
     registry.register(MetricsCollector(metrics, lambda: (server.scheduler.running, server.scheduler.waiting)))
-    app.add_middleware(_InstanceHeader, value=server.instance.encode())
+    app.add_middleware(_Framing, server=server)
+    app.add_middleware(_InstanceHeader, value=server.instance.encode())  # outermost: on _Framing's refusals too
 
     def error_response(error: ApiError) -> JSONResponse:
         metrics.observe_rejection(error.status)
@@ -359,6 +364,108 @@ def build_app(server: OpenAIServer) -> FastAPI:
 
     _add_schemas(app, CompletionRequest, ChatCompletionRequest)
     return app
+
+
+def _h11_protocol(head_timeout: float):
+    """uvicorn's h11 protocol with two changes: its own refusal of a request it cannot parse (two lengths, a bad
+    chunk, a garbage request line, a NUL in a header) is an OpenAI error body, not plain text; and a request head
+    that stops arriving for ``head_timeout`` seconds gets 408. Both close the connection."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class H11WithJsonErrors(H11Protocol):
+        _head_timer = None
+
+        def send_400_response(self, msg: str) -> None:
+            self._refuse(BadRequest(f"the request's HTTP framing is invalid: {msg}"), b"400 Bad Request")
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._watch_head()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._stop_watching()
+            super().connection_lost(exc)
+
+        def _watch_head(self) -> None:
+            """A timer from a head's first byte to its last: started while the parser holds part of one."""
+            waiting = self.conn.their_state is h11.IDLE and bool(self.conn.trailing_data[0])
+            if waiting and self._head_timer is None:
+                self._head_timer = self.loop.call_later(head_timeout, self._head_stalled)
+            elif not waiting:
+                self._stop_watching()
+
+        def _stop_watching(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_stalled(self) -> None:
+            self._head_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self._refuse(ApiError(f"the request's head stalled for {head_timeout:g} s", status=408),
+                             b"408 Request Timeout")
+
+        def _refuse(self, error: ApiError, status_line: bytes) -> None:
+            """The error as a whole response, written as bytes (the parser may be in no state to send one), then
+            the connection closed."""
+            body = json.dumps(error.body()).encode()
+            self.transport.write(b"HTTP/1.1 " + status_line + b"\r\ncontent-type: application/json\r\n"
+                                 b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n"
+                                 + body)
+            self.transport.close()
+
+    return H11WithJsonErrors
+
+
+class _Framing:
+    """What the HTTP parser lets through, refused before routing with an OpenAI error body and ``Connection:
+    close`` (so that no byte after it on that connection is read as a request): a request that carries both a
+    Content-Length and a Transfer-Encoding, two lengths, or a transfer coding other than chunked (a proxy in front
+    could frame its body otherwise: request smuggling); an HTTP version other than 1.0 and 1.1 (505); a header line
+    or a head over the limits (431); and, with an API key set, any path but /health without the key (401), whether
+    the path exists or not."""
+
+    def __init__(self, app, server: "OpenAIServer") -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send) -> None:
+        refusal = self.refusal(scope) if scope["type"] == "http" else None
+        if refusal is None:
+            await self.app(scope, receive, send)
+            return
+        self.server.scheduler.metrics.observe_rejection(refusal.status)
+        response = _JSON(refusal.body(), status_code=refusal.status, headers={"Connection": "close"})
+        await response(scope, receive, send)
+
+    def refusal(self, scope) -> ApiError | None:
+        settings = self.server.settings
+        version = scope.get("http_version", "1.1")
+        if version not in ("1.0", "1.1"):
+            return ApiError(f"HTTP/{version} is not served here: send HTTP/1.1 or HTTP/1.0", status=505)
+        headers = scope["headers"]
+        longest = max((len(name) + 2 + len(value) for name, value in headers), default=0)
+        if longest > settings.max_header_line:
+            return ApiError(f"a header line has {longest} bytes; the limit is {settings.max_header_line}", status=431)
+        head = len(scope.get("raw_path") or b"") + sum(len(name) + 4 + len(value) for name, value in headers)
+        if head > settings.max_head_bytes:
+            return ApiError(f"the request's head has {head} bytes; the limit is {settings.max_head_bytes}",
+                            status=431)
+        names = [name.lower() for name, _ in headers]
+        if b"transfer-encoding" in names and b"content-length" in names:
+            return BadRequest("a request may not carry both Content-Length and Transfer-Encoding")
+        if names.count(b"content-length") > 1 or names.count(b"transfer-encoding") > 1:
+            return BadRequest("a request may carry one Content-Length or one Transfer-Encoding")
+        codings = [value.strip().lower() for name, value in headers if name.lower() == b"transfer-encoding"]
+        if codings and codings != [b"chunked"]:
+            return BadRequest("the only transfer coding taken is chunked")
+        if settings.api_key is not None and scope["path"] != "/health":
+            authorization = next((value for name, value in headers if name.lower() == b"authorization"), b"")
+            try:
+                self.server.authorize(authorization.decode("latin-1"))
+            except ApiError as error:
+                return error
+        return None
 
 
 class _InstanceHeader:

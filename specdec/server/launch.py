@@ -40,8 +40,12 @@ def run_serve(args) -> int:
         raise UsageError(f"port must be in 0..65535, got {args.port}")
     if args.max_body_bytes < 1024:
         raise UsageError(f"max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+    for flag, value in (("max-header-line", args.max_header_line), ("max-head-bytes", args.max_head_bytes)):
+        if value < 256:
+            raise UsageError(f"{flag} must be >= 256, got {value}")
     settings = ServerSettings(host=args.host, port=args.port, max_body_bytes=args.max_body_bytes,
-                              api_key=api_key(args.api_key, args.api_key_file))
+                              api_key=api_key(args.api_key, args.api_key_file), max_header_line=args.max_header_line,
+                              max_head_bytes=args.max_head_bytes)
     if args.replicas < 0:
         raise UsageError(f"replicas must be >= 1, got {args.replicas}")
     if args.ray_address and not args.replicas:

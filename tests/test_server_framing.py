@@ -1,0 +1,134 @@
+"""The server's HTTP framing over raw sockets: what a proxy in front could read otherwise is refused at the door, in
+OpenAI's error shape, and the connection closed after it (issue 26)."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+from test_server import get, start_server, tiny  # noqa: F401  (tiny: the module's model fixture)
+
+BODY = b'{"prompt": "w5 w9", "max_tokens": 2}'
+CHUNKED = b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY)
+
+
+@pytest.fixture(scope="module")
+def server(tiny):  # noqa: F811
+    server = start_server(tiny, drafter="prompt-lookup", speculation="always", read_timeout=1.5, head_timeout=1.5)
+    yield server
+    server.shutdown(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny):  # noqa: F811
+    server = start_server(tiny, api_key="sesame")
+    yield server
+    server.shutdown(timeout=5)
+
+
+def exchange(server, raw: bytes, seconds: float = 10.0) -> bytes:
+    """Send ``raw`` on a new connection and read until the server closes it (or ``seconds`` pass)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=seconds) as connection:
+        connection.sendall(raw)
+        received = b""
+        try:
+            while chunk := connection.recv(65536):
+                received += chunk
+        except (TimeoutError, ConnectionResetError):  # a reset after the answer: the server closed with bytes unread
+            pass
+    return received
+
+
+def responses(received: bytes) -> list[tuple[int, dict, dict]]:
+    """Each response's status, headers (lower-cased names) and JSON body, in order."""
+    found = []
+    while received.startswith(b"HTTP/1."):
+        head, _, rest = received.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = dict((name.lower(), value.strip()) for name, _, value in (line.partition(":") for line in lines[1:]))
+        length = int(headers.get("content-length", len(rest)))
+        found.append((int(lines[0].split()[1]), headers, json.loads(rest[:length] or b"null")))
+        received = rest[length:]
+    return found
+
+
+def post_head(*headers: str) -> bytes:
+    return ("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + "".join(f"{header}\r\n" for header in headers) + "\r\n").encode()
+
+
+def assert_one_refusal(received: bytes, status: int, words: str) -> None:
+    """One response (no second request read from the connection), the status, OpenAI's error shape, and the
+    connection closed after it."""
+    answered = responses(received)
+    assert len(answered) == 1, received
+    code, headers, body = answered[0]
+    assert code == status and headers.get("connection") == "close", received
+    assert headers["content-type"].startswith("application/json") and words in body["error"]["message"], body
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("headers", [(f"Content-Length: {len(CHUNKED)}", "Transfer-Encoding: chunked"),
+                                     ("transfer-encoding: chunked", "content-length: 5")])
+def test_a_length_and_a_transfer_encoding_together_are_refused(server, headers):
+    assert_one_refusal(exchange(server, post_head(*headers) + CHUNKED), 400, "both Content-Length and Transfer")
+    assert get(server, "/health")[0] == 200
+
+
+def test_a_request_hidden_after_the_chunked_end_is_never_served(server):
+    """The length covers a second request after the chunked body's end: a proxy trusting the length forwards one
+    request, a parser following the chunks would read two. One answer, then the connection closes."""
+    hidden = b"0\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    received = exchange(server, post_head(f"Content-Length: {len(hidden)}", "Transfer-Encoding: chunked") + hidden)
+    assert_one_refusal(received, 400, "both Content-Length and Transfer")
+    assert b'"object":"list"' not in received and b'"object": "list"' not in received
+
+
+@pytest.mark.parametrize("headers", [("Content-Length: 5", "Content-Length: 6"), ("Transfer-Encoding: gzip, chunked",)])
+def test_two_lengths_and_other_transfer_codings_are_refused(server, headers):
+    """The parser's own refusals, in OpenAI's shape. (Two equal lengths are one length: RFC 9112 lets a recipient
+    merge them, and no reader can frame the body otherwise.)"""
+    assert_one_refusal(exchange(server, post_head(*headers) + CHUNKED), 400, "HTTP framing is invalid")
+
+
+@pytest.mark.parametrize("raw", [b"GARBAGE\r\n\r\n", b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Bad: a\x00b\r\n\r\n",
+                                 b"GET /v1/models HTTP/1.1\r\n\r\n"])
+def test_what_the_parser_cannot_read_is_refused_as_json(server, raw):
+    """A garbage request line, a NUL in a header, HTTP/1.1 without Host: the parser's own 400, in OpenAI's shape."""
+    assert_one_refusal(exchange(server, raw), 400, "HTTP framing is invalid")
+
+
+def test_an_http_version_other_than_1_0_and_1_1_gets_505(server):
+    assert_one_refusal(exchange(server, b"GET /v1/models HTTP/2.0\r\nHost: x\r\n\r\n"), 505, "HTTP/2.0")
+    assert get(server, "/health")[0] == 200
+
+
+def test_a_long_header_line_and_a_long_head_get_431(server):
+    line = exchange(server, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * (9 << 10) + b"\r\n\r\n")
+    assert_one_refusal(line, 431, "header line")
+    many = b"".join(b"X-Part-%d: %s\r\n" % (i, b"b" * (6 << 10)) for i in range(6))  # each line under 8 KiB
+    assert_one_refusal(exchange(server, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n"), 431, "head")
+    assert get(server, "/health")[0] == 200
+
+
+def test_with_a_key_every_path_but_health_answers_401_without_it(keyed_server):
+    for path in ("/nope", "/v1/models", "/metrics", "/v1/completions"):
+        received = exchange(keyed_server, f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        assert_one_refusal(received, 401, "API key")
+    assert get(keyed_server, "/health")[0] == 200
+    with_key = exchange(keyed_server, b"GET /nope HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sesame\r\n"
+                                      b"Connection: close\r\n\r\n")
+    assert responses(with_key)[0][0] == 404
+
+
+@pytest.mark.parametrize("raw, words", [
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\n", "head stalled"),  # the blank line never comes
+    (post_head("Content-Length: 100") + BODY, "body stalled"),  # 63 bytes of 100
+    (post_head("Transfer-Encoding: chunked") + b"%x\n%s\n0\n\n" % (len(BODY), BODY), "body stalled"),  # bare LF
+])
+def test_a_stalled_head_or_body_gets_408_and_the_connection_closes(server, raw, words):
+    """(The server here waits 1.5 s; by default 20 s for a head, 30 s between a body's reads.) A chunked body with
+    bare LF line ends never completes a chunk for the parser: it is a body that stalls."""
+    assert_one_refusal(exchange(server, raw, seconds=10), 408, words)
+    assert get(server, "/health")[0] == 200
