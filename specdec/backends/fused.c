@@ -185,6 +185,12 @@ __attribute__((target("avx2,fma,f16c"))) static inline float sum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* A pair's two sums: the low 8 lanes (one output), then the high 8 (the next), each as sum8 adds them. */
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) static inline void sum8_pair(__m512 v, float *out) {
+    out[0] = sum8(_mm512_castps512_ps256(v));
+    out[1] = sum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
 /* Weights are float16, repacked (fused.py, `repacked`) in blocks of 8 output rows: block b holds rows 8b..8b+7,
  * one 8-wide chunk of `in` after another, each chunk the 8 rows' 8 halves (64 halves, 128 bytes). A block is one
  * sequential stream, however many of its rows a tile reads.
@@ -242,10 +248,7 @@ TILE(4, 2)
             }                                                                                                      \
         }                                                                                                          \
         for (int r = 0; r < R; r++)                                                                                \
-            for (int o = 0; o < 4; o++) {                                                                          \
-                out[r][2 * o] = sum8(_mm512_castps512_ps256(acc[r][o]));                                           \
-                out[r][2 * o + 1] = sum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][o]), 1))); \
-            }                                                                                                      \
+            for (int o = 0; o < 4; o++) sum8_pair(acc[r][o], out[r] + 2 * o);                                      \
     }
 TILE512(1)
 TILE512(2)
@@ -261,6 +264,11 @@ TILE512(6)
  *
  * out[r][o] for R rows and O outputs from row j of the block at w. */
 #define QBLOCK 320
+
+/* Ask the memory for the Q8 block 2 * PREFETCH bytes ahead: its five lines. */
+static inline void prefetch_q8(const uint8_t *w) {
+    for (int line = 0; line < QBLOCK; line += 64) _mm_prefetch((const char *)(w + 2 * PREFETCH + line), _MM_HINT_T0);
+}
 #define TILE_Q8(R, O)                                                                                              \
     __attribute__((target("avx2,fma,f16c"))) static void q8_##R##x##O(const uint8_t *w, int j, const float *x,    \
                                                                       int64_t ldx, int in, float out[GROUP512][8]) { \
@@ -269,11 +277,7 @@ TILE512(6)
             for (int o = 0; o < O; o++) acc[r][o] = _mm256_setzero_ps();                                           \
         for (int k = 0; k < in; k += 32, w += QBLOCK) {                                                            \
             const float *d = (const float *)(w + 256) + j, *m = (const float *)(w + 288) + j;                      \
-            _mm_prefetch((const char *)(w + 2 * PREFETCH), _MM_HINT_T0);                                           \
-            _mm_prefetch((const char *)(w + 2 * PREFETCH + 64), _MM_HINT_T0);                                      \
-            _mm_prefetch((const char *)(w + 2 * PREFETCH + 128), _MM_HINT_T0);                                     \
-            _mm_prefetch((const char *)(w + 2 * PREFETCH + 192), _MM_HINT_T0);                                     \
-            _mm_prefetch((const char *)(w + 2 * PREFETCH + 256), _MM_HINT_T0);                                     \
+            prefetch_q8(w);                                                                                        \
             for (int s = 0; s < 4; s++) {                                                                          \
                 __m256 wv[O];                                                                                      \
                 for (int o = 0; o < O; o++) {                                                                      \
@@ -312,11 +316,7 @@ TILE_Q8(4, 2)
                 mz[p] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_broadcast_ss(m + 2 * p)),                 \
                                            _mm256_broadcast_ss(m + 2 * p + 1), 1);                                 \
             }                                                                                                      \
-            _mm_prefetch((const char *)(w + 2 * PREFETCH), _MM_HINT_T0);                                           \
-            _mm_prefetch((const char *)(w + 2 * PREFETCH + 64), _MM_HINT_T0);                                      \
-            _mm_prefetch((const char *)(w + 2 * PREFETCH + 128), _MM_HINT_T0);                                     \
-            _mm_prefetch((const char *)(w + 2 * PREFETCH + 192), _MM_HINT_T0);                                     \
-            _mm_prefetch((const char *)(w + 2 * PREFETCH + 256), _MM_HINT_T0);                                     \
+            prefetch_q8(w);                                                                                        \
             for (int s = 0; s < 4; s++) {                                                                          \
                 __m512 wv[2];                                                                                      \
                 for (int p = 0; p < 2; p++) {                                                                      \
@@ -330,10 +330,7 @@ TILE_Q8(4, 2)
             }                                                                                                      \
         }                                                                                                          \
         for (int r = 0; r < R; r++)                                                                                \
-            for (int p = 0; p < 2; p++) {                                                                          \
-                out[r][2 * p] = sum8(_mm512_castps512_ps256(acc[r][p]));                                           \
-                out[r][2 * p + 1] = sum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][p]), 1))); \
-            }                                                                                                      \
+            for (int p = 0; p < 2; p++) sum8_pair(acc[r][p], out[r] + 2 * p);                                      \
     }
 TILE_Q8_512(1)
 TILE_Q8_512(2)
@@ -355,26 +352,22 @@ static const TileFn WIDE512[GROUP512 + 1] = {0, tile512_1, tile512_2, tile512_3,
 
 enum { STORE, ADD }; /* y = product (+ bias), or y += product (a residual) */
 
-/* out[r][j] for `rows` rows (up to GROUP, or GROUP512 with AVX-512) and the 8 rows of the block at w. */
+/* out[r][j] for `rows` rows (up to GROUP, or GROUP512 with AVX-512) and the 8 rows of the block at w: in one
+ * tile (float16 on AVX-512), else in tiles of `width` rows of the block, one after another. */
 static void tile(int format, const void *w, int in, const float *x, int64_t ldx, int rows, float out[GROUP512][8]) {
-    float part[GROUP512][8];
-    if (format == Q8) {
-        int width = has_avx512 ? 4 : WIDTH[rows];
-        for (int done = 0; done < 8; done += width) {
-            (has_avx512 ? Q8_512 : Q8_WIDE)[rows]((const uint8_t *)w, done, x, ldx, in, part);
-            for (int r = 0; r < rows; r++)
-                for (int j = 0; j < width; j++) out[r][done + j] = part[r][j];
-        }
-        return;
-    }
-    if (has_avx512) {
+    if (format == F16 && has_avx512) {
         WIDE512[rows]((const half *)w, x, ldx, in, out);
         return;
     }
-    for (int done = 0; done < 8; done += WIDTH[rows]) {
-        WIDE[rows]((const half *)w + 8 * done, x, ldx, in, part);
+    float part[GROUP512][8];
+    int width = format == Q8 && has_avx512 ? 4 : WIDTH[rows];
+    for (int done = 0; done < 8; done += width) {
+        if (format == Q8)
+            (has_avx512 ? Q8_512 : Q8_WIDE)[rows]((const uint8_t *)w, done, x, ldx, in, part);
+        else
+            WIDE[rows]((const half *)w + 8 * done, x, ldx, in, part);
         for (int r = 0; r < rows; r++)
-            for (int j = 0; j < WIDTH[rows]; j++) out[r][done + j] = part[r][j];
+            for (int j = 0; j < width; j++) out[r][done + j] = part[r][j];
     }
 }
 
