@@ -4,6 +4,7 @@ capabilities beyond it that some backends declare (token trees, hidden states, s
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Protocol
 
@@ -125,6 +126,23 @@ def pass_seconds(model: CausalLM, positions: int) -> float:
     elapsed = time.perf_counter() - started
     model.rollback(cached)
     return elapsed
+
+
+def median_pass_seconds(runtimes: dict[str, CausalLM], sizes: tuple[int, ...], repeats: int
+                        ) -> dict[str, dict[int, float]]:
+    """Per runtime, the median seconds of a pass over each number of positions in ``sizes``
+    (:func:`pass_seconds`): ``repeats`` rounds, each giving every runtime its turn at every size, after one round
+    that warms up and is dropped. A runtime's turn opens with an untimed pass: the runtime before it may still
+    hold a core while its threads spin down. The caches must not be empty."""
+    seconds = {name: {n: [] for n in sizes} for name in runtimes}
+    for repeat in range(repeats + 1):
+        for name, runtime in runtimes.items():
+            pass_seconds(runtime, 1)
+            for n in sizes:
+                elapsed = pass_seconds(runtime, n)
+                if repeat:
+                    seconds[name][n].append(elapsed)
+    return {name: {n: statistics.median(times) for n, times in by_size.items()} for name, by_size in seconds.items()}
 
 
 PROBE_PREFIX = (1, 7, 42)  # the pass-invariance probe: a cached prefix, then five positions (ids mod the vocabulary)

@@ -160,21 +160,20 @@ class BatchedLlama:
 
     def _weights(self, rows: list[Row], layout: "_Layout") -> tuple:
         """The layers and LM head of a pass over these rows: on the fused runtime, the bulk kernel's for prompts'
-        rows (each of BULK_POSITIONS or more) and fused.c's for the others, so that a row's kernel depends on the
-        row alone; elsewhere, the precision of a pass over that many positions."""
+        rows and fused.c's for the others, so that a row's kernel depends on the row alone; elsewhere, the
+        precision of a pass over that many positions."""
         if self._fused_cache is None:
             return self.runtime.weights_for(layout.total)
         return self.runtime.pass_weights(layout.total if self._bulk_rows(rows) else 1, chain=True)
 
     def _bulk_rows(self, rows: list[Row]) -> list[Row]:
-        from specdec.backends.fused import BULK_POSITIONS
-
-        return [row for row in rows if len(row.token_ids) >= BULK_POSITIONS]
+        """The rows the fused runtime runs on its bulk kernel (prompts)."""
+        return [row for row in rows if self.runtime.runs_bulk(len(row.token_ids))]
 
     def _split(self, rows: list[Row], hidden: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Prompts' rows through the bulk kernel, then the others through fused.c: two passes, one answer."""
         bulk = self._bulk_rows(rows)
-        others = [row for row in rows if all(row is not b for b in bulk)]
+        others = [row for row in rows if not self.runtime.runs_bulk(len(row.token_ids))]
         answers = {}
         for part in (bulk, others):
             logits, states = self.forward_hidden(part, hidden)

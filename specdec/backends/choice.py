@@ -17,13 +17,12 @@ import contextlib
 import functools
 import io
 import logging
-import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from specdec.backends.base import pass_seconds
+from specdec.backends.base import median_pass_seconds
 from specdec.cachefile import machine_name, read_entries, write_entry
 from specdec.logs import notice, verbose
 
@@ -90,45 +89,41 @@ def measure(source: Path, names: list[str], threads: int | None = None
     """Load each candidate and time its decode and scoring passes after the same context, interleaved; and why
     any candidate could not run the model."""
     runtimes, passed_by = {}, []
+    model = None  # the transformers model, loaded once for the fused and torch candidates
     for name in names:
-        runtime = _load(name, source, threads)
+        if name == "llama.cpp":
+            from specdec.models import load_gguf
+
+            runtimes[name] = load_gguf(source, threads).runtime
+            continue
+        if model is None:
+            from specdec.models import load_model
+
+            model = load_model(source, dtype="float32", device="cpu", backend="torch").model
+        runtime = _runtime(name, model)
         if isinstance(runtime, str):
             passed_by.append(runtime)
         else:
             runtimes[name] = runtime
     context = [(7 + 31 * i) % min(r.vocab_size for r in runtimes.values()) for i in range(CONTEXT_TOKENS)]
-    decode = {name: [] for name in runtimes}
-    score = {name: [] for name in runtimes}
     for runtime in runtimes.values():
         runtime.extend(context, 0)
-    for _ in range(REPEATS + 1):  # the first round warms up, and is dropped
-        for name, runtime in runtimes.items():
-            decode[name].append(pass_seconds(runtime, 1))
-            score[name].append(pass_seconds(runtime, SCORED_POSITIONS))
-    return [BackendMeasurement(name, 1000 * statistics.median(decode[name][1:]),
-                               1000 * statistics.median(score[name][1:])) for name in runtimes], passed_by
+    seconds = median_pass_seconds(runtimes, (1, SCORED_POSITIONS), REPEATS)
+    return [BackendMeasurement(name, 1000 * seconds[name][1], 1000 * seconds[name][SCORED_POSITIONS])
+            for name in runtimes], passed_by
 
 
-def _load(name: str, source: Path, threads: int | None):
-    """A candidate's runtime of the target, or why the fused runtime does not cover the model."""
-    from specdec.models import load_gguf, load_model
-
-    if name == "llama.cpp":
-        return load_gguf(source, threads).runtime
-    model = load_model(source, dtype="float32", device="cpu", backend="torch").model
+def _runtime(name: str, model):
+    """The fused or torch candidate over a transformers model, or why the fused runtime does not cover it."""
     if name == "fused":
         from specdec.backends.fused import FusedRuntime, unavailable
 
         reason = unavailable(model)
         return reason if reason is not None else FusedRuntime(model)
+    from specdec.backends import make_backend
     from specdec.backends.linear import has_fbgemm
-    from specdec.backends.llama import LlamaRuntime, supports
 
-    if not supports(model):
-        from specdec.backends.hf import HFCausalLM
-
-        return HFCausalLM(model)
-    return LlamaRuntime(model, "float16" if has_fbgemm() else "float32")
+    return make_backend(model, "float16" if has_fbgemm() else "float32")
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ Q8_BYTES_PER_WEIGHT = 320 / 256  # a block of 8 rows x 32 inputs: 256 bytes of w
 # a prompt: it runs the bulk kernel, oneDNN's float32 GEMM and batched attention, which arithmetic rather than
 # weight streaming paces. Rounds, trees and plain decoding never reach it, so a prompt's prefill is the same for
 # speculation and plain decoding, and every token after it comes from fused.c.
-BULK_POSITIONS = MAX_DRAFT_TOKENS + 2
+PROMPT_POSITIONS = MAX_DRAFT_TOKENS + 2
 
 
 class FusedUnavailable(RuntimeError):
@@ -243,10 +243,16 @@ class FusedRuntime(LlamaRuntime):
         self._source = model  # the bulk kernel's float32 weights are made from it when a prompt first needs them
         self._bulk: tuple | None = None
 
+    @staticmethod
+    def runs_bulk(positions: int, chain: bool = True) -> bool:
+        """Whether a pass (or a pool row) over ``positions`` new tokens runs the bulk kernel: a chain of
+        PROMPT_POSITIONS or more, a prompt. Trees and rounds never do."""
+        return chain and positions >= PROMPT_POSITIONS
+
     def pass_weights(self, positions: int, chain: bool) -> tuple:
-        """A bulk pass's float32 layers and LM head (made once, when first needed): a chain of BULK_POSITIONS or
-        more, a prompt; else fused.c's LM head (its layers are only counted)."""
-        if positions < BULK_POSITIONS or not chain:
+        """A bulk pass's float32 layers and LM head (made once, when first needed); else fused.c's LM head (its
+        layers are only counted)."""
+        if not self.runs_bulk(positions, chain):
             return self._weights["float16"]
         if self._bulk is None:
             self._bulk = _build(self._source, "float32", self.dtype)
@@ -297,7 +303,7 @@ class FusedRuntime(LlamaRuntime):
                              model.get_output_embeddings().weight.shape[0], config.rms_norm_eps, structs,
                              held(model.model.norm.weight), next(addresses), FORMAT[self.weights])
         stub = [None] * len(layers)  # weights_for's layers: only their count is read (num_layers)
-        return {"float16": (stub, self._lm_head)}  # what weights_for gives a pass of fewer than BULK_POSITIONS
+        return {"float16": (stub, self._lm_head)}  # what pass_weights gives a pass that is no prompt
 
     def _resize(self, capacity: int) -> None:
         super()._resize(capacity)
@@ -312,7 +318,7 @@ class FusedRuntime(LlamaRuntime):
     def _layers(self, x: torch.Tensor, first: int, end: int, start: int, positions: slice | torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
         n = x.shape[0]
-        if n >= BULK_POSITIONS and isinstance(positions, slice):  # a prompt: the bulk kernel, into the same cache
+        if self.runs_bulk(n, isinstance(positions, slice)):  # a prompt: the bulk kernel, into the same cache
             return super()._layers(x, first, end, start, positions, mask)
         columns = np.arange(start, start + n, dtype=np.int32)
         if isinstance(positions, torch.Tensor):  # a tree: each node reads the cache, then its ancestors
@@ -332,7 +338,7 @@ class FusedRuntime(LlamaRuntime):
         tensor). Row i sits at RoPE position ``rope[i]``; its key and value are written at cache column
         ``columns[i]`` of the sequence that starts ``base[i]`` floats from each layer cache's base; it attends the
         first ``n_keys[i]`` columns there, or those ``key_cols[i]`` lists, in that order."""
-        x = x.to(torch.float32).contiguous().clone()
+        x = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # fused.c writes it
         arrays = [np.ascontiguousarray(a) for a in (rope.astype(np.int32), base.astype(np.int64),
                                                     columns.astype(np.int32), n_keys.astype(np.int32))]
         stride = 0 if key_cols is None else key_cols.shape[1]

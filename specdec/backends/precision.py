@@ -17,13 +17,12 @@ the specdec cache, keyed by model, machine, threads and PyTorch version, so the 
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from specdec.backends.base import pass_seconds
+from specdec.backends.base import median_pass_seconds
 from specdec.backends.linear import BULK_POSITIONS, PRECISIONS, PassPrecisions
 from specdec.backends.llama import LlamaRuntime
 from specdec.cachefile import machine_name, read_entries, write_entry
@@ -75,20 +74,13 @@ def measure(model, candidates: tuple[str, ...] = PRECISIONS, seed: int = 0) -> l
     runtimes = [LlamaRuntime(model, precision) for precision in candidates]
     probe = torch.randint(0, runtimes[0].vocab_size, (PROBE_TOKENS,), generator=torch.Generator().manual_seed(seed))
     logits = [runtime.extend(probe.tolist(), PROBE_TOKENS).float() for runtime in runtimes]  # each [probe, vocab]
-    decode = {c: [] for c in candidates}
-    score = {c: [] for c in candidates}
-    bulk = {c: [] for c in candidates}
-    for _ in range(REPEATS + 1):  # the first round warms up, and is dropped
-        for precision, runtime in zip(candidates, runtimes):
-            decode[precision].append(pass_seconds(runtime, 1))
-            score[precision].append(pass_seconds(runtime, SCORED_POSITIONS))
-            bulk[precision].append(pass_seconds(runtime, BULK_TIMED))
+    seconds = median_pass_seconds(dict(zip(candidates, runtimes)), (1, SCORED_POSITIONS, BULK_TIMED), REPEATS)
     return [
         PrecisionMeasurement(
             precision=precision,
-            decode_ms=1000 * statistics.median(decode[precision][1:]),
-            score_ms=1000 * statistics.median(score[precision][1:]),
-            bulk_ms=1000 * statistics.median(bulk[precision][1:]),
+            decode_ms=1000 * seconds[precision][1],
+            score_ms=1000 * seconds[precision][SCORED_POSITIONS],
+            bulk_ms=1000 * seconds[precision][BULK_TIMED],
             max_logit_error=float((logit - logits[0]).abs().max()),
         )
         for precision, logit in zip(candidates, logits)

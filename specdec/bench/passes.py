@@ -14,11 +14,10 @@ larger than any cache).
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
-from specdec.backends.base import pass_seconds
+from specdec.backends.base import median_pass_seconds
 from specdec.bench.roofline import bandwidth_probe
 
 POSITIONS = (1, 2, 3, 4, 5, 8, 17)
@@ -39,22 +38,6 @@ def runtimes(model_path, threads: int) -> dict[str, object]:
     found["torch (float16, fbgemm)"] = LlamaRuntime(model, "float16")
     found["torch (float32, oneDNN)"] = LlamaRuntime(model, "float32")
     return found
-
-
-def measure(found: dict[str, object], context: list[int], repeats: int) -> dict[str, dict[int, float]]:
-    """Median seconds of a pass over each number of positions, per runtime."""
-    for runtime in found.values():
-        runtime.rollback(0)
-        runtime.extend(context, 0)
-    seconds = {name: {n: [] for n in POSITIONS} for name in found}
-    for repeat in range(repeats + 1):  # the first round warms up, and is dropped
-        for name, runtime in found.items():
-            pass_seconds(runtime, 1)  # untimed: the runtime before it may still hold a core (threads spinning down)
-            for n in POSITIONS:
-                elapsed = pass_seconds(runtime, n)
-                if repeat:
-                    seconds[name][n].append(elapsed)
-    return {name: {n: statistics.median(times) for n, times in by_n.items()} for name, by_n in seconds.items()}
 
 
 def table(found: dict[str, object], medians: dict[str, dict[int, float]], bandwidth: float) -> str:
@@ -82,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     found = runtimes(args.model, torch.get_num_threads())
     context = [(100 + 37 * i) % 40000 for i in range(args.context)]
     bandwidth = bandwidth_probe(max(runtime.weight_bytes for runtime in found.values()))
-    print(table(found, measure(found, context, args.repeats), bandwidth))
+    for runtime in found.values():
+        runtime.extend(context, 0)
+    print(table(found, median_pass_seconds(found, POSITIONS, args.repeats), bandwidth))
     return 0
 
 
