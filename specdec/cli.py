@@ -38,8 +38,8 @@ SAMPLING_HELP = (f"how tokens are drawn at a temperature > 0 (default {DEFAULT_S
                  "with noise keyed by the seed and each token's position, so a seed gives the same tokens with any "
                  "drafter or none; standard, the rejection rule min(1, p/q) with one random stream, whose tokens "
                  "depend on the drafts. Both draw exactly from the target's distribution")
-BACKEND_HELP = ("what runs the target: torch (specdec's runtime), fused (specdec's fused CPU runtime: float16 weights, "
-                "every layer of a pass in one call), llama.cpp (a .gguf file's weights as stored, on llama.cpp's CPU "
+BACKEND_HELP = ("what runs the target: torch (specdec's runtime), fused (specdec's fused CPU runtime: int8 or float16 "
+                "weights, every layer of a pass in one call), llama.cpp (a .gguf file's weights as stored, on llama.cpp's CPU "
                 "kernels), or auto (default: on the CPU with --dtype auto, whichever of them runs this target fastest "
                 "on this machine, measured once and cached; torch otherwise)")
 THREADS_HELP = "CPU threads (torch's, and llama.cpp's; default: every core this process may use)"

@@ -115,7 +115,7 @@ def resolve_backend(backend: str, path: str | os.PathLike | None, dtype: str = "
         if device not in ("auto", "cpu"):
             raise UsageError(f"--backend {backend} runs on the CPU here, not on {device}")
         if dtype != "auto":
-            stored = "the GGUF's weights as stored" if backend == "llama.cpp" else "float16 weights"
+            stored = "the GGUF's weights as stored" if backend == "llama.cpp" else "int8 or float16 weights of its own"
             raise UsageError(f"--backend {backend} runs {stored}; --dtype {dtype} is for --backend torch")
         if backend == "fused":
             from specdec.backends.fused import unavailable

@@ -126,7 +126,7 @@ def test_seed_makes_sampling_repeatable(models, capsys):
         (["generate", PROMPT, "--tree", "3,x"], "--tree takes candidates per depth"),
         (["generate", PROMPT, "--tree", "3,0"], "tree widths must be between 1 and 16"),
         (["generate", PROMPT, "--tree", "3", "--drafter", "none"], "drafts chains only, not trees"),
-        (["generate", PROMPT, "--backend", "fused", "--dtype", "float32"], "--backend fused runs float16 weights"),
+        (["generate", PROMPT, "--backend", "fused", "--dtype", "float32"], "--backend fused runs int8 or float16 weights"),
         (["generate", PROMPT, "--backend", "fused", "--device", "cuda"], "runs on the CPU here"),
         (["frobnicate"], "invalid choice"),
     ],

@@ -30,7 +30,7 @@ def make_backend(model, precision: str | None = None) -> CausalLM:
 
 def runtime_of(loaded, precision: str | None = None) -> CausalLM:
     """The backend that runs a loaded model: llama.cpp's runtime where it was loaded on llama.cpp, the fused runtime
-    where it was loaded for it (float16 weights, whatever ``precision``), else one built from its transformers module
+    where it was loaded for it (its own weights, whatever ``precision``), else one built from its transformers module
     (``make_backend``)."""
     if loaded.runtime is not None:
         return loaded.runtime
