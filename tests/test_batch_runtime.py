@@ -72,14 +72,21 @@ def test_a_rows_logits_are_the_same_bit_for_bit_whatever_shares_its_pass(precisi
     alone = torch.cat([runtime.extend([token], 1) for token in sequence[250:260]])  # [10, vocab]
     runtime.rollback(250)
     assert torch.equal(runtime.extend(sequence[250:260], 10), alone)
+    assert torch.equal(logits_beside_others(runtime, sequence[:250], sequence[250:260]), alone)
+
+
+def logits_beside_others(runtime, prefix: list[int], tokens: list[int]) -> torch.Tensor:  # [len(tokens), vocab]
+    """A sequence's logits at ``tokens`` in a pool over ``runtime``: its prefix prefilled beside three other
+    sequences of 40, 140 and 240 tokens, then one position a pass, beside 0 to 3 of the others' drafts of 1 to 5
+    tokens (forgotten after each pass)."""
     pool = BatchedLlama(runtime, max_slots=4, max_length=512)
     watched, others = pool.open(), [pool.open() for _ in range(3)]
-    pool.forward([Row(watched, sequence[:250], 0)] + [Row(slot, [5 + i] * (40 + 100 * i), 0)
-                                                       for i, slot in enumerate(others)])
+    pool.forward([Row(watched, prefix, 0)] + [Row(slot, [5 + i] * (40 + 100 * i), 0)
+                                              for i, slot in enumerate(others)])
     rows = []
-    for j, token in enumerate(sequence[250:260]):  # one position at a time, beside 0 to 3 others' drafts
+    for j, token in enumerate(tokens):
         beside = [Row(slot, [7] * (1 + (j + i) % 5), 1) for i, slot in enumerate(others[: j % 4])]
         rows.append(pool.forward([Row(watched, [token], 1)] + beside)[0])
         for row in beside:
-            row.slot.length -= len(row.token_ids)  # forget the others' drafts
-    assert torch.equal(torch.cat(rows), alone)
+            row.slot.length -= len(row.token_ids)
+    return torch.cat(rows)

@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 import torch
+from test_batch_runtime import logits_beside_others
 from tiny import perturbed_copy, save_with_tokenizer, tiny_llama
 
 from specdec.backends import LlamaRuntime
-from specdec.backends.batch import BatchedLlama, Row
 from specdec.backends.fused import FusedRuntime, quantized8, repacked, unavailable
 from specdec.drafters.networks import DrafterConfig, EagleHead, ExitAdapter, LayerShape, MTPHeads, TargetParts
 from specdec.engine import Engine, GenerationConfig
@@ -98,17 +98,7 @@ def test_a_rows_logits_are_the_same_bit_for_bit_alone_in_a_pass_in_a_tree_and_be
     runtime.rollback(250)  # a tree whose first branch is the sequence: its nodes compute that chain's logits
     tree = runtime.extend_tree(sequence[250:253] + [9, 9], [0, 0, 1, 0, 3])
     assert torch.equal(tree[:3], alone[:3])
-    pool = BatchedLlama(runtime, max_slots=4, max_length=512)
-    watched, others = pool.open(), [pool.open() for _ in range(3)]
-    pool.forward([Row(watched, sequence[:250], 0)] + [Row(slot, [5 + i] * (40 + 100 * i), 0)
-                                                       for i, slot in enumerate(others)])
-    rows = []
-    for j, token in enumerate(sequence[250:260]):  # one position at a time, beside 0 to 3 others' drafts
-        beside = [Row(slot, [7] * (1 + (j + i) % 5), 1) for i, slot in enumerate(others[: j % 4])]
-        rows.append(pool.forward([Row(watched, [token], 1)] + beside)[0])
-        for row in beside:
-            row.slot.length -= len(row.token_ids)
-    assert torch.equal(torch.cat(rows), alone)
+    assert torch.equal(logits_beside_others(runtime, sequence[:250], sequence[250:260]), alone)
 
 
 def test_rollback_and_a_reused_prefix_compute_what_a_fresh_runtime_does(model, weights):
@@ -236,11 +226,11 @@ def test_a_prompt_runs_the_bulk_kernel_and_what_follows_reads_its_cache(model, w
     """A chain longer than any round (a prompt) runs float32 oneDNN, exactly the lean float32 runtime's pass; the
     positions after it run fused.c over the cache it wrote, in a pass of one or of several alike. Rounds never
     reach that length, so plain decoding and speculation share the prompt's pass."""
-    from specdec.backends.fused import BULK_POSITIONS
+    from specdec.backends.fused import PROMPT_POSITIONS
     from specdec.choices import MAX_DRAFT_TOKENS
 
-    assert BULK_POSITIONS > MAX_DRAFT_TOKENS + 1
-    prompt = [(7 * i) % 60 + 3 for i in range(BULK_POSITIONS)]
+    assert PROMPT_POSITIONS > MAX_DRAFT_TOKENS + 1
+    prompt = [(7 * i) % 60 + 3 for i in range(PROMPT_POSITIONS)]
     fused, lean = FusedRuntime(model, weights), LlamaRuntime(model, "float32")
     assert torch.equal(fused.extend(prompt, 3), lean.extend(prompt, 3))
     steps = torch.cat([fused.extend([token], 1) for token in (4, 5, 6)])

@@ -72,6 +72,20 @@ def post(server, path: str, body, headers: dict | None = None, raw: bytes | None
     return status, payload
 
 
+def raw_exchange(server, payload: bytes, wait: float = 1.0) -> bytes:
+    """Send bytes on one connection; everything the server answers until it closes (or resets: it closed with
+    bytes unread) or goes quiet for ``wait`` seconds."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=wait) as connection:
+        connection.sendall(payload)
+        received = b""
+        try:
+            while chunk := connection.recv(65536):
+                received += chunk
+        except (TimeoutError, ConnectionResetError):
+            pass
+    return received
+
+
 def get(server, path: str, headers: dict | None = None) -> tuple[int, str]:
     status, _, text = get_with_type(server, path, headers)
     return status, text

@@ -4,10 +4,9 @@ OpenAI's error shape, and the connection closed after it (issue 26)."""
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
-from test_server import get, start_server, tiny  # noqa: F401  (tiny: the module's model fixture)
+from test_server import get, raw_exchange, start_server, tiny  # noqa: F401  (tiny: the module's model fixture)
 
 BODY = b'{"prompt": "w5 w9", "max_tokens": 2}'
 CHUNKED = b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY)
@@ -27,17 +26,9 @@ def keyed_server(tiny):  # noqa: F811
     server.shutdown(timeout=5)
 
 
-def exchange(server, raw: bytes, seconds: float = 10.0) -> bytes:
-    """Send ``raw`` on a new connection and read until the server closes it (or ``seconds`` pass)."""
-    with socket.create_connection(("127.0.0.1", server.port), timeout=seconds) as connection:
-        connection.sendall(raw)
-        received = b""
-        try:
-            while chunk := connection.recv(65536):
-                received += chunk
-        except (TimeoutError, ConnectionResetError):  # a reset after the answer: the server closed with bytes unread
-            pass
-    return received
+def exchange(server, raw: bytes) -> bytes:
+    """Everything the server answers ``raw`` on a new connection, waiting past its 1.5 s stall timeouts."""
+    return raw_exchange(server, raw, wait=10.0)
 
 
 def responses(received: bytes) -> list[tuple[int, dict, dict]]:
@@ -130,5 +121,5 @@ def test_with_a_key_every_path_but_health_answers_401_without_it(keyed_server):
 def test_a_stalled_head_or_body_gets_408_and_the_connection_closes(server, raw, words):
     """(The server here waits 1.5 s; by default 20 s for a head, 30 s between a body's reads.) A chunked body with
     bare LF line ends never completes a chunk for the parser: it is a body that stalls."""
-    assert_one_refusal(exchange(server, raw, seconds=10), 408, words)
+    assert_one_refusal(exchange(server, raw), 408, words)
     assert get(server, "/health")[0] == 200

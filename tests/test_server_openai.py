@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,7 +15,20 @@ import openai
 import pytest
 import torch
 from scipy.stats import chisquare
-from test_server import EOS, MODEL, get, ids_of, plain_greedy, post, prompt_text, start_server, tiny, visible, wait_for  # noqa: F401
+from test_server import (  # noqa: F401
+    EOS,
+    MODEL,
+    get,
+    ids_of,
+    plain_greedy,
+    post,
+    prompt_text,
+    raw_exchange,
+    start_server,
+    tiny,
+    visible,
+    wait_for,
+)
 
 from specdec.backends import LlamaRuntime
 from specdec.sampling import LogitsAdjustment, SamplingParams, logits_to_probs
@@ -218,19 +230,6 @@ def test_health_is_503_when_the_scheduler_thread_has_died(tiny):
 
 
 # --- the HTTP layer ---------------------------------------------------------------------------------------------------
-
-
-def raw_exchange(server, payload: bytes, wait: float = 1.0) -> bytes:
-    """Send bytes on one connection; everything the server answers until it closes or goes quiet."""
-    with socket.create_connection(("127.0.0.1", server.port), timeout=wait) as connection:
-        connection.sendall(payload)
-        received = b""
-        try:
-            while chunk := connection.recv(65536):
-                received += chunk
-        except TimeoutError:
-            pass
-    return received
 
 
 def test_a_refused_requests_body_is_never_read_as_a_request(server):
