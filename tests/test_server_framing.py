@@ -4,6 +4,8 @@ OpenAI's error shape, and the connection closed after it (issue 26)."""
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import pytest
 from test_server import get, raw_exchange, start_server, tiny  # noqa: F401  (tiny: the module's model fixture)
@@ -57,13 +59,13 @@ def assert_one_refusal(received: bytes, status: int, words: str) -> None:
     code, headers, body = answered[0]
     assert code == status and headers.get("connection") == "close", received
     assert headers["content-type"].startswith("application/json") and words in body["error"]["message"], body
-    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert set(body["error"]) == {"message", "type", "param", "code"} and "x-specdec-instance" in headers
 
 
 @pytest.mark.parametrize("headers", [(f"Content-Length: {len(CHUNKED)}", "Transfer-Encoding: chunked"),
                                      ("transfer-encoding: chunked", "content-length: 5")])
 def test_a_length_and_a_transfer_encoding_together_are_refused(server, headers):
-    assert_one_refusal(exchange(server, post_head(*headers) + CHUNKED), 400, "both Content-Length and Transfer")
+    assert_one_refusal(exchange(server, post_head(*headers) + CHUNKED), 400, "Content-Length")
     assert get(server, "/health")[0] == 200
 
 
@@ -72,27 +74,58 @@ def test_a_request_hidden_after_the_chunked_end_is_never_served(server):
     request, a parser following the chunks would read two. One answer, then the connection closes."""
     hidden = b"0\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
     received = exchange(server, post_head(f"Content-Length: {len(hidden)}", "Transfer-Encoding: chunked") + hidden)
-    assert_one_refusal(received, 400, "both Content-Length and Transfer")
+    assert_one_refusal(received, 400, "Content-Length")
     assert b'"object":"list"' not in received and b'"object": "list"' not in received
 
 
-@pytest.mark.parametrize("headers", [("Content-Length: 5", "Content-Length: 6"), ("Transfer-Encoding: gzip, chunked",)])
-def test_two_lengths_and_other_transfer_codings_are_refused(server, headers):
-    """The parser's own refusals, in OpenAI's shape. (Two equal lengths are one length: RFC 9112 lets a recipient
-    merge them, and no reader can frame the body otherwise.)"""
-    assert_one_refusal(exchange(server, post_head(*headers) + CHUNKED), 400, "HTTP framing is invalid")
-
-
-@pytest.mark.parametrize("raw", [b"GARBAGE\r\n\r\n", b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Bad: a\x00b\r\n\r\n",
-                                 b"GET /v1/models HTTP/1.1\r\n\r\n"])
-def test_what_the_parser_cannot_read_is_refused_as_json(server, raw):
-    """A garbage request line, a NUL in a header, HTTP/1.1 without Host: the parser's own 400, in OpenAI's shape."""
-    assert_one_refusal(exchange(server, raw), 400, "HTTP framing is invalid")
-
-
-def test_an_http_version_other_than_1_0_and_1_1_gets_505(server):
-    assert_one_refusal(exchange(server, b"GET /v1/models HTTP/2.0\r\nHost: x\r\n\r\n"), 505, "HTTP/2.0")
+@pytest.mark.parametrize("raw, words", [
+    (post_head("Content-Length: 5", "Content-Length: 6") + BODY, "Content-Length"),  # two lengths
+    (post_head("Transfer-Encoding: gzip, chunked") + CHUNKED, "chunked"),  # a coding other than chunked alone
+    (post_head("Transfer-Encoding: chunked") + b"zz\r\n" + BODY + b"\r\n0\r\n\r\n", "chunk size"),
+    (post_head("Transfer-Encoding: chunked") + b"%x\n%s\n0\n\n" % (len(BODY), BODY), "CR"),  # bare LF chunk lines
+    (post_head("X-Folded: a", " b", f"Content-Length: {len(BODY)}") + BODY, "whitespace"),  # obsolete line folding
+    (b"GARBAGE\r\n\r\n", "method"),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Bad: a\x00b\r\n\r\n", "header value char"),
+    (b"GET /v1/models HTTP/1.1\r\n\r\n", "Host"),
+])
+def test_framing_the_parser_cannot_read_is_refused_at_once(server, raw, words):
+    """Two lengths, a transfer coding other than chunked, a malformed chunk size, bare LF line ends in a chunked
+    body, an obsolete folded header line, a garbage request line, a NUL in a header, HTTP/1.1 without Host: 400 in
+    OpenAI's shape at once (well before the 1.5 s stall timeouts), and the connection closed. (Two equal lengths
+    are one length: RFC 9112 lets a recipient merge them, and no reader can frame the body otherwise.)"""
+    before = rejected(server, 400)
+    started = time.monotonic()
+    received = exchange(server, raw)
+    assert time.monotonic() - started < 1.0, "refused only after a stall timeout"
+    assert_one_refusal(received, 400, words)
     assert get(server, "/health")[0] == 200
+    assert rejected(server, 400) == before + 1
+
+
+def rejected(server, status: int) -> float:
+    """specdec_requests_rejected_total for one status, from /metrics."""
+    label = f'specdec_requests_rejected_total{{status="{status}"}} '
+    return sum(float(line[len(label):]) for line in get(server, "/metrics")[1].splitlines() if line.startswith(label))
+
+
+@pytest.mark.parametrize("raw", [b"GET /v1/models HTTP/2.0\r\nHost: x\r\n\r\n", b"GET /v1/models HTTP/0.9\r\n\r\n",
+                                 b"GET /v1/models\r\n\r\n", b"GET /v1/models HTTP/3.0\r\nHost: x\r\n\r\n",
+                                 b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"])  # HTTP/2's connection preface
+def test_an_http_version_other_than_1_0_and_1_1_gets_505(server, raw):
+    assert_one_refusal(exchange(server, raw), 505, "HTTP")
+    assert get(server, "/health")[0] == 200
+
+
+@pytest.mark.parametrize("upgrade", ["Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+                                     "HTTP2-Settings: AAMAAABkAAQAAP__",
+                                     "Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+                                     "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ=="])
+def test_an_upgrade_is_answered_as_plain_http_and_the_connection_closes(server, upgrade):
+    """No upgrade is served: the request itself is answered, and nothing after its head is read as a request."""
+    request = f"GET /v1/models HTTP/1.1\r\nHost: x\r\n{upgrade}\r\n\r\n".encode()
+    answered = responses(exchange(server, request + b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n"))
+    assert len(answered) == 1 and answered[0][0] == 200 and answered[0][1]["connection"] == "close", answered
+    assert answered[0][2]["object"] == "list"
 
 
 def test_a_long_header_line_and_a_long_head_get_431(server):
@@ -116,10 +149,41 @@ def test_with_a_key_every_path_but_health_answers_401_without_it(keyed_server):
 @pytest.mark.parametrize("raw, words", [
     (b"GET /v1/models HTTP/1.1\r\nHost: x\r\n", "head stalled"),  # the blank line never comes
     (post_head("Content-Length: 100") + BODY, "body stalled"),  # 63 bytes of 100
-    (post_head("Transfer-Encoding: chunked") + b"%x\n%s\n0\n\n" % (len(BODY), BODY), "body stalled"),  # bare LF
+    (post_head("Transfer-Encoding: chunked") + b"%x\r\n%s" % (len(BODY) + 9, BODY), "body stalled"),  # chunk unfinished
 ])
 def test_a_stalled_head_or_body_gets_408_and_the_connection_closes(server, raw, words):
-    """(The server here waits 1.5 s; by default 20 s for a head, 30 s between a body's reads.) A chunked body with
-    bare LF line ends never completes a chunk for the parser: it is a body that stalls."""
+    """(The server here waits 1.5 s; by default 20 s for a head, 30 s between a body's reads.)"""
     assert_one_refusal(exchange(server, raw), 408, words)
     assert get(server, "/health")[0] == 200
+
+
+def test_a_head_still_arriving_past_the_limit_gets_431_before_it_ends(server):
+    """Header lines each under 8 KiB, sent a read at a time and never ended: refused once the parser has held more
+    than 32 KiB of one head, not left to grow until the head's timer."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as connection:
+        connection.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+        received = b""
+        try:
+            for i in range(64):  # 64 lines of 4 KiB: twice the limit
+                connection.sendall(b"X-Part-%d: %s\r\n" % (i, b"c" * 4096))
+                time.sleep(0.01)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        try:
+            while chunk := connection.recv(65536):
+                received += chunk
+        except (TimeoutError, ConnectionResetError):
+            pass
+    assert_one_refusal(received, 431, "head")
+    assert get(server, "/health")[0] == 200
+
+
+def test_a_refusal_after_a_served_request_on_a_kept_alive_connection_ends_it(server):
+    """A served request, then a smuggling attempt on the same connection: the first answered, the second refused,
+    and nothing after it read."""
+    served = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    hidden = b"0\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    smuggled = post_head(f"Content-Length: {len(hidden)}", "Transfer-Encoding: chunked") + hidden
+    answered = responses(exchange(server, served + smuggled))
+    assert [status for status, _, _ in answered] == [200, 400], answered
+    assert answered[1][1]["connection"] == "close"

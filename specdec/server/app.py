@@ -2,12 +2,14 @@
 
 The HTTP layer is a thin shell: it reads and checks a request (:mod:`specdec.server.protocol`), submits it to the
 scheduler, and writes what comes back, whole or as server-sent events. The scheduler's own thread runs every
-request's steps and hands each request's events to the event loop. uvicorn's h11 parser frames every request
-(duplicate or conflicting lengths are refused, an unread body is skipped, never read as a request).
+request's steps and hands each request's events to the event loop. uvicorn's httptools protocol (llhttp, strict)
+frames every request, with specdec's refusals around it (``_http_protocol``, ``_Framing``): a request a proxy in
+front could frame otherwise is refused and its connection closed, never read past.
 
 Refusals are OpenAI error bodies: 400 for a bad request, 401 without the API key, 404 for an unknown path, 405 for
-a wrong method, 408 for a body that stalls, 413 for a body over the limit, 429 (with Retry-After) when the waiting
-queue is full, 503 while shutting down or when the scheduler has stopped serving.
+a wrong method, 408 for a head or body that stalls, 413 for a body over the limit, 429 (with Retry-After) when the
+waiting queue is full, 431 for a head over the limits, 503 while shutting down or when the scheduler has stopped
+serving, 505 for an HTTP version other than 1.0 and 1.1.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -92,9 +95,9 @@ class OpenAIServer:
         self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which process answered (X-Specdec-Instance)
         self.app = build_app(self)
         self.socket = (sock or _listen(settings.host, settings.port)) if listen else None
-        protocol = _h11_protocol(settings.head_timeout)
-        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, http=protocol, lifespan="off", log_level="warning",
-                                                     access_log=False, timeout_keep_alive=30,
+        protocol = _http_protocol(self)
+        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, http=protocol, ws="none", lifespan="off",
+                                                     log_level="warning", access_log=False, timeout_keep_alive=30,
                                                      timeout_graceful_shutdown=5))
         self._serving: threading.Thread | None = None
 
@@ -366,56 +369,114 @@ def build_app(server: OpenAIServer) -> FastAPI:
     return app
 
 
-def _h11_protocol(head_timeout: float):
-    """uvicorn's h11 protocol with two changes: its own refusal of a request it cannot parse (two lengths, a bad
-    chunk, a garbage request line, a NUL in a header) is an OpenAI error body, not plain text; and a request head
-    that stops arriving for ``head_timeout`` seconds gets 408. Both close the connection."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+def _http_protocol(server: "OpenAIServer"):
+    """uvicorn's httptools protocol (llhttp, strict: it refuses a length with a transfer encoding, a folded header
+    line, a bad chunk size and bare LF line ends the moment it reads them) with three changes: its refusals are
+    OpenAI error bodies, not plain text, and an unknown HTTP version is 505; a request head that has not ended
+    ``head_timeout`` seconds after its first byte gets 408; and a head still arriving past ``max_head_bytes`` gets
+    431 before the parser holds more of it. Each refusal closes the connection (nothing after it is read), names
+    the instance like every response, and is counted in the server's metrics."""
+    import httptools
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class H11WithJsonErrors(H11Protocol):
+    settings = server.settings
+
+    class StrictHttpToolsProtocol(HttpToolsProtocol):
         _head_timer = None
-
-        def send_400_response(self, msg: str) -> None:
-            self._refuse(BadRequest(f"the request's HTTP framing is invalid: {msg}"), b"400 Bad Request")
+        _refusal: ApiError | None = None
+        _head_bytes: int | None = None  # bytes read while a head is unfinished, after the read it began in
 
         def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            self._watch_head()
+            self._unset_keepalive_if_required()
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserUpgrade:  # no upgrade is served: the request is answered as it is, and
+                if self.cycle is not None:  # llhttp reads nothing after its head, so the connection then closes
+                    self.cycle.keep_alive = False
+                return
+            except httptools.HttpParserError as error:
+                self._refuse(_parser_refusal(error))
+                return
+            self._count_head(len(data))
+
+        def send_400_response(self, msg: str) -> None:
+            self._refuse(BadRequest(f"the request's HTTP framing is invalid: {msg}"))
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._head_bytes = -1  # counted from the next read on
+            self._head_timer = self.loop.call_later(settings.head_timeout, self._head_stalled)
+
+        def on_headers_complete(self) -> None:
+            self._head_ended()
+            super().on_headers_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._stop_watching()
+            self._head_ended()
             super().connection_lost(exc)
 
-        def _watch_head(self) -> None:
-            """A timer from a head's first byte to its last: started while the parser holds part of one."""
-            waiting = self.conn.their_state is h11.IDLE and bool(self.conn.trailing_data[0])
-            if waiting and self._head_timer is None:
-                self._head_timer = self.loop.call_later(head_timeout, self._head_stalled)
-            elif not waiting:
-                self._stop_watching()
+        def _count_head(self, read: int) -> None:
+            if self._head_bytes is None:
+                return
+            self._head_bytes = 0 if self._head_bytes < 0 else self._head_bytes + read
+            if self._head_bytes > settings.max_head_bytes:
+                self._refuse(ApiError(f"the request's head passed {settings.max_head_bytes} bytes, the limit",
+                                      status=431))
 
-        def _stop_watching(self) -> None:
+        def _head_ended(self) -> None:
+            self._head_bytes = None
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
 
         def _head_stalled(self) -> None:
             self._head_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                self._refuse(ApiError(f"the request's head stalled for {head_timeout:g} s", status=408),
-                             b"408 Request Timeout")
+            if self._head_bytes is not None and not self.transport.is_closing():
+                self._refuse(ApiError(f"the request's head stalled for {settings.head_timeout:g} s", status=408))
 
-        def _refuse(self, error: ApiError, status_line: bytes) -> None:
-            """The error as a whole response, written as bytes (the parser may be in no state to send one), then
-            the connection closed."""
+        def on_response_complete(self) -> None:
+            if self._refusal is not None and not self.pipeline:
+                self._write_refusal()
+            else:
+                super().on_response_complete()
+
+        def _refuse(self, error: ApiError) -> None:
+            """Refuse once: at once, or after the whole requests read before it are answered (pipelined requests
+            keep their order; nothing more is read meanwhile)."""
+            self._head_ended()
+            if self._refusal is not None:
+                return
+            self._refusal = error
+            answering = self.cycle is not None and not self.cycle.response_complete
+            if answering and not self.cycle.more_body:  # a whole request read before it: answer that first
+                self.flow.pause_reading()
+                return
+            if answering:  # the refusal is in this request's own body: the request ends with it
+                self.cycle.disconnected = True
+                self.cycle.message_event.set()
+            self._write_refusal()
+
+        def _write_refusal(self) -> None:
+            """The refusal as a whole response, written as bytes (the parser is in no state to frame one), then the
+            connection closed."""
+            error = self._refusal
+            server.scheduler.metrics.observe_rejection(error.status)
             body = json.dumps(error.body()).encode()
-            self.transport.write(b"HTTP/1.1 " + status_line + b"\r\ncontent-type: application/json\r\n"
-                                 b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n"
-                                 + body)
+            reason = HTTPStatus(error.status).phrase.encode()
+            self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                                 b"x-specdec-instance: %s\r\nconnection: close\r\n\r\n%s"
+                                 % (error.status, reason, len(body), server.instance.encode(), body))
             self.transport.close()
 
-    return H11WithJsonErrors
+    return StrictHttpToolsProtocol
+
+
+def _parser_refusal(error: Exception) -> ApiError:
+    """llhttp's refusal as an OpenAI error: 505 for a version it does not know, else 400 with its reason."""
+    reason = str(error).strip() or type(error).__name__
+    if "HTTP version" in reason or "PRI" in reason:  # PRI: HTTP/2's connection preface
+        return ApiError("the request's HTTP version is not served here: send HTTP/1.1 or HTTP/1.0", status=505)
+    return BadRequest(f"the request's HTTP framing is invalid: {reason}")
 
 
 class _Framing:
@@ -452,6 +513,8 @@ class _Framing:
             return ApiError(f"the request's head has {head} bytes; the limit is {settings.max_head_bytes}",
                             status=431)
         names = [name.lower() for name, _ in headers]
+        if version == "1.1" and b"host" not in names:
+            return BadRequest("an HTTP/1.1 request must carry a Host header")
         if b"transfer-encoding" in names and b"content-length" in names:
             return BadRequest("a request may not carry both Content-Length and Transfer-Encoding")
         if names.count(b"content-length") > 1 or names.count(b"transfer-encoding") > 1:
