@@ -89,6 +89,27 @@ def test_streaming_and_refusals_pass_through_rays_proxy(port):
     connection.close()
 
 
+def test_the_live_page_works_behind_rays_proxy(port):
+    """The page and its files, what it asks the server, and the stream with include_speculation, through the
+    proxy (the page's addresses are relative: it works wherever the app is served)."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    for path, kind in (("/", "text/html"), ("/page/page.js", "text/javascript"), ("/page/page.css", "text/css")):
+        connection.request("GET", path)
+        response = connection.getresponse()
+        assert response.status == 200 and response.getheader("Content-Type").startswith(kind) and response.read()
+    connection.request("GET", "/v1/speculation")
+    response = connection.getresponse()
+    assert response.status == 200 and json.loads(response.read())["modes"] == ["always", "never"]
+    connection.request("POST", "/v1/completions", json.dumps({
+        "prompt": "w3 w4 w3 w4 w3", "max_tokens": 6, "stream": True, "ignore_eos": True, "temperature": 0,
+        "stream_options": {"include_speculation": True}}))
+    response = connection.getresponse()
+    chunks = [json.loads(line[len("data: "):]) for line in response.read().decode().split("\n\n")
+              if line.startswith("data: {")]
+    assert sum(r["tokens"] for c in chunks for r in c["specdec"]["rounds"]) == 6
+    connection.close()
+
+
 def replica_count() -> int:
     application = serve.status().applications[APP_NAME]
     return application.deployments["SpecdecReplica"].replica_states.get("RUNNING", 0)

@@ -232,7 +232,7 @@ def test_metrics_parse_as_prometheus_text_and_equal_the_servers_counters(tiny):
     server = start_server(tiny, drafter="prompt-lookup", speculation="always")
     try:
         post(server, "/v1/completions", {"prompt": "w3 w3 w3 w3", "max_tokens": 8, "temperature": 0,
-                                         "ignore_eos": True})
+                                         "ignore_eos": True, "speculation": "never"})
         stream(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "w5 w9 w5 w9"}],
                                                 "max_tokens": 6, "temperature": 0})
         post(server, "/v1/engines", {"prompt": "w3"})  # a 404
@@ -250,6 +250,10 @@ def test_metrics_parse_as_prometheus_text_and_equal_the_servers_counters(tiny):
         expected = {
             **{("specdec_requests_total", (("finish_reason", r),)): n for r, n in m.finished.items()},
             ("specdec_requests_rejected_total", (("status", "404"),)): 1,
+            ("specdec_requests_by_speculation_total", (("speculation", "always"),)): 1,
+            ("specdec_requests_by_speculation_total", (("speculation", "never"),)): 1,
+            ("specdec_generation_tokens_by_speculation_total", (("speculation", "never"),)): 8,
+            ("specdec_generation_tokens_by_speculation_total", (("speculation", "always"),)): m.generation_tokens - 8,
             **one("prompt_tokens_total", m.prompt_tokens), **one("generation_tokens_total", m.generation_tokens),
             **one("drafts_total", m.positions.drafted[0]), **one("draft_tokens_total", sum(m.positions.drafted)),
             **one("accepted_tokens_total", sum(m.positions.accepted)),
@@ -271,7 +275,7 @@ def test_metrics_parse_as_prometheus_text_and_equal_the_servers_counters(tiny):
         assert set(types.values()) == {"counter", "gauge"}
 
         odd = 'a "quoted"\\reason\nover two lines'  # no label is free text today: a finish reason is the likeliest
-        m.observe_finish(odd)
+        m.observe_finish(odd, "auto")
         assert scrape(server)[1][("specdec_requests_total", (("finish_reason", odd),))] == 1
     finally:
         server.shutdown(timeout=5)

@@ -48,3 +48,21 @@ def test_auto_speculates_for_few_requests_and_stops_for_many():
     planner = SpeculationPlanner("auto", knee)
     assert sum(planner.draft_lengths([4], [0.6])) == 4
     assert sum(planner.draft_lengths([4] * 32, [0.6] * 32)) == 0
+
+
+def test_each_request_may_ask_for_its_own_mode_beside_the_others():
+    """always: all it was offered, never: none, whatever the load; the auto ones are planned around them."""
+    knee = PassCost({1: 1.0, 8: 1.0, 1024: 128.0})
+    planner = SpeculationPlanner("auto", knee)
+    assert planner.draft_lengths([4, 4, 4], [0.6] * 3, ["always", "never", "auto"]) == [4, 0, 1]
+    # the always request's 4 positions fill the free ones: the auto request is offered none of them
+    assert planner.draft_lengths([4, 4, 4, 4], [0.6] * 4, ["always", "auto", "never", "never"]) == [4, 0, 0, 0]
+    crowded = planner.draft_lengths([4] * 32, [0.6] * 32, ["always"] + ["auto"] * 31)
+    assert crowded == [4] + [0] * 31  # under load only the request that insists drafts
+    assert SpeculationPlanner("auto", FLAT).draft_lengths([3, 3], [0.5, 0.5], ["never", "auto"]) == [0, 3]
+
+
+def test_a_request_may_ask_for_never_anywhere_always_where_the_server_drafts_and_auto_where_it_plans():
+    assert SpeculationPlanner("never").modes == ("never",)
+    assert SpeculationPlanner("always").modes == ("always", "never")
+    assert SpeculationPlanner("auto", FLAT).modes == ("auto", "always", "never")

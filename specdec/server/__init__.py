@@ -52,7 +52,8 @@ def build_scheduler(runtime, settings: BatchSettings, eos_token_ids: set[int], d
         cost = MeasuredPassCosts.measure(pool, settings.max_batch_size * (settings.num_draft_tokens + 1))
     factory = PROPOSERS[settings.drafter]  # drafters of the served kinds read only the context
     return Scheduler(pool, lambda: factory(runtime, None, datastore), SpeculationPlanner(settings.speculation, cost),
-                     eos_token_ids, max_draft_tokens=settings.num_draft_tokens, max_waiting=settings.max_waiting)
+                     eos_token_ids, max_draft_tokens=settings.num_draft_tokens, max_waiting=settings.max_waiting,
+                     drafter=settings.drafter)
 
 
 def make_pool(runtime, settings: BatchSettings):

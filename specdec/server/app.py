@@ -29,7 +29,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -50,8 +50,8 @@ from specdec.server.protocol import (
     parse_job,
     usage,
 )
-from specdec.server.scheduler import Finished, Handle, QueueFull, Scheduler, ShuttingDown, Tokens
-from specdec.view import Detokenizer
+from specdec.server.scheduler import Finished, Handle, NotOffered, QueueFull, Scheduler, ShuttingDown, Tokens
+from specdec.view import KIND_STYLES, Detokenizer
 
 log = logging.getLogger("specdec.server")
 POLL_SECONDS = 0.25  # how often a waiting request checks that its client is still there
@@ -147,6 +147,16 @@ class OpenAIServer:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "specdec", "max_model_len": self.scheduler.max_length}]}
 
+    def speculation(self) -> dict:
+        """What the page needs to offer a request's settings: the drafter, the server's speculation mode, the modes
+        a request may ask for, the most draft tokens per round, and each token kind's colour and legend."""
+        scheduler = self.scheduler
+        return {"model": self.model_name, "drafters": [scheduler.drafter] if scheduler.drafter else [],
+                "speculation": scheduler.planner.mode, "modes": list(scheduler.planner.modes),
+                "num_draft_tokens": scheduler.max_draft_tokens, "max_model_len": scheduler.max_length,
+                "kinds": {kind: {"colour": colour, "legend": legend}
+                          for kind, (_, colour, legend) in KIND_STYLES.items()}}
+
     def authorize(self, header: str | None) -> None:
         key = self.settings.api_key
         if key is None:
@@ -180,6 +190,10 @@ class OpenAIServer:
     def submit(self, job: Job, prompt_ids: list[int]) -> list[Handle]:
         """One handle per choice; all or none (a refusal cancels those already queued)."""
         requests = [job.generation_request(prompt_ids, self.scheduler.max_length, i) for i in range(job.n)]
+        try:
+            self.scheduler.check_speculation(job.speculation, job.num_draft_tokens)
+        except NotOffered as error:
+            raise BadRequest(str(error), error.param) from None
         handles: list[Handle] = []
         try:
             for request in requests:
@@ -327,6 +341,19 @@ def build_app(server: OpenAIServer) -> FastAPI:
         server.authorize(request.headers.get("Authorization"))
         return server.models()
 
+    @app.get("/v1/speculation")
+    async def speculation(request: Request):
+        server.authorize(request.headers.get("Authorization"))
+        return server.speculation()
+
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    async def page():
+        return _page_file("index.html")
+
+    @app.api_route("/page/{name}", methods=["GET", "HEAD"], include_in_schema=False)
+    async def page_asset(name: str):
+        return _page_file(name)
+
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus(request: Request):
         server.authorize(request.headers.get("Authorization"))
@@ -338,7 +365,8 @@ def build_app(server: OpenAIServer) -> FastAPI:
         job = parse_job(parse_body(raw), chat, server.model_name, server.scheduler.pool.vocab_size)
         prompt_ids = server.prompt_ids(job)
         handles = server.submit(job, prompt_ids)
-        answers = [_Answer(job, handle, server.tokenizer, i) for i, handle in enumerate(handles)]
+        mode = job.speculation or server.scheduler.planner.mode
+        answers = [_Answer(job, handle, server.tokenizer, i, mode) for i, handle in enumerate(handles)]
         response = Response(chat, server.model_name)
         echoed = _echo(job, server.tokenizer, prompt_ids)
         if job.stream:
@@ -484,8 +512,9 @@ class _Framing:
     close`` (so that no byte after it on that connection is read as a request): a request that carries both a
     Content-Length and a Transfer-Encoding, two lengths, or a transfer coding other than chunked (a proxy in front
     could frame its body otherwise: request smuggling); an HTTP version other than 1.0 and 1.1 (505); a header line
-    or a head over the limits (431); and, with an API key set, any path but /health without the key (401), whether
-    the path exists or not."""
+    or a head over the limits (431); HTTP/1.1 without Host (400); and, with an API key set, any path but /health
+    and the page's own files (which hold no data: the page asks for the key) without the key (401), whether the
+    path exists or not."""
 
     def __init__(self, app, server: "OpenAIServer") -> None:
         self.app, self.server = app, server
@@ -522,7 +551,7 @@ class _Framing:
         codings = [value.strip().lower() for name, value in headers if name.lower() == b"transfer-encoding"]
         if codings and codings != [b"chunked"]:
             return BadRequest("the only transfer coding taken is chunked")
-        if settings.api_key is not None and scope["path"] != "/health":
+        if settings.api_key is not None and scope["path"] != "/health" and scope["path"] not in PAGE_PATHS:
             authorization = next((value for name, value in headers if name.lower() == b"authorization"), b"")
             try:
                 self.server.authorize(authorization.decode("latin-1"))
@@ -544,6 +573,23 @@ class _InstanceHeader:
             await send(message)
 
         await self.app(scope, receive, send_with_header if scope["type"] == "http" else send)
+
+
+PAGE = Path(__file__).with_name("page")  # the live page: one HTML file, its CSS and its script
+PAGE_FILES = {"index.html": "text/html; charset=utf-8", "page.css": "text/css; charset=utf-8",
+              "page.js": "text/javascript; charset=utf-8"}
+PAGE_PATHS = {"/", *(f"/page/{name}" for name in PAGE_FILES if name != "index.html")}  # open without the key
+PAGE_HEADERS = {  # nothing from elsewhere: no script, style, image or connection but the server's own
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+                               "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"}
+
+
+def _page_file(name: str) -> FileResponse:
+    """One of the page's files, or 404."""
+    if name not in PAGE_FILES:
+        raise ApiError(f"the page has no file {name!r}", status=404)
+    return FileResponse(PAGE / name, media_type=PAGE_FILES[name], headers=PAGE_HEADERS)
 
 
 def _body_schema(model) -> dict:
@@ -663,10 +709,12 @@ async def _stream(answers: list["_Answer"], response: Response, prompt_tokens: i
             piece = answer.take(event)
             if answer.error:
                 yield _event(ApiError(answer.error, status=answer.error_status).body())
-            elif piece or answer.logprobs_sent < len(answer.token_logprobs):
-                yield _event(response.chunk(piece, index=answer.index, logprobs=answer.chunk_logprobs(response.chat)))
+            elif piece or answer.logprobs_sent < len(answer.token_logprobs) or answer.unsent_rounds:
+                chunk = response.chunk(piece, index=answer.index, logprobs=answer.chunk_logprobs(response.chat))
+                yield _event(answer.with_speculation(chunk, piece))
             if answer.done and not answer.error:
-                yield _event(response.chunk(None, answer.finish_reason, index=answer.index))
+                yield _event(answer.with_speculation(response.chunk(None, answer.finish_reason, index=answer.index),
+                                                     "", final=True))
         if answers[0].job.include_usage:
             yield _event(response.usage_chunk(_usage(answers, prompt_tokens)))
         yield b"data: [DONE]\n\n"
@@ -688,6 +736,7 @@ class _Answer:
     handle: Handle
     tokenizer: object
     index: int
+    mode: str = "auto"  # its speculation
     text: str = ""
     sent: int = 0  # characters handed out
     completion_tokens: int = 0
@@ -701,6 +750,9 @@ class _Answer:
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
     logprobs_sent: int = 0  # token_logprobs already streamed
     detokenizer: Detokenizer | None = None
+    rounds: int = 0  # target passes that emitted its tokens
+    unsent_tokens: list[tuple[str, str]] = field(default_factory=list)  # (text, kind) per token, not yet streamed
+    unsent_rounds: list[dict] = field(default_factory=list)  # its rounds not yet streamed
 
     def __post_init__(self) -> None:
         self.detokenizer = Detokenizer(self.tokenizer)
@@ -715,15 +767,25 @@ class _Answer:
                 self.error, self.error_status = event.message or "generation failed", event.status
                 return ""
             self.finish_reason = FINISH_REASONS.get(event.reason, event.reason)
-            self.text += self.detokenizer.flush()
+            rest = self.detokenizer.flush()
+            self.text += rest
+            if self.job.include_speculation:
+                self.unsent_tokens.append((rest, self.unsent_tokens[-1][1] if self.unsent_tokens else "plain"))
             if self._cut_at_stop():
                 self.finish_reason = "stop"
             return self._release(final=True)
         self.completion_tokens += len(event.token_ids)
         self.draft_tokens += event.draft_tokens
         self.accepted_tokens += event.kinds.count("accepted")
-        for token in event.token_ids:
-            self.text += self.detokenizer.push(token)
+        self.rounds += 1
+        for token, kind in zip(event.token_ids, event.kinds):
+            piece = self.detokenizer.push(token)
+            self.text += piece
+            if self.job.include_speculation:
+                self.unsent_tokens.append((piece, kind))
+        if self.job.include_speculation:
+            self.unsent_rounds.append({"k": event.draft_tokens, "accepted": event.kinds.count("accepted"),
+                                       "tokens": len(event.token_ids)})
         if event.logprobs is not None:
             entries = [TokenLogprob(self._piece(t), lp, [(self._piece(i), v) for i, v in top])
                        for t, (lp, top) in zip(event.token_ids, event.logprobs)]
@@ -734,6 +796,29 @@ class _Answer:
             self.done = True
             return self._release(final=True)
         return self._release(final=False)
+
+    def with_speculation(self, chunk: dict, piece: str, final: bool = False) -> dict:
+        """The chunk, and, when the request asked for ``stream_options.include_speculation``, how its text came
+        under a ``specdec`` key: each token's piece of ``piece`` and its kind ("accepted", "recovered", "bonus" or
+        "plain"; a token whose text a chunk boundary cut appears in both), the rounds since the last chunk (draft
+        tokens scored, accepted, tokens emitted) and, on the last chunk, the request's totals."""
+        if not self.job.include_speculation:
+            return chunk
+        tokens, owed = [], len(piece)
+        while self.unsent_tokens and (owed > 0 or not self.unsent_tokens[0][0]):
+            text, kind = self.unsent_tokens.pop(0)
+            if len(text) > owed:
+                self.unsent_tokens.insert(0, (text[owed:], kind))
+                text = text[:owed]
+            tokens.append({"text": text, "kind": kind})
+            owed -= len(text)
+        extension = {"tokens": tokens, "rounds": self.unsent_rounds}
+        self.unsent_rounds = []
+        if final:
+            extension["summary"] = {"speculation": self.mode, "completion_tokens": self.completion_tokens,
+                                    "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+                                    "target_passes": self.rounds}
+        return {**chunk, "specdec": extension}
 
     def logprobs(self, chat: bool, echoed: int) -> dict | None:
         if self.job.logprobs is None:

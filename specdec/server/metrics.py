@@ -35,13 +35,16 @@ class Metrics(DraftTotals):
     drafter_errors: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
     rejected: dict[int, int] = field(default_factory=dict)  # HTTP status -> requests refused
+    finished_by_mode: dict[str, int] = field(default_factory=dict)  # speculation mode -> requests finished
+    tokens_by_mode: dict[str, int] = field(default_factory=dict)  # speculation mode -> tokens generated
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def observe_round(self, round_: Round) -> None:
-        """One request's share of a step."""
+    def observe_round(self, round_: Round, mode: str) -> None:
+        """One request's share of a step; ``mode``: the request's speculation."""
         with self._lock:
             self.request_rounds += 1
             self.generation_tokens += len(round_.tokens)
+            self.tokens_by_mode[mode] = self.tokens_by_mode.get(mode, 0) + len(round_.tokens)
             self.positions.observe(round_)
 
     @property
@@ -67,9 +70,10 @@ class Metrics(DraftTotals):
         with self._lock:
             self.rejected[status] = self.rejected.get(status, 0) + 1
 
-    def observe_finish(self, reason: str) -> None:
+    def observe_finish(self, reason: str, mode: str) -> None:
         with self._lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
+            self.finished_by_mode[mode] = self.finished_by_mode.get(mode, 0) + 1
 
     def observe_drafter_error(self) -> None:
         with self._lock:
@@ -87,6 +91,11 @@ class Metrics(DraftTotals):
         return [
             _family(counter, "requests", "Requests finished, by finish reason.",
                     ("finish_reason", sorted(self.finished.items())) if self.finished else 0),
+            _family(counter, "requests_by_speculation", "Requests finished, by the speculation they asked for "
+                    "(auto, always or never; the server's mode when they named none).",
+                    ("speculation", sorted(self.finished_by_mode.items())) if self.finished_by_mode else 0),
+            _family(counter, "generation_tokens_by_speculation", "Tokens generated, by their request's speculation.",
+                    ("speculation", sorted(self.tokens_by_mode.items())) if self.tokens_by_mode else 0),
             _family(counter, "requests_rejected", "Requests refused, by HTTP status.",
                     ("status", sorted(self.rejected.items())) if self.rejected else 0),
             _family(counter, "prompt_tokens", "Prompt tokens prefilled.", self.prompt_tokens),

@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from specdec.choices import DEFAULT_SAMPLING_METHOD, SAMPLING_METHODS, SEED_RANGE
+from specdec.choices import DEFAULT_SAMPLING_METHOD, SAMPLING_METHODS, SEED_RANGE, SPECULATION_MODES
 from specdec.sampling import LogitsAdjustment, SamplingParams
 from specdec.server.scheduler import GenerationRequest
 
@@ -86,6 +86,7 @@ class ChatMessage(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    include_speculation: bool = False  # specdec's: each chunk says how its tokens came (docs/serving.md)
 
 
 class _Sampling(_Body):
@@ -98,6 +99,8 @@ class _Sampling(_Body):
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     seed: Annotated[int, Field(ge=SEED_RANGE[0], lt=SEED_RANGE[1])] | None = None
     sampling: Literal[SAMPLING_METHODS] = DEFAULT_SAMPLING_METHOD  # specdec's: how draws are made (sampling.py)
+    speculation: Literal[SPECULATION_MODES] | None = None  # specdec's: this request's mode (None: the server's)
+    num_draft_tokens: Annotated[int, Field(ge=1)] | None = None  # specdec's: at most this many per round
     stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -233,6 +236,9 @@ class Job:
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
     echo: bool = False
     adjustment: LogitsAdjustment | None = None  # logit_bias and penalties
+    speculation: str | None = None  # "auto", "always" or "never"; None: the server's mode
+    num_draft_tokens: int | None = None  # the most draft tokens per round; None: the server's
+    include_speculation: bool = False  # stream chunks carry how each token came (a "specdec" key)
 
     def generation_request(self, prompt_ids: list[int], max_length: int, choice: int = 0) -> GenerationRequest:
         """The scheduler's request for choice ``choice`` of n (each its own seed, when seeded)."""
@@ -247,7 +253,8 @@ class Job:
                              "context_length_exceeded")
         return GenerationRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=self.sampling,
                                  seed=choice_seed(self.seed, choice), stop_at_eos=not self.ignore_eos,
-                                 adjustment=self.adjustment, logprobs=self.logprobs)
+                                 adjustment=self.adjustment, logprobs=self.logprobs, speculation=self.speculation,
+                                 max_draft_tokens=self.num_draft_tokens)
 
 
 def choice_seed(seed: int | None, choice: int) -> int | None:
@@ -287,11 +294,14 @@ def parse_job(body: dict, chat: bool, model_name: str, vocab_size: int) -> Job:
         stop=stop,
         stream=request.stream,
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
+        include_speculation=bool(request.stream_options and request.stream_options.include_speculation),
         ignore_eos=request.ignore_eos,
         n=request.n,
         logprobs=logprobs,
         echo=getattr(request, "echo", False),
         adjustment=_adjustment(request, vocab_size),
+        speculation=request.speculation,
+        num_draft_tokens=request.num_draft_tokens,
     )
 
 

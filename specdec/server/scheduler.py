@@ -59,6 +59,8 @@ class GenerationRequest:
     stop_at_eos: bool = True
     adjustment: LogitsAdjustment | None = None  # logit_bias and penalties on the target's logits
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely
+    speculation: str | None = None  # "auto", "always" or "never" (one the planner offers); None: the server's
+    max_draft_tokens: int | None = None  # the most draft tokens per round, up to the server's; None: the server's
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,14 @@ class Finished:
     reason: str
     message: str = ""
     status: int = 500  # for reason "error": 400 when the request's own input caused it
+
+
+class NotOffered(ValueError):
+    """A request asks for what this server does not offer; ``param`` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class Handle:
@@ -139,8 +149,9 @@ class _Running:
     """A request in the batch: its slot, context, drafter, generator and measured acceptance."""
 
     def __init__(self, handle: Handle, slot: Slot, proposer: Proposer, device: torch.device,
-                 stop_ids: frozenset[int]) -> None:
+                 stop_ids: frozenset[int], mode: str) -> None:
         request = handle.request
+        self.mode = mode  # its speculation: "auto", "always" or "never"
         self.stop_ids = stop_ids if request.stop_at_eos else frozenset()
         self.handle = handle
         self.slot = slot
@@ -164,9 +175,10 @@ class Scheduler:
 
     def __init__(self, pool: BatchedLlama, new_proposer: Callable[[], Proposer], planner: SpeculationPlanner,
                  eos_token_ids: frozenset[int] | set[int], max_draft_tokens: int = 4, max_waiting: int = 256,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, drafter: str = "") -> None:
         self.pool = pool
         self.new_proposer = new_proposer
+        self.drafter = drafter  # the drafter's name, as served
         self.planner = planner
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_draft_tokens = max_draft_tokens
@@ -190,6 +202,7 @@ class Scheduler:
     def submit(self, request: GenerationRequest) -> Handle:
         if not request.prompt_ids:
             raise ValueError("the prompt has no tokens")
+        self.check_speculation(request.speculation, request.max_draft_tokens)
         if len(request.prompt_ids) + request.max_tokens > self.max_length:
             raise ValueError(f"prompt ({len(request.prompt_ids)}) + max_tokens ({request.max_tokens}) exceeds the "
                              f"context of {self.max_length} tokens")
@@ -204,6 +217,17 @@ class Scheduler:
             self._waiting.append(handle)
             self._lock.notify()
         return handle
+
+    def check_speculation(self, mode: str | None, max_draft_tokens: int | None) -> None:
+        """Refuse (ValueError, naming what is offered) a request's speculation mode or draft length that this
+        server does not offer: ``never`` always; ``always`` where it drafts; ``auto`` where it measured its pass
+        costs (it runs ``--speculation auto``); up to its own most draft tokens per round."""
+        if mode is not None and mode not in self.planner.modes:
+            raise NotOffered("speculation", f"speculation {mode!r} is not offered by this server (it runs --speculation "
+                             f"{self.planner.mode}): ask for {' or '.join(self.planner.modes)}")
+        if max_draft_tokens is not None and max_draft_tokens > self.max_draft_tokens:
+            raise NotOffered("num_draft_tokens", f"num_draft_tokens is {max_draft_tokens}; this server drafts at most "
+                             f"{self.max_draft_tokens} per round")
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="specdec-scheduler", daemon=True)
@@ -306,7 +330,8 @@ class Scheduler:
         slot = None
         try:
             slot = self.pool.open()
-            return _Running(handle, slot, self._proposer(handle), self.pool.device, self.eos_token_ids)
+            return _Running(handle, slot, self._proposer(handle), self.pool.device, self.eos_token_ids,
+                            handle.request.speculation or self.planner.mode)
         except Exception as error:
             if slot is not None:
                 self.pool.close(slot)
@@ -324,7 +349,7 @@ class Scheduler:
 
     def _end(self, handle: Handle, event: Finished) -> None:
         handle.put(event)
-        self.metrics.observe_finish(event.reason)
+        self.metrics.observe_finish(event.reason, handle.request.speculation or self.planner.mode)
 
     def _proposer(self, handle: Handle) -> Proposer:
         """The request's own drafter; one that cannot be made leaves the request to plain decoding."""
@@ -379,7 +404,7 @@ class Scheduler:
         # 2. the planner chooses how many of each draft's tokens to score
         prior = self.planner.prior()
         rates = [r.acceptance.rate(prior) for r in running]
-        lengths = self.planner.draft_lengths([len(r.draft) for r in running], rates)
+        lengths = self.planner.draft_lengths([len(r.draft) for r in running], rates, [r.mode for r in running])
         drafts = [_first(r.draft, n) for r, n in zip(running, lengths)]
         # 3. one target pass over every request's pending token and draft tokens
         rows = [Row(r.slot, [r.context[-1]] + d.tokens, len(d) + 1) for r, d in zip(running, drafts)]
@@ -402,8 +427,9 @@ class Scheduler:
         drafted, started = 0, time.perf_counter()
         for r in running:
             r.draft = EMPTY_DRAFT
-            k = min(self.max_draft_tokens, r.remaining - 1, self.max_length - len(r.context) - 1)
-            if not (self.planner.drafts and r.speculates and k > 0):
+            most = r.handle.request.max_draft_tokens or self.max_draft_tokens
+            k = min(most, r.remaining - 1, self.max_length - len(r.context) - 1)
+            if not (r.mode != "never" and r.speculates and k > 0):
                 continue
             try:
                 r.draft = r.proposer.propose(r.context, k, r.handle.request.sampling, r.generator)
@@ -426,7 +452,7 @@ class Scheduler:
         r.slot.length = len(r.context) + verdict.accepted  # the context, less its last token, was cached
         self._learn_acceptance(r, draft, verdict)
         round_ = emitted_round(draft, verdict, r.remaining, r.stop_ids, 0.0, 0.0, len(draft))
-        self.metrics.observe_round(round_)
+        self.metrics.observe_round(round_, r.mode)
         r.context += round_.tokens
         r.produced += len(round_.tokens)
         if r.counts is not None:

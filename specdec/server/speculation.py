@@ -37,31 +37,39 @@ class SpeculationPlanner:
         self.draft_seconds_per_token = 0.0  # measured, averaged
 
     @property
-    def drafts(self) -> bool:
-        return self.mode != "never"
+    def modes(self) -> tuple[str, ...]:
+        """The modes a request may ask for here: ``never`` always; ``always`` where the server drafts; ``auto``
+        where it measured its pass costs."""
+        return {"never": ("never",), "always": ("always", "never"), "auto": ("auto", "always", "never")}[self.mode]
 
     def prior(self) -> float:
         return self.acceptance.rate(prior=0.5)
 
-    def draft_lengths(self, offered: list[int], rates: list[float]) -> list[int]:
-        """Draft tokens to score per request, given the draft tokens each was offered and its acceptance rate."""
-        if self.mode == "always":
-            return list(offered)
-        if self.mode == "never" or not any(offered):
-            return [0] * len(offered)
-        gains = sorted(((rate**j, i) for i, (n, rate) in enumerate(zip(offered, rates)) for j in range(1, n + 1)),
-                       reverse=True)
-        batch = len(offered)
-        best_count, best_rate, expected = 0, batch / self.cost(batch), float(batch)
+    def draft_lengths(self, offered: list[int], rates: list[float], modes: list[str] | None = None) -> list[int]:
+        """Draft tokens to score per request, given the draft tokens each was offered, its acceptance rate and
+        its mode (by default the server's): ``always`` all, ``never`` none, and for the ``auto`` ones the tokens
+        that maximise the step's expected tokens per second, beside those of the others."""
+        modes = modes or [self.mode] * len(offered)
+        lengths = [n if mode == "always" else 0 for n, mode in zip(offered, modes)]
+        chosen = [i for i, mode in enumerate(modes) if mode == "auto" and offered[i]]
+        if not chosen:
+            return lengths
+        gains = sorted(((rates[i] ** j, i) for i in chosen for j in range(1, offered[i] + 1)), reverse=True)
+        positions = len(offered) + sum(lengths)  # the step's positions before any auto request's draft
+        expected = len(offered) + sum(rates[i] ** j for i, n in enumerate(lengths) for j in range(1, n + 1))
+        best_count, best_rate = 0, expected / self._seconds(positions, sum(lengths))
         for count, (gain, _) in enumerate(gains, start=1):
             expected += gain
-            seconds = self.cost(batch + count) + self.draft_seconds_per_token * count
-            if expected / seconds > best_rate:
-                best_count, best_rate = count, expected / seconds
-        lengths = [0] * batch
+            rate = expected / self._seconds(positions + count, sum(lengths) + count)
+            if rate > best_rate:
+                best_count, best_rate = count, rate
         for _, i in gains[:best_count]:
             lengths[i] += 1
         return lengths
+
+    def _seconds(self, positions: int, draft_tokens: int) -> float:
+        """A step's expected seconds: the target pass over ``positions`` and drafting ``draft_tokens``."""
+        return self.cost(positions) + self.draft_seconds_per_token * draft_tokens
 
     def observe_pass(self, positions: int, seconds: float) -> None:
         if self.cost is not None:
