@@ -62,7 +62,8 @@ def run_serve(args) -> int:
     server.start()
     print(f"specdec: serving {server.model_name} at {server.url} (speculation {batch.speculation}, drafter "
           f"{batch.drafter}, up to {batch.max_batch_size} requests per batch"
-          f"{', API key required' if settings.api_key else ''}); Ctrl-C to stop", file=sys.stderr, flush=True)
+          f"{', API key required' if settings.api_key else ''}); the live page at {server.url}/; Ctrl-C to stop",
+          file=sys.stderr, flush=True)
     wait_for_signal()
     print(f"specdec: shutting down: finishing requests in flight (up to {args.shutdown_timeout:g} s)",
           file=sys.stderr, flush=True)

@@ -86,7 +86,8 @@ def run_replicas(args, options: ServerOptions) -> int:
     serve.start(http_options=proxy_options(args.host, args.port, args.request_timeout))
     serve.run(serve_app(options, args.replicas, args.shutdown_timeout), name=APP_NAME, route_prefix="/")
     print(f"specdec: serving at http://{args.host}:{args.port} on Ray Serve, {args.replicas} replicas of "
-          f"{threads} threads; Ctrl-C to stop", file=sys.stderr, flush=True)
+          f"{threads} threads; the live page at http://{args.host}:{args.port}/; Ctrl-C to stop", file=sys.stderr,
+          flush=True)
     wait_for_signal()
     print("specdec: shutting down the replicas", file=sys.stderr, flush=True)
     serve.shutdown()
