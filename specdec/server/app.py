@@ -463,10 +463,10 @@ def _http_protocol(server: "OpenAIServer"):
                 self._refuse(ApiError(f"the request's head stalled for {settings.head_timeout:g} s", status=408))
 
         def on_response_complete(self) -> None:
-            if self._refusal is not None and not self.pipeline:
-                self._write_refusal()
-            else:
+            if self._refusal is None or self.pipeline:
                 super().on_response_complete()
+            elif not self.transport.is_closing():  # (a response that closed the connection ends it as well)
+                self._write_refusal()
 
         def _refuse(self, error: ApiError) -> None:
             """Refuse once: at once, or after the whole requests read before it are answered (pipelined requests
