@@ -1,5 +1,5 @@
 """Measurements kept in the specdec cache (``--dtype auto``'s precisions, ``--backend auto``'s runtimes): one JSON
-file of entries keyed by what the measurement depends on, written whole and atomically."""
+file of entries per kind, each keyed by what the measurement depends on, written whole and atomically."""
 
 from __future__ import annotations
 
@@ -9,23 +9,44 @@ import platform
 from pathlib import Path
 
 
-def read_entries(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}  # no cache yet, or a damaged one: measure again
+class MeasurementCache:
+    """One file of measurements under the specdec cache. A key names the format's version, what was measured, and
+    what the measurement holds for: this machine, the threads and PyTorch's version."""
 
+    def __init__(self, filename: str, version: int) -> None:
+        self.filename, self.version = filename, version
 
-def write_entry(path: Path, key: str, value: dict) -> None:
-    entries = read_entries(path)
-    entries[key] = value
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(entries, indent=1, sort_keys=True))
-        temporary.replace(path)
-    except OSError:
-        pass  # a read-only cache costs a measurement next time, nothing else
+    def path(self) -> Path:
+        from specdec.models import cache_root
+
+        return cache_root() / self.filename
+
+    def key(self, subject: str, threads: int | None = None) -> str:
+        import torch
+
+        threads = threads or torch.get_num_threads()
+        return f"v{self.version} | {subject} | {machine_name()} | {threads} threads | torch {torch.__version__}"
+
+    def entries(self) -> dict:
+        try:
+            return json.loads(self.path().read_text())
+        except (OSError, ValueError):
+            return {}  # no cache yet, or a damaged one: measure again
+
+    def get(self, key: str) -> dict | None:
+        return self.entries().get(key)
+
+    def put(self, key: str, value: dict) -> None:
+        entries = self.entries()
+        entries[key] = value
+        path = self.path()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = path.with_suffix(".tmp")
+            temporary.write_text(json.dumps(entries, indent=1, sort_keys=True))
+            temporary.replace(path)
+        except OSError:
+            pass  # a read-only cache costs a measurement next time, nothing else
 
 
 def machine_name() -> str:

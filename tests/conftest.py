@@ -6,7 +6,7 @@ def private_precision_cache(tmp_path, monkeypatch):
     """``--dtype auto`` keeps its measurements in the user's cache; tests keep theirs apart."""
     from specdec.backends import precision
 
-    monkeypatch.setattr(precision, "_cache_path", lambda: tmp_path / "precisions.json")
+    monkeypatch.setattr(precision.CACHE, "path", lambda: tmp_path / "precisions.json")
 
 
 @pytest.fixture(scope="session")
@@ -20,7 +20,7 @@ def private_backend_cache(backend_cache_directory, monkeypatch):
     whole session (a model is measured once)."""
     from specdec.backends import choice
 
-    monkeypatch.setattr(choice, "cache_path", lambda: backend_cache_directory / "backends.json")
+    monkeypatch.setattr(choice.CACHE, "path", lambda: backend_cache_directory / "backends.json")
 
 
 @pytest.fixture(autouse=True)

@@ -246,7 +246,7 @@ def test_the_api_and_the_default_backend_run_a_gguf_on_the_runtime_measured_fast
     from specdec.backends import choice
 
     auto = SpecDecoder.load(str(tiny), drafter="prompt-lookup", threads=2)
-    (entry,) = [value for key, value in choice._read_cache().items() if str(tiny.resolve()) in key]
+    (entry,) = [value for key, value in choice.CACHE.entries().items() if str(tiny.resolve()) in key]
     measured = {m["backend"]: m["decode_ms"] + m["score_ms"] for m in entry["measurements"]}
     assert set(measured) == {"llama.cpp", "fused", "torch"}
     assert auto.target.backend_name == entry["backend"] == min(measured, key=measured.get)

@@ -20,13 +20,11 @@ import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from specdec.backends.base import median_pass_seconds
-from specdec.cachefile import machine_name, read_entries, write_entry
+from specdec.cachefile import MeasurementCache
 from specdec.logs import notice, verbose
 
-CACHE_VERSION = 1
+CACHE = MeasurementCache("backends.json", version=1)
 CONTEXT_TOKENS = 64  # cached before the timed passes
 SCORED_POSITIONS = 5  # a scoring pass: k+1 at the default k=4
 REPEATS = 5  # timed passes per candidate and kind; the median is kept
@@ -70,7 +68,7 @@ def auto_backend(source: Path, gguf: bool, threads: int | None = None) -> str:
         return "llama.cpp" if gguf else "torch"
     names, passed_by = candidates(gguf)
     key = _cache_key(source, names, threads)
-    cached = _read_cache().get(key)
+    cached = CACHE.get(key)
     if cached is not None:  # said when it was measured
         return cached["backend"]
     if verbose():  # a few seconds, once; the summary line names the choice
@@ -80,7 +78,7 @@ def auto_backend(source: Path, gguf: bool, threads: int | None = None) -> str:
     for reason in passed_by + unfit:  # once, as the choice is made: a build that failed, a model not covered
         _passed_by(reason)
     chosen = choose(measurements)
-    _write_cache(key, {"backend": chosen, "measurements": [asdict(m) for m in measurements]})
+    CACHE.put(key, {"backend": chosen, "measurements": [asdict(m) for m in measurements]})
     return chosen
 
 
@@ -146,20 +144,4 @@ def _quiet_unless_verbose():
 def _cache_key(source: Path, names: list[str], threads: int | None) -> str:
     stat = source.stat() if source.is_file() else None
     fingerprint = f"{source.resolve()} {stat.st_size} {int(stat.st_mtime)}" if stat else str(source.resolve())
-    threads = threads or torch.get_num_threads()
-    return f"v{CACHE_VERSION} | {fingerprint} | {'/'.join(names)} | {machine_name()} | " \
-           f"{threads} threads | torch {torch.__version__}"
-
-
-def cache_path() -> Path:
-    from specdec.models import cache_root
-
-    return cache_root() / "backends.json"
-
-
-def _read_cache() -> dict:
-    return read_entries(cache_path())
-
-
-def _write_cache(key: str, value: dict) -> None:
-    write_entry(cache_path(), key, value)
+    return CACHE.key(f"{fingerprint} | {'/'.join(names)}", threads)

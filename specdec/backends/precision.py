@@ -18,22 +18,20 @@ the specdec cache, keyed by model, machine, threads and PyTorch version, so the 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
 from specdec.backends.base import median_pass_seconds
 from specdec.backends.linear import BULK_POSITIONS, PRECISIONS, PassPrecisions
 from specdec.backends.llama import LlamaRuntime
-from specdec.cachefile import machine_name, read_entries, write_entry
-from specdec.models import cache_root
+from specdec.cachefile import MeasurementCache
 
 MAX_LOGIT_ERROR = 0.1  # the largest logit difference from float32 that auto admits
 PROBE_TOKENS = 128  # the probe sequence whose logits are compared
 SCORED_POSITIONS = 5  # a scoring pass as timed: k+1 at the default k=4
 BULK_TIMED = 2 * BULK_POSITIONS  # a bulk pass as timed
 REPEATS = 5  # timed passes per candidate and kind; the median is kept
-CACHE_VERSION = 3  # 2: with the bulk pass; 3: one precision for every pass
+CACHE = MeasurementCache("precisions.json", version=3)  # 2: with the bulk pass; 3: one precision for every pass
 
 
 @dataclass(frozen=True)
@@ -52,11 +50,11 @@ class PrecisionMeasurement:
 def auto_precisions(model) -> PassPrecisions:
     """The measured choice for ``model`` on this machine, from the cache when it was measured before."""
     key = _cache_key(model)
-    cached = _read_cache().get(key)
+    cached = CACHE.get(key)
     if cached is not None:
         return PassPrecisions(**cached)
     chosen = choose(measure(model))
-    _write_cache(key, asdict(chosen))
+    CACHE.put(key, asdict(chosen))
     return chosen
 
 
@@ -90,17 +88,4 @@ def measure(model, candidates: tuple[str, ...] = PRECISIONS, seed: int = 0) -> l
 def _cache_key(model) -> str:
     name = getattr(model.config, "_name_or_path", "") or model.config.model_type
     parameters = sum(p.numel() for p in model.parameters())
-    return f"v{CACHE_VERSION} | {name} | {parameters} parameters | {machine_name()} | " \
-           f"{torch.get_num_threads()} threads | torch {torch.__version__}"
-
-
-def _cache_path() -> Path:
-    return cache_root() / "precisions.json"
-
-
-def _read_cache() -> dict:
-    return read_entries(_cache_path())
-
-
-def _write_cache(key: str, value: dict) -> None:
-    write_entry(_cache_path(), key, value)
+    return CACHE.key(f"{name} | {parameters} parameters")
