@@ -99,9 +99,9 @@ def without_ids(chunk: dict) -> dict:
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_without_the_option_the_chunks_are_those_with_it_less_the_extension_byte_for_byte(server, path):
-    """The same seeded request with and without include_speculation: drop the ``specdec`` key and the chunks that
-    carry no text (only rounds) from the one with it, and what is left is, byte for byte, the one without it (but for the
-    answer's id and time)."""
+    """The same seeded request with and without include_speculation: drop the ``specdec`` key and the chunks
+    that carry no text (only rounds) from the one with it, and what is left is, byte for byte, the one without it
+    (but for the answer's id and time)."""
     body = request("always")
     if path.endswith("chat/completions"):
         body["messages"] = [{"role": "user", "content": body.pop("prompt")}]

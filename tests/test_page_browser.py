@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from specdec.view import KIND_STYLES
+
 pytestmark = pytest.mark.slow
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -88,7 +90,6 @@ def test_the_page_shows_speculation_live_compares_and_keeps_what_arrived(served,
         element(id_).send_keys(value)
 
     def status_after(click: str, seconds: float = 180) -> str:
-        element("status").get_attribute("textContent")
         element(click).click()
         WebDriverWait(browser, seconds).until(lambda _: not element("stop").is_enabled())
         return element("status").text
@@ -112,7 +113,9 @@ def test_the_page_shows_speculation_live_compares_and_keeps_what_arrived(served,
     kinds = {span.get_attribute("data-kind") for span in spans}
     assert spans and kinds <= {"accepted", "recovered", "bonus", "plain"} and "accepted" in kinds
     accepted = next(s for s in spans if s.get_attribute("data-kind") == "accepted")
-    assert accepted.value_of_css_property("background-color") == "rgba(200, 230, 201, 1)"  # #c8e6c9, the legend's
+    colour = KIND_STYLES["accepted"][1]  # the legend's, as "#rrggbb"
+    assert accepted.value_of_css_property("background-color") == \
+        "rgba({}, {}, {}, 1)".format(*(int(colour[i:i + 2], 16) for i in (1, 3, 5)))
     assert accepted.get_attribute("title").startswith("accepted:")
     assert "underline" in accepted.value_of_css_property("text-decoration-line")
     text = "".join(span.get_attribute("textContent") for span in spans)

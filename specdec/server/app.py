@@ -190,17 +190,15 @@ class OpenAIServer:
     def submit(self, job: Job, prompt_ids: list[int]) -> list[Handle]:
         """One handle per choice; all or none (a refusal cancels those already queued)."""
         requests = [job.generation_request(prompt_ids, self.scheduler.max_length, i) for i in range(job.n)]
-        try:
-            self.scheduler.check_speculation(job.speculation, job.num_draft_tokens)
-        except NotOffered as error:
-            raise BadRequest(str(error), error.param) from None
         handles: list[Handle] = []
         try:
             for request in requests:
                 handles.append(self.scheduler.submit(request))
-        except (QueueFull, ShuttingDown) as error:
+        except (NotOffered, QueueFull, ShuttingDown) as error:
             for handle in handles:
                 handle.cancel()
+            if isinstance(error, NotOffered):  # the first choice's, before any is queued: all choices ask alike
+                raise BadRequest(str(error), error.param) from None
             if isinstance(error, QueueFull):
                 raise ApiError(f"the server is at capacity: {error}; retry later", status=429) from None
             raise ApiError(str(error), status=503) from None
@@ -337,13 +335,11 @@ def build_app(server: OpenAIServer) -> FastAPI:
         return _JSON(body, status_code=status)
 
     @app.get("/v1/models")
-    async def models(request: Request):
-        server.authorize(request.headers.get("Authorization"))
+    async def models():
         return server.models()
 
     @app.get("/v1/speculation")
-    async def speculation(request: Request):
-        server.authorize(request.headers.get("Authorization"))
+    async def speculation():
         return server.speculation()
 
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
@@ -355,18 +351,15 @@ def build_app(server: OpenAIServer) -> FastAPI:
         return _page_file(name)
 
     @app.get("/metrics", response_class=PlainTextResponse)
-    async def prometheus(request: Request):
-        server.authorize(request.headers.get("Authorization"))
+    async def prometheus():
         return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_PLAIN_0_0_4)  # the format it writes
 
     async def generate(request: Request, chat: bool):
-        server.authorize(request.headers.get("Authorization"))
         raw = await _read_body(request, server.settings)
         job = parse_job(parse_body(raw), chat, server.model_name, server.scheduler.pool.vocab_size)
         prompt_ids = server.prompt_ids(job)
         handles = server.submit(job, prompt_ids)
-        mode = job.speculation or server.scheduler.planner.mode
-        answers = [_Answer(job, handle, server.tokenizer, i, mode) for i, handle in enumerate(handles)]
+        answers = [_Answer(job, handle, server.tokenizer, i) for i, handle in enumerate(handles)]
         response = Response(chat, server.model_name)
         echoed = _echo(job, server.tokenizer, prompt_ids)
         if job.stream:
@@ -509,12 +502,12 @@ def _parser_refusal(error: Exception) -> ApiError:
 
 class _Framing:
     """What the HTTP parser lets through, refused before routing with an OpenAI error body and ``Connection:
-    close`` (so that no byte after it on that connection is read as a request): a request that carries both a
-    Content-Length and a Transfer-Encoding, two lengths, or a transfer coding other than chunked (a proxy in front
-    could frame its body otherwise: request smuggling); an HTTP version other than 1.0 and 1.1 (505); a header line
-    or a head over the limits (431); HTTP/1.1 without Host (400); and, with an API key set, any path but /health
-    and the page's own files (which hold no data: the page asks for the key) without the key (401), whether the
-    path exists or not."""
+    close`` (so that no byte after it on that connection is read as a request): an HTTP version other than 1.0 and
+    1.1 (505); a header line or a head over the limits (431); HTTP/1.1 without Host, or a transfer coding other
+    than chunked (400: a proxy in front could frame its body otherwise); and, with an API key set, any path but
+    /health and the page's own files (which hold no data: the page asks for the key) without the key (401), whether
+    the path exists or not: the one place the key is checked. (A length with a transfer encoding, or two lengths,
+    never get here: llhttp refuses them, in this server's protocol and in Ray Serve's proxy alike.)"""
 
     def __init__(self, app, server: "OpenAIServer") -> None:
         self.app, self.server = app, server
@@ -544,10 +537,6 @@ class _Framing:
         names = [name.lower() for name, _ in headers]
         if version == "1.1" and b"host" not in names:
             return BadRequest("an HTTP/1.1 request must carry a Host header")
-        if b"transfer-encoding" in names and b"content-length" in names:
-            return BadRequest("a request may not carry both Content-Length and Transfer-Encoding")
-        if names.count(b"content-length") > 1 or names.count(b"transfer-encoding") > 1:
-            return BadRequest("a request may carry one Content-Length or one Transfer-Encoding")
         codings = [value.strip().lower() for name, value in headers if name.lower() == b"transfer-encoding"]
         if codings and codings != [b"chunked"]:
             return BadRequest("the only transfer coding taken is chunked")
@@ -736,7 +725,6 @@ class _Answer:
     handle: Handle
     tokenizer: object
     index: int
-    mode: str = "auto"  # its speculation
     text: str = ""
     sent: int = 0  # characters handed out
     completion_tokens: int = 0
@@ -815,7 +803,7 @@ class _Answer:
         extension = {"tokens": tokens, "rounds": self.unsent_rounds}
         self.unsent_rounds = []
         if final:
-            extension["summary"] = {"speculation": self.mode, "completion_tokens": self.completion_tokens,
+            extension["summary"] = {"speculation": self.handle.mode, "completion_tokens": self.completion_tokens,
                                     "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
                                     "target_passes": self.rounds}
         return {**chunk, "specdec": extension}

@@ -107,8 +107,9 @@ class Handle:
 
     _ids = itertools.count()
 
-    def __init__(self, request: GenerationRequest) -> None:
+    def __init__(self, request: GenerationRequest, mode: str) -> None:
         self.request = request
+        self.mode = mode  # its speculation: the one it asked for, else the server's
         self.id = next(self._ids)
         self.events: queue.Queue[Tokens | Finished] = queue.Queue()
         self.cancelled = threading.Event()
@@ -149,9 +150,9 @@ class _Running:
     """A request in the batch: its slot, context, drafter, generator and measured acceptance."""
 
     def __init__(self, handle: Handle, slot: Slot, proposer: Proposer, device: torch.device,
-                 stop_ids: frozenset[int], mode: str) -> None:
+                 stop_ids: frozenset[int]) -> None:
         request = handle.request
-        self.mode = mode  # its speculation: "auto", "always" or "never"
+        self.mode = handle.mode  # "auto", "always" or "never"
         self.stop_ids = stop_ids if request.stop_at_eos else frozenset()
         self.handle = handle
         self.slot = slot
@@ -206,7 +207,7 @@ class Scheduler:
         if len(request.prompt_ids) + request.max_tokens > self.max_length:
             raise ValueError(f"prompt ({len(request.prompt_ids)}) + max_tokens ({request.max_tokens}) exceeds the "
                              f"context of {self.max_length} tokens")
-        handle = Handle(request)
+        handle = Handle(request, request.speculation or self.planner.mode)
         with self._lock:
             if not self._accepting:
                 raise ShuttingDown("the server is shutting down")
@@ -223,8 +224,8 @@ class Scheduler:
         server does not offer: ``never`` always; ``always`` where it drafts; ``auto`` where it measured its pass
         costs (it runs ``--speculation auto``); up to its own most draft tokens per round."""
         if mode is not None and mode not in self.planner.modes:
-            raise NotOffered("speculation", f"speculation {mode!r} is not offered by this server (it runs --speculation "
-                             f"{self.planner.mode}): ask for {' or '.join(self.planner.modes)}")
+            raise NotOffered("speculation", f"speculation {mode!r} is not offered by this server (it runs "
+                             f"--speculation {self.planner.mode}): ask for {' or '.join(self.planner.modes)}")
         if max_draft_tokens is not None and max_draft_tokens > self.max_draft_tokens:
             raise NotOffered("num_draft_tokens", f"num_draft_tokens is {max_draft_tokens}; this server drafts at most "
                              f"{self.max_draft_tokens} per round")
@@ -330,8 +331,7 @@ class Scheduler:
         slot = None
         try:
             slot = self.pool.open()
-            return _Running(handle, slot, self._proposer(handle), self.pool.device, self.eos_token_ids,
-                            handle.request.speculation or self.planner.mode)
+            return _Running(handle, slot, self._proposer(handle), self.pool.device, self.eos_token_ids)
         except Exception as error:
             if slot is not None:
                 self.pool.close(slot)
@@ -349,7 +349,7 @@ class Scheduler:
 
     def _end(self, handle: Handle, event: Finished) -> None:
         handle.put(event)
-        self.metrics.observe_finish(event.reason, handle.request.speculation or self.planner.mode)
+        self.metrics.observe_finish(event.reason, handle.mode)
 
     def _proposer(self, handle: Handle) -> Proposer:
         """The request's own drafter; one that cannot be made leaves the request to plain decoding."""
