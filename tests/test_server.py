@@ -198,6 +198,80 @@ def test_stop_string_cuts_the_text_before_it_streamed_or_not(server, tiny):
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
 
 
+STOPPED_PROMPT = [5, 9, 12, 9, 12, 40, 5, 9]  # repetitive: prompt lookup drafts, and rounds emit several tokens
+
+
+def stopped_early(tiny, max_tokens: int = 24) -> tuple[dict, str, int]:
+    """A greedy request on STOPPED_PROMPT whose stop string (its third word) comes early: the body, the text
+    before the stop string, and the tokens through the one that completes it (what usage counts)."""
+    tokenizer = tiny[1]
+    tokens = plain_greedy(tiny, STOPPED_PROMPT, max_tokens)
+    stop = " " + prompt_text(visible(tokens)).split()[2]
+    whole = tokenizer.decode(tokens, skip_special_tokens=True)
+    through = next(i + 1 for i in range(len(tokens))
+                   if stop in tokenizer.decode(tokens[: i + 1], skip_special_tokens=True))
+    assert through < max_tokens - 4  # well before the end: the request would go on
+    body = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stop": stop}
+    return body, whole[: whole.find(stop)], through
+
+
+@pytest.mark.parametrize("speculation", ["always", "never"])
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_stream_ended_by_a_stop_string_finishes_each_choice_once(server, tiny, chat, speculation):
+    """Issue 33: the finish chunk and the speculation summary came again for each step that ran before the
+    request was cancelled. One of each per choice, the text before the stop string, usage through its token."""
+    body, expected, through = stopped_early(tiny)
+    prompt = prompt_text(STOPPED_PROMPT)
+    body = {**body, "n": 2, "speculation": speculation,
+            "stream_options": {"include_usage": True, "include_speculation": True},
+            **({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})}
+    events = stream(server, "/v1/chat/completions" if chat else "/v1/completions", body)
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 2 * through
+    chunks = [(choice, event.get("specdec", {})) for event in events[:-2] for choice in event["choices"]]
+    for index in (0, 1):
+        mine = [(choice, extension) for choice, extension in chunks if choice["index"] == index]
+        assert [choice["finish_reason"] for choice, _ in mine if choice["finish_reason"]] == ["stop"]
+        assert mine[-1][0]["finish_reason"] == "stop"
+        summaries = [extension["summary"] for _, extension in mine if "summary" in extension]
+        assert len(summaries) == 1 and summaries[0]["completion_tokens"] == through
+        text = "".join(choice["delta"].get("content", "") if chat else choice["text"] for choice, _ in mine)
+        assert text == expected
+
+
+def test_a_stop_string_finish_is_metered_as_stop_with_the_tokens_usage_counts(server, tiny):
+    """Issue 33: /metrics counted a stop-string finish as cancelled (as a client that left) and every token the
+    request generated before its cancel reached the scheduler, more than its usage. Now the request ends with the
+    token that completes the stop string: finish reason stop, and the tokens metered are those in usage."""
+    body, expected, through = stopped_early(tiny)
+    body = {**body, "prompt": prompt_text(STOPPED_PROMPT)}
+    scheduler = server.scheduler
+    for streamed in (False, True):
+        assert wait_for(lambda: scheduler.running == 0 and scheduler.waiting == 0)
+        _, before, _ = scrape(server)
+        if streamed:
+            events = stream(server, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+            usage = events[-2]["usage"]
+        else:
+            status, answer = post(server, "/v1/completions", body)
+            assert status == 200 and answer["choices"][0]["text"] == expected
+            usage = answer["usage"]
+        assert usage["completion_tokens"] == through
+        assert wait_for(lambda: sum(scheduler.metrics.finished.values()) > before_finished(before))
+        _, after, _ = scrape(server)
+
+        def grew(name, labels=()):
+            return after.get((f"specdec_{name}", labels), 0) - before.get((f"specdec_{name}", labels), 0)
+
+        assert grew("requests_total", (("finish_reason", "stop"),)) == 1
+        assert grew("requests_total", (("finish_reason", "cancelled"),)) == 0
+        assert grew("generation_tokens_total") == through
+
+
+def before_finished(samples: dict) -> float:
+    """Requests finished, by any reason, in a scrape."""
+    return sum(value for (name, _), value in samples.items() if name == "specdec_requests_total")
+
+
 def test_models_health_and_metrics(server):
     status, text = get(server, "/v1/models")
     assert status == 200 and json.loads(text)["data"][0]["id"] == MODEL

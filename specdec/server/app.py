@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 from http import HTTPStatus
 from pathlib import Path
 
@@ -51,7 +52,8 @@ from specdec.server.protocol import (
     usage,
 )
 from specdec.server.scheduler import Finished, Handle, NotOffered, QueueFull, Scheduler, ShuttingDown, Tokens
-from specdec.view import KIND_STYLES, Detokenizer
+from specdec.server.stops import StopText
+from specdec.view import KIND_STYLES
 
 log = logging.getLogger("specdec.server")
 POLL_SECONDS = 0.25  # how often a waiting request checks that its client is still there
@@ -189,7 +191,8 @@ class OpenAIServer:
 
     def submit(self, job: Job, prompt_ids: list[int]) -> list[Handle]:
         """One handle per choice; all or none (a refusal cancels those already queued)."""
-        requests = [job.generation_request(prompt_ids, self.scheduler.max_length, i) for i in range(job.n)]
+        stop = partial(StopText, self.tokenizer, job.stop) if job.stop else None  # the scheduler's, per choice
+        requests = [job.generation_request(prompt_ids, self.scheduler.max_length, i, stop) for i in range(job.n)]
         handles: list[Handle] = []
         try:
             for request in requests:
@@ -370,7 +373,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
             await _collect(answers, request)
         finally:
             for answer in answers:
-                answer.handle.cancel()  # frees a slot still held (a client gone, a stop string)
+                answer.handle.cancel()  # frees a slot still held (a client gone)
         failed = next((a for a in answers if a.error), None)
         if failed is not None:
             raise ApiError(failed.error, status=failed.error_status)
@@ -701,7 +704,7 @@ async def _stream(answers: list["_Answer"], response: Response, prompt_tokens: i
             elif piece or answer.logprobs_sent < len(answer.token_logprobs) or answer.unsent_rounds:
                 chunk = response.chunk(piece, index=answer.index, logprobs=answer.chunk_logprobs(response.chat))
                 yield _event(answer.with_speculation(chunk, piece))
-            if answer.done and not answer.error:
+            if isinstance(event, Finished) and not answer.error:  # once per choice: its last event
                 yield _event(answer.with_speculation(response.chunk(None, answer.finish_reason, index=answer.index),
                                                      "", final=True))
         if answers[0].job.include_usage:
@@ -718,14 +721,13 @@ def _event(payload: dict) -> bytes:
 
 @dataclass
 class _Answer:
-    """One choice's answer as it arrives: text cut at the first stop string, its finish reason, usage, and the
-    tokens' log-probabilities."""
+    """One choice's answer as it arrives: text cut at the first stop string (the scheduler ends the request with the
+    token that completes one), its finish reason, usage, and the tokens' log-probabilities."""
 
     job: Job
     handle: Handle
     tokenizer: object
     index: int
-    text: str = ""
     sent: int = 0  # characters handed out
     completion_tokens: int = 0
     draft_tokens: int = 0
@@ -734,16 +736,19 @@ class _Answer:
     error: str = ""
     error_status: int = 500
     done: bool = False
-    cut: bool = False  # a stop string cut the text
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
     logprobs_sent: int = 0  # token_logprobs already streamed
-    detokenizer: Detokenizer | None = None
+    stop_text: StopText | None = None
     rounds: int = 0  # target passes that emitted its tokens
     unsent_tokens: list[tuple[str, str]] = field(default_factory=list)  # (text, kind) per token, not yet streamed
     unsent_rounds: list[dict] = field(default_factory=list)  # its rounds not yet streamed
 
     def __post_init__(self) -> None:
-        self.detokenizer = Detokenizer(self.tokenizer)
+        self.stop_text = StopText(self.tokenizer, self.job.stop)
+
+    @property
+    def text(self) -> str:
+        return self.stop_text.text
 
     def take(self, event: Tokens | Finished) -> str:
         """Take one event; the text that became final with it (never part of a stop string, never past one)."""
@@ -755,20 +760,18 @@ class _Answer:
                 self.error, self.error_status = event.message or "generation failed", event.status
                 return ""
             self.finish_reason = FINISH_REASONS.get(event.reason, event.reason)
-            rest = self.detokenizer.flush()
-            self.text += rest
+            rest = self.stop_text.flush()
             if self.job.include_speculation:
                 self.unsent_tokens.append((rest, self.unsent_tokens[-1][1] if self.unsent_tokens else "plain"))
-            if self._cut_at_stop():
+            if self.stop_text.stopped:
                 self.finish_reason = "stop"
-            return self._release(final=True)
+            return self._release(end=True)
         self.completion_tokens += len(event.token_ids)
         self.draft_tokens += event.draft_tokens
         self.accepted_tokens += event.kinds.count("accepted")
         self.rounds += 1
         for token, kind in zip(event.token_ids, event.kinds):
-            piece = self.detokenizer.push(token)
-            self.text += piece
+            piece = self.stop_text.push(token)
             if self.job.include_speculation:
                 self.unsent_tokens.append((piece, kind))
         if self.job.include_speculation:
@@ -778,12 +781,7 @@ class _Answer:
             entries = [TokenLogprob(self._piece(t), lp, [(self._piece(i), v) for i, v in top])
                        for t, (lp, top) in zip(event.token_ids, event.logprobs)]
             self.token_logprobs += entries
-        if self._cut_at_stop():
-            self.handle.cancel()
-            self.finish_reason = "stop"
-            self.done = True
-            return self._release(final=True)
-        return self._release(final=False)
+        return self._release()
 
     def with_speculation(self, chunk: dict, piece: str, final: bool = False) -> dict:
         """The chunk, and, when the request asked for ``stream_options.include_speculation``, how its text came
@@ -821,7 +819,7 @@ class _Answer:
 
     def _kept(self, entries: list[TokenLogprob]) -> list[TokenLogprob]:
         """Every token, or, when a stop string cut the text, those whose text starts before the cut."""
-        if not self.cut:
+        if not self.stop_text.stopped:
             return entries
         kept, offset = [], 0
         for entry in entries:
@@ -834,29 +832,8 @@ class _Answer:
     def _piece(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
-    def _cut_at_stop(self) -> bool:
-        longest = max((len(s) for s in self.job.stop), default=0)
-        start = max(0, self.sent - longest)
-        found = [i for i in (self.text.find(s, start) for s in self.job.stop) if i >= 0]
-        if found:
-            self.text = self.text[: min(found)]
-            self.cut = True
-            return True
-        return False
-
-    def _release(self, final: bool) -> str:
-        """The text not yet handed out, less (unless final) a tail that may be the start of a stop string."""
-        end = len(self.text) if final else len(self.text) - _held_back(self.text, self.job.stop)
-        piece, self.sent = self.text[self.sent : end], max(self.sent, end)
+    def _release(self, end: bool = False) -> str:
+        """The final text not yet handed out (all of it at the ``end``)."""
+        final = self.stop_text.final(end)
+        piece, self.sent = self.text[self.sent : final], max(self.sent, final)
         return piece
-
-
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
-    held = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), held, -1):
-            if text.endswith(stop[:n]):
-                held = n
-                break
-    return held

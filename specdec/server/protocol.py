@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -18,7 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from specdec.choices import DEFAULT_SAMPLING_METHOD, SAMPLING_METHODS, SEED_RANGE, SPECULATION_MODES
 from specdec.sampling import LogitsAdjustment, SamplingParams
-from specdec.server.scheduler import GenerationRequest
+from specdec.server.scheduler import GenerationRequest, StopCondition
 
 MAX_STOP_SEQUENCES = 4
 MAX_CHOICES = 16  # n
@@ -240,8 +241,10 @@ class Job:
     num_draft_tokens: int | None = None  # the most draft tokens per round; None: the server's
     include_speculation: bool = False  # stream chunks carry how each token came (a "specdec" key)
 
-    def generation_request(self, prompt_ids: list[int], max_length: int, choice: int = 0) -> GenerationRequest:
-        """The scheduler's request for choice ``choice`` of n (each its own seed, when seeded)."""
+    def generation_request(self, prompt_ids: list[int], max_length: int, choice: int = 0,
+                           stop: Callable[[], StopCondition] | None = None) -> GenerationRequest:
+        """The scheduler's request for choice ``choice`` of n (each its own seed, when seeded); ``stop`` makes its
+        stop condition (the job's stop strings over the server's tokenizer)."""
         room = max_length - len(prompt_ids)
         if room < 1:
             raise BadRequest(f"the prompt has {len(prompt_ids)} tokens; this model's context is {max_length} "
@@ -254,7 +257,7 @@ class Job:
         return GenerationRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=self.sampling,
                                  seed=choice_seed(self.seed, choice), stop_at_eos=not self.ignore_eos,
                                  adjustment=self.adjustment, logprobs=self.logprobs, speculation=self.speculation,
-                                 max_draft_tokens=self.num_draft_tokens)
+                                 max_draft_tokens=self.num_draft_tokens, stop=stop)
 
 
 def choice_seed(seed: int | None, choice: int) -> int | None:

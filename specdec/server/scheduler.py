@@ -24,7 +24,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 
@@ -36,10 +37,22 @@ from specdec.proposers.none import NoProposer
 from specdec.sampling import LogitsAdjustment, SamplingParams
 from specdec.server.metrics import Metrics
 from specdec.server.speculation import SpeculationPlanner
-from specdec.step import emitted_round, make_generator, verify_draft
+from specdec.step import Round, emitted_round, make_generator, verify_draft
 
 log = logging.getLogger("specdec.server")
 PREFILL_TOKENS_PER_PASS = 4096  # prompts prefilled together, up to this many tokens in one pass
+
+
+class StopCondition(Protocol):
+    """What ends a request at a token of its output besides EOS and max_tokens: the server's stop strings
+    (:class:`specdec.server.stops.StopText`, over its tokenizer)."""
+
+    def push(self, token_id: int) -> object:
+        """Take the request's next token."""
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the tokens taken so far meet the condition."""
 
 
 class QueueFull(RuntimeError):
@@ -61,6 +74,7 @@ class GenerationRequest:
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely
     speculation: str | None = None  # "auto", "always" or "never" (one the planner offers); None: the server's
     max_draft_tokens: int | None = None  # the most draft tokens per round, up to the server's; None: the server's
+    stop: Callable[[], StopCondition] | None = None  # makes the request's stop condition (its stop strings)
 
 
 @dataclass(frozen=True)
@@ -86,8 +100,8 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[tu
 
 @dataclass(frozen=True)
 class Finished:
-    """The request's last event. reason: "stop" (EOS), "length" (max_tokens), "abort" (shutdown), "cancelled"
-    (its client left or it hit a stop string) or "error"."""
+    """The request's last event. reason: "stop" (EOS or its stop condition), "length" (max_tokens), "abort"
+    (shutdown), "cancelled" (its client left) or "error"."""
 
     reason: str
     message: str = ""
@@ -154,6 +168,7 @@ class _Running:
         request = handle.request
         self.mode = handle.mode  # "auto", "always" or "never"
         self.stop_ids = stop_ids if request.stop_at_eos else frozenset()
+        self.stop = request.stop() if request.stop is not None else None
         self.handle = handle
         self.slot = slot
         self.proposer = proposer
@@ -452,6 +467,8 @@ class Scheduler:
         r.slot.length = len(r.context) + verdict.accepted  # the context, less its last token, was cached
         self._learn_acceptance(r, draft, verdict)
         round_ = emitted_round(draft, verdict, r.remaining, r.stop_ids, 0.0, 0.0, len(draft))
+        if r.stop is not None:
+            round_ = _until_stopped(round_, r.stop)
         self.metrics.observe_round(round_, r.mode)
         r.context += round_.tokens
         r.produced += len(round_.tokens)
@@ -460,7 +477,7 @@ class Scheduler:
                                 torch.ones(len(round_.tokens), device=r.counts.device))
         logprobs = None if request.logprobs is None else token_logprobs(logits, round_.tokens, request.logprobs)
         r.handle.put(Tokens(round_.tokens, round_.kinds, round_.draft_tokens, logprobs))
-        if round_.tokens[-1] in r.stop_ids:
+        if round_.tokens[-1] in r.stop_ids or r.stop is not None and r.stop.stopped:
             r.finished = Finished("stop")
         elif r.remaining == 0 or len(r.context) >= self.max_length:
             r.finished = Finished("length")
@@ -490,6 +507,15 @@ class Scheduler:
             self.pool.close(r.slot)
         self._end(r.handle, event)
 
+
+
+def _until_stopped(round_: Round, stop: StopCondition) -> Round:
+    """The round's tokens through the one that meets the stop condition (all of them if none does)."""
+    for i, token in enumerate(round_.tokens):
+        stop.push(token)
+        if stop.stopped:
+            return replace(round_, tokens=round_.tokens[: i + 1], kinds=round_.kinds[: i + 1])
+    return round_
 
 
 def _first(draft: Draft, n: int) -> Draft:
