@@ -388,10 +388,29 @@ def _run_datastore_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def prompt_text(given: str) -> str:
+    """The prompt: the argument, or for ``-`` what standard input holds, as UTF-8. A byte that is not UTF-8
+    becomes U+FFFD, as in most tools, never a lone surrogate (Python's escape for such a byte in an argument, and in
+    standard input under the C locale), which no tokenizer takes."""
+    raw: str | bytes = given
+    if given == "-":
+        try:
+            raw = getattr(sys.stdin, "buffer", sys.stdin).read()  # bytes, before any decoding
+        except (OSError, ValueError) as error:  # a directory, a closed stream
+            raise UsageError(f"cannot read the prompt from standard input: {getattr(error, 'strerror', None) or error}"
+                             ) from None
+    if isinstance(raw, str):  # the bytes it was decoded from, escapes and all (any other surrogate as it is)
+        try:
+            raw = raw.encode("utf-8", errors="surrogateescape")
+        except UnicodeEncodeError:
+            raw = raw.encode("utf-8", errors="surrogatepass")
+    return raw.decode("utf-8", errors="replace")
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from specdec.choices import check_max_new_tokens, check_sampling, check_seed, parse_num_draft_tokens, parse_tree
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = prompt_text(args.prompt)
     if not prompt.strip():
         raise UsageError("the prompt is empty")
     # settings are checked before torch is imported and the (slow) model loads

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import io
 import json
 import re
 import subprocess
@@ -137,6 +138,19 @@ def test_bad_input_is_one_line_and_exit_2(models, capsys, args, message):
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("specdec: error:") and message in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argument, stdin", [("-", b"caf\xe9 w5 w9\n"), ("caf\udce9 w5 w9\n", b"")])
+def test_a_prompt_that_is_not_utf8_is_read_with_replacement(models, capsys, monkeypatch, argument, stdin):
+    """Issue 33: ``printf 'caf\\xe9' | specdec generate -`` handed the tokenizer a lone surrogate (standard input read
+    with surrogateescape, as Python reads an argument's bytes) and printed a traceback. A byte that is not UTF-8 is
+    U+FFFD: the same answer as the prompt written with it."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8", errors="surrogateescape"))
+    flags = ("--model", str(models["target"]), "--max-new-tokens", "4", "--json", "--no-chat")
+    code, out, err = run_cli(capsys, "generate", argument, *flags)
+    assert code == 0 and "Traceback" not in err, err
+    replaced = run_cli(capsys, "generate", "caf\ufffd w5 w9\n", *flags)
+    assert replaced[0] == 0 and json.loads(out)["token_ids"] == json.loads(replaced[1])["token_ids"]
 
 
 def test_draft_model_with_another_vocabulary_is_refused(models, capsys):
