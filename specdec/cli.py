@@ -394,9 +394,11 @@ def prompt_text(given: str) -> str:
     standard input under the C locale), which no tokenizer takes."""
     raw: str | bytes = given
     if given == "-":
+        if sys.stdin is None:  # its descriptor was closed
+            raise UsageError("there is no standard input to read the prompt from")
         try:
             raw = getattr(sys.stdin, "buffer", sys.stdin).read()  # bytes, before any decoding
-        except (OSError, ValueError) as error:  # a directory, a closed stream
+        except (OSError, ValueError) as error:  # a closed stream, one that cannot be read
             raise UsageError(f"cannot read the prompt from standard input: {getattr(error, 'strerror', None) or error}"
                              ) from None
     if isinstance(raw, str):  # the bytes it was decoded from, escapes and all (any other surrogate as it is)

@@ -153,6 +153,21 @@ def test_a_prompt_that_is_not_utf8_is_read_with_replacement(models, capsys, monk
     assert replaced[0] == 0 and json.loads(out)["token_ids"] == json.loads(replaced[1])["token_ids"]
 
 
+def closed_stream() -> io.TextIOWrapper:
+    stream = io.TextIOWrapper(io.BytesIO(b"w5"))
+    stream.close()
+    return stream
+
+
+@pytest.mark.parametrize("stdin, message", [(None, "there is no standard input"),
+                                            (closed_stream(), "cannot read the prompt from standard input")])
+def test_standard_input_that_cannot_be_read_is_one_line_and_exit_2(models, capsys, monkeypatch, stdin, message):
+    """Closed before the run (Python's sys.stdin is then None), or a stream that refuses to be read."""
+    monkeypatch.setattr(sys, "stdin", stdin)
+    code, out, err = run_cli(capsys, "generate", "-", "--model", str(models["target"]))
+    assert code == 2 and err.count("\n") == 1 and message in err and "Traceback" not in err, err
+
+
 def test_draft_model_with_another_vocabulary_is_refused(models, capsys):
     code, _, err = run_cli(capsys, "generate", PROMPT, "--model", str(models["target"]), "--draft-model",
                            str(models["other_vocab"]))
