@@ -136,6 +136,41 @@ def test_a_long_header_line_and_a_long_head_get_431(server):
     assert get(server, "/health")[0] == 200
 
 
+@pytest.mark.parametrize("target", [b"/v1/models?" + b"q" * 40_000, b"/v1/models?" + b"q" * 70_000,
+                                    b"/v1/models?" + b"q" * 300_000, b"/v1/" + b"p" * 40_000,
+                                    b"/v1/models?" + b"q" * (31 << 10)])  # over the limit with the headers
+def test_a_long_request_target_counts_in_the_head_limit_and_gets_431(server, target):
+    """Issue 33: the query string was left out of the head's count (40,000 bytes of it answered 200), and past
+    65,535 bytes of target httptools' URL parser failed inside a callback: 400 with llhttp's 'User callback error'.
+    The whole target counts, sent in one read or in many."""
+    padding = b"X-Pad: " + b"p" * 2000 + b"\r\n"
+    request = b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n" + padding + b"\r\n"
+    assert_one_refusal(exchange(server, request), 431, "")
+    assert b"callback" not in exchange(server, request)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as connection:
+        try:
+            for start in range(0, len(request), 4096):  # a read at a time
+                connection.sendall(request[start : start + 4096])
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        received = b""
+        try:
+            while chunk := connection.recv(65536):
+                received += chunk
+        except (TimeoutError, ConnectionResetError):
+            pass
+    assert_one_refusal(received, 431, "")
+    assert get(server, "/health")[0] == 200
+
+
+def test_a_request_target_the_url_parser_refuses_is_400_in_its_own_words(server):
+    """Not llhttp's 'User callback error': a port past 65535, which llhttp reads and uvicorn's parse of the target
+    (once the head has ended) refuses."""
+    received = exchange(server, b"GET http://x:99999/v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert_one_refusal(received, 400, "not a valid URL")
+    assert b"callback" not in received
+
+
 def test_with_a_key_every_path_but_health_answers_401_without_it(keyed_server):
     for path in ("/nope", "/v1/models", "/metrics", "/v1/completions"):
         received = exchange(keyed_server, f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())

@@ -60,6 +60,7 @@ POLL_SECONDS = 0.25  # how often a waiting request checks that its client is sti
 STALL_SECONDS = 300.0  # /health answers 503 when requests have waited this long without a step finishing
 RETRY_AFTER_SECONDS = 1
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+MAX_TARGET_BYTES = 65535  # the longest request target httptools' URL parser takes
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop", "abort": "abort"}
 
 
@@ -404,6 +405,7 @@ def _http_protocol(server: "OpenAIServer"):
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     settings = server.settings
+    target_limit = min(settings.max_head_bytes, MAX_TARGET_BYTES)
 
     class StrictHttpToolsProtocol(HttpToolsProtocol):
         _head_timer = None
@@ -422,6 +424,12 @@ def _http_protocol(server: "OpenAIServer"):
                 self._refuse(_parser_refusal(error))
                 return
             self._count_head(len(data))
+
+        def on_url(self, url: bytes) -> None:  # the request target, a piece at a time
+            super().on_url(url)
+            if len(self.url) > target_limit:
+                raise ApiError(f"the request target passes {target_limit} bytes, the most this server reads of "
+                               "it (--max-head-bytes, at most 64 KiB)", status=431)  # ends the parse: a refusal
 
         def send_400_response(self, msg: str) -> None:
             self._refuse(BadRequest(f"the request's HTTP framing is invalid: {msg}"))
@@ -496,7 +504,19 @@ def _http_protocol(server: "OpenAIServer"):
 
 
 def _parser_refusal(error: Exception) -> ApiError:
-    """llhttp's refusal as an OpenAI error: 505 for a version it does not know, else 400 with its reason."""
+    """llhttp's refusal as an OpenAI error: the refusal a callback raised; 400 for a target that is no URL; 505
+    for a version it does not know; else 400 with llhttp's reason. Never llhttp's own word for a callback that
+    raised ("User callback error")."""
+    import httptools
+
+    if isinstance(error, httptools.HttpParserCallbackError):  # what the callback raised is the reason
+        cause = error.__context__
+        if isinstance(cause, ApiError):
+            return cause
+        if isinstance(cause, httptools.HttpParserInvalidURLError):  # uvicorn parses the target once the head is read
+            return BadRequest(f"the request target is not a valid URL: {cause}")
+        log.error("reading a request's head failed", exc_info=cause)  # a fault of the server's, not the request's
+        return ApiError(f"internal error reading the request's head: {cause!r}")
     reason = str(error).strip() or type(error).__name__
     if "HTTP version" in reason or "PRI" in reason:  # PRI: HTTP/2's connection preface
         return ApiError("the request's HTTP version is not served here: send HTTP/1.1 or HTTP/1.0", status=505)
@@ -533,7 +553,9 @@ class _Framing:
         longest = max((len(name) + 2 + len(value) for name, value in headers), default=0)
         if longest > settings.max_header_line:
             return ApiError(f"a header line has {longest} bytes; the limit is {settings.max_header_line}", status=431)
-        head = len(scope.get("raw_path") or b"") + sum(len(name) + 4 + len(value) for name, value in headers)
+        query = scope.get("query_string") or b""
+        target = len(scope.get("raw_path") or b"") + (len(query) + 1 if query else 0)  # the path, "?" and query
+        head = target + sum(len(name) + 4 + len(value) for name, value in headers)
         if head > settings.max_head_bytes:
             return ApiError(f"the request's head has {head} bytes; the limit is {settings.max_head_bytes}",
                             status=431)
