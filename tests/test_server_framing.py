@@ -171,6 +171,17 @@ def test_a_request_target_the_url_parser_refuses_is_400_in_its_own_words(server)
     assert b"callback" not in received
 
 
+@pytest.mark.parametrize("path", ["/v1/models/", "/health/", "/v1/chat/completions/", "/page/page.css/"])
+def test_a_trailing_slash_is_an_unknown_path_never_a_redirect_to_the_clients_host(server, path):
+    """Issue 33: Starlette's redirect_slashes answered ``GET /v1/models/`` with ``307 Location:
+    http://evil.example/v1/models``, built from the client's Host header (behind a caching proxy, a poisoned
+    cache). Now a 404 in OpenAI's error shape."""
+    received = exchange(server, f"GET {path} HTTP/1.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n".encode())
+    [(status, headers, body)] = responses(received)
+    assert status == 404 and "location" not in headers and b"evil.example" not in received, received
+    assert body["error"]["message"] == f"no such endpoint: {path}" and body["error"]["type"] == "invalid_request_error"
+
+
 def test_with_a_key_every_path_but_health_answers_401_without_it(keyed_server):
     for path in ("/nope", "/v1/models", "/metrics", "/v1/completions"):
         received = exchange(keyed_server, f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())

@@ -292,7 +292,8 @@ class _JSON(JSONResponse):
 
 def build_app(server: OpenAIServer) -> FastAPI:
     app = FastAPI(title="specdec", summary="OpenAI-compatible completions with exact speculative decoding",
-                  docs_url=None, redoc_url=None, default_response_class=_JSON)
+                  docs_url=None, redoc_url=None, default_response_class=_JSON,
+                  redirect_slashes=False)  # Starlette's redirect is built from the client's Host header: 404 instead
     metrics = server.scheduler.metrics
     registry = CollectorRegistry()  # this server's, not the process-wide default: a process may hold several
     registry.register(MetricsCollector(metrics, lambda: (server.scheduler.running, server.scheduler.waiting)))
