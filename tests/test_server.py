@@ -22,6 +22,7 @@ from specdec.engine import Engine, GenerationConfig
 from specdec.proposers import NoProposer, PromptLookupProposer
 from specdec.server import BatchSettings, build_scheduler
 from specdec.server.app import OpenAIServer, ServerSettings
+from specdec.server.protocol import ChatCompletionRequest, CompletionRequest
 
 MODEL = "tiny"
 EOS = 1
@@ -386,6 +387,44 @@ def test_bad_chat_messages_get_400(server):
         assert status == 400 and body["error"]["param"].startswith("messages")
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_null_is_the_default_for_every_optional_field(server, chat):
+    """Issue 33: ``"sampling": null`` was refused while ``"speculation": null`` was taken. As in OpenAI's API, an
+    optional field sent as null is not sent: its default, for OpenAI's fields and specdec's alike (nested ones too),
+    and the OpenAPI schema says each takes null."""
+    model = ChatCompletionRequest if chat else CompletionRequest
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            **({"messages": [{"role": "user", "content": "w5 w9 w12", "name": None}]} if chat else {"prompt": "w5 w9"})}
+    status, expected = post(server, path, body)
+    assert status == 200
+    optional = [name for name, field in model.model_fields.items() if not field.is_required()]
+    assert {"sampling", "speculation", "num_draft_tokens", "top_k", "ignore_eos", "stream_options", "stop", "n",
+            "seed", "logprobs"} <= set(optional)
+    for name in optional:
+        status, answer = post(server, path, {**body, name: None})
+        assert status == 200, (name, answer)
+        if name not in body:  # the answer without it
+            assert answer["choices"] == expected["choices"] and answer["usage"] == expected["usage"], name
+    events = stream(server, path, {**body, "stream_options": {"include_usage": None, "include_speculation": None}})
+    assert all("usage" not in event and "specdec" not in event for event in events[:-1])
+    schema = json.loads(get(server, "/openapi.json")[1])["components"]["schemas"][model.__name__]
+    for name in optional:
+        options = schema["properties"][name].get("anyOf", [schema["properties"][name]])
+        assert any(option.get("type") == "null" for option in options), name
+
+
+@pytest.mark.parametrize("path, prompt", [("/v1/completions", {"prompt": "w3"}),
+                                          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w3"}]})])
+def test_stream_options_without_stream_is_refused_naming_it(server, path, prompt):
+    """Issue 33: taken silently before; OpenAI refuses it. (Null is not sent: taken.)"""
+    for extra in ({"stream_options": {"include_usage": True}}, {"stream": False, "stream_options": {}}):
+        status, answer = post(server, path, {**prompt, "max_tokens": 2, **extra})
+        assert status == 400 and answer["error"]["param"] == "stream_options", answer
+        assert answer["error"]["message"] == "stream_options is only allowed when stream is true"
+    assert post(server, path, {**prompt, "max_tokens": 2, "stream_options": None})[0] == 200
+
+
 def test_unknown_path_is_404_a_wrong_method_405_and_an_oversized_body_413(tiny):
     server = start_server(tiny, max_body_bytes=2048)
     try:
@@ -566,7 +605,7 @@ def test_graceful_shutdown_finishes_requests_in_flight_and_refuses_new_ones(tiny
         assert wait_for(lambda: server.scheduler.running == 3)
         closing = pool.submit(server.shutdown, 30)
         assert wait_for(lambda: not server.scheduler.accepting)
-        status, refused = post(server, "/v1/completions", body)
+        status, refused = post(server, "/v1/completions", {**body, "stream": True})
         assert status == 503 and "shutting down" in refused["error"]["message"]
         for future in in_flight:
             events = future.result()

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from specdec.choices import DEFAULT_SAMPLING_METHOD, SAMPLING_METHODS, SEED_RANGE, SPECULATION_MODES
 from specdec.sampling import LogitsAdjustment, SamplingParams
@@ -67,8 +67,32 @@ NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_encodable)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
+def _null_allowed(schema: dict) -> None:
+    """In a body's JSON schema, each optional field takes null too (what :class:`_Body` reads as its default)."""
+    required = set(schema.get("required", ()))
+    for name, field_schema in schema.get("properties", {}).items():
+        options = field_schema.get("anyOf", [field_schema])
+        if name in required or any(option.get("type") == "null" for option in options):
+            continue
+        kept = {key: field_schema.pop(key) for key in ("default", "title", "description") if key in field_schema}
+        options = field_schema.pop("anyOf", None) or [dict(field_schema)]
+        field_schema.clear()
+        field_schema.update(anyOf=[*options, {"type": "null"}], **kept)
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_null_allowed)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        """An optional field sent as null takes its default, as in OpenAI's API (null is not sent), for OpenAI's
+        fields and specdec's alike."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {name: value for name, value in data.items()
+                if value is not None or name not in fields or fields[name].is_required()}
 
 
 class TextPart(_Body):
@@ -286,6 +310,8 @@ def parse_job(body: dict, chat: bool, model_name: str, vocab_size: int) -> Job:
             request.prompt[0], (str, list)) else request.prompt
         if request.echo and logprobs is not None:
             raise BadRequest("echo with logprobs (the prompt's log-probabilities) is not supported", "echo")
+    if request.stream_options is not None and not request.stream:
+        raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
     return Job(
         chat=chat,
