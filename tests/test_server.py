@@ -41,7 +41,7 @@ def tiny(tmp_path_factory):
 
 
 def start_server(tiny, proposer=None, api_key=None, max_body_bytes=1 << 20, read_timeout=60.0, head_timeout=20.0,
-                 **batch) -> OpenAIServer:
+                 body_timeout=120.0, **batch) -> OpenAIServer:
     """A server on a free port; ``proposer`` (a factory) replaces the drafter of ``batch['drafter']``."""
     model, tokenizer = tiny
     settings = BatchSettings(**{"max_batch_size": 32, "max_model_len": 256, **batch})
@@ -51,7 +51,8 @@ def start_server(tiny, proposer=None, api_key=None, max_body_bytes=1 << 20, read
     server = OpenAIServer(scheduler, tokenizer, MODEL, ServerSettings(port=0, api_key=api_key,
                                                                       max_body_bytes=max_body_bytes,
                                                                       read_timeout=read_timeout,
-                                                                      head_timeout=head_timeout))
+                                                                      head_timeout=head_timeout,
+                                                                      body_timeout=body_timeout))
     server.start()
     return server
 
@@ -466,6 +467,30 @@ def test_a_client_that_stalls_mid_body_gets_408_and_others_are_served(tiny):
         while answer:
             answer = stalled.recv(4096)
         stalled.close()
+        assert post(server, "/v1/completions", {"prompt": "w3", "max_tokens": 2})[0] == 200
+    finally:
+        server.shutdown(timeout=5)
+
+
+def test_a_body_trickled_past_its_time_in_all_gets_408(tiny):
+    """Issue 33: a body sent a byte at a time, each within the stall timeout, was held open without end. The body's
+    time in all is bounded (120 s by default; 1 s here, against a stall timeout of 5 s)."""
+    server = start_server(tiny, read_timeout=5.0, body_timeout=1.0)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as trickled:
+            trickled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
+            started, answer = time.monotonic(), b""
+            trickled.settimeout(0.2)
+            while not answer and time.monotonic() - started < 4:
+                try:
+                    trickled.sendall(b" ")
+                    answer = trickled.recv(4096)
+                except TimeoutError:
+                    pass
+            took = time.monotonic() - started
+        assert answer.startswith(b"HTTP/1.1 408") and b"did not end within 1 s" in answer, answer
+        assert b'"invalid_request_error"' in answer and b"connection: close" in answer.lower()
+        assert 1.0 <= took < 3.0, took  # the bound in all, not the 5 s stall timeout
         assert post(server, "/v1/completions", {"prompt": "w3", "max_tokens": 2})[0] == 200
     finally:
         server.shutdown(timeout=5)

@@ -7,9 +7,9 @@ frames every request, with specdec's refusals around it (``_http_protocol``, ``_
 front could frame otherwise is refused and its connection closed, never read past.
 
 Refusals are OpenAI error bodies: 400 for a bad request, 401 without the API key, 404 for an unknown path, 405 for
-a wrong method, 408 for a head or body that stalls, 413 for a body over the limit, 429 (with Retry-After) when the
-waiting queue is full, 431 for a head over the limits, 503 while shutting down or when the scheduler has stopped
-serving, 505 for an HTTP version other than 1.0 and 1.1.
+a wrong method, 408 for a head or body that stalls or a body that takes too long in all, 413 for a body over the
+limit, 429 (with Retry-After) when the waiting queue is full, 431 for a head over the limits, 503 while shutting
+down or when the scheduler has stopped serving, 505 for an HTTP version other than 1.0 and 1.1.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ class ServerSettings:
     api_key: str | None = None  # checked on every endpoint but /health
     max_body_bytes: int = 1 << 20
     read_timeout: float = 30.0  # seconds a request body may stall between reads: 408 after
+    body_timeout: float = 120.0  # seconds a request body may take in all, from the end of its head: 408 after
     head_timeout: float = 20.0  # seconds a request head may take from its first byte to its last: 408 after
     max_header_line: int = 8 << 10  # bytes of one header line (name, ": ", value): 431 above
     max_head_bytes: int = 32 << 10  # bytes of the request line and headers together: 431 above
@@ -631,20 +632,26 @@ def _add_schemas(app, *models) -> None:
 
 
 async def _read_body(request, settings: ServerSettings) -> bytes:
-    """The body, read as it arrives: 413 past the limit (declared or streamed), 408 if it stalls."""
+    """The body, read as it arrives: 413 past the limit (declared or streamed), 408 if it stalls or, however it
+    trickles, has not ended ``body_timeout`` seconds after it began."""
     declared = request.headers.get("Content-Length")
     if declared is not None and declared.isdigit() and int(declared) > settings.max_body_bytes:
         raise ApiError(f"the request body has {declared} bytes; the limit is {settings.max_body_bytes}", status=413)
     chunks, size = [], 0
     stream = request.stream().__aiter__()
+    deadline = time.monotonic() + settings.body_timeout
     while True:
+        wait = min(settings.read_timeout, deadline - time.monotonic())
         try:
-            chunk = await asyncio.wait_for(stream.__anext__(), settings.read_timeout)
+            chunk = await asyncio.wait_for(stream.__anext__(), max(wait, 0.0))
         except StopAsyncIteration:
             break
         except ClientDisconnect:  # it left mid-body, or its framing was refused
             raise ClientGone from None
         except asyncio.TimeoutError:
+            if wait < settings.read_timeout:
+                raise ApiError(f"the request body did not end within {settings.body_timeout:g} s", status=408
+                               ) from None
             raise ApiError(f"the request body stalled for {settings.read_timeout:g} s", status=408) from None
         size += len(chunk)
         if size > settings.max_body_bytes:
