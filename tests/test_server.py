@@ -620,6 +620,31 @@ def test_a_seeded_request_gives_the_same_tokens_alone_in_a_burst_and_without_spe
         plain.shutdown(timeout=5)
 
 
+def test_under_the_standard_rule_an_auto_servers_text_follows_its_k_and_a_fixed_mode_is_reproducible(tiny):
+    """docs/serving.md's stated limit: under ``"sampling": "standard"`` a seeded request's text follows its drafts,
+    so on an ``auto`` server, whose planner picks each round's k from measured pass times and the acceptance of
+    all requests, the same request sent alone at different times may answer differently. Shown with the k fixed
+    two ways (as the planner may pick): the standard texts part, the invariant sampler's do not; a request that
+    fixes its own speculation is reproducible."""
+    server = start_server(tiny, max_batch_size=4)  # speculation auto, the default
+    body = {"prompt": "w3 w4 w5 w3 w4 w5 w3 w4", "max_tokens": 24, "temperature": 1.0, "seed": 7, "ignore_eos": True,
+            "speculation": "always"}
+
+    def text(**extra):
+        status, answer = post(server, "/v1/completions", {**body, **extra})
+        assert status == 200, answer
+        return answer["choices"][0]["text"]
+
+    try:
+        assert server.scheduler.planner.mode == "auto"
+        assert text(sampling="standard", num_draft_tokens=1) != text(sampling="standard", num_draft_tokens=4)
+        assert text(num_draft_tokens=1) == text(num_draft_tokens=4) == text(speculation="never")
+        for mode in ("always", "never"):
+            assert text(sampling="standard", speculation=mode) == text(sampling="standard", speculation=mode)
+    finally:
+        server.shutdown(timeout=5)
+
+
 def test_graceful_shutdown_finishes_requests_in_flight_and_refuses_new_ones(tiny):
     gate = threading.Event()
     gate.set()
