@@ -8,7 +8,8 @@
 - transformers' logging and Python's warnings are kept off the terminal unless ``--verbose``.
 
 A library user who configures logging sees llama.cpp's warnings under ``llama.cpp`` and the notices under
-``specdec.notice``; :func:`configure` is the command line's choice, not the library's.
+``specdec.notice``; one who does not sees the notices alone (Python's last-resort handler), never llama.cpp's
+lines. :func:`configure` is the command line's choice, not the library's.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ import warnings
 
 LLAMA_CPP = logging.getLogger("llama.cpp")
 LLAMA_CPP.setLevel(logging.WARNING)  # what llama.cpp says below this is dropped in its callback, not formatted
+# A library's logger has a handler of its own that writes nothing: where the application configured no logging,
+# Python would otherwise print llama.cpp's warnings on stderr through its last-resort handler. Where it did, they
+# reach its handlers as any logger's records do.
+LLAMA_CPP.addHandler(logging.NullHandler())
 NOTICES = logging.getLogger("specdec.notice")
 
 # ggml_log_level, as llama.cpp 0.3.16's ggml numbers it: NONE, DEBUG, INFO, WARN, ERROR, then CONT (the rest of

@@ -59,6 +59,21 @@ def test_llama_cpp_warnings_reach_python_logging_and_its_info_does_not(long_cont
     assert notices == ["long.gguf was trained on 32768 positions; prompt and answer together get 8192 here"]
 
 
+def test_through_the_library_llama_cpp_says_nothing_unless_logging_is_configured(long_context_gguf):
+    """The Python API with no logging configured: specdec's notice reaches stderr, llama.cpp's warnings do not
+    (Python's last-resort handler printed them); configured, they reach its handlers."""
+    load = ("import logging, sys\nfrom specdec.api import SpecDecoder\n"
+            "if len(sys.argv) > 1: logging.basicConfig(level=logging.WARNING)\n"
+            f"SpecDecoder.load(model={str(long_context_gguf)!r}, backend='llama.cpp')\n")
+    quiet, configured = (subprocess.run([sys.executable, "-c", load, *flag], capture_output=True, text=True,
+                                        timeout=300, check=False) for flag in ([], ["configured"]))
+    assert quiet.returncode == configured.returncode == 0, quiet.stderr + configured.stderr
+    assert quiet.stderr.splitlines() == [
+        "long.gguf was trained on 32768 positions; prompt and answer together get 8192 here"], quiet.stderr
+    assert any(line.startswith("WARNING:llama.cpp:") and SHORT_CONTEXT_WARNING in line
+               for line in configured.stderr.splitlines()), configured.stderr
+
+
 def test_auto_on_a_gguf_says_nothing_of_the_candidates_it_measured(tmp_path):
     """--backend auto loads llama.cpp, the fused runtime and the torch runtime to time them (converting the GGUF for
     transformers): none of what they say while measured reaches the terminal; the summary names the choice."""
