@@ -3,20 +3,24 @@ specdec's runtime pay for it?
 
 For each precision of specdec's runtime (and for a GGUF on llama.cpp, with ``--gguf``): rows 0-7 of passes of 2, 5
 and 8 positions at three cache offsets, against the same positions scored one at a time; the largest logit
-difference (0: bit for bit). With ``--cost``: decode and 5-position passes of the runtime's blocked attention
-against PyTorch's fused attention (which is not invariant), interleaved in one process, as ratios. With
+difference (0: bit for bit). With ``--cost``: passes over 1, 5, 17 and 256 positions on the runtime's row kernels
+against the libraries' kernels (with blocked attention, and with PyTorch's fused attention, which is invariant on
+no CPU), interleaved in one process; each ratio is the row kernels' time over the other's. With
 ``--sampler``: what verifying one round of k = 4 costs under each sampling method, at the model's vocabulary.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
+from specdec.backends import native
+from specdec.backends.base import median_pass_seconds
 from specdec.backends.llama import LlamaRuntime, project_qkv
 
 PASS_SIZES = (2, 5, 8)
@@ -39,10 +43,9 @@ def largest_difference(model, prompt: list[int]) -> float:
 
 
 class FusedAttentionRuntime(LlamaRuntime):
-    """specdec's runtime with PyTorch's fused attention, as it was before it was made invariant: the reference
-    ``--cost`` prices the blocked attention against."""
+    """specdec's runtime with PyTorch's fused attention, as it was before it was made invariant (a reference price)."""
 
-    def _attention(self, layer, h, keys, values, start, cos, sin, bias, tree_keys):
+    def _attention(self, layer, h, keys, values, start, cos, sin, reading):
         n, heads, hd = h.shape[0], self.heads, self.head_dim
         q, k, v = project_qkv(layer, h, cos, sin, heads, self.kv_heads, hd)
         keys[:, start : start + n] = k.transpose(0, 1)
@@ -54,21 +57,34 @@ class FusedAttentionRuntime(LlamaRuntime):
         return layer.out(attended[0].transpose(0, 1).reshape(n, heads * hd))
 
 
-def pass_cost(model, precision: str, prompt: list[int], repeats: int = 15) -> dict[str, float]:
-    """Median ms of a decode pass and a 5-position pass after 150 cached positions, blocked against fused
-    attention, the two interleaved."""
-    runtimes = {"blocked": LlamaRuntime(model, precision), "fused": FusedAttentionRuntime(model, precision)}
-    times = {(name, n): [] for name in runtimes for n in (1, 5)}
+@contextlib.contextmanager
+def libraries_only():
+    """Runtimes built inside compute with the libraries' kernels (oneDNN, fbgemm, PyTorch's batched products in
+    blocked attention), as where specdec's row kernels are not built: what the runtime ran before them."""
+    unavailable = native.unavailable
+    native.unavailable = lambda: "the libraries' kernels, for comparison"
+    try:
+        yield
+    finally:
+        native.unavailable = unavailable
+
+
+COST_SIZES = (1, 5, 17, 256)  # a decode pass, a round of k = 4, of k = 16, a prompt
+COST_CACHED = 150  # positions cached before each timed pass
+
+
+def pass_cost(model, precision: str, prompt: list[int], repeats: int = 9) -> dict[str, dict[int, float]]:
+    """Median ms of passes over COST_SIZES positions after COST_CACHED cached ones, interleaved: the row kernels
+    (what the runtime runs), the libraries' kernels with blocked attention (invariant on some CPUs only), and with
+    PyTorch's fused attention (invariant on none)."""
+    runtimes = {"row kernels": LlamaRuntime(model, precision)}
+    with libraries_only():
+        runtimes["libraries"] = LlamaRuntime(model, precision)
+        runtimes["libraries, fused attention"] = FusedAttentionRuntime(model, precision)
     for runtime in runtimes.values():
-        runtime.extend(prompt[:150], 0)
-    for repeat in range(repeats):
-        for name, runtime in list(runtimes.items())[:: 1 if repeat % 2 else -1]:
-            for n in (1, 5):
-                started = time.perf_counter()
-                runtime.extend(prompt[150 : 150 + n], n)
-                times[(name, n)].append(time.perf_counter() - started)
-                runtime.rollback(150)
-    return {f"{name} {n}": 1000 * statistics.median(values[2:]) for (name, n), values in times.items()}
+        runtime.extend(prompt[:COST_CACHED], 0)
+    seconds = median_pass_seconds(runtimes, COST_SIZES, repeats)
+    return {name: {n: 1000 * s for n, s in by_size.items()} for name, by_size in seconds.items()}
 
 
 def verify_cost(vocab_size: int, k: int = 4, repeats: int = 200) -> dict[str, float]:
@@ -96,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="a transformers directory (default: the default model)")
     parser.add_argument("--gguf", default=None, help="also a GGUF file on llama.cpp")
     parser.add_argument("--precisions", default="float32,float16,bfloat16")
-    parser.add_argument("--cost", action="store_true", help="also price the blocked attention against the fused")
+    parser.add_argument("--cost", action="store_true", help="also price the row kernels against the libraries'")
     parser.add_argument("--sampler", action="store_true", help="also time a round's verification per sampling method")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
@@ -108,18 +124,23 @@ def main(argv: list[str] | None = None) -> None:
     print("| runtime | largest logit difference, alone vs in a pass |\n|---|---:|")
     for precision in args.precisions.split(","):
         print(f"| specdec {precision} | {largest_difference(LlamaRuntime(model, precision), prompt):.3g} |")
+        with libraries_only():
+            libraries = LlamaRuntime(model, precision)
+        print(f"| specdec {precision}, the libraries' kernels | {largest_difference(libraries, prompt):.3g} |")
     if args.gguf:
         from specdec.backends.llamacpp import LlamaCppLM
 
         lm = LlamaCppLM.load(args.gguf, threads=args.threads)
         print(f"| llama.cpp {lm.model.weight_type} | {largest_difference(lm, prompt):.3g} |")
     if args.cost:
-        print("\n| precision | decode pass, blocked / fused | 5-position pass, blocked / fused |\n|---|---:|---:|")
+        print("\n| precision | kernels | " + " | ".join(f"{n}-position pass" for n in COST_SIZES) + " |")
+        print("|---|---|" + "---:|" * len(COST_SIZES))
         for precision in args.precisions.split(","):
             ms = pass_cost(model, precision, prompt)
-            print(f"| {precision} | {ms['blocked 1']:.2f} / {ms['fused 1']:.2f} ms = "
-                  f"{ms['blocked 1'] / ms['fused 1']:.2f}x | {ms['blocked 5']:.2f} / {ms['fused 5']:.2f} ms = "
-                  f"{ms['blocked 5'] / ms['fused 5']:.2f}x |")
+            for name, by_size in ms.items():
+                cells = [f"{by_size[n]:.2f} ms" + ("" if name == "row kernels" else
+                                                  f" ({ms['row kernels'][n] / by_size[n]:.2f}x)") for n in COST_SIZES]
+                print(f"| {precision} | {name} | " + " | ".join(cells) + " |")
     if args.sampler:
         ms = verify_cost(model.config.vocab_size)
         print(f"\nverifying a round of k = 4 (vocabulary {model.config.vocab_size}, temperature 0.7, top-p 0.95): "
