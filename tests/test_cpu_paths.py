@@ -1,0 +1,97 @@
+"""The kernel paths that each x86 CPU kind selects, exercised on whichever machine runs the suite.
+
+specdec's row kernels (fused.c, through ``native.py``) take AVX-512 tiles where the CPU has AVX-512 (a Zen 4 EPYC,
+an Intel Xeon) and AVX2 tiles elsewhere (an AVX2-only EPYC); ``SPECDEC_FUSED_AVX2=1`` forces the AVX2 tiles on any
+CPU. PyTorch's own kernels (norms, SiLU, the embedding) and its libraries take paths by CPU too:
+``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA`` and ``MKL_ENABLE_INSTRUCTIONS`` hold them to AVX2. Each path runs
+in a fresh process, as each switch is read once at start.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specdec.backends import native
+
+TESTS = Path(__file__).parent
+AVX2_TILES = {"SPECDEC_FUSED_AVX2": "1"}
+AVX2_LIBRARIES = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+PATHS = {
+    "this CPU's own": {},
+    "AVX2 tiles (an AVX2-only EPYC's)": AVX2_TILES,
+    "AVX2 tiles and libraries held to AVX2": {**AVX2_TILES, **AVX2_LIBRARIES},
+}
+# every test that asserts a row's bits are the same whatever shares its pass, on the lean and the fused runtime
+INVARIANCE_TESTS = [
+    "test_batch_runtime.py::test_a_rows_logits_are_the_same_bit_for_bit_whatever_shares_its_pass",
+    "test_llama_runtime.py::test_a_tree_node_computes_what_its_branch_computes_as_a_chain",
+    "test_llama_runtime.py::test_logits_match_transformers_for_each_weight_precision",
+    "test_fused.py::test_a_rows_logits_are_the_same_bit_for_bit_alone_in_a_pass_in_a_tree_and_beside_other_sequences",
+    "test_cpu_paths.py::test_row_kernels_compute_each_row_alone",
+]
+
+# Products in each weight format and attention over a cache, for rows alone and in passes of several: a digest of
+# every output's bits, and whether each row's bits were the same alone.
+KERNEL_DIGEST = """
+import hashlib, numpy as np, torch
+from specdec.backends import native
+torch.manual_seed(0)
+digest, alone_everywhere = hashlib.sha256(), True
+x = torch.randn(17, 96)
+for precision in ("float32", "float16", "bfloat16"):
+    product = native.RowProduct(torch.randn(45, 96), torch.randn(45), precision)
+    alone = torch.cat([product(x[i : i + 1]) for i in range(17)])
+    for n in (2, 5, 6, 7, 17):
+        together = product(x[:n])
+        alone_everywhere &= torch.equal(together, alone[:n])
+        digest.update(together.numpy().tobytes())
+keys, values = torch.randn(2, 40, 16), torch.randn(2, 40, 16)
+q = torch.randn(9, 4, 16)
+alone = torch.cat([native.attention(q[i : i + 1], keys, values, np.zeros(1), np.array([30 + i])) for i in range(9)])
+together = native.attention(q, keys, values, np.zeros(9), np.arange(30, 39))
+alone_everywhere &= torch.equal(together, alone)
+digest.update(together.numpy().tobytes())
+print(digest.hexdigest(), alone_everywhere)
+"""
+
+
+def run_here(arguments: list[str], extra_env: dict[str, str], timeout: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, **extra_env}
+    return subprocess.run([sys.executable, *arguments], capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=TESTS, check=False)
+
+
+def test_row_kernels_compute_each_row_alone():
+    """Every weight format's product and the attention give each row the same bits alone and in passes of 2 to 17
+    (the tiles' groups of 4 and 6 rows, and their remainders)."""
+    if native.unavailable():
+        pytest.skip(native.unavailable())
+    run = run_here(["-c", KERNEL_DIGEST], {}, 120)
+    assert run.returncode == 0 and run.stdout.split()[1] == "True", run.stdout + run.stderr[-2000:]
+
+
+def test_the_avx2_tiles_give_the_avx512_tiles_bits():
+    """A machine with AVX-512 and one with AVX2 only compute the same bits: the AVX-512 tiles do, lane for lane, the
+    AVX2 tiles' FMAs (on an AVX2-only machine both runs take the AVX2 tiles)."""
+    if native.unavailable():
+        pytest.skip(native.unavailable())
+    runs = [run_here(["-c", KERNEL_DIGEST], env, 120) for env in ({}, AVX2_TILES)]
+    assert all(run.returncode == 0 for run in runs), [run.stderr[-2000:] for run in runs]
+    (wide, wide_alone), (avx2, avx2_alone) = (run.stdout.split() for run in runs)
+    assert wide == avx2 and wide_alone == avx2_alone == "True"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", list(PATHS))
+def test_the_invariance_tests_pass_on_every_cpu_path(path):
+    """The suite's invariance tests, run again on each path; none may be skipped (the row kernels run on all)."""
+    if native.unavailable():
+        pytest.skip(native.unavailable())
+    run = run_here(["-m", "pytest", "-q", "-p", "no:cacheprovider", *INVARIANCE_TESTS], PATHS[path], 600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "skipped" not in run.stdout.splitlines()[-1], run.stdout[-1000:]
