@@ -227,10 +227,10 @@ def test_help_and_refused_values_do_not_import_torch():
 def test_without_the_extension_auto_says_why_once_and_fused_is_refused(models, capsys, monkeypatch):
     """A failed build at install (or a CPU without AVX2/FMA/F16C): --backend auto runs without the fused runtime
     and says why once, when it measures; --backend fused is one line and exit 2."""
-    from specdec.backends import fused
+    from specdec.backends import native
 
     reason = "its C extension was not built at install (reinstall with a C compiler: pip install -e . prints why)"
-    monkeypatch.setattr(fused, "_library", lambda: reason)
+    monkeypatch.setattr(native, "library", lambda: reason)
     args = ["generate", PROMPT, "--model", str(models["draft"]), "--max-new-tokens", "4"]
     first = run_cli(capsys, *args)
     assert first[0] == 0 and f"passes specdec's fused runtime by: {reason}" in first[2], first[2]

@@ -11,7 +11,8 @@ from test_batch_runtime import logits_beside_others
 from tiny import perturbed_copy, save_with_tokenizer, tiny_llama
 
 from specdec.backends import LlamaRuntime
-from specdec.backends.fused import FusedRuntime, quantized8, repacked, unavailable
+from specdec.backends.fused import FusedRuntime, quantized8, unavailable
+from specdec.backends.native import repacked
 from specdec.drafters.networks import DrafterConfig, EagleHead, ExitAdapter, LayerShape, MTPHeads, TargetParts
 from specdec.engine import Engine, GenerationConfig
 from specdec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer, RetrievalProposer

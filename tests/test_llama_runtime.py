@@ -38,6 +38,11 @@ def reference_logits(model, ids: list[int]) -> torch.Tensor:  # [len(ids), vocab
         return model(torch.tensor([ids])).logits[0].float()
 
 
+def reference_logits_exactly(model, ids: list[int]) -> torch.Tensor:  # [len(ids), vocab] float64
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
 def runtime_logits_in_pieces(runtime: LlamaRuntime, ids: list[int], pieces: list[int]) -> torch.Tensor:
     """Feed ids in pieces of the given sizes, with a detour (extend, then roll back) between pieces."""
     out, done = [], 0
@@ -78,18 +83,28 @@ def test_each_family_matches_transformers_in_float64(family):
     assert (ours - reference_logits(model, ids)).abs().max() < 1e-12
 
 
-# float32 activations: within 64 units of float32 rounding (2**-24) of the largest logit, whichever precision holds
-# the weights, once the reference holds the same rounded weights. bfloat16 also rounds the matmuls' inputs and
-# outputs to bfloat16: within 4 of its units (2**-8), on a small-weight model, where rounding is not amplified.
-@pytest.mark.parametrize("precision, init_range, units", [
-    ("float32", 0.5, 64 * 2**-24), ("float16", 0.5, 64 * 2**-24), ("bfloat16", 0.02, 4 * 2**-8),
-])
-def test_logits_match_transformers_for_each_weight_precision(precision, init_range, units):
+# The runtime's activations are float32 whatever holds the weights (its row kernels convert each weight to float32
+# exactly). So against the exact function of the same rounded weights (float64), its logits may be as wrong as a
+# float32 evaluation of that function is, and no more. The bound is derived on the machine at hand, not fitted to
+# one: transformers' own float32 forward pass over the same weights and positions, whose error against float64 grows
+# with the model's sizes and the float32 rounding unit. Two float32 evaluations that differ only in summation order
+# have errors of the same spread, so the largest of one is allowed twice the largest of the other (measured on a Zen
+# 4 EPYC: 1.06x, 0.79x and 0.80x of the reference's), with one unit of float32 rounding (2**-24) of the largest
+# logit as a floor where the reference happens to be nearly exact.
+@pytest.mark.parametrize("precision, init_range", [("float32", 0.5), ("float16", 0.5), ("bfloat16", 0.02)])
+def test_logits_match_transformers_for_each_weight_precision(precision, init_range):
     model = tiny_llama(seed=4, init_range=init_range)
+    runtime = LlamaRuntime(model, precision)
+    if not runtime.pass_invariant:
+        pytest.skip("the row kernels do not run here: the libraries' bfloat16 product rounds activations too")
     ids = random_ids(40)
-    ours = runtime_logits_in_pieces(LlamaRuntime(model, precision), ids, [17, 1, 5, 1, 16])
-    reference = reference_logits(rounded_copy(model, precision), ids)
-    assert (ours - reference).abs().max() <= units * reference.abs().max()
+    ours = runtime_logits_in_pieces(runtime, ids, [17, 1, 5, 1, 16]).double()
+    rounded = rounded_copy(model, precision)
+    reference = reference_logits(rounded, ids).double()  # float32
+    exact = reference_logits_exactly(rounded.double(), ids)  # the same weights, float64 (.double() is in place)
+    reference_error = (reference - exact).abs().max()
+    floor = 2**-24 * exact.abs().max()
+    assert (ours - exact).abs().max() <= 2 * reference_error + floor
 
 
 def test_each_kind_of_pass_runs_in_its_own_precision():

@@ -62,9 +62,11 @@ def _runtime_and_remedy(backend: CausalLM, path) -> tuple[str, str]:
                 f"`specdec quantize {path}` writes a Q8_0 copy once, and says whether its rows are the same in any "
                 "pass")
     if isinstance(backend, LlamaRuntime):
+        from specdec.backends import native
+
+        why = native.unavailable() or "its sizes or precision are not theirs (inputs in chunks of 8, float weights)"
         return (f"specdec's runtime ({backend.precisions})",
-                "one precision for every pass (--dtype float32, float16 or bfloat16) is invariant where "
-                "docs/exactness.md measured")
+                f"specdec's row kernels, which compute each row as it is alone, do not run here: {why}")
     return (f"its transformers modules ({precision_of(backend)})",
             "specdec's own runtime, which is invariant, runs llama, mistral and qwen2 models")
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.backends import native
 from specdec.backends.llama import (
     LlamaRuntime,
     attention_bias,
@@ -68,12 +69,12 @@ class BatchedLlama:
         # per slot index: positions below this hold finite numbers. Attention reads every row up to the pass's
         # longest; masked positions weigh 0, but 0 x NaN (never-written memory) is still NaN
         self._written = [0] * max_slots
+        self._slot_floats = shape[1] * shape[2] * shape[3]  # from one slot's cache to the next
         self._fused_cache = None
         if getattr(runtime, "fused", False):  # the fused runtime reads the pool through fused.c
             from specdec.backends.fused import _PassCache
 
             self._fused_cache = _PassCache(self._keys, self._values, shape[2] * shape[3], self._cos, self._sin)
-            self._slot_floats = shape[1] * shape[2] * shape[3]
 
     def open(self) -> Slot:
         if len(self.slots) == self.max_slots:
@@ -143,8 +144,9 @@ class BatchedLlama:
             for row, n in zip(rows, lengths):
                 row.slot.length += n
             return given, rows, layout, x
-        self._clear_up_to(layout.span, rows)
-        layout.bias = attention_bias(layout.mask, rt.kv_heads, rt.heads // rt.kv_heads, rt.dtype)
+        if not rt.row_attention:  # blocked attention reads whole blocks of every row's keys
+            self._clear_up_to(layout.span, rows)
+            layout.bias = attention_bias(layout.mask, rt.kv_heads, rt.heads // rt.kv_heads, rt.dtype)
         cos, sin = self._cos[layout.positions], self._sin[layout.positions]  # [T, head_dim] each
         x = rt.embed[layout.token_ids]  # [T, hidden]
         for layer, keys, values in zip(self._weights(rows, layout)[0][:layers], self._keys, self._values):
@@ -152,7 +154,7 @@ class BatchedLlama:
             q, k, v = project_qkv(layer, h, cos, sin, rt.heads, rt.kv_heads, rt.head_dim)  # [T, *, hd]
             keys[layout.slot_of_token, :, layout.positions] = k
             values[layout.slot_of_token, :, layout.positions] = v
-            x = x + layer.out(self._attention(q, layout.cached(keys), layout.cached(values), layout))
+            x = x + layer.out(self._attention(q, keys, values, layout))
             x = x + mlp(layer, x, rt.eps)
         for row, n in zip(rows, lengths):
             row.slot.length += n
@@ -199,7 +201,12 @@ class BatchedLlama:
 
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: "_Layout"
                    ) -> torch.Tensor:  # [T, heads * hd]
+        """Each query over its own slot's keys up to its position; keys and values: one layer's pool."""
         rt = self.runtime
+        if rt.row_attention:  # fused.c's, each query alone
+            return native.attention(q, keys, values, layout.slot_of_token.numpy() * self._slot_floats,
+                                    layout.positions.numpy() + 1)
+        keys, values = layout.cached(keys), layout.cached(values)
         rows, width = len(layout.lengths), layout.width
         padded = q.new_zeros(rows * width, rt.heads, rt.head_dim)
         padded[layout.padded_index] = q

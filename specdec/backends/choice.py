@@ -24,7 +24,7 @@ from specdec.backends.base import median_pass_seconds
 from specdec.cachefile import MeasurementCache
 from specdec.logs import notice, verbose
 
-CACHE = MeasurementCache("backends.json", version=1)
+CACHE = MeasurementCache("backends.json", version=2)  # 2: the torch runtime on the row kernels
 CONTEXT_TOKENS = 64  # cached before the timed passes
 SCORED_POSITIONS = 5  # a scoring pass: k+1 at the default k=4
 REPEATS = 5  # timed passes per candidate and kind; the median is kept

@@ -191,30 +191,44 @@ __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) static inline void sum
     out[1] = sum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 
-/* Weights are float16, repacked (fused.py, `repacked`) in blocks of 8 output rows: block b holds rows 8b..8b+7,
- * one 8-wide chunk of `in` after another, each chunk the 8 rows' 8 halves (64 halves, 128 bytes). A block is one
- * sequential stream, however many of its rows a tile reads.
+/* Float weights (float16, float32 or bfloat16) are repacked (fused.py, `repacked`) in blocks of 8 output rows:
+ * block b holds rows 8b..8b+7, one 8-wide chunk of `in` after another, each chunk the 8 rows' 8 values (64 values).
+ * A block is one sequential stream, however many of its rows a tile reads.
  *
- * out[r][o] = dot(weight row o, x row r) for R rows and O weight rows, `w` pointing at the first one's halves in
+ * out[r][o] = dot(weight row o, x row r) for R rows and O weight rows, `w` pointing at the first one's values in
  * its block's first chunk. Each (r, o) has one accumulator fed in the order of k: the same arithmetic whatever R
- * and O are. */
+ * and O are, and whatever the format (each converts its 8 values to float exactly before the FMA). */
 #define CHUNK 64
-#ifndef PREFETCH
-#define PREFETCH 2048 /* halves ahead of the chunk being read that a tile asks the memory for */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096 /* how far ahead of the chunk being read a tile asks the memory for the weights */
 #endif
 #define GROUP 4    /* rows a tile computes at most: AVX2 has 16 registers */
 #define GROUP512 6 /* and AVX-512 32: 6 rows x 4 pairs of outputs accumulate in 24 */
-#define TILE(R, O)                                                                                                 \
-    __attribute__((target("avx2,fma,f16c"))) static void tile_##R##x##O(const half *w, const float *x,             \
+
+/* Eight weights as floats (AVX2), and two rows' eight each as one register (AVX-512), per format. */
+#define LOAD8_F16(w) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w)))
+#define LOAD8_F32(w) _mm256_loadu_ps(w)
+#define LOAD8_BF16(w) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w))), 16))
+#define LOAD16_F16(w) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w)))
+#define LOAD16_F32(w) _mm512_loadu_ps(w)
+#define LOAD16_BF16(w) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w))), 16))
+
+/* The lines of the chunk PREFETCH_BYTES ahead. */
+#define PREFETCH_CHUNK(w, T)                                                                                       \
+    for (int line = 0; line < CHUNK * (int)sizeof(T); line += 64)                                                  \
+        _mm_prefetch((const char *)(w) + PREFETCH_BYTES + line, _MM_HINT_T0);
+
+#define TILE(NAME, T, LOAD8, R, O)                                                                                 \
+    __attribute__((target("avx2,fma,f16c"))) static void NAME##_##R##x##O(const void *weights, const float *x,     \
                                                                          int64_t ldx, int in, float out[GROUP512][8]) { \
+        const T *w = (const T *)weights;                                                                           \
         __m256 acc[R][O];                                                                                          \
         for (int r = 0; r < R; r++)                                                                                \
             for (int o = 0; o < O; o++) acc[r][o] = _mm256_setzero_ps();                                           \
         for (int k = 0; k < in; k += 8, w += CHUNK) {                                                              \
-            _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);                                               \
-            _mm_prefetch((const char *)(w + PREFETCH + 32), _MM_HINT_T0);                                          \
+            PREFETCH_CHUNK(w, T)                                                                                   \
             __m256 wv[O];                                                                                          \
-            for (int o = 0; o < O; o++) wv[o] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 8 * o)));     \
+            for (int o = 0; o < O; o++) wv[o] = LOAD8(w + 8 * o);                                                  \
             for (int r = 0; r < R; r++) {                                                                          \
                 __m256 xv = _mm256_loadu_ps(x + r * ldx + k);                                                      \
                 for (int o = 0; o < O; o++) acc[r][o] = _mm256_fmadd_ps(wv[o], xv, acc[r][o]);                     \
@@ -223,25 +237,26 @@ __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) static inline void sum
         for (int r = 0; r < R; r++)                                                                                \
             for (int o = 0; o < O; o++) out[r][o] = sum8(acc[r][o]);                                               \
     }
-TILE(1, 8)
-TILE(2, 4)
-TILE(3, 2)
-TILE(4, 2)
+#define TILES(NAME, T, LOAD8) TILE(NAME, T, LOAD8, 1, 8) TILE(NAME, T, LOAD8, 2, 4) TILE(NAME, T, LOAD8, 3, 2) \
+    TILE(NAME, T, LOAD8, 4, 2)
+TILES(f16, half, LOAD8_F16)
+TILES(f32, float, LOAD8_F32)
+TILES(bf16, uint16_t, LOAD8_BF16)
 
-/* The same tiles for 8 outputs on AVX-512: a zmm holds a pair of rows' chunk (16 halves: row o's 8, then o+1's)
+/* The same tiles for 8 outputs on AVX-512: a zmm holds a pair of rows' chunk (16 values: row o's 8, then o+1's)
  * and the 8 inputs twice, so each 16-lane FMA is the two 8-lane FMAs the tiles above do for o and o+1, lane for
  * lane: the same bits, half the instructions. */
-#define TILE512(R)                                                                                                 \
-    __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) static void tile512_##R(                            \
-        const half *w, const float *x, int64_t ldx, int in, float out[GROUP512][8]) {                               \
+#define TILE512(NAME, T, LOAD16, R)                                                                                \
+    __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) static void NAME##z_##R(                  \
+        const void *weights, const float *x, int64_t ldx, int in, float out[GROUP512][8]) {                        \
+        const T *w = (const T *)weights;                                                                           \
         __m512 acc[R][4];                                                                                          \
         for (int r = 0; r < R; r++)                                                                                \
             for (int o = 0; o < 4; o++) acc[r][o] = _mm512_setzero_ps();                                           \
         for (int k = 0; k < in; k += 8, w += CHUNK) {                                                              \
-            _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);                                               \
-            _mm_prefetch((const char *)(w + PREFETCH + 32), _MM_HINT_T0);                                          \
+            PREFETCH_CHUNK(w, T)                                                                                   \
             __m512 wv[4];                                                                                          \
-            for (int o = 0; o < 4; o++) wv[o] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 16 * o))); \
+            for (int o = 0; o < 4; o++) wv[o] = LOAD16(w + 16 * o);                                                \
             for (int r = 0; r < R; r++) {                                                                          \
                 __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + r * ldx + k)); /* a load, no shuffle */      \
                 for (int o = 0; o < 4; o++) acc[r][o] = _mm512_fmadd_ps(wv[o], xv, acc[r][o]);                     \
@@ -250,12 +265,11 @@ TILE(4, 2)
         for (int r = 0; r < R; r++)                                                                                \
             for (int o = 0; o < 4; o++) sum8_pair(acc[r][o], out[r] + 2 * o);                                      \
     }
-TILE512(1)
-TILE512(2)
-TILE512(3)
-TILE512(4)
-TILE512(5)
-TILE512(6)
+#define TILES512(NAME, T, LOAD16) TILE512(NAME, T, LOAD16, 1) TILE512(NAME, T, LOAD16, 2) \
+    TILE512(NAME, T, LOAD16, 3) TILE512(NAME, T, LOAD16, 4) TILE512(NAME, T, LOAD16, 5) TILE512(NAME, T, LOAD16, 6)
+TILES512(f16, half, LOAD16_F16)
+TILES512(f32, float, LOAD16_F32)
+TILES512(bf16, uint16_t, LOAD16_BF16)
 
 /* Q8: 8-bit weights with a float scale and offset per 32 inputs of a row (w = d q + m: exact for the GGUF's Q4_1,
  * Q4_0 and Q8_0 blocks, fused.py `quantized8`), repacked like F16 in blocks of 8 output rows: block b holds, for
@@ -265,9 +279,9 @@ TILE512(6)
  * out[r][o] for R rows and O outputs from row j of the block at w. */
 #define QBLOCK 320
 
-/* Ask the memory for the Q8 block 2 * PREFETCH bytes ahead: its five lines. */
+/* Ask the memory for the Q8 block PREFETCH_BYTES ahead: its five lines. */
 static inline void prefetch_q8(const uint8_t *w) {
-    for (int line = 0; line < QBLOCK; line += 64) _mm_prefetch((const char *)(w + 2 * PREFETCH + line), _MM_HINT_T0);
+    for (int line = 0; line < QBLOCK; line += 64) _mm_prefetch((const char *)(w + PREFETCH_BYTES + line), _MM_HINT_T0);
 }
 #define TILE_Q8(R, O)                                                                                              \
     __attribute__((target("avx2,fma,f16c"))) static void q8_##R##x##O(const uint8_t *w, int j, const float *x,    \
@@ -343,20 +357,25 @@ typedef void (*Q8Fn)(const uint8_t *, int, const float *, int64_t, int, float[GR
 static const Q8Fn Q8_WIDE[GROUP + 1] = {0, q8_1x8, q8_2x4, q8_3x2, q8_4x2};
 static const Q8Fn Q8_512[GROUP512 + 1] = {0, q8z_1, q8z_2, q8z_3, q8z_4, q8z_5, q8z_6};
 
-enum { F16, Q8 }; /* Model.format */
+enum { F16, Q8, F32, BF16 }; /* how a weight matrix is stored (Model.format, Matrix.format) */
+static const int VALUE_BYTES[] = {[F16] = 2, [F32] = 4, [BF16] = 2}; /* the float formats' */
 
-typedef void (*TileFn)(const half *, const float *, int64_t, int, float[GROUP512][8]);
-static const TileFn WIDE[5] = {0, tile_1x8, tile_2x4, tile_3x2, tile_4x2};
-static const int WIDTH[5] = {0, 8, 4, 2, 2};
-static const TileFn WIDE512[GROUP512 + 1] = {0, tile512_1, tile512_2, tile512_3, tile512_4, tile512_5, tile512_6};
+typedef void (*TileFn)(const void *, const float *, int64_t, int, float[GROUP512][8]);
+static const TileFn WIDE[][GROUP + 1] = {[F16] = {0, f16_1x8, f16_2x4, f16_3x2, f16_4x2},
+                                         [F32] = {0, f32_1x8, f32_2x4, f32_3x2, f32_4x2},
+                                         [BF16] = {0, bf16_1x8, bf16_2x4, bf16_3x2, bf16_4x2}};
+static const int WIDTH[GROUP + 1] = {0, 8, 4, 2, 2};
+static const TileFn WIDE512[][GROUP512 + 1] = {[F16] = {0, f16z_1, f16z_2, f16z_3, f16z_4, f16z_5, f16z_6},
+                                               [F32] = {0, f32z_1, f32z_2, f32z_3, f32z_4, f32z_5, f32z_6},
+                                               [BF16] = {0, bf16z_1, bf16z_2, bf16z_3, bf16z_4, bf16z_5, bf16z_6}};
 
 enum { STORE, ADD }; /* y = product (+ bias), or y += product (a residual) */
 
 /* out[r][j] for `rows` rows (up to GROUP, or GROUP512 with AVX-512) and the 8 rows of the block at w: in one
- * tile (float16 on AVX-512), else in tiles of `width` rows of the block, one after another. */
+ * tile (float weights on AVX-512), else in tiles of `width` rows of the block, one after another. */
 static void tile(int format, const void *w, int in, const float *x, int64_t ldx, int rows, float out[GROUP512][8]) {
-    if (format == F16 && has_avx512) {
-        WIDE512[rows]((const half *)w, x, ldx, in, out);
+    if (format != Q8 && has_avx512) {
+        WIDE512[format][rows](w, x, ldx, in, out);
         return;
     }
     float part[GROUP512][8];
@@ -365,7 +384,7 @@ static void tile(int format, const void *w, int in, const float *x, int64_t ldx,
         if (format == Q8)
             (has_avx512 ? Q8_512 : Q8_WIDE)[rows]((const uint8_t *)w, done, x, ldx, in, part);
         else
-            WIDE[rows]((const half *)w + 8 * done, x, ldx, in, part);
+            WIDE[format][rows]((const char *)w + 8 * done * VALUE_BYTES[format], x, ldx, in, part);
         for (int r = 0; r < rows; r++)
             for (int j = 0; j < width; j++) out[r][done + j] = part[r][j];
     }
@@ -374,7 +393,7 @@ static void tile(int format, const void *w, int in, const float *x, int64_t ldx,
 /* Where the block of weight rows o..o+7 (o a multiple of 8) of a matrix with `in` inputs starts. */
 static const void *block_at(int format, const void *w, int64_t o, int in) {
     return format == Q8 ? (const void *)((const uint8_t *)w + o / 8 * (in / 32) * QBLOCK)
-                        : (const void *)((const half *)w + o * in);
+                        : (const void *)((const char *)w + o * in * VALUE_BYTES[format]);
 }
 
 /* y[r, o] for every row r < n and o in [o0, o1) (o0 a multiple of 8): W repacked, [*, in]; x [n, ldx]; y [n, ldy].
@@ -442,17 +461,12 @@ __attribute__((target("avx2,fma,f16c"))) static float dot(const float *a, const 
     return sum8(acc);
 }
 
-/* One row's attention for one head: softmax(q . k / sqrt(hd)) over the row's keys, in their order, then the
- * weighted sum of the values, in the same order. */
-__attribute__((target("avx2,fma,f16c"))) static void attend(const Pass *p, int layer, int r, int head, float *scores,
+/* One query's attention: softmax(q . k / sqrt(hd)) over `count` keys (columns 0..count-1, or those `cols` lists),
+ * in their order, then the weighted sum of the values, in the same order. keys and values: the query's kv head's
+ * columns, hd floats each. */
+__attribute__((target("avx2,fma,f16c"))) static void attend(const float *q, const float *keys, const float *values,
+                                                           int hd, int count, const int32_t *cols, float *scores,
                                                            float *out) {
-    const Model *m = p->m;
-    const Rows *rows = p->rows;
-    int hd = m->head_dim, kv = head / (m->heads / m->kv_heads), count = rows->n_keys[r];
-    const float *q = p->qkv + (int64_t)r * (m->heads + 2 * m->kv_heads) * hd + head * hd;
-    int64_t offset = rows->base[r] + kv * p->cache->head_stride;
-    const float *keys = p->cache->keys[layer] + offset, *values = p->cache->values[layer] + offset;
-    const int32_t *cols = rows->key_cols ? rows->key_cols + (int64_t)r * rows->key_stride : NULL;
     float scale = 1.0f / sqrtf((float)hd), top = -INFINITY, total = 0.0f;
     for (int t = 0; t < count; t++) {
         scores[t] = dot(q, keys + (int64_t)(cols ? cols[t] : t) * hd, hd) * scale;
@@ -470,6 +484,15 @@ __attribute__((target("avx2,fma,f16c"))) static void attend(const Pass *p, int l
         for (int j = 0; j < hd / 8; j++) acc[j] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + 8 * j), acc[j]);
     }
     for (int j = 0; j < hd / 8; j++) _mm256_storeu_ps(out + 8 * j, _mm256_div_ps(acc[j], _mm256_set1_ps(total)));
+}
+
+/* Row r's attention for one head, over the cache of one layer (keys, values: its base). q: the row's queries,
+ * heads x hd floats; out: the row's heads x hd outputs. */
+static void attend_head(const Rows *rows, const float *keys, const float *values, int64_t head_stride, int heads,
+                        int kv_heads, int hd, int r, int head, const float *q, float *scores, float *out) {
+    int64_t offset = rows->base[r] + head / (heads / kv_heads) * head_stride;
+    const int32_t *cols = rows->key_cols ? rows->key_cols + (int64_t)r * rows->key_stride : NULL;
+    attend(q + head * hd, keys + offset, values + offset, hd, rows->n_keys[r], cols, scores, out + head * hd);
 }
 
 static float silu(float g) { return g / (1.0f + expf(-g)); }
@@ -504,8 +527,10 @@ static void pass_job(void *arg, int thread, int threads) {
         }
         team_barrier(threads, &sense);
         for (int item = thread; item < n * m->heads; item += threads) {
-            int r = item / m->heads, head = item % m->heads;
-            attend(p, li, r, head, scores, p->attended + (int64_t)r * q_width + head * hd);
+            int r = item / m->heads;
+            attend_head(rows, p->cache->keys[li], p->cache->values[li], p->cache->head_stride, m->heads, m->kv_heads,
+                        hd, r, item % m->heads, p->qkv + (int64_t)r * qkv_width, scores,
+                        p->attended + (int64_t)r * q_width);
         }
         team_barrier(threads, &sense);
         share(hidden, 8, thread, threads, &b, &e);
@@ -528,27 +553,84 @@ static void pass_job(void *arg, int thread, int threads) {
     }
 }
 
-typedef struct {
-    const Model *m;
-    const float *x;
-    int n;
-    float *logits;
-} Head;
+/* ---------------------------------------------------------------- products and attention alone
+ *
+ * What the lean runtime (llama.py) computes with on the CPU, each row as it is alone: a product's rows by the tiles
+ * above, a row's attention by attend. So its rows, too, are the same bits in any pass on any CPU. */
 
-static void head_job(void *arg, int thread, int threads) {
-    Head *h = (Head *)arg;
+typedef struct {
+    int format, in, out;  /* float weights (F16, F32, BF16) repacked in blocks of 8 rows, or Q8; in: a multiple of 8 */
+    const void *weight;
+    const float *bias;    /* [out] or NULL */
+} Matrix;
+
+typedef struct {
+    const Matrix *m;
+    const float *x;  /* [n, in] */
+    int n;
+    float *y;        /* [n, out] */
+} Product;
+
+static void product_job(void *arg, int thread, int threads) {
+    const Product *p = (const Product *)arg;
     int b, e;
     if (thread >= threads) return;
-    share(h->m->vocab, 8, thread, threads, &b, &e);
-    product(h->m->format, h->m->lm_head, h->x, h->m->hidden, h->n, h->m->hidden, b, e, NULL, h->logits, h->m->vocab, STORE);
+    share(p->m->out, 8, thread, threads, &b, &e);
+    product(p->m->format, p->m->weight, p->x, p->m->in, p->n, p->m->in, b, e, p->m->bias, p->y, p->m->out, STORE);
+}
+
+/* y = x W^T + bias for n rows, the outputs shared among the team. */
+void sd_product(const Matrix *m, const float *x, int n, float *y) {
+    Product p = {m, x, n, y};
+    pthread_mutex_lock(&pass_lock);
+    run_team(product_job, &p);
+    pthread_mutex_unlock(&pass_lock);
 }
 
 /* logits [n, vocab] of n rows already normed, x [n, hidden]. */
 void sd_head(const Model *m, const float *x, int n, float *logits) {
-    Head h = {m, x, n, logits};
+    Matrix head = {m->format, m->hidden, m->vocab, m->lm_head, NULL};
+    sd_product(&head, x, n, logits);
+}
+
+typedef struct {
+    const Rows *rows;             /* each row's keys: base, n_keys, key_cols */
+    int heads, kv_heads, head_dim;
+    const float *q;               /* [n, heads * head_dim] */
+    const float *keys, *values;   /* one layer's cache base */
+    int64_t head_stride;          /* floats from one kv head to the next */
+    float *out;                   /* [n, heads * head_dim] */
+    float *scores;                /* [threads, scores_stride] */
+    int scores_stride;
+} Attention;
+
+static void attention_job(void *arg, int thread, int threads) {
+    const Attention *a = (const Attention *)arg;
+    if (thread >= threads) return;
+    int width = a->heads * a->head_dim;
+    for (int item = thread; item < a->rows->n * a->heads; item += threads) {
+        int r = item / a->heads;
+        attend_head(a->rows, a->keys, a->values, a->head_stride, a->heads, a->kv_heads, a->head_dim, r,
+                    item % a->heads, a->q + (int64_t)r * width, a->scores + (int64_t)thread * a->scores_stride,
+                    a->out + (int64_t)r * width);
+    }
+}
+
+static float *scratch_of(size_t floats);
+
+/* Each row's attention over its own keys in one layer's cache (the keys and values already written); 0, or -1
+ * when scratch could not be had. */
+int sd_attention(const Rows *rows, int heads, int kv_heads, int head_dim, const float *q, const float *keys,
+                 const float *values, int64_t head_stride, float *out) {
+    int max_keys = 1;
+    for (int r = 0; r < rows->n; r++)
+        if (rows->n_keys[r] > max_keys) max_keys = rows->n_keys[r];
+    Attention a = {rows, heads, kv_heads, head_dim, q, keys, values, head_stride, out, NULL, (max_keys + 15) / 16 * 16};
     pthread_mutex_lock(&pass_lock);
-    run_team(head_job, &h);
+    a.scores = scratch_of((size_t)MAX_THREADS * a.scores_stride);
+    if (a.scores) run_team(attention_job, &a);
     pthread_mutex_unlock(&pass_lock);
+    return a.scores ? 0 : -1;
 }
 
 /* A pass's scratch: kept and grown, never given back (a fresh allocation of over 128 KiB is a fresh mapping, whose

@@ -14,20 +14,17 @@ why in one line, and ``--backend auto`` passes it by.
 from __future__ import annotations
 
 import ctypes
-import functools
-import importlib.util
 
 import numpy as np
 import torch
 
+from specdec.backends import native
 from specdec.backends.linear import PassPrecisions
-from specdec.backends.llama import LlamaRuntime, _build, _tree_reading, supports
+from specdec.backends.llama import LlamaRuntime, _build, supports
+from specdec.backends.native import FORMAT, MAX_HEAD_DIM, repacked
 from specdec.choices import MAX_DRAFT_TOKENS
 
-MAX_HEAD_DIM = 128  # fused.c's attention keeps one head's output in 16 registers of 8
-NEEDED_FLAGS = ("avx2", "fma", "f16c")
 WEIGHTS = ("float16", "int8")  # how fused.c holds the weights; activations, norms, attention and the cache are float32
-FORMAT = {"float16": 0, "int8": 1}  # fused.c's F16 and Q8
 Q8_GROUP = 32  # inputs that share an int8 weight's scale and offset
 Q8_BYTES_PER_WEIGHT = 320 / 256  # a block of 8 rows x 32 inputs: 256 bytes of weights, 8 scales and 8 offsets
 # A chain pass over more positions than a round can score (k <= MAX_DRAFT_TOKENS drafts and the pending token) holds
@@ -61,81 +58,12 @@ class _Cache(ctypes.Structure):
                 ("cos", _p), ("sin", _p)]
 
 
-class _Rows(ctypes.Structure):
-    _fields_ = [("n", ctypes.c_int), ("rope", _p), ("base", _p), ("column", _p), ("n_keys", _p),
-                ("key_cols", _p), ("key_stride", ctypes.c_int)]
-
-
-def cpu_lacks() -> list[str]:
-    """The instructions fused.c needs that this CPU does not report (Linux's /proc/cpuinfo)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return [flag for flag in NEEDED_FLAGS if flag not in flags]
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | str:
-    """The built library, or why it cannot be used (a line)."""
-    lacking = cpu_lacks()
-    if lacking:
-        return f"this CPU lacks {', '.join(lacking)}"
-    spec = importlib.util.find_spec("specdec.backends._fused")
-    if spec is None or not spec.origin:
-        return "its C extension was not built at install (reinstall with a C compiler: pip install -e . prints why)"
-    try:
-        library = ctypes.CDLL(spec.origin)
-    except OSError as error:
-        return f"its C extension does not load ({error})"
-    try:
-        _declare(library)
-    except AttributeError as error:  # a library from an older specdec: a function is missing
-        return f"its C extension is out of date ({error}; reinstall specdec)"
-    return library
-
-
-def _declare(library: ctypes.CDLL) -> None:
-    library.sd_pass.restype = ctypes.c_int
-    library.sd_pass.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Cache), ctypes.POINTER(_Rows), _p,
-                                ctypes.c_int, ctypes.c_int]
-    library.sd_head.restype = None
-    library.sd_head.argtypes = [ctypes.POINTER(_Model), _p, ctypes.c_int, _p]
-    library.sd_set_threads.restype = ctypes.c_int
-    library.sd_set_threads.argtypes = [ctypes.c_int]
-    library.sd_use_openmp.argtypes = [_p, _p, _p]
-    openmp = _torch_openmp()
-    if openmp is not None:
-        library.sd_use_openmp(*openmp)
-
-
-OPENMP_FUNCTIONS = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")
-
-
-def _torch_openmp() -> list[ctypes.c_void_p] | None:
-    """The functions fused.c's team needs from PyTorch's GNU OpenMP runtime (the one its CPU wheels for Linux ship
-    and load), or None: then fused.c starts threads of its own."""
-    import glob
-    import os
-
-    for path in glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*")):
-        try:
-            openmp = ctypes.CDLL(path)  # already loaded by PyTorch: the same handle, the same threads
-            return [ctypes.cast(getattr(openmp, name), _p) for name in OPENMP_FUNCTIONS]
-        except (OSError, AttributeError):
-            continue
-    return None
-
-
 def unavailable(model=None, weights: str = "float16") -> str | None:
     """Why the fused runtime cannot run ``model`` (or anything, for None) here, its weights held so; None where it
     can."""
-    library = _library()
-    if isinstance(library, str):
-        return library
-    if model is None:
-        return None
+    reason = native.unavailable()
+    if reason is not None or model is None:
+        return reason
     if next(model.parameters()).device.type != "cpu":
         return "it runs on the CPU only"
     if not supports(model):
@@ -153,15 +81,6 @@ def unavailable(model=None, weights: str = "float16") -> str | None:
                                         layer.mlp.down_proj, model.get_output_embeddings())):
         return "its output, feed-forward or LM head projections have biases"
     return None
-
-
-def repacked(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> [ceil(out / 8) * 8 * in] float16
-    """``weight`` as fused.c reads it: blocks of 8 output rows (the last padded with zero rows), each block one
-    chunk of 8 inputs after another, a chunk the 8 rows' 8 values: one sequential stream per block."""
-    out, inputs = weight.shape
-    padded = torch.zeros(-(-out // 8) * 8, inputs, dtype=torch.float16)
-    padded[:out] = weight
-    return padded.view(-1, 8, inputs // 8, 8).transpose(1, 2).contiguous().flatten()
 
 
 def quantized8(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:  # [ceil(out / 8) * in / 32 * 320] uint8
@@ -233,8 +152,8 @@ class FusedRuntime(LlamaRuntime):
         reason = unavailable(model, "float16" if weights == "auto" else weights)
         if reason is not None:
             raise FusedUnavailable(f"the fused runtime cannot run this model: {reason}")
-        self._library = _library()
-        self.threads = self._library.sd_set_threads(torch.get_num_threads())
+        self._library = native.library()
+        self.threads = native.use_threads()
         self.weights = weights if weights != "auto" or unavailable(model, "int8") is None else "float16"
         super().__init__(model, PassPrecisions.uniform("float16"))  # its bookkeeping; fused.c holds the weights
         if self.weights == "int8":
@@ -242,6 +161,8 @@ class FusedRuntime(LlamaRuntime):
         self._pass_cache: _PassCache | None = None
         self._source = model  # the bulk kernel's float32 weights are made from it when a prompt first needs them
         self._bulk: tuple | None = None
+
+    pass_invariant = True  # fused.c computes each row alone; a prompt's bulk pass runs the same row kernels
 
     @staticmethod
     def runs_bulk(positions: int, chain: bool = True) -> bool:
@@ -321,15 +242,11 @@ class FusedRuntime(LlamaRuntime):
         if self.runs_bulk(n, isinstance(positions, slice)):  # a prompt: the bulk kernel, into the same cache
             return super()._layers(x, first, end, start, positions, mask)
         columns = np.arange(start, start + n, dtype=np.int32)
-        if isinstance(positions, torch.Tensor):  # a tree: each node reads the cache, then its ancestors
-            reading, allowed = _tree_reading(mask, start, self.device)
-            rope = positions.numpy().astype(np.int32)
-            n_keys = allowed.sum(-1).flatten().numpy().astype(np.int32)
-            key_cols = np.ascontiguousarray(reading.numpy().astype(np.int32))
-        else:
-            rope, n_keys, key_cols = columns, columns + 1, None
-        return self.run_rows(x, first, end, self._cache(), rope, np.zeros(n, dtype=np.int64), columns, n_keys,
-                             key_cols)
+        tree = isinstance(positions, torch.Tensor)  # a tree: each node reads the cache, then its ancestors
+        reading = self._keys_read(mask, start, n, tree)
+        rope = positions.numpy() if tree else columns
+        return self.run_rows(x, first, end, self._cache(), rope, np.zeros(n, dtype=np.int64), columns,
+                             reading.n_keys, reading.key_cols)
 
     def run_rows(self, x: torch.Tensor, first: int, end: int, cache: _PassCache, rope: np.ndarray,
                  base: np.ndarray, columns: np.ndarray, n_keys: np.ndarray, key_cols: np.ndarray | None = None,
@@ -341,9 +258,8 @@ class FusedRuntime(LlamaRuntime):
         x = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # fused.c writes it
         arrays = [np.ascontiguousarray(a) for a in (rope.astype(np.int32), base.astype(np.int64),
                                                     columns.astype(np.int32), n_keys.astype(np.int32))]
-        stride = 0 if key_cols is None else key_cols.shape[1]
-        rows = _Rows(x.shape[0], *(a.ctypes.data for a in arrays),
-                     None if key_cols is None else key_cols.ctypes.data, stride)
+        key_cols = None if key_cols is None else np.ascontiguousarray(key_cols, dtype=np.int32)
+        rows = native.rows_struct(arrays, key_cols)
         if self._library.sd_pass(ctypes.byref(self._model), ctypes.byref(cache.struct), ctypes.byref(rows),
                                  x.data_ptr(), first, end) != 0:
             raise MemoryError("the fused pass could not allocate its scratch")

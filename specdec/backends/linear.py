@@ -1,9 +1,12 @@
 """Matrix products with the weights held in one precision, the activations in float32 on the CPU.
 
-A decode step streams every weight once, so which kernel reads the weights matters as much as their precision
-(docs/benchmarks.md, "Kernels", times each on 2 CPU cores). The kernels: oneDNN with weights reordered once for
-float32, fbgemm's packed half-precision weights (converted to float32 inside the kernel, accumulated in float32)
-for float16, and bfloat16 weights with the activations cast around the product. On CUDA every precision is a plain ``F.linear`` in that dtype.
+On the CPU every precision runs specdec's own tiles (``native.RowProduct``: fused.c), which compute each row as it
+is alone, so a row's bits never depend on how many rows share the pass, on any CPU. The libraries' kernels do on
+some: on a Zen 4 EPYC a BLAS product gives a row other bits among 2 rows than among 10 (docs/exactness.md).
+Where the tiles cannot run (the extension not built, a CPU without AVX2, inputs not in whole chunks of 8), the
+libraries' kernels serve instead: oneDNN with weights reordered once for float32, fbgemm's packed half-precision
+weights for float16, and bfloat16 weights with the activations cast around the product; the load probe then says
+whether rows depend on the pass there. On CUDA every precision is a plain ``F.linear`` in that dtype.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from specdec.backends import native
 
 PRECISIONS = ("float32", "float16", "bfloat16")
 DTYPE_OF = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -40,6 +45,8 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, precision: str)
         raise ValueError(f"unknown precision {precision!r}; choose from {', '.join(PRECISIONS)}")
     if weight.device.type != "cpu" or precision == "float64":
         return _plain(weight.to(DTYPE_OF[precision]), bias)
+    if native.covers_product(weight, precision):
+        return native.RowProduct(weight, bias, precision)
     bias32 = None if bias is None else bias.float()
     if precision == "float32":
         return _onednn(weight.float(), bias32) if _has_onednn() else _plain(weight.float(), bias32)

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specdec.backends import native
 from specdec.backends.base import FeatureSource, ShallowRunner, TreeScorer, streamed_parameters
 from specdec.backends.linear import DTYPE_OF, Linear, PassPrecisions, activation_dtype, make_linear, precision_name
 
@@ -33,6 +35,9 @@ def supports(model) -> bool:
         and getattr(config, "pretraining_tp", 1) == 1
         and not getattr(config, "use_sliding_window", False)  # qwen2's switch; mistral's window caps max_length
     )
+
+
+LINEARS = ("qkv", "out", "gate_up", "down")  # a layer's products
 
 
 @dataclass
@@ -81,6 +86,8 @@ class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
         self._cos = self._sin = torch.empty(0, self.head_dim, device=self.device)  # [capacity, head_dim]
         self._capacity = 0
         self._shallow = _Shallow()  # positions after the cache run through the first layers only (extend_shallow)
+        # on the CPU each query's attention is fused.c's, computed as it is alone; elsewhere blocked_attention
+        self.row_attention = native.covers_attention(self.head_dim, self.dtype, self.device)
 
     def _build_weights(self, model, precisions: PassPrecisions) -> dict:
         """Per precision: the layers and LM head a pass in it computes with."""
@@ -211,15 +218,28 @@ class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
         values written to those layers' cache), in the precision of a pass over that many positions."""
         layers = self.pass_weights(x.shape[0], isinstance(positions, slice))[0]
         cos, sin = self._cos[positions], self._sin[positions]  # [n, head_dim] each
-        reading = _tree_reading(mask, start, self.device) if isinstance(positions, torch.Tensor) else None
-        allowed = blocked_mask(mask, start, x.shape[0], self.device) if reading is None else reading[1]
-        bias = attention_bias(allowed, self.kv_heads, self.heads // self.kv_heads, self.dtype)
+        reading = self._keys_read(mask, start, x.shape[0], isinstance(positions, torch.Tensor))
         for index in range(first, end):
             layer = layers[index]
             x = x + self._attention(layer, rms_norm(x, layer.input_norm, self.eps), self._keys[index],
-                                    self._values[index], start, cos, sin, bias, None if reading is None else reading[0])
+                                    self._values[index], start, cos, sin, reading)
             x = x + mlp(layer, x, self.eps)
         return x
+
+    def _keys_read(self, mask: torch.Tensor | None, start: int, n: int, tree: bool) -> "KeysRead":
+        """What each of a pass's n queries after ``start`` reads of the cache: the causal prefix for a chain; for a
+        tree (``mask`` [n, start+n]), the cache and its own ancestors, laid out as its branch lays them out as a
+        chain."""
+        columns, allowed = _tree_reading(mask, start, self.device) if tree else (None, None)
+        if self.row_attention:
+            if columns is None:
+                return KeysRead(n_keys=np.arange(start + 1, start + n + 1, dtype=np.int32))
+            return KeysRead(n_keys=allowed.sum(-1).flatten().numpy().astype(np.int32),
+                            key_cols=np.ascontiguousarray(columns.numpy(), dtype=np.int32))
+        if allowed is None:
+            allowed = blocked_mask(mask, start, n, self.device)
+        return KeysRead(bias=attention_bias(allowed, self.kv_heads, self.heads // self.kv_heads, self.dtype),
+                        tree_keys=columns)
 
     def _embedded(self, token_ids: list[int]) -> torch.Tensor:  # [n, hidden]
         return self.embed[torch.tensor(token_ids, dtype=torch.long, device=self.device)]
@@ -245,21 +265,23 @@ class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
         return self._weights[self.precisions.for_positions(positions)]
 
     def _attention(self, layer: _Layer, h: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                   cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor, tree_keys: torch.Tensor | None
-                   ) -> torch.Tensor:  # [n, hidden]
-        """A chain's queries attend to the cache as it lies; a tree's (``tree_keys``: :func:`_tree_reading`) each to
-        its own keys gathered in chain order, so that every node computes what its branch computes as a chain."""
+                   cos: torch.Tensor, sin: torch.Tensor, reading: "KeysRead") -> torch.Tensor:  # [n, hidden]
+        """A chain's queries attend to the cache as it lies; a tree's each to its own keys in its branch's chain
+        order (``reading``), so that every node computes what its branch computes as a chain."""
         n, heads, hd = h.shape[0], self.heads, self.head_dim
         q, k, v = project_qkv(layer, h, cos, sin, heads, self.kv_heads, hd)
         keys[:, start : start + n] = k.transpose(0, 1)
         values[:, start : start + n] = v.transpose(0, 1)
-        if tree_keys is None:
-            span = bias.shape[-1]
+        if reading.n_keys is not None:  # fused.c's attention, each query alone
+            return layer.out(native.attention(q, keys, values, np.zeros(n, dtype=np.int64), reading.n_keys,
+                                              reading.key_cols))
+        if reading.tree_keys is None:
+            span = reading.bias.shape[-1]
             attended = blocked_attention(q.transpose(0, 1)[None], keys[None, :, :span], values[None, :, :span],
-                                         bias)[0].transpose(0, 1)  # [n, heads, hd]
+                                         reading.bias)[0].transpose(0, 1)  # [n, heads, hd]
         else:  # one batch entry per node: [n, kv_heads, span, hd]
-            attended = blocked_attention(q[:, :, None], keys[:, tree_keys].transpose(0, 1),
-                                         values[:, tree_keys].transpose(0, 1), bias)[:, :, 0]  # [n, heads, hd]
+            attended = blocked_attention(q[:, :, None], keys[:, reading.tree_keys].transpose(0, 1),
+                                         values[:, reading.tree_keys].transpose(0, 1), reading.bias)[:, :, 0]
         return layer.out(attended.reshape(n, heads * hd))
 
     def _grow(self, needed: int) -> None:
@@ -298,8 +320,30 @@ class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
         return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
 
     @property
+    def pass_invariant(self) -> bool:
+        """Whether every row is computed as it is alone by construction: its products and attention are fused.c's
+        row kernels (``native``), as on any x86 CPU with AVX2 where they were built. Where they are not (CUDA, a
+        missing build, float64), the libraries' kernels decide, and the load probe measures what they do."""
+        linears = [linear for layers, head in self._weights.values()
+                   for linear in [head] + [getattr(layer, name) for layer in layers for name in LINEARS]]
+        return self.row_attention and all(isinstance(linear, native.RowProduct) for linear in linears)
+
+    @property
     def num_layers(self) -> int:
         return len(self.weights_for(1)[0])
+
+
+@dataclass(frozen=True)
+class KeysRead:
+    """What each query of a pass reads of the cache. For fused.c's attention (``LlamaRuntime.row_attention``): how
+    many keys it reads (``n_keys`` [n]) and, for a tree's node, which cache columns in order (``key_cols`` [n,
+    span]; None: the first n_keys). For :func:`blocked_attention`: its ``bias`` over whole blocks and, for a tree,
+    each node's gathered columns (``tree_keys`` [n, span])."""
+
+    n_keys: np.ndarray | None = None  # int32
+    key_cols: np.ndarray | None = None  # int32
+    bias: torch.Tensor | None = None
+    tree_keys: torch.Tensor | None = None
 
 
 @dataclass

@@ -31,7 +31,8 @@ PROBE_TOKENS = 128  # the probe sequence whose logits are compared
 SCORED_POSITIONS = 5  # a scoring pass as timed: k+1 at the default k=4
 BULK_TIMED = 2 * BULK_POSITIONS  # a bulk pass as timed
 REPEATS = 5  # timed passes per candidate and kind; the median is kept
-CACHE = MeasurementCache("precisions.json", version=3)  # 2: with the bulk pass; 3: one precision for every pass
+CACHE = MeasurementCache("precisions.json", version=4)  # 2: with the bulk pass; 3: one precision for every
+# pass; 4: the row kernels
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,191 @@
+"""specdec's C kernels (``fused.c``, built at install as ``specdec.backends._fused``), as every CPU runtime uses them.
+
+Two runtimes compute with them: the fused runtime (``fused.py``) runs whole passes in one call, and the lean runtime
+(``llama.py``) runs its products (:class:`RowProduct`) and its attention (:func:`attention`) through them on the
+CPU. Each computes every row as it is alone, in an order that depends on that row only: a row's bits are the same
+whatever shares its pass, on any x86 CPU with AVX2, whichever kernels the libraries would have dispatched to (a
+BLAS's batched products give a row other bits among other rows on some CPUs: docs/exactness.md).
+
+Where the kernels cannot run (not built, a CPU without AVX2/FMA/F16C), :func:`unavailable` says why in one line.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+
+import numpy as np
+import torch
+
+NEEDED_FLAGS = ("avx2", "fma", "f16c")
+# how fused.c stores a weight matrix (its F16, Q8, F32 and BF16)
+FORMAT = {"float16": 0, "int8": 1, "float32": 2, "bfloat16": 3}
+FLOAT_FORMATS = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
+TILE_OUTPUTS = 8  # weight rows per repacked block
+CHUNK_INPUTS = 8  # inputs per chunk of a block: a float product's inputs come in whole chunks
+MAX_HEAD_DIM = 128  # attend keeps one head's output in 16 registers of 8
+
+_p = ctypes.c_void_p
+
+
+class _Rows(ctypes.Structure):
+    _fields_ = [("n", ctypes.c_int), ("rope", _p), ("base", _p), ("column", _p), ("n_keys", _p),
+                ("key_cols", _p), ("key_stride", ctypes.c_int)]
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [("format", ctypes.c_int), ("inputs", ctypes.c_int), ("outputs", ctypes.c_int), ("weight", _p),
+                ("bias", _p)]
+
+
+def cpu_lacks() -> list[str]:
+    """The instructions fused.c needs that this CPU does not report (Linux's /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return [flag for flag in NEEDED_FLAGS if flag not in flags]
+
+
+@functools.cache
+def library() -> ctypes.CDLL | str:
+    """The built library, or why it cannot be used (a line)."""
+    lacking = cpu_lacks()
+    if lacking:
+        return f"this CPU lacks {', '.join(lacking)}"
+    spec = importlib.util.find_spec("specdec.backends._fused")
+    if spec is None or not spec.origin:
+        return "its C extension was not built at install (reinstall with a C compiler: pip install -e . prints why)"
+    try:
+        loaded = ctypes.CDLL(spec.origin)
+    except OSError as error:
+        return f"its C extension does not load ({error})"
+    try:
+        _declare(loaded)
+    except AttributeError as error:  # a library from an older specdec: a function is missing
+        return f"its C extension is out of date ({error}; reinstall specdec)"
+    return loaded
+
+
+def unavailable() -> str | None:
+    """Why the C kernels cannot run here (a line), or None where they can."""
+    loaded = library()
+    return loaded if isinstance(loaded, str) else None
+
+
+def use_threads(threads: int | None = None) -> int:
+    """Size the kernels' thread team (PyTorch's own threads by default); the size it has."""
+    return library().sd_set_threads(torch.get_num_threads() if threads is None else threads)
+
+
+def _declare(loaded: ctypes.CDLL) -> None:
+    loaded.sd_pass.restype = ctypes.c_int
+    loaded.sd_pass.argtypes = [_p, _p, ctypes.POINTER(_Rows), _p, ctypes.c_int, ctypes.c_int]
+    loaded.sd_head.restype = None
+    loaded.sd_head.argtypes = [_p, _p, ctypes.c_int, _p]
+    loaded.sd_product.restype = None
+    loaded.sd_product.argtypes = [ctypes.POINTER(_Matrix), _p, ctypes.c_int, _p]
+    loaded.sd_attention.restype = ctypes.c_int
+    loaded.sd_attention.argtypes = [ctypes.POINTER(_Rows), ctypes.c_int, ctypes.c_int, ctypes.c_int, _p, _p, _p,
+                                    ctypes.c_int64, _p]
+    loaded.sd_set_threads.restype = ctypes.c_int
+    loaded.sd_set_threads.argtypes = [ctypes.c_int]
+    loaded.sd_use_openmp.argtypes = [_p, _p, _p]
+    openmp = _torch_openmp()
+    if openmp is not None:
+        loaded.sd_use_openmp(*openmp)
+
+
+OPENMP_FUNCTIONS = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")
+
+
+def _torch_openmp() -> list[ctypes.c_void_p] | None:
+    """The functions fused.c's team needs from PyTorch's GNU OpenMP runtime (the one its CPU wheels for Linux ship
+    and load), or None: then fused.c starts threads of its own."""
+    import glob
+    import os
+
+    for path in glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*")):
+        try:
+            openmp = ctypes.CDLL(path)  # already loaded by PyTorch: the same handle, the same threads
+            return [ctypes.cast(getattr(openmp, name), _p) for name in OPENMP_FUNCTIONS]
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def repacked(weight: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """``weight`` [out, in] as fused.c's float tiles read it, in ``dtype``: blocks of 8 output rows (the last padded
+    with zero rows), each block one chunk of 8 inputs after another, a chunk the 8 rows' 8 values: one sequential
+    stream per block. Flat: [ceil(out / 8) * 8 * in]."""
+    out, inputs = weight.shape
+    padded = torch.zeros(-(-out // TILE_OUTPUTS) * TILE_OUTPUTS, inputs, dtype=dtype)
+    padded[:out] = weight
+    return padded.view(-1, TILE_OUTPUTS, inputs // CHUNK_INPUTS, CHUNK_INPUTS).transpose(1, 2).contiguous().flatten()
+
+
+def covers_product(weight: torch.Tensor, precision: str) -> bool:
+    """Whether :class:`RowProduct` computes ``x @ weight.T`` in ``precision`` here."""
+    return (precision in FLOAT_FORMATS and weight.device.type == "cpu" and weight.shape[1] % CHUNK_INPUTS == 0
+            and unavailable() is None)
+
+
+class RowProduct:
+    """``x -> x @ weight.T + bias`` on the CPU with the weights held in a float ``precision`` (float32, float16 or
+    bfloat16), x and the result float32; every row computed by fused.c's tiles as it is alone: one accumulator per
+    output in the order of the inputs, whatever the row count (:func:`covers_product` says where it runs)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, precision: str) -> None:
+        outputs, inputs = weight.shape
+        self.packed = repacked(weight.detach(), FLOAT_FORMATS[precision])
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.outputs = outputs
+        self.struct = _Matrix(FORMAT[precision], inputs, outputs, self.packed.data_ptr(),
+                              None if self.bias is None else self.bias.data_ptr())
+        self._library = library()
+        use_threads()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
+        x = x.to(torch.float32).contiguous()
+        y = torch.empty(x.shape[0], self.outputs)
+        if len(x):
+            self._library.sd_product(ctypes.byref(self.struct), x.data_ptr(), x.shape[0], y.data_ptr())
+        return y
+
+
+def covers_attention(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether :func:`attention` computes heads of ``head_dim`` over a cache of ``dtype`` on ``device`` here."""
+    return (device.type == "cpu" and dtype == torch.float32 and head_dim % CHUNK_INPUTS == 0
+            and head_dim <= MAX_HEAD_DIM and unavailable() is None)
+
+
+def rows_struct(arrays: list[np.ndarray], key_cols: np.ndarray | None) -> _Rows:
+    """fused.c's Rows over int32 rope, int64 base, int32 column and n_keys arrays (held by the caller), and each row's
+    key columns [n, stride] (int32) or None (the first n_keys columns)."""
+    stride = 0 if key_cols is None else key_cols.shape[1]
+    return _Rows(len(arrays[0]), *(a.ctypes.data for a in arrays),
+                 None if key_cols is None else key_cols.ctypes.data, stride)
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, base: np.ndarray, n_keys: np.ndarray,
+              key_cols: np.ndarray | None = None) -> torch.Tensor:  # [n, heads * hd]
+    """Each query row's attention over its own keys, softmax(q k^T / sqrt(hd)) v, as it is alone.
+
+    q [n, heads, hd]; keys and values: one layer's cache, float32, contiguous, [..., kv_heads, capacity, hd] (a
+    sequence's, or a pool's with a leading slot axis); row i's sequence starts ``base[i]`` floats from the cache's
+    start, and it attends that sequence's first ``n_keys[i]`` columns, or those ``key_cols[i]`` lists, in order."""
+    n, heads, hd = q.shape
+    kv_heads, capacity = keys.shape[-3], keys.shape[-2]
+    q = q.to(torch.float32).contiguous()
+    out = torch.empty(n, heads * hd)
+    columns = np.zeros(n, dtype=np.int32)  # neither read nor written here
+    arrays = [columns, np.ascontiguousarray(base, dtype=np.int64), columns,
+              np.ascontiguousarray(n_keys, dtype=np.int32)]
+    cols = None if key_cols is None else np.ascontiguousarray(key_cols, dtype=np.int32)
+    rows = rows_struct(arrays, cols)
+    if library().sd_attention(ctypes.byref(rows), heads, kv_heads, hd, q.data_ptr(), keys.data_ptr(),
+                              values.data_ptr(), capacity * hd, out.data_ptr()) != 0:
+        raise MemoryError("the attention kernel could not allocate its scratch")
+    return out
