@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import tiny_llama
+from tiny import require_pass_invariant, tiny_llama
 
 from specdec.backends import LlamaRuntime
 from specdec.backends.batch import BatchedLlama, PoolFull, Row
@@ -66,7 +66,7 @@ def test_a_rows_logits_are_the_same_bit_for_bit_whatever_shares_its_pass(precisi
     """In each precision the runtime runs: a sequence's logits, one position at a time on the single-sequence
     runtime, equal those of its rows in pool passes beside other sequences of other lengths (some crossing into a
     second block of keys), and those of one pass over its positions; bit for bit."""
-    runtime = LlamaRuntime(tiny_llama(seed=0, init_range=0.5), precision)
+    runtime = require_pass_invariant(LlamaRuntime(tiny_llama(seed=0, init_range=0.5), precision))
     sequence = list(range(3, 63)) * 5  # 300 positions: past the first block of 256 keys
     runtime.extend(sequence[:250], 0)
     alone = torch.cat([runtime.extend([token], 1) for token in sequence[250:260]])  # [10, vocab]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import tiny_llama
+from tiny import require_pass_invariant, tiny_llama
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from specdec.backends import HFCausalLM, LlamaRuntime, make_backend
@@ -105,6 +105,19 @@ def test_logits_match_transformers_for_each_weight_precision(precision, init_ran
     reference_error = (reference - exact).abs().max()
     floor = 2**-24 * exact.abs().max()
     assert (ours - exact).abs().max() <= 2 * reference_error + floor
+
+
+def test_the_runtime_declares_its_rows_alone_only_on_the_row_kernels(monkeypatch):
+    """On the row kernels (the CPU, built) every product and the attention are fused.c's; float64, or a machine
+    where they are not built, computes with the libraries' kernels, and the runtime says its rows may depend on
+    the pass."""
+    from specdec.backends import native
+
+    model = tiny_llama(seed=0)
+    assert LlamaRuntime(model, "float16").pass_invariant and LlamaRuntime(model, "bfloat16").pass_invariant
+    assert not LlamaRuntime(model.double()).pass_invariant
+    monkeypatch.setattr(native, "unavailable", lambda: "its C extension was not built at install")
+    assert not LlamaRuntime(tiny_llama(seed=0), "float32").pass_invariant
 
 
 def test_each_kind_of_pass_runs_in_its_own_precision():
@@ -254,7 +267,7 @@ def test_shallow_runs_are_dropped_by_a_rollback_or_other_tokens():
 def test_a_tree_node_computes_what_its_branch_computes_as_a_chain(precision):
     """Each node of a tree pass attends to its own keys laid out as its branch lays them out as a chain: its logits
     equal the chain's last row's, bit for bit, past the first block of keys too."""
-    runtime = LlamaRuntime(tiny_llama(seed=0, init_range=0.5), precision)
+    runtime = require_pass_invariant(LlamaRuntime(tiny_llama(seed=0, init_range=0.5), precision))
     prefix = list(range(3, 63)) * 5  # 300 positions
     parents = [-1, 0, 0, 1, 1, 2, 3]
     for seed in range(3):

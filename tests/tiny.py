@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -130,3 +131,14 @@ def trained_samples(target_dir: str, drafter_dir: str, method: str, sampling_kwa
     return [tuple(decoder.engine.generate(list(prompt), GenerationConfig(
         max_new_tokens=3, num_draft_tokens=num_draft_tokens, sampling=params, seed=first_seed + i,
         stop_at_eos=False, tree=tree)).token_ids) for i in range(num_samples)]
+
+
+def require_pass_invariant(runtime):
+    """An identity test runs only against a runtime that declares each row computed as it is alone (specdec's row
+    kernels); one that computes with the libraries' kernels here (no extension built) declares itself variant, and
+    its load probe says so instead."""
+    if not runtime.pass_invariant:
+        from specdec.backends import native
+
+        pytest.skip(f"the runtime's rows may depend on the pass here: {native.unavailable() or 'not its row kernels'}")
+    return runtime
