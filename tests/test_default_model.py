@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import float32_error
 
 from specdec.api import SpecDecoder, draft_source
 from specdec.backends import make_backend
@@ -153,7 +154,7 @@ def test_lean_runtime_logits_match_transformers_on_the_default_model(decoder):
     ours = torch.cat([runtime.extend(ids[:-3], len(ids) - 3), runtime.extend(ids[-3:], 3)])
     with torch.inference_mode():
         reference = model(torch.tensor([ids])).logits[0]
-    assert (ours - reference).abs().max() <= 1e-4 * reference.abs().max()
+    assert (ours - reference).abs().max() <= 3 * float32_error(model, ids)  # tiny.float32_error says why 3x
 
 
 def test_converted_default_model_is_a_plain_transformers_directory(decoder):

@@ -142,3 +142,19 @@ def require_pass_invariant(runtime):
 
         pytest.skip(f"the runtime's rows may depend on the pass here: {native.unavailable() or 'not its row kernels'}")
     return runtime
+
+
+def float32_error(model, ids: list[int]) -> float:
+    """The largest error of transformers' float32 forward pass of ``model`` over ``ids`` against its float64 pass
+    over the same weights, plus one unit of float32 rounding (2**-24) of the largest logit: how far a float32
+    evaluation of this model strays here, set by its sizes and float32's rounding unit, measured on the machine at
+    hand (never a constant fitted to one). specdec's float32 runtimes are held within twice it of the exact logits
+    (test_llama_runtime.py), so one of them lies within 3x it of transformers' float32 logits and two of them
+    within 4x of each other."""
+    import copy
+
+    with torch.no_grad():
+        exact = copy.deepcopy(model).double()(torch.tensor([ids])).logits[0]
+        single = copy.deepcopy(model).float()(torch.tensor([ids])).logits[0].double()
+    return float((single - exact).abs().max() + 2**-24 * exact.abs().max())
+
