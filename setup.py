@@ -1,6 +1,8 @@
-"""The build's one step beyond pyproject.toml: specdec's fused CPU pass (specdec/backends/fused.c), compiled with
-the C compiler that llama-cpp-python's build already needs. It is optional: where it does not build, the install
-still succeeds, and specdec says why once, when the fused runtime is asked for (specdec/backends/fused.py)."""
+"""The build's one step beyond pyproject.toml: specdec's C kernels (specdec/backends/fused.c: the fused CPU pass,
+and the row kernels the torch runtime multiplies and attends with), compiled with the C compiler that
+llama-cpp-python's build already needs. It is optional: where it does not build, the install still succeeds, the
+torch runtime computes with the libraries' kernels and says where its rows then depend on the pass, and specdec
+says why once when the fused runtime is asked for (specdec/backends/native.py)."""
 
 from setuptools import Extension, setup
 

@@ -12,6 +12,10 @@
  *   sits in L1;
  * - norms, RoPE, the cache writes, attention, SiLU and the residual adds are written around the products.
  *
+ * The same tiles and attention serve the lean runtime (llama.py, through native.py) one operation at a time:
+ * sd_product multiplies rows by a weight matrix held in float32, float16, bfloat16 or int8, and sd_attention runs
+ * each row's attention over its own keys.
+ *
  * Batch invariance by construction: every value a row computes (a product's output, a norm, an attention output)
  * is reduced by one thread, in one order that depends on nothing but that row: its accumulator sees the same FMAs
  * in the same order whether the tile holds 1 row or 6, and a row's attention runs over its own keys alone. So a
