@@ -35,8 +35,8 @@ INVARIANCE_TESTS = [
     "test_cpu_paths.py::test_row_kernels_compute_each_row_alone",
 ]
 
-# Products in each weight format and attention over a cache, for rows alone and in passes of several: a digest of
-# every output's bits, and whether each row's bits were the same alone.
+# Products in each weight format and attention over a cache, for rows alone and in passes of several, on teams of
+# one and two threads: a digest of every output's bits, and whether each row's bits were the same alone.
 KERNEL_DIGEST = """
 import hashlib, numpy as np, torch
 from specdec.backends import native
@@ -45,7 +45,9 @@ digest, alone_everywhere = hashlib.sha256(), True
 x = torch.randn(17, 96)
 for precision in ("float32", "float16", "bfloat16"):
     product = native.RowProduct(torch.randn(45, 96), torch.randn(45), precision)
+    native.use_threads(1)
     alone = torch.cat([product(x[i : i + 1]) for i in range(17)])
+    native.use_threads(2)
     for n in (2, 5, 6, 7, 17):
         together = product(x[:n])
         alone_everywhere &= torch.equal(together, alone[:n])
@@ -68,7 +70,8 @@ def run_here(arguments: list[str], extra_env: dict[str, str], timeout: int) -> s
 
 def test_row_kernels_compute_each_row_alone():
     """Every weight format's product and the attention give each row the same bits alone and in passes of 2 to 17
-    (the tiles' groups of 4 and 6 rows, and their remainders)."""
+    (the tiles' groups of 4 and 6 rows, and their remainders), and on a team of one thread or two (each output is
+    reduced by one thread)."""
     if native.unavailable():
         pytest.skip(native.unavailable())
     run = run_here(["-c", KERNEL_DIGEST], {}, 120)
