@@ -29,6 +29,18 @@ def test_the_extension_was_built_and_runs_here():
     assert unavailable() is None
 
 
+def test_a_library_whose_structures_differ_from_specdecs_declarations_is_refused(monkeypatch):
+    """fused.c reports its structures' sizes; a library built from other sources (ctypes declarations copied by
+    hand, gone stale) is named, structure by structure, instead of reading memory it does not hold."""
+    from specdec.backends import native
+
+    library = native.library()
+    assert native._differing_structs(library) == []
+    rows = native.STRUCT_SIZES["Rows"]
+    monkeypatch.setitem(native.STRUCT_SIZES, "Rows", rows + 8)
+    assert native._differing_structs(library) == [f"Rows {rows}/{rows + 8}"]
+
+
 def on_a_q4_1_grid(weight: torch.Tensor) -> torch.Tensor:
     """A matrix's values moved to the 16 levels of a Q4_1 block per 32 inputs (scale and minimum in float16), as a
     de-quantised GGUF holds them."""

@@ -22,6 +22,7 @@
  * row's logits are the same bit for bit alone, in a pass of 17, in a tree or beside other sequences.
  */
 #include <immintrin.h>
+#include <assert.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -276,30 +277,39 @@ TILES512(f32, float, LOAD16_F32)
 TILES512(bf16, uint16_t, LOAD16_BF16)
 
 /* Q8: 8-bit weights with a float scale and offset per 32 inputs of a row (w = d q + m: exact for the GGUF's Q4_1,
- * Q4_0 and Q8_0 blocks, fused.py `quantized8`), repacked like F16 in blocks of 8 output rows: block b holds, for
- * each 32 inputs in turn, their four chunks of 8 (each the 8 rows' 8 bytes, 64 bytes), then the 8 rows' d, then
- * their m (QBLOCK bytes). A weight is dequantised by one FMA, exactly as in every tile, then multiplied as F16's.
+ * Q4_0 and Q8_0 blocks, fused.py `quantized8`), repacked like the float formats in blocks of 8 output rows: the
+ * rows' 32 inputs after 32 inputs, each a block_q8x8. A weight is dequantised by one FMA, exactly as in every tile,
+ * then multiplied as a float weight is.
  *
- * out[r][o] for R rows and O outputs from row j of the block at w. */
-#define QBLOCK 320
+ * block_q8x8: 8 weight rows x 32 inputs. q[s][r][i] is row r's input 8s + i (so a chunk s holds the 8 rows' 8
+ * bytes, read by one load per row); row r's weights are d[r] q + m[r]. */
+typedef struct {
+    uint8_t q[4][8][8];
+    float d[8], m[8];
+} block_q8x8;
+static_assert(sizeof(block_q8x8) == 320, "block_q8x8: 256 bytes of weights, then 8 scales and 8 offsets");
 
 /* Ask the memory for the Q8 block PREFETCH_BYTES ahead: its five lines. */
-static inline void prefetch_q8(const uint8_t *w) {
-    for (int line = 0; line < QBLOCK; line += 64) _mm_prefetch((const char *)(w + PREFETCH_BYTES + line), _MM_HINT_T0);
+static inline void prefetch_q8(const block_q8x8 *b) {
+    for (int line = 0; line < (int)sizeof(block_q8x8); line += 64)
+        _mm_prefetch((const char *)b + PREFETCH_BYTES + line, _MM_HINT_T0);
 }
+
+/* out[r][o] for R rows and O outputs from row j of the block at w. */
 #define TILE_Q8(R, O)                                                                                              \
-    __attribute__((target("avx2,fma,f16c"))) static void q8_##R##x##O(const uint8_t *w, int j, const float *x,    \
+    __attribute__((target("avx2,fma,f16c"))) static void q8_##R##x##O(const void *w, int j, const float *x,       \
                                                                       int64_t ldx, int in, float out[GROUP512][8]) { \
+        const block_q8x8 *b = (const block_q8x8 *)w;                                                               \
         __m256 acc[R][O];                                                                                          \
         for (int r = 0; r < R; r++)                                                                                \
             for (int o = 0; o < O; o++) acc[r][o] = _mm256_setzero_ps();                                           \
-        for (int k = 0; k < in; k += 32, w += QBLOCK) {                                                            \
-            const float *d = (const float *)(w + 256) + j, *m = (const float *)(w + 288) + j;                      \
-            prefetch_q8(w);                                                                                        \
+        for (int k = 0; k < in; k += 32, b++) {                                                                    \
+            const float *d = b->d + j, *m = b->m + j;                                                              \
+            prefetch_q8(b);                                                                                        \
             for (int s = 0; s < 4; s++) {                                                                          \
                 __m256 wv[O];                                                                                      \
                 for (int o = 0; o < O; o++) {                                                                      \
-                    __m128i q = _mm_loadl_epi64((const __m128i *)(w + 64 * s + 8 * (j + o)));                      \
+                    __m128i q = _mm_loadl_epi64((const __m128i *)b->q[s][j + o]);                                  \
                     wv[o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), _mm256_broadcast_ss(d + o), \
                                             _mm256_broadcast_ss(m + o));                                           \
                 }                                                                                                  \
@@ -321,12 +331,13 @@ TILE_Q8(4, 2)
  * dequantised by the pair's d and m in the matching halves; the same bits as the tiles above. */
 #define TILE_Q8_512(R)                                                                                             \
     __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) static void q8z_##R(                               \
-        const uint8_t *w, int j, const float *x, int64_t ldx, int in, float out[GROUP512][8]) {                    \
+        const void *w, int j, const float *x, int64_t ldx, int in, float out[GROUP512][8]) {                       \
+        const block_q8x8 *b = (const block_q8x8 *)w;                                                               \
         __m512 acc[R][2];                                                                                          \
         for (int r = 0; r < R; r++)                                                                                \
             for (int p = 0; p < 2; p++) acc[r][p] = _mm512_setzero_ps();                                           \
-        for (int k = 0; k < in; k += 32, w += QBLOCK) {                                                            \
-            const float *d = (const float *)(w + 256) + j, *m = (const float *)(w + 288) + j;                      \
+        for (int k = 0; k < in; k += 32, b++) {                                                                    \
+            const float *d = b->d + j, *m = b->m + j;                                                              \
             __m512 dz[2], mz[2];                                                                                   \
             for (int p = 0; p < 2; p++) {                                                                          \
                 dz[p] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_broadcast_ss(d + 2 * p)),                 \
@@ -334,11 +345,11 @@ TILE_Q8(4, 2)
                 mz[p] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_broadcast_ss(m + 2 * p)),                 \
                                            _mm256_broadcast_ss(m + 2 * p + 1), 1);                                 \
             }                                                                                                      \
-            prefetch_q8(w);                                                                                        \
+            prefetch_q8(b);                                                                                        \
             for (int s = 0; s < 4; s++) {                                                                          \
                 __m512 wv[2];                                                                                      \
                 for (int p = 0; p < 2; p++) {                                                                      \
-                    __m128i q = _mm_loadu_si128((const __m128i *)(w + 64 * s + 8 * (j + 2 * p)));                  \
+                    __m128i q = _mm_loadu_si128((const __m128i *)b->q[s][j + 2 * p]); /* two rows' 8 bytes */      \
                     wv[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), dz[p], mz[p]);           \
                 }                                                                                                  \
                 for (int r = 0; r < R; r++) {                                                                      \
@@ -357,7 +368,7 @@ TILE_Q8_512(4)
 TILE_Q8_512(5)
 TILE_Q8_512(6)
 
-typedef void (*Q8Fn)(const uint8_t *, int, const float *, int64_t, int, float[GROUP512][8]);
+typedef void (*Q8Fn)(const void *, int, const float *, int64_t, int, float[GROUP512][8]);
 static const Q8Fn Q8_WIDE[GROUP + 1] = {0, q8_1x8, q8_2x4, q8_3x2, q8_4x2};
 static const Q8Fn Q8_512[GROUP512 + 1] = {0, q8z_1, q8z_2, q8z_3, q8z_4, q8z_5, q8z_6};
 
@@ -386,7 +397,7 @@ static void tile(int format, const void *w, int in, const float *x, int64_t ldx,
     int width = format == Q8 && has_avx512 ? 4 : WIDTH[rows];
     for (int done = 0; done < 8; done += width) {
         if (format == Q8)
-            (has_avx512 ? Q8_512 : Q8_WIDE)[rows]((const uint8_t *)w, done, x, ldx, in, part);
+            (has_avx512 ? Q8_512 : Q8_WIDE)[rows](w, done, x, ldx, in, part);
         else
             WIDE[format][rows]((const char *)w + 8 * done * VALUE_BYTES[format], x, ldx, in, part);
         for (int r = 0; r < rows; r++)
@@ -396,7 +407,7 @@ static void tile(int format, const void *w, int in, const float *x, int64_t ldx,
 
 /* Where the block of weight rows o..o+7 (o a multiple of 8) of a matrix with `in` inputs starts. */
 static const void *block_at(int format, const void *w, int64_t o, int in) {
-    return format == Q8 ? (const void *)((const uint8_t *)w + o / 8 * (in / 32) * QBLOCK)
+    return format == Q8 ? (const void *)((const block_q8x8 *)w + o / 8 * (in / 32))
                         : (const void *)((const char *)w + o * in * VALUE_BYTES[format]);
 }
 
@@ -635,6 +646,16 @@ int sd_attention(const Rows *rows, int heads, int kv_heads, int head_dim, const 
     if (a.scores) run_team(attention_job, &a);
     pthread_mutex_unlock(&pass_lock);
     return a.scores ? 0 : -1;
+}
+
+/* The sizes of the structures native.py declares with ctypes, in its order (STRUCT_SIZES): Model, Layer, Cache,
+ * Rows, Matrix, block_q8x8; at most `count` of them. Returns how many it wrote. */
+int sd_struct_sizes(int64_t *sizes, int count) {
+    const int64_t known[] = {sizeof(Model), sizeof(Layer), sizeof(Cache), sizeof(Rows), sizeof(Matrix),
+                             sizeof(block_q8x8)};
+    int written = 0;
+    for (; written < count && written < (int)(sizeof(known) / sizeof(known[0])); written++) sizes[written] = known[written];
+    return written;
 }
 
 /* A pass's scratch: kept and grown, never given back (a fresh allocation of over 128 KiB is a fresh mapping, whose

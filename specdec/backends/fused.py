@@ -21,12 +21,12 @@ import torch
 from specdec.backends import native
 from specdec.backends.linear import PassPrecisions
 from specdec.backends.llama import LlamaRuntime, _build, supports
-from specdec.backends.native import FORMAT, MAX_HEAD_DIM, repacked
+from specdec.backends.native import FORMAT, MAX_HEAD_DIM, Q8_BLOCK_BYTES, Cache, Layer, Model, repacked
 from specdec.choices import MAX_DRAFT_TOKENS
 
 WEIGHTS = ("float16", "int8")  # how fused.c holds the weights; activations, norms, attention and the cache are float32
 Q8_GROUP = 32  # inputs that share an int8 weight's scale and offset
-Q8_BYTES_PER_WEIGHT = 320 / 256  # a block of 8 rows x 32 inputs: 256 bytes of weights, 8 scales and 8 offsets
+Q8_BYTES_PER_WEIGHT = Q8_BLOCK_BYTES / 256  # a block of 8 rows x 32 inputs: 256 bytes of weights, 8 scales and 8 offsets
 # A chain pass over more positions than a round can score (k <= MAX_DRAFT_TOKENS drafts and the pending token) holds
 # a prompt: it runs the bulk kernel, oneDNN's float32 GEMM and batched attention, which arithmetic rather than
 # weight streaming paces. Rounds, trees and plain decoding never reach it, so a prompt's prefill is the same for
@@ -36,26 +36,6 @@ PROMPT_POSITIONS = MAX_DRAFT_TOKENS + 2
 
 class FusedUnavailable(RuntimeError):
     """The fused runtime cannot run here, or not this model; the message says why in one line."""
-
-
-_p = ctypes.c_void_p
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", _p), ("qkv_bias", _p), ("out", _p),
-                ("gate_up", _p), ("down", _p)]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [("layers", ctypes.c_int), ("hidden", ctypes.c_int), ("heads", ctypes.c_int),
-                ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("inter", ctypes.c_int),
-                ("vocab", ctypes.c_int), ("eps", ctypes.c_float), ("layer", ctypes.POINTER(_Layer)),
-                ("final_norm", _p), ("lm_head", _p), ("format", ctypes.c_int)]
-
-
-class _Cache(ctypes.Structure):
-    _fields_ = [("keys", ctypes.POINTER(_p)), ("values", ctypes.POINTER(_p)), ("head_stride", ctypes.c_int64),
-                ("cos", _p), ("sin", _p)]
 
 
 def unavailable(model=None, weights: str = "float16") -> str | None:
@@ -133,9 +113,9 @@ class _PassCache:
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], head_stride: int, cos: torch.Tensor,
                  sin: torch.Tensor) -> None:
         self.tensors = (keys, values, cos, sin)
-        pointers = _p * len(keys)
+        pointers = ctypes.c_void_p * len(keys)
         self._keys, self._values = pointers(*[_address(k) for k in keys]), pointers(*[_address(v) for v in values])
-        self.struct = _Cache(self._keys, self._values, head_stride, _address(cos), _address(sin))
+        self.struct = Cache(self._keys, self._values, head_stride, _address(cos), _address(sin))
 
 
 class FusedRuntime(LlamaRuntime):
@@ -208,7 +188,7 @@ class FusedRuntime(LlamaRuntime):
             self._kept.append(tensor)
             return tensor.data_ptr()
 
-        structs = (_Layer * len(layers))()
+        structs = (Layer * len(layers))()
         for struct, layer in zip(structs, layers):
             projections = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
             bias = None if all(p.bias is None for p in projections) else torch.cat(
@@ -219,7 +199,7 @@ class FusedRuntime(LlamaRuntime):
             struct.qkv, struct.out, struct.gate_up, struct.down = (next(addresses) for _ in range(4))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self._layer_structs = structs
-        self._model = _Model(len(layers), config.hidden_size, config.num_attention_heads,
+        self._model = Model(len(layers), config.hidden_size, config.num_attention_heads,
                              config.num_key_value_heads, head_dim, config.intermediate_size,
                              model.get_output_embeddings().weight.shape[0], config.rms_norm_eps, structs,
                              held(model.model.norm.weight), next(addresses), FORMAT[self.weights])

@@ -29,6 +29,24 @@ MAX_HEAD_DIM = 128  # attend keeps one head's output in 16 registers of 8
 _p = ctypes.c_void_p
 
 
+# fused.c's structures, as ctypes declares them; their sizes are checked against the library's at load
+class Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", _p), ("qkv_bias", _p), ("out", _p),
+                ("gate_up", _p), ("down", _p)]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [("layers", ctypes.c_int), ("hidden", ctypes.c_int), ("heads", ctypes.c_int),
+                ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("inter", ctypes.c_int),
+                ("vocab", ctypes.c_int), ("eps", ctypes.c_float), ("layer", ctypes.POINTER(Layer)),
+                ("final_norm", _p), ("lm_head", _p), ("format", ctypes.c_int)]
+
+
+class Cache(ctypes.Structure):
+    _fields_ = [("keys", ctypes.POINTER(_p)), ("values", ctypes.POINTER(_p)), ("head_stride", ctypes.c_int64),
+                ("cos", _p), ("sin", _p)]
+
+
 class _Rows(ctypes.Structure):
     _fields_ = [("n", ctypes.c_int), ("rope", _p), ("base", _p), ("column", _p), ("n_keys", _p),
                 ("key_cols", _p), ("key_stride", ctypes.c_int)]
@@ -37,6 +55,12 @@ class _Rows(ctypes.Structure):
 class _Matrix(ctypes.Structure):
     _fields_ = [("format", ctypes.c_int), ("inputs", ctypes.c_int), ("outputs", ctypes.c_int), ("weight", _p),
                 ("bias", _p)]
+
+
+Q8_BLOCK_BYTES = 320  # fused.c's block_q8x8: 8 rows x 32 inputs of bytes, then 8 float scales and 8 offsets
+# what sd_struct_sizes reports, in its order
+STRUCT_SIZES = {"Model": ctypes.sizeof(Model), "Layer": ctypes.sizeof(Layer), "Cache": ctypes.sizeof(Cache),
+                "Rows": ctypes.sizeof(_Rows), "Matrix": ctypes.sizeof(_Matrix), "block_q8x8": Q8_BLOCK_BYTES}
 
 
 def cpu_lacks() -> list[str]:
@@ -66,7 +90,18 @@ def library() -> ctypes.CDLL | str:
         _declare(loaded)
     except AttributeError as error:  # a library from an older specdec: a function is missing
         return f"its C extension is out of date ({error}; reinstall specdec)"
+    differing = _differing_structs(loaded)
+    if differing:
+        return f"its C extension's structures differ from specdec's ({', '.join(differing)}; reinstall specdec)"
     return loaded
+
+
+def _differing_structs(loaded: ctypes.CDLL) -> list[str]:
+    """The structures whose size in the library is not what specdec declares: each as 'name C size/ctypes size'."""
+    sizes = (ctypes.c_int64 * len(STRUCT_SIZES))()
+    reported = loaded.sd_struct_sizes(sizes, len(STRUCT_SIZES))
+    return [f"{name} {size}/{expected}" for (name, expected), size in zip(STRUCT_SIZES.items(), sizes[:reported])
+            if size != expected] + (["a structure missing"] if reported < len(STRUCT_SIZES) else [])
 
 
 def unavailable() -> str | None:
@@ -90,6 +125,8 @@ def _declare(loaded: ctypes.CDLL) -> None:
     loaded.sd_attention.restype = ctypes.c_int
     loaded.sd_attention.argtypes = [ctypes.POINTER(_Rows), ctypes.c_int, ctypes.c_int, ctypes.c_int, _p, _p, _p,
                                     ctypes.c_int64, _p]
+    loaded.sd_struct_sizes.restype = ctypes.c_int
+    loaded.sd_struct_sizes.argtypes = [_p, ctypes.c_int]
     loaded.sd_set_threads.restype = ctypes.c_int
     loaded.sd_set_threads.argtypes = [ctypes.c_int]
     loaded.sd_use_openmp.argtypes = [_p, _p, _p]
