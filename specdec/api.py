@@ -41,8 +41,8 @@ class SpecDecoder:
         """``precision``: None runs the models in the dtype they were loaded in; "auto" lets the lean runtime pick,
         per kind of pass, the fastest weight precision that keeps the target's outputs (see backends/precision.py).
         ``datastore``: a loaded retrieval datastore (specdec.datastore.load), for the retrieval drafter.
-        ``drafter_path``: a trained drafter's directory (``specdec train``) for draft-model, mtp, eagle or early-exit; without
-        it, the one shipped for the target.
+        ``drafter_path``: a trained drafter's directory (``specdec train``) for draft-model, mtp, eagle or
+        early-exit; without it, the one shipped for the target.
         """
         if draft is not None:
             check_same_vocabulary(target, draft)
@@ -66,7 +66,7 @@ class SpecDecoder:
         drafter_path: str | os.PathLike | None = None,
         backend: str = "auto",
         threads: int | None = None,
-    ) -> "SpecDecoder":
+    ) -> SpecDecoder:
         """Load from local paths (a transformers directory or a .gguf file); ``model=None`` is the default model.
 
         ``backend``: torch (specdec's runtime), llama.cpp (the GGUF's weights as stored) or auto (llama.cpp for a

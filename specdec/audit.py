@@ -367,7 +367,8 @@ def audit_sampled(a: Endpoint, b: Endpoint | None, model: str, prompts: list[str
         if b is not None:
             got_b = draw(b, model, prompt, sampling, [s + args.samples for s in seeds], args.concurrency, bar.update)
             if not got_a.n or not got_b.n:
-                raise UsageError(f"no completions to compare for prompt {number + 1}: {dict(got_a.errors + got_b.errors)}")
+                errors = dict(got_a.errors + got_b.errors)
+                raise UsageError(f"no completions to compare for prompt {number + 1}: {errors}")
             result = two_sample(got_a.outcomes, got_b.outcomes, threshold)
             errors = got_a.errors + got_b.errors
         else:
@@ -413,14 +414,15 @@ def markdown(report: dict) -> str:
               f"first {report['tokens']} tokens, {report.get('seconds', '?')} s.")]
     if report["mode"] == "greedy identity":
         lines += ["", "| prompt | identical | first difference (token) |", "|---|---|---:|"]
-        lines += [f"| {r['prompt']!r} | {'yes' if r['identical'] else 'NO'} | {'' if r['identical'] else r['first_difference']} |"
-                  for r in report["prompts"]]
+        lines += [f"| {r['prompt']!r} | {'yes' if r['identical'] else 'NO'} | "
+                  f"{'' if r['identical'] else r['first_difference']} |" for r in report["prompts"]]
         lines += ["", "**different greedy output**" if report["rejected"] else "**identical greedy output**"]
         return "\n".join(lines)
     lines[-1] += (f" {report['samples']} samples per endpoint and prompt at temperature {report['temperature']} "
                   f"(top-p {report['top_p']}, top-k {report['top_k']}), {report['concurrency']} at a time; "
                   f"{report['errors']} requests failed.")
-    lines += ["", "| prompt | chi-square | df | bins | p | detectable TV (80% power) |", "|---|---:|---:|---:|---:|---:|"]
+    lines += ["", "| prompt | chi-square | df | bins | p | detectable TV (80% power) |",
+              "|---|---:|---:|---:|---:|---:|"]
     for r in report["prompts"]:
         tv = f"{r['detectable_tv']:.3f}" if r["detectable_tv"] is not None else "—"
         lines.append(f"| {r['prompt']!r} | {r['statistic']:.2f} | {r['df']} | {r['bins']} | {r['p_value']:.4g} | "

@@ -17,7 +17,7 @@ POLICY_NAMES = ("auto", "heuristic")  # --num-draft-tokens that adapt: the cost 
 MAX_TREE_WIDTH = 16  # --tree: candidates at one depth
 SAMPLING_METHODS = ("invariant", "standard")  # --sampling: Gumbel-max under shared noise, or min(1, p/q)
 DEFAULT_SAMPLING_METHOD = "invariant"
-QUANTIZE_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # specdec quantize --type: types whose rows were pass-invariant where measured
+QUANTIZE_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # specdec quantize --type: rows pass-invariant where measured
 SEED_RANGE = (-(1 << 63), 1 << 64)  # what a 64-bit generator takes: signed or unsigned 64-bit integers
 
 

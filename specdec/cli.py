@@ -12,9 +12,9 @@ from pathlib import Path
 from specdec import logs
 from specdec.choices import (
     BACKENDS,
+    DEFAULT_SAMPLING_METHOD,
     DRAFTERS,
     EXPORT_FORMATS,
-    DEFAULT_SAMPLING_METHOD,
     MAX_DRAFT_TOKENS,
     QUANTIZE_TYPES,
     SAMPLING_METHODS,
@@ -34,14 +34,14 @@ TREE_HELP = ("draft a token tree, verified in one target pass: the candidates at
              "draft-model), or W1 continuations K deep (prompt-lookup, retrieval); auto: the cost model chooses "
              "each round's shape from the acceptance of each candidate and the cost of each pass size, measured as "
              "it runs (K caps the depth); default: a chain")
-SAMPLING_HELP = (f"how tokens are drawn at a temperature > 0 (default {DEFAULT_SAMPLING_METHOD}): invariant, Gumbel-max "
-                 "with noise keyed by the seed and each token's position, so a seed gives the same tokens with any "
-                 "drafter or none; standard, the rejection rule min(1, p/q) with one random stream, whose tokens "
-                 "depend on the drafts. Both draw exactly from the target's distribution")
-BACKEND_HELP = ("what runs the target: torch (specdec's runtime), fused (specdec's fused CPU runtime: int8 or float16 "
-                "weights, every layer of a pass in one call), llama.cpp (a .gguf file's weights as stored, on llama.cpp's CPU "
-                "kernels), or auto (default: on the CPU with --dtype auto, whichever of them runs this target fastest "
-                "on this machine, measured once and cached; torch otherwise)")
+SAMPLING_HELP = (f"how tokens are drawn at a temperature > 0 (default {DEFAULT_SAMPLING_METHOD}): invariant, "
+                 "Gumbel-max with noise keyed by the seed and each token's position, so a seed gives the same "
+                 "tokens with any drafter or none; standard, the rejection rule min(1, p/q) with one random stream, "
+                 "whose tokens depend on the drafts. Both draw exactly from the target's distribution")
+BACKEND_HELP = ("what runs the target: torch (specdec's runtime), fused (specdec's fused CPU runtime: int8 or "
+                "float16 weights, every layer of a pass in one call), llama.cpp (a .gguf file's weights as stored, on "
+                "llama.cpp's CPU kernels), or auto (default: on the CPU with --dtype auto, whichever of them runs "
+                "this target fastest on this machine, measured once and cached; torch otherwise)")
 THREADS_HELP = "CPU threads (torch's, and llama.cpp's; default: every core this process may use)"
 DTYPE_HELP = ("the weights' precision. auto: bfloat16 on CUDA; on the CPU, for each kind of pass (one position; "
               "several), the fastest precision whose logits stay within 0.1 of float32's, measured once per model "
@@ -120,8 +120,8 @@ def _add_verbose_flag(commands: argparse._SubParsersAction) -> None:
         if nested:
             _add_verbose_flag(nested[0])
             continue
-        command.add_argument("--verbose", "-v", action="store_true",
-                             help="also show what llama.cpp, transformers and Python's warnings say (hidden by default)")
+        command.add_argument("--verbose", "-v", action="store_true", help="also show what llama.cpp, transformers "
+                             "and Python's warnings say (hidden by default)")
 
 
 def _add_train_parser(commands) -> None:

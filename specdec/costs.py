@@ -105,7 +105,7 @@ class MeasuredPassCosts:
 
     @classmethod
     def measure(cls, pool: BatchedLlama, max_positions: int, context_length: int = 64, repeats: int = 2
-                ) -> "MeasuredPassCosts":
+                ) -> MeasuredPassCosts:
         """Time passes over 1, 2, 4, ... max_positions positions, spread over up to all of the pool's slots,
         each slot holding ``context_length`` tokens; the pool is left as it was."""
         slots = [pool.open() for _ in range(pool.max_slots - len(pool.slots))]

@@ -31,13 +31,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class LoadedModel:
-    model: "torch.nn.Module | None"  # a transformers PreTrainedModel; None where llama.cpp runs the model
+    model: torch.nn.Module | None  # a transformers PreTrainedModel; None where llama.cpp runs the model
     tokenizer: object  # a transformers tokenizer, or the GGUF's own (backends/gguf_tokenizer.py)
     path: Path  # the transformers directory it was loaded from, or the GGUF file llama.cpp runs
     runtime: object | None = None  # llama.cpp's CausalLM; None: the backend is built from ``model``
     source: Path | None = None  # the path given: a transformers directory or a .gguf file
     fused: bool = False  # ``model`` runs on specdec's fused CPU runtime (backends/fused.py)
-    _converted: "torch.nn.Module | None" = field(default=None, repr=False)  # transformers_model(), made once
+    _converted: torch.nn.Module | None = field(default=None, repr=False)  # transformers_model(), made once
 
     @property
     def gguf(self) -> Path | None:
@@ -53,7 +53,7 @@ class LoadedModel:
         """The width of the model's logits."""
         return self.runtime.vocab_size if self.runtime is not None else self.model.config.vocab_size
 
-    def transformers_model(self) -> "torch.nn.Module":
+    def transformers_model(self) -> torch.nn.Module:
         """The transformers module of these weights: the model itself, or (for a GGUF on llama.cpp) its converted
         copy, loaded in float32 on the CPU when something first needs it (a trained drafter's embedding and head).
         ``model`` stays None: llama.cpp still runs the target."""

@@ -11,15 +11,7 @@ import torch
 from specdec.choices import check_seed
 from specdec.proposers.base import Draft
 from specdec.sampling import SamplingParams, TargetChoices, logits_to_probs
-from specdec.verify import (
-    TreeVerdict,
-    Verdict,
-    node_depths,
-    verify,
-    verify_choices,
-    verify_tree,
-    verify_tree_choices,
-)
+from specdec.verify import TreeVerdict, Verdict, node_depths, verify, verify_choices, verify_tree, verify_tree_choices
 
 
 @dataclass(frozen=True)

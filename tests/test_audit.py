@@ -191,6 +191,7 @@ def test_the_detectable_tv_has_80_percent_power_by_simulation():
 
 
 def test_the_exact_reference_sums_to_one(model, prompt):
-    exact = exact_outcomes(str(model[2]), prompt, Sampling(tokens=2, params=SamplingParams(temperature=1.0)), min_probability=0.0)
+    sampling = Sampling(tokens=2, params=SamplingParams(temperature=1.0))
+    exact = exact_outcomes(str(model[2]), prompt, sampling, min_probability=0.0)
     assert sum(exact.values()) == pytest.approx(1.0, abs=1e-9)
     assert torch.tensor(list(exact.values())).max() > 0.3  # the walk's likeliest continuation

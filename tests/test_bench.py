@@ -159,7 +159,8 @@ def test_the_invariance_bench_finds_every_precision_invariant_and_prices_it(tiny
     printed = capsys.readouterr().out
     assert "| specdec float32 | 0 |" in printed and "| specdec float16 | 0 |" in printed
     assert printed.count("the libraries' kernels |") == 2  # measured, whatever they give on this CPU
-    assert printed.count("| row kernels |") == 2 and printed.count("x) |") == 16  # 2 precisions x 2 references x 4 sizes
+    assert printed.count("| row kernels |") == 2
+    assert printed.count("x) |") == 16  # 2 precisions x 2 references x 4 sizes
     assert "verifying a round of k = 4 (vocabulary 64" in printed
 
 

@@ -127,7 +127,8 @@ def test_seed_makes_sampling_repeatable(models, capsys):
         (["generate", PROMPT, "--tree", "3,x"], "--tree takes candidates per depth"),
         (["generate", PROMPT, "--tree", "3,0"], "tree widths must be between 1 and 16"),
         (["generate", PROMPT, "--tree", "3", "--drafter", "none"], "drafts chains only, not trees"),
-        (["generate", PROMPT, "--backend", "fused", "--dtype", "float32"], "--backend fused runs int8 or float16 weights"),
+        (["generate", PROMPT, "--backend", "fused", "--dtype", "float32"],
+         "--backend fused runs int8 or float16 weights"),
         (["generate", PROMPT, "--backend", "fused", "--device", "cuda"], "runs on the CPU here"),
         (["frobnicate"], "invalid choice"),
     ],
@@ -213,7 +214,8 @@ def test_help_and_refused_values_do_not_import_torch():
     script = ("import sys, contextlib, io\n"
               "from specdec.cli import main\n"
               "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
-              "    codes = [main(args) for args in (['generate', 'hi', '-k', '0'], ['generate', 'hi', '--top-p', '2'],\n"
+              "    codes = [main(args) for args in (['generate', 'hi', '-k', '0'],\n"
+              "                                     ['generate', 'hi', '--top-p', '2'],\n"
               "             ['serve', '--speculation', 'sometimes'], ['train', '--method', 'x', '--out', 'o'])]\n"
               "    try:\n"
               "        main(['--help'])\n"

@@ -117,7 +117,7 @@ def test_many_sequences_in_one_pass_equal_each_alone(tiny_draft, quantised):
     lm.rollback(0)
     assert torch.equal(after_cut, lm.extend(PROMPT[:5] + [77, 78], 1))
     steps = pool.forward([Row(slot, [90 + i], 1) for i, slot in enumerate(slots)])  # one decode row each
-    for i, (slot, logits) in enumerate(zip(slots, steps)):
+    for i, logits in enumerate(steps):
         lm.rollback(0)
         context = (PROMPT[:5] + [77, 78]) if i == 0 else prompts[i]
         assert torch.equal(logits, lm.extend(context + [90 + i], 1))

@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 from specdec.server import BatchSettings  # noqa: E402
-from specdec.server.app import ServerOptions
+from specdec.server.app import ServerOptions  # noqa: E402
 from specdec.server.replicas import APP_NAME, proxy_options, serve_app  # noqa: E402
 
 pytestmark = pytest.mark.slow

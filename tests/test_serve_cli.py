@@ -79,7 +79,8 @@ def test_trace_takes_first_turns_and_reply_lengths_and_drops_what_does_not_fit(m
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    pairs = [("w3 w4 w5 w6", "w7 " * 10), ("w3", "w4 w5 w6 w7"), ("w3 " * 50, "w4 " * 8), ("w8 w9 w10 w11", "w3 " * 300),
+    pairs = [("w3 w4 w5 w6", "w7 " * 10), ("w3", "w4 w5 w6 w7"), ("w3 " * 50, "w4 " * 8),
+             ("w8 w9 w10 w11", "w3 " * 300),
              ("w5 w6 w7 w8 w9", "w10 w11 w12 w13"), ("w5 w6 w7 w8", "w9 w10 w11 w12 w13")]
     trace = sample_trace(sharegpt(tmp_path / "s.json", pairs, cut=True), tokenizer, count=3, seed=0,
                          max_prompt_tokens=20, max_output_tokens=32)

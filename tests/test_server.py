@@ -258,10 +258,10 @@ def test_a_stop_string_finish_is_metered_as_stop_with_the_tokens_usage_counts(se
             assert status == 200 and answer["choices"][0]["text"] == expected
             usage = answer["usage"]
         assert usage["completion_tokens"] == through
-        assert wait_for(lambda: sum(scheduler.metrics.finished.values()) > before_finished(before))
+        assert wait_for(lambda before=before: sum(scheduler.metrics.finished.values()) > before_finished(before))
         _, after, _ = scrape(server)
 
-        def grew(name, labels=()):
+        def grew(name, labels=(), after=after, before=before):
             return after.get((f"specdec_{name}", labels), 0) - before.get((f"specdec_{name}", labels), 0)
 
         assert grew("requests_total", (("finish_reason", "stop"),)) == 1

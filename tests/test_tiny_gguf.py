@@ -28,13 +28,13 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def transformers_model(tiny_path: Path) -> "torch.nn.Module":
+def transformers_model(tiny_path: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_path.parent, gguf_file=tiny_path.name, dtype=torch.float32)
 
 
-def _llama(path: Path, kv_type: int) -> "llama_cpp.Llama":
+def _llama(path: Path, kv_type: int) -> llama_cpp.Llama:
     return llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, type_k=kv_type,
                            type_v=kv_type, n_threads=2)
 

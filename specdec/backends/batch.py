@@ -127,7 +127,7 @@ class BatchedLlama:
         by_row = dict(zip((id(row) for row in rows), x.split(layout.lengths)))
         return [by_row[id(row)] for row in given]
 
-    def _pass(self, rows: list[Row], layers: int) -> tuple[list[Row], list[Row], "_Layout", torch.Tensor]:
+    def _pass(self, rows: list[Row], layers: int) -> tuple[list[Row], list[Row], _Layout, torch.Tensor]:
         """The rows' tokens through the first ``layers`` layers: (rows as given, rows by slot, layout, the hidden
         states [T, hidden] in slot order)."""
         given, rows = rows, sorted(rows, key=lambda row: row.slot.index)
@@ -160,7 +160,7 @@ class BatchedLlama:
             row.slot.length += n
         return given, rows, layout, x
 
-    def _weights(self, rows: list[Row], layout: "_Layout") -> tuple:
+    def _weights(self, rows: list[Row], layout: _Layout) -> tuple:
         """The layers and LM head of a pass over these rows: on the fused runtime, the bulk kernel's for prompts'
         rows and fused.c's for the others, so that a row's kernel depends on the row alone; elsewhere, the
         precision of a pass over that many positions."""
@@ -183,7 +183,7 @@ class BatchedLlama:
                 answers[id(row)] = (logits[i], states[i] if hidden else None)
         return [answers[id(row)][0] for row in rows], [answers[id(row)][1] for row in rows] if hidden else None
 
-    def _fused_layers(self, layout: "_Layout", layers: int) -> torch.Tensor:  # [T, hidden]
+    def _fused_layers(self, layout: _Layout, layers: int) -> torch.Tensor:  # [T, hidden]
         """The packed tokens through the first ``layers`` layers in one call of the fused runtime: each at its
         position in its slot, attending its slot's keys up to itself."""
         positions = layout.positions.numpy()
@@ -199,7 +199,7 @@ class BatchedLlama:
                     pool[index, :, written:span] = 0
                 self._written[index] = span
 
-    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: "_Layout"
+    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: _Layout
                    ) -> torch.Tensor:  # [T, heads * hd]
         """Each query over its own slot's keys up to its position; keys and values: one layer's pool."""
         rt = self.runtime

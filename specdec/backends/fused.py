@@ -26,7 +26,7 @@ from specdec.choices import MAX_DRAFT_TOKENS
 
 WEIGHTS = ("float16", "int8")  # how fused.c holds the weights; activations, norms, attention and the cache are float32
 Q8_GROUP = 32  # inputs that share an int8 weight's scale and offset
-Q8_BYTES_PER_WEIGHT = Q8_BLOCK_BYTES / 256  # a block of 8 rows x 32 inputs: 256 bytes of weights, 8 scales and 8 offsets
+Q8_BYTES_PER_WEIGHT = Q8_BLOCK_BYTES / 256  # 8 rows x 32 inputs: 256 bytes of weights, 8 scales and 8 offsets
 # A chain pass over more positions than a round can score (k <= MAX_DRAFT_TOKENS drafts and the pending token) holds
 # a prompt: it runs the bulk kernel, oneDNN's float32 GEMM and batched attention, which arithmetic rather than
 # weight streaming paces. Rounds, trees and plain decoding never reach it, so a prompt's prefill is the same for

@@ -120,7 +120,7 @@ class PassPrecisions:
             object.__setattr__(self, "bulk", self.score)
 
     @classmethod
-    def uniform(cls, precision: str) -> "PassPrecisions":
+    def uniform(cls, precision: str) -> PassPrecisions:
         return cls(decode=precision, score=precision, bulk=precision)
 
     def for_positions(self, positions: int) -> str:

@@ -226,7 +226,7 @@ class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
             x = x + mlp(layer, x, self.eps)
         return x
 
-    def _keys_read(self, mask: torch.Tensor | None, start: int, n: int, tree: bool) -> "KeysRead":
+    def _keys_read(self, mask: torch.Tensor | None, start: int, n: int, tree: bool) -> KeysRead:
         """What each of a pass's n queries after ``start`` reads of the cache: the causal prefix for a chain; for a
         tree (``mask`` [n, start+n]), the cache and its own ancestors, laid out as its branch lays them out as a
         chain."""
@@ -265,7 +265,7 @@ class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
         return self._weights[self.precisions.for_positions(positions)]
 
     def _attention(self, layer: _Layer, h: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                   cos: torch.Tensor, sin: torch.Tensor, reading: "KeysRead") -> torch.Tensor:  # [n, hidden]
+                   cos: torch.Tensor, sin: torch.Tensor, reading: KeysRead) -> torch.Tensor:  # [n, hidden]
         """A chain's queries attend to the cache as it lies; a tree's each to its own keys in its branch's chain
         order (``reading``), so that every node computes what its branch computes as a chain."""
         n, heads, hd = h.shape[0], self.heads, self.head_dim

@@ -237,7 +237,7 @@ class LlamaCppLM(FeatureSource):
 
     @classmethod
     def load(cls, path: str | os.PathLike, max_length: int | None = None, threads: int | None = None
-             ) -> "LlamaCppLM":
+             ) -> LlamaCppLM:
         return cls(GGUFModel(path), max_length, threads)
 
     def keep_hidden_states(self) -> None:

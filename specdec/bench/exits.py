@@ -107,7 +107,8 @@ def measure_agreement(runtime, sequences: list[tuple[list[int], list[int]]], lay
             continue
         runtime.rollback(0)
         runtime.extend(prompt[:-1], 0)
-        states = runtime.layer_states([prompt[-1]] + answer[:-1])  # [layers+1, n, hidden]: position j predicts answer[j]
+        # [layers+1, n, hidden]: position j predicts answer[j]
+        states = runtime.layer_states([prompt[-1]] + answer[:-1])
         truth = torch.tensor(answer, device=states.device)
         for layer in layers:
             plain[layer].append((plain_exit(runtime, states[layer]) == truth).tolist())

@@ -24,7 +24,7 @@ class LayerShape:
     rope_theta: float = 10000.0
 
     @classmethod
-    def of(cls, config) -> "LayerShape":
+    def of(cls, config) -> LayerShape:
         """The shape of a transformers llama-family config's layers."""
         heads = config.num_attention_heads
         rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -115,7 +115,8 @@ class Attention(nn.Module):
             k, v = keys[None], values[None]
             causal = False
             if t > 1:
-                mask = torch.arange(start + t, device=x.device)[None] <= (start + torch.arange(t, device=x.device))[:, None]
+                seen, asking = torch.arange(start + t, device=x.device), start + torch.arange(t, device=x.device)
+                mask = seen[None] <= asking[:, None]  # key j is visible to query i
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and t > 1,
                                              enable_gqa=s.heads != s.kv_heads)  # [B, heads, T, hd]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, s.heads * s.head_dim))

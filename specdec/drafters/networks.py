@@ -50,7 +50,7 @@ class DrafterConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "DrafterConfig":
+    def from_dict(cls, data: dict) -> DrafterConfig:
         data = dict(data)
         data["shape"] = LayerShape(**data["shape"])
         return cls(**data)
@@ -103,7 +103,7 @@ class TargetParts:
         self.final_norm = None if final_norm is None else final_norm.detach().float()
 
     @classmethod
-    def of(cls, model) -> "TargetParts":
+    def of(cls, model) -> TargetParts:
         norm = getattr(getattr(model, "model", None), "norm", None)
         return cls(model.get_input_embeddings().weight, model.get_output_embeddings().weight,
                    None if norm is None else norm.weight)
@@ -113,7 +113,7 @@ class OnTarget(nn.Module):
     """A drafter network that reads the frozen target's input embedding and drafts over its LM head's rows
     (``self.vocab``, a DraftVocab): ``attach`` points it at a target's parts, as loading does."""
 
-    vocab: "DraftVocab"
+    vocab: DraftVocab
 
     def attach(self, target: TargetParts) -> None:
         self.embed = target.embed

@@ -245,7 +245,8 @@ def load_server(options: ServerOptions, listen: bool = True) -> OpenAIServer:
             sock.close()
         raise
     model = options.model
-    name = options.served_model_name or (DEFAULT_MODEL_NAME if model is None else Path(model).name.removesuffix(".gguf"))
+    file_name = DEFAULT_MODEL_NAME if model is None else Path(model).name.removesuffix(".gguf")
+    name = options.served_model_name or file_name
     return OpenAIServer(scheduler, loaded.target.tokenizer, name, settings, listen=listen, sock=sock)
 
 
@@ -396,7 +397,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
     return app
 
 
-def _http_protocol(server: "OpenAIServer"):
+def _http_protocol(server: OpenAIServer):
     """uvicorn's httptools protocol (llhttp, strict: it refuses a length with a transfer encoding, a folded header
     line, a bad chunk size and bare LF line ends the moment it reads them) with three changes: its refusals are
     OpenAI error bodies, not plain text, and an unknown HTTP version is 505; a request head that has not ended
@@ -534,7 +535,7 @@ class _Framing:
     the path exists or not: the one place the key is checked. (A length with a transfer encoding, or two lengths,
     never get here: llhttp refuses them, in this server's protocol and in Ray Serve's proxy alike.)"""
 
-    def __init__(self, app, server: "OpenAIServer") -> None:
+    def __init__(self, app, server: OpenAIServer) -> None:
         self.app, self.server = app, server
 
     async def __call__(self, scope, receive, send) -> None:
@@ -667,12 +668,12 @@ def _echo(job: Job, tokenizer, prompt_ids: list[int]) -> str:
     return job.prompt if isinstance(job.prompt, str) else tokenizer.decode(prompt_ids)
 
 
-def _usage(answers: list["_Answer"], prompt_tokens: int) -> dict:
+def _usage(answers: list[_Answer], prompt_tokens: int) -> dict:
     return usage(prompt_tokens, sum(a.completion_tokens for a in answers), sum(a.draft_tokens for a in answers),
                  sum(a.accepted_tokens for a in answers))
 
 
-async def _events(answers: list["_Answer"]) -> AsyncIterator[tuple["_Answer", Tokens | Finished]]:
+async def _events(answers: list[_Answer]) -> AsyncIterator[tuple[_Answer, Tokens | Finished]]:
     """Every choice's events, as the scheduler hands them over, until each has finished."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
@@ -695,7 +696,7 @@ async def _events(answers: list["_Answer"]) -> AsyncIterator[tuple["_Answer", To
         yield answer, event
 
 
-async def _collect(answers: list["_Answer"], request) -> None:
+async def _collect(answers: list[_Answer], request) -> None:
     """Wait for every choice to finish, checking every POLL_SECONDS that the client is still there."""
     events = _events(answers)
     pending = asyncio.ensure_future(events.__anext__())
@@ -716,7 +717,7 @@ async def _collect(answers: list["_Answer"], request) -> None:
         pending.cancel()
 
 
-async def _stream(answers: list["_Answer"], response: Response, prompt_tokens: int, echoed: str
+async def _stream(answers: list[_Answer], response: Response, prompt_tokens: int, echoed: str
                   ) -> AsyncIterator[bytes]:
     """Server-sent events: a role delta (chat) or the echoed prompt first, the text as it becomes final, each
     choice's finish, usage if asked, then [DONE]. A client that leaves cancels this generator, which cancels the

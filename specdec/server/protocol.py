@@ -50,7 +50,7 @@ class BadRequest(ApiError):
         super().__init__(message, param, code, status=400)
 
 
-# --- request bodies ----------------------------------------------------------------------------------------------------
+# --- request bodies ---------------------------------------------------------------------------------------------------
 
 
 def _encodable(text: str) -> str:
@@ -241,7 +241,7 @@ def _field_path(loc: tuple, body: dict) -> list:
     return path
 
 
-# --- a checked request -------------------------------------------------------------------------------------------------
+# --- a checked request ------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -345,7 +345,7 @@ def _adjustment(request: _Sampling, vocab_size: int) -> LogitsAdjustment | None:
     return adjustment if adjustment.active else None
 
 
-# --- responses ---------------------------------------------------------------------------------------------------------
+# --- responses --------------------------------------------------------------------------------------------------------
 
 
 class Response:
@@ -397,7 +397,7 @@ def usage(prompt_tokens: int, completion_tokens: int, draft_tokens: int, accepte
             "speculation": {"draft_tokens": draft_tokens, "accepted_tokens": accepted_tokens}}
 
 
-def logprobs_payload(chat: bool, entries: list["TokenLogprob"], text_offset: int = 0) -> dict:
+def logprobs_payload(chat: bool, entries: list[TokenLogprob], text_offset: int = 0) -> dict:
     """OpenAI's logprobs object for the tokens given: chat's ``content`` list, or the completions layout."""
     if chat:
         return {"content": [{"token": e.text, "logprob": e.logprob, "bytes": list(e.text.encode()),

@@ -24,13 +24,14 @@ APP_NAME = "specdec"
 _REPLICA = {}  # the server this replica process built: its health check reads it
 
 
-def serve_app(options: ServerOptions = ServerOptions(), replicas: int = 1, shutdown_timeout: float = 30.0):
+def serve_app(options: ServerOptions | None = None, replicas: int = 1, shutdown_timeout: float = 30.0):
     """The Ray Serve application: ``replicas`` copies of specdec's OpenAI app, for ``serve.run`` (or Ray's own
     ``serve run specdec.server.replicas:app_builder replicas=2 model=PATH``)."""
     from ray import serve
 
     if replicas < 1:
         raise UsageError(f"replicas must be >= 1, got {replicas}")
+    options = options or ServerOptions()
 
     def build():
         server = load_server(options, listen=False)

@@ -386,7 +386,9 @@ def _report(progress: Progress, total_steps: int, loss: float) -> None:
 
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 def save_checkpoint(out: Path, net: torch.nn.Module, optimizer: torch.optim.Optimizer, progress: Progress) -> None:
