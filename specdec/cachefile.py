@@ -1,5 +1,6 @@
-"""Measurements kept in the specdec cache (``--dtype auto``'s precisions, ``--backend auto``'s runtimes): one JSON
-file of entries per kind, each keyed by what the measurement depends on, written whole and atomically."""
+"""The specdec cache's place, and the measurements kept in it (``--dtype auto``'s precisions, ``--backend auto``'s
+runtimes): one JSON file of entries per kind, each keyed by what the measurement depends on, written whole and
+atomically."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ import json
 import os
 import platform
 from pathlib import Path
+
+
+def cache_root() -> Path:
+    """Where specdec keeps what it measured and converted: ``SPECDEC_CACHE``, else ``~/.cache/specdec``."""
+    return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec")
 
 
 class MeasurementCache:
@@ -17,8 +23,6 @@ class MeasurementCache:
         self.filename, self.version = filename, version
 
     def path(self) -> Path:
-        from specdec.models import cache_root
-
         return cache_root() / self.filename
 
     def key(self, subject: str, threads: int | None = None) -> str:

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from specdec.backends import runtime_of
 from specdec.errors import UsageError
-from specdec.models import LoadedModel, chat_prompt_ids, check_same_vocabulary, load_model, resolve_backend
+from specdec.models import LoadedModel, chat_prompt_ids, check_same_vocabulary, load_model
+from specdec.runtime_choice import resolve_backend
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,10 @@ def load_target(model: str | os.PathLike | None = None, *, dtype: str = "auto", 
     for drafter in drafters:
         check_backend_serves(drafter, resolved)
     target = load_model(model, dtype=dtype, device=device, backend=resolved, threads=threads)
-    draft = None if draft_model is None else load_model(draft_model, dtype=dtype, device=device,
-                                                        backend=draft_backend(target), threads=threads)
+    draft = None
+    if draft_model is not None:
+        draft_resolved = resolve_backend(draft_backend(target), draft_model, dtype, device, threads)
+        draft = load_model(draft_model, dtype=dtype, device=device, backend=draft_resolved, threads=threads)
     if draft is not None:
         check_same_vocabulary(target, draft)
     if store is not None:

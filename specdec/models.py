@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.cachefile import cache_root
 from specdec.errors import UsageError
 from specdec.logs import verbose
 
@@ -98,50 +99,40 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def resolve_backend(backend: str, path: str | os.PathLike | None, dtype: str = "auto", device: str = "auto",
-                    threads: int | None = None) -> str:
-    """``--backend``: torch, fused or llama.cpp. auto, on the CPU with the weights' precision left to the backend
-    (--dtype auto), is the runtime measured fastest for this target on this machine (``backends/choice.py``; llama.cpp
-    a candidate for a .gguf target, the default model among them); torch otherwise."""
-    from specdec.backends import BACKENDS
+def check_backend(backend: str, path: str | os.PathLike | None, dtype: str, device: str) -> None:
+    """Refuse, in one line and before anything loads, a settled backend (torch, fused or llama.cpp) that cannot run
+    this target as asked; ``auto`` is settled first (``runtime_choice.resolve_backend``)."""
+    if backend not in ("torch", "fused", "llama.cpp"):
+        raise ValueError(f"load a model on a settled backend (torch, fused or llama.cpp), not {backend!r}: "
+                         "specdec.runtime_choice.resolve_backend settles auto")
+    if backend == "torch":
+        return
+    if backend == "llama.cpp" and not (path is None or Path(path).suffix.lower() == ".gguf"):
+        raise UsageError(f"--backend llama.cpp runs a .gguf file, and {path} is not one (a transformers "
+                         "directory runs with --backend torch or fused)")
+    if device not in ("auto", "cpu"):
+        raise UsageError(f"--backend {backend} runs on the CPU here, not on {device}")
+    if dtype != "auto":
+        stored = "the GGUF's weights as stored" if backend == "llama.cpp" else "int8 or float16 weights of its own"
+        raise UsageError(f"--backend {backend} runs {stored}; --dtype {dtype} is for --backend torch")
+    if backend == "fused":
+        from specdec.backends.native import unavailable
 
-    if backend not in BACKENDS:
-        raise UsageError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
-    gguf = path is None or Path(path).suffix.lower() == ".gguf"
-    if backend in ("llama.cpp", "fused"):
-        if backend == "llama.cpp" and not gguf:
-            raise UsageError(f"--backend llama.cpp runs a .gguf file, and {path} is not one (a transformers "
-                             "directory runs with --backend torch or fused)")
-        if device not in ("auto", "cpu"):
-            raise UsageError(f"--backend {backend} runs on the CPU here, not on {device}")
-        if dtype != "auto":
-            stored = "the GGUF's weights as stored" if backend == "llama.cpp" else "int8 or float16 weights of its own"
-            raise UsageError(f"--backend {backend} runs {stored}; --dtype {dtype} is for --backend torch")
-        if backend == "fused":
-            from specdec.backends.fused import unavailable
-
-            reason = unavailable()
-            if reason is not None:
-                raise UsageError(f"--backend fused cannot run here: {reason}")
-        return backend
-    if backend == "auto":
-        on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-        if not (on_cpu and dtype == "auto"):
-            return "torch"
-        from specdec.backends.choice import auto_backend
-
-        return auto_backend(default_model_path() if path is None else Path(path), gguf, threads)
-    return backend
+        reason = unavailable()
+        if reason is not None:
+            raise UsageError(f"--backend fused cannot run here: {reason}")
 
 
 def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str = "auto", backend: str = "torch",
                threads: int | None = None) -> LoadedModel:
     """Load a causal LM and its tokenizer from a local directory or GGUF file; None means the default model.
 
-    ``backend`` (torch, llama.cpp or auto; see resolve_backend): on llama.cpp the GGUF file's weights run as stored,
-    with its own vocabulary, and no transformers model is made; ``threads`` are llama.cpp's."""
+    ``backend`` (torch, fused or llama.cpp, as ``runtime_choice.resolve_backend`` settles and checks it): on
+    llama.cpp the GGUF file's weights run as stored, with its own vocabulary, and no transformers model is made;
+    ``threads`` are llama.cpp's."""
+    check_backend(backend, path, dtype, device)
     source = default_model_path() if path is None else Path(path)
-    resolved = resolve_backend(backend, path, dtype, device, threads)
+    resolved = backend
     if resolved == "llama.cpp":
         return load_gguf(source, threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -199,10 +190,6 @@ def transformers_directory(path: Path) -> Path:
     if path.suffix.lower() != ".gguf":
         raise UsageError(f"a model path must be a transformers directory or a .gguf file: {path}")
     return _converted_gguf(path)
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec")
 
 
 def _converted_gguf(gguf: Path) -> Path:

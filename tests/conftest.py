@@ -18,7 +18,7 @@ def backend_cache_directory(tmp_path_factory):
 def private_backend_cache(backend_cache_directory, monkeypatch):
     """``--backend auto`` keeps its measurements in the user's cache; tests keep theirs apart, in one place for the
     whole session (a model is measured once)."""
-    from specdec.backends import choice
+    from specdec import runtime_choice as choice
 
     monkeypatch.setattr(choice.CACHE, "path", lambda: backend_cache_directory / "backends.json")
 

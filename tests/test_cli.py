@@ -237,7 +237,7 @@ def test_without_the_extension_auto_says_why_once_and_fused_is_refused(models, c
     first = run_cli(capsys, *args)
     assert first[0] == 0 and f"passes specdec's fused runtime by: {reason}" in first[2], first[2]
     assert first[2].strip().splitlines()[-1].startswith("[prompt-lookup on torch]")
-    from specdec.backends import choice
+    from specdec import runtime_choice as choice
 
     choice._passed_by.cache_clear()  # a new process: the choice comes from the cache, and is not said again
     second = run_cli(capsys, *args)

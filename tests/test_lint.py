@@ -1,4 +1,5 @@
-"""The code as the project holds it: ruff's rules (pyproject.toml [tool.ruff]) find nothing."""
+"""The code as the project holds it (pyproject.toml): ruff's rules find nothing, and import-linter's contracts hold:
+each layer imports only the layers below it, and no modules import each other in a circle."""
 
 from __future__ import annotations
 
@@ -13,3 +14,11 @@ def test_ruff_finds_nothing():
     run = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "specdec", "tests", "setup.py"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-1000:]
+
+
+def test_the_layers_hold_and_no_imports_circle():
+    lint_imports = Path(sys.executable).parent / "lint-imports"
+    run = subprocess.run([str(lint_imports), "--no-cache"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         check=False)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-1000:]
+    assert "Contracts: 2 kept, 0 broken." in run.stdout

@@ -243,7 +243,7 @@ def test_speculative_sampling_with_top_k_and_top_p_follows_llama_cpps_joint(tiny
 def test_the_api_and_the_default_backend_run_a_gguf_on_the_runtime_measured_fastest(tiny):
     """--backend auto measures llama.cpp, the fused runtime and the torch runtime once, keeps the fastest, and runs
     it; llama.cpp, named, runs the GGUF without a transformers model."""
-    from specdec.backends import choice
+    from specdec import runtime_choice as choice
 
     auto = SpecDecoder.load(str(tiny), drafter="prompt-lookup", threads=2)
     (entry,) = [value for key, value in choice.CACHE.entries().items() if str(tiny.resolve()) in key]

@@ -1,6 +1,6 @@
 """Model backends behind the CausalLM protocol (base.py): a lean llama-family runtime (llama.py), its fused CPU
 twin (fused.py), transformers as it is, and llama.cpp over a GGUF file's stored weights (llamacpp.py); which one
-``--backend auto`` runs is measured (choice.py).
+``--backend auto`` runs is measured (specdec/runtime_choice.py).
 
 Nothing here imports transformers until a transformers model is wrapped: the llama.cpp path never pays for it.
 """

@@ -24,7 +24,8 @@ DEFAULT_LAYERS = {"draft-model": 2, "eagle": 1, "mtp": 1, "early-exit": 1}
 
 def run_train(args) -> int:
     from specdec.backends import llama, make_backend
-    from specdec.models import cache_root, eos_token_ids, fingerprint, load_model, weight_probe
+    from specdec.cachefile import cache_root
+    from specdec.models import eos_token_ids, fingerprint, load_model, weight_probe
 
     _check_args(args)
     out = Path(args.out)

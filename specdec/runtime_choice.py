@@ -1,4 +1,5 @@
-"""``--backend auto`` on the CPU: the runtime that runs a target fastest on this machine, by measurement.
+"""Which runtime runs a target: ``--backend`` settled and checked (:func:`resolve_backend`), and for ``auto`` on the
+CPU the runtime that runs the target fastest on this machine, by measurement.
 
 The candidates: llama.cpp (a .gguf target, its weights as stored), specdec's fused runtime (``fused.py``, where it
 was built, the CPU has AVX2/FMA/F16C and the model is one it covers) and specdec's torch runtime (``llama.py``, in
@@ -17,17 +18,40 @@ import contextlib
 import functools
 import io
 import logging
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 from specdec.backends.base import median_pass_seconds
 from specdec.cachefile import MeasurementCache
+from specdec.choices import BACKENDS
+from specdec.errors import UsageError
 from specdec.logs import notice, verbose
+from specdec.models import default_model_path, load_gguf, load_model
 
 CACHE = MeasurementCache("backends.json", version=2)  # 2: the torch runtime on the row kernels
 CONTEXT_TOKENS = 64  # cached before the timed passes
 SCORED_POSITIONS = 5  # a scoring pass: k+1 at the default k=4
 REPEATS = 5  # timed passes per candidate and kind; the median is kept
+
+
+def resolve_backend(backend: str, path: str | os.PathLike | None, dtype: str = "auto", device: str = "auto",
+                    threads: int | None = None) -> str:
+    """``--backend`` settled: torch, fused or llama.cpp as named (``models.load_model`` checks that it can run the
+    target as asked, once); auto, on the CPU with the weights' precision left to the backend (--dtype auto), the
+    runtime measured fastest for this target on this machine (:func:`auto_backend`; llama.cpp a candidate for a
+    .gguf target, the default model among them); torch otherwise."""
+    if backend not in BACKENDS:
+        raise UsageError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    if backend != "auto":
+        return backend
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if not (on_cpu and dtype == "auto"):
+        return "torch"
+    gguf = path is None or Path(path).suffix.lower() == ".gguf"
+    return auto_backend(default_model_path() if path is None else Path(path), gguf, threads)
 
 
 @dataclass(frozen=True)
@@ -90,13 +114,9 @@ def measure(source: Path, names: list[str], threads: int | None = None
     model = None  # the transformers model, loaded once for the fused and torch candidates
     for name in names:
         if name == "llama.cpp":
-            from specdec.models import load_gguf
-
             runtimes[name] = load_gguf(source, threads).runtime
             continue
         if model is None:
-            from specdec.models import load_model
-
             model = load_model(source, dtype="float32", device="cpu", backend="torch").model
         runtime = _runtime(name, model)
         if isinstance(runtime, str):
