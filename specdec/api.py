@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from specdec.backends import target_backend
-from specdec.choices import DEFAULT_SAMPLING_METHOD
+from specdec.choices import DEFAULT_SAMPLING_METHOD, check_datastore_drafter
 from specdec.engine import Engine, GenerationConfig, GenerationStats
 from specdec.errors import UsageError
 from specdec.loading import draft_source, encode_prompt, load_target
@@ -84,8 +84,7 @@ class SpecDecoder:
         if draft_model is not None and drafter_path is not None:
             raise UsageError("give a draft model either as --draft-model (a transformers model) or as "
                              "--drafter-path (a trained drafter), not both")
-        if datastore is not None and drafter != "retrieval":
-            raise UsageError(f"--datastore drafts only with --drafter retrieval, not {drafter}")
+        check_datastore_drafter(drafter, datastore is not None)
         loaded = load_target(model, dtype=dtype, device=device, backend=backend, threads=threads, datastore=datastore,
                              draft_model=draft_model if drafter == "draft-model" else None, drafters=(drafter,))
         return cls(loaded.target, drafter=drafter, draft=loaded.draft, precision=loaded.precision,

@@ -85,3 +85,9 @@ def check_seed(seed: int | None) -> None:
     """Refuse a seed that a 64-bit generator cannot take."""
     if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
         raise UsageError(f"seed must be a 64-bit integer, in [-2^63, 2^64), got {seed}")
+
+
+def check_datastore_drafter(drafter: str, datastore_given: bool) -> None:
+    """A datastore is what the retrieval drafter copies from; no other drafter reads one."""
+    if datastore_given and drafter != "retrieval":
+        raise UsageError(f"a datastore drafts only with --drafter retrieval, not {drafter}")

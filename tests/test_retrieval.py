@@ -10,6 +10,7 @@ import pytest
 from tiny import save_with_tokenizer, tiny_llama
 
 from specdec import datastore as datastores
+from specdec.backends import LlamaRuntime
 from specdec.cli import main
 from specdec.errors import UsageError
 from specdec.proposers.retrieval import RetrievalProposer, SessionIndex, continuation
@@ -125,6 +126,25 @@ def test_no_suffix_crosses_a_document_boundary():
 def test_retrieval_drafts_from_the_datastore_when_the_session_has_nothing():
     store = datastores.build(np.array([10, 11, 12, 13, 14, -1, 10, 11, 12, 13, 99]), vocab_size=100, sources=[])
     assert RetrievalProposer(store).propose([3, 10, 11], 3, GREEDY, None).tokens == [12, 13, 14]
+
+
+def test_a_datastore_drafts_only_with_retrieval():
+    """The rule lives in one place (choices.check_datastore_drafter); the proposers' factory and the server's
+    scheduler ask it, and the Python API asks it before it loads anything."""
+    from specdec.api import SpecDecoder
+    from specdec.proposers import make_proposer
+    from specdec.server import BatchSettings, build_scheduler
+
+    store = datastores.build(np.array([1, 2, 3, 1, 2, 4]), vocab_size=64, sources=[])
+    target = LlamaRuntime(tiny_llama(seed=0))
+    assert isinstance(make_proposer("retrieval", target, None, store), RetrievalProposer)
+    refusal = "a datastore drafts only with --drafter retrieval, not prompt-lookup"
+    with pytest.raises(UsageError, match=refusal):
+        make_proposer("prompt-lookup", target, None, store)
+    with pytest.raises(UsageError, match=refusal):
+        build_scheduler(target, BatchSettings(drafter="prompt-lookup"), {1}, store)
+    with pytest.raises(UsageError, match=refusal):
+        SpecDecoder.load(model="/nowhere", drafter="prompt-lookup", datastore="/nowhere either")
 
 
 def test_missing_and_corrupt_datastores_are_one_line_errors(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from specdec.backends.base import CausalLM, FeatureSource, ShallowRunner, require
-from specdec.choices import DRAFTERS
+from specdec.choices import DRAFTERS, check_datastore_drafter
 from specdec.errors import UsageError
 from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from specdec.proposers.draft_model import DraftModelProposer
@@ -62,8 +62,7 @@ def make_proposer(name: str, target: CausalLM, source=None, datastore: Continuat
     """The proposer of --drafter ``name`` for ``target``, drafting with ``source`` (see PROPOSERS)."""
     if name not in PROPOSERS:
         raise UsageError(f"unknown drafter {name!r}; choose from {', '.join(PROPOSERS)}")
-    if datastore is not None and name != "retrieval":
-        raise UsageError(f"a datastore drafts only with --drafter retrieval, not {name}")
+    check_datastore_drafter(name, datastore is not None)
     return PROPOSERS[name](target, source, datastore)
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from specdec.backends.batch import BatchedLlama
 from specdec.backends.llama import LlamaRuntime
-from specdec.choices import SERVED_DRAFTERS, SPECULATION_MODES
+from specdec.choices import SERVED_DRAFTERS, SPECULATION_MODES, check_datastore_drafter
 from specdec.costs import MeasuredPassCosts
 from specdec.errors import UsageError
 from specdec.proposers import PROPOSERS
@@ -44,8 +44,7 @@ def build_scheduler(runtime, settings: BatchSettings, eos_token_ids: set[int], d
     """A scheduler over a pool of ``max_batch_size`` KV-cache slots on the runtime's weights (specdec's runtime, or
     llama.cpp's with a ``seq_id`` per slot); ``auto`` first measures what passes over 1 to max_batch_size x (k+1)
     positions cost here."""
-    if datastore is not None and settings.drafter != "retrieval":
-        raise UsageError(f"a datastore drafts only with --drafter retrieval, not {settings.drafter}")
+    check_datastore_drafter(settings.drafter, datastore is not None)
     pool = make_pool(runtime, settings)
     cost = None
     if settings.speculation == "auto":
