@@ -150,9 +150,6 @@ class CostModelPolicy(ChainShape):
         """[k]: expected tokens from a round that drafts k (1 + the expected accepted length)."""
         return expected_tokens_by_k(self.acceptances())
 
-    def expected_tokens(self, k: int) -> float:
-        return self.expected_tokens_by_k()[k]
-
 
 class TreePolicy:
     """``--tree auto``: each round's tree shape (candidates per depth, so its depth and size) by the same cost

@@ -76,7 +76,7 @@ def test_measured_acceptance_gives_the_expected_tokens_of_independent_acceptance
     policy = CostModelPolicy(decay=1.0)
     run_trace(policy, 3000, acceptance=0.7, score_seconds=lambda n: 1.0)  # free scoring: it drafts the most
     expected = (1 - 0.7 ** 5) / (1 - 0.7)
-    assert policy.expected_tokens(4) == pytest.approx(expected, rel=0.05)
+    assert policy.expected_tokens_by_k()[4] == pytest.approx(expected, rel=0.05)
 
 
 def test_drafting_cost_shortens_the_draft():

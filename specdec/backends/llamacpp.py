@@ -168,10 +168,6 @@ class LlamaCppContext:
         """Forget the sequence's cached positions from ``start`` on."""
         self._lib.llama_memory_seq_rm(self.memory, sequence, start, -1)
 
-    def set_threads(self, threads: int) -> None:
-        self.threads = threads
-        self._lib.llama_set_n_threads(self.pointer, threads, threads)
-
     def _check(self, n: int, sequences: list[int]) -> None:
         """Refuse what llama.cpp would abort the process on, read off the filled batch (one vectorised pass)."""
         for name, values, limit, what in (("token id", self._tokens[:n], self.model.vocab_size, "the vocabulary of"),
