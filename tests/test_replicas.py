@@ -17,8 +17,8 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 from specdec.server import BatchSettings  # noqa: E402
-from specdec.server.app import ServerOptions  # noqa: E402
 from specdec.server.replicas import APP_NAME, proxy_options, serve_app  # noqa: E402
+from specdec.server.serving import ServerOptions  # noqa: E402
 
 pytestmark = pytest.mark.slow
 REQUEST_TIMEOUT = 20.0  # seconds Ray's proxy lets a request go unanswered; the client waits three times that

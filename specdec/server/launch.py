@@ -9,7 +9,8 @@ from pathlib import Path
 
 from specdec.errors import UsageError
 from specdec.server import BatchSettings
-from specdec.server.app import ServerOptions, ServerSettings, load_server, wait_for_signal
+from specdec.server.serving import ServerOptions, load_server, wait_for_signal
+from specdec.server.settings import ServerSettings
 
 
 def api_key(given: str | None, path: str | None) -> str | None:

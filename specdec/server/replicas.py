@@ -18,7 +18,7 @@ import sys
 from dataclasses import replace
 
 from specdec.errors import UsageError
-from specdec.server.app import ServerOptions, load_server, wait_for_signal
+from specdec.server.serving import ServerOptions, load_server, wait_for_signal
 
 APP_NAME = "specdec"
 _REPLICA = {}  # the server this replica process built: its health check reads it

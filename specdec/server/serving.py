@@ -1,0 +1,65 @@
+"""A server loaded and run: what it loads and how it serves (:class:`ServerOptions`), the port claimed before the slow
+load (:func:`load_server`), and the wait for a signal that ends a run; for ``specdec serve`` (``launch.py``) and for
+each Ray Serve replica (``replicas.py``) alike."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specdec.server import BatchSettings, build_scheduler
+from specdec.server.app import OpenAIServer, bind
+from specdec.server.settings import ServerSettings
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """What a server loads and how it serves: one process's, or each Ray Serve replica's."""
+
+    model: str | None = None
+    batch: BatchSettings = field(default_factory=BatchSettings)
+    settings: ServerSettings = field(default_factory=ServerSettings)
+    datastore: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    served_model_name: str | None = None
+    backend: str = "auto"
+    threads: int | None = None
+
+
+def load_server(options: ServerOptions, listen: bool = True) -> OpenAIServer:
+    """Claim the port, then load the model (checks first, the slow load last); ``start()`` the server to serve
+    (``listen=False``: the app alone, for Ray Serve to run, and no port). A busy port is refused in one line before
+    anything slow."""
+    from specdec.backends import target_backend
+    from specdec.loading import load_target
+    from specdec.models import eos_token_ids
+
+    settings = options.settings
+    sock = bind(settings) if listen else None
+    try:
+        loaded = load_target(options.model, dtype=options.dtype, device=options.device, backend=options.backend,
+                             threads=options.threads, datastore=options.datastore, drafters=(options.batch.drafter,))
+        runtime = target_backend(loaded.target, loaded.precision)
+        scheduler = build_scheduler(runtime, options.batch, eos_token_ids(loaded.target), loaded.datastore)
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
+    model = options.model
+    file_name = DEFAULT_MODEL_NAME if model is None else Path(model).name.removesuffix(".gguf")
+    name = options.served_model_name or file_name
+    return OpenAIServer(scheduler, loaded.target.tokenizer, name, settings, listen=listen, sock=sock)
+
+
+def wait_for_signal() -> None:
+    """Block until SIGINT or SIGTERM: the server's run, from start to drain."""
+    import signal
+
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    stop.wait()
