@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from specdec.errors import UsageError
-from specdec.server import BatchSettings
+from specdec.server.batching import BatchSettings
 from specdec.server.serving import ServerOptions, load_server, wait_for_signal
 from specdec.server.settings import ServerSettings
 

@@ -8,8 +8,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec.server import BatchSettings, build_scheduler
 from specdec.server.app import OpenAIServer, bind
+from specdec.server.batching import BatchSettings, build_scheduler
 from specdec.server.settings import ServerSettings
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"

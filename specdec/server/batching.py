@@ -1,0 +1,62 @@
+"""What a server batches: its settings (:class:`BatchSettings`, which check themselves), the pool of KV-cache slots
+over the target runtime's weights, and the scheduler over that pool with its drafters and planner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdec.backends.batch import BatchedLlama
+from specdec.backends.llama import LlamaRuntime
+from specdec.choices import SERVED_DRAFTERS, SPECULATION_MODES, check_datastore_drafter
+from specdec.costs import MeasuredPassCosts
+from specdec.errors import UsageError
+from specdec.proposers import PROPOSERS
+from specdec.server.scheduler import Scheduler
+from specdec.server.speculation import SpeculationPlanner
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    speculation: str = "auto"  # auto, always or never
+    drafter: str = "prompt-lookup"
+    num_draft_tokens: int = 4  # the most draft tokens per request per step
+    max_batch_size: int = 64  # requests decoded together (KV-cache slots)
+    max_model_len: int = 2048  # prompt + output tokens of one request
+    max_waiting: int = 256  # requests queued beyond the batch; more are refused with 429
+
+    def __post_init__(self) -> None:
+        if self.speculation not in SPECULATION_MODES:
+            raise UsageError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
+        if self.drafter not in SERVED_DRAFTERS:
+            known = f"; {self.drafter} is not batched yet" if self.drafter in PROPOSERS else ""
+            raise UsageError(f"the server drafts with {', '.join(SERVED_DRAFTERS)}{known}")
+        for name, low in (("num_draft_tokens", 1), ("max_batch_size", 1), ("max_model_len", 2), ("max_waiting", 0)):
+            if getattr(self, name) < low:
+                raise UsageError(f"{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
+
+
+def build_scheduler(runtime, settings: BatchSettings, eos_token_ids: set[int], datastore=None) -> Scheduler:
+    """A scheduler over a pool of ``max_batch_size`` KV-cache slots on the runtime's weights (specdec's runtime, or
+    llama.cpp's with a ``seq_id`` per slot); ``auto`` first measures what passes over 1 to max_batch_size x (k+1)
+    positions cost here."""
+    check_datastore_drafter(settings.drafter, datastore is not None)
+    pool = make_pool(runtime, settings)
+    cost = None
+    if settings.speculation == "auto":
+        cost = MeasuredPassCosts.measure(pool, settings.max_batch_size * (settings.num_draft_tokens + 1))
+    factory = PROPOSERS[settings.drafter]  # drafters of the served kinds read only the context
+    return Scheduler(pool, lambda: factory(runtime, None, datastore), SpeculationPlanner(settings.speculation, cost),
+                     eos_token_ids, max_draft_tokens=settings.num_draft_tokens, max_waiting=settings.max_waiting,
+                     drafter=settings.drafter)
+
+
+def make_pool(runtime, settings: BatchSettings):
+    """The KV-cache slots a batch runs in, over the weights the runtime holds."""
+    from specdec.backends.llamacpp import LlamaCppLM, LlamaCppPool
+
+    if isinstance(runtime, LlamaCppLM):
+        return LlamaCppPool(runtime.model, settings.max_batch_size, settings.max_model_len, runtime.context.threads)
+    if not isinstance(runtime, LlamaRuntime):
+        raise UsageError("the server runs llama-family models (llama, mistral, qwen2) on specdec's runtime, or a "
+                         "GGUF file on llama.cpp")
+    return BatchedLlama(runtime, settings.max_batch_size, settings.max_model_len)
