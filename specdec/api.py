@@ -6,12 +6,11 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specdec.backends import target_backend
 from specdec.choices import DEFAULT_SAMPLING_METHOD, check_datastore_drafter
 from specdec.engine import Engine, GenerationConfig, GenerationStats
 from specdec.errors import UsageError
-from specdec.loading import draft_source, encode_prompt, load_target
-from specdec.models import LoadedModel, check_same_vocabulary, eos_token_ids
+from specdec.loading import Loaded, draft_source, encode_prompt, load_target
+from specdec.models import LoadedModel, check_same_vocabulary
 from specdec.proposers import make_proposer
 from specdec.sampling import SamplingParams
 from specdec.step import Round
@@ -49,10 +48,10 @@ class SpecDecoder:
         self.target = target
         self.tokenizer = target.tokenizer
         self.drafter = drafter
-        backend = target_backend(target, precision)
-        source = draft_source(drafter, target, backend, draft, precision, drafter_path)
-        proposer = make_proposer(drafter, backend, source, datastore)
-        self.engine = Engine(backend, proposer, eos_token_ids=eos_token_ids(target))
+        loaded = Loaded(target, draft, datastore, precision)
+        source = draft_source(drafter, target, loaded.runtime, draft, precision, drafter_path)
+        proposer = make_proposer(drafter, loaded.runtime, source, datastore)
+        self.engine = Engine(loaded.runtime, proposer, eos_token_ids=loaded.stop_ids)
 
     @classmethod
     def load(

@@ -247,12 +247,10 @@ def detectable_tv(probs: list[float], n_per_sample: int, df: int, alpha: float, 
 @functools.lru_cache(maxsize=1)
 def _reference(model: str | None):
     """specdec's float32 runtime of ``model``, its tokenizer and its EOS ids (loaded once)."""
-    from specdec.backends import target_backend
     from specdec.loading import load_target
-    from specdec.models import eos_token_ids
 
-    loaded = load_target(model, dtype="float32", backend="torch").target
-    return target_backend(loaded, None), loaded.tokenizer, eos_token_ids(loaded)
+    loaded = load_target(model, dtype="float32", backend="torch")
+    return loaded.runtime, loaded.target.tokenizer, loaded.stop_ids
 
 
 def exact_outcomes(model: str | None, prompt: str, sampling: Sampling, min_probability: float = 1e-7

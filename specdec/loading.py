@@ -1,28 +1,43 @@
-"""Loading what a run needs, one recipe for the Python API, the server and the benchmarks: the datastore (checked
-before the slow load), the target, a draft model on the right backend, their vocabularies checked against each
-other; what each drafter drafts with; and prompts as token ids.
+"""Loading what a run needs, one recipe for the Python API, the server, the audit and the benchmarks: the datastore
+(checked before the slow load), the target, a draft model on the right backend, their vocabularies checked against
+each other, the target's runtime and stop ids (:class:`Loaded`); what each drafter drafts with; and prompts as token
+ids.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from specdec.backends import runtime_of
+from specdec.backends import CausalLM, runtime_of, target_backend
 from specdec.errors import UsageError
-from specdec.models import LoadedModel, chat_prompt_ids, check_same_vocabulary, load_model
+from specdec.models import LoadedModel, chat_prompt_ids, check_same_vocabulary, eos_token_ids, load_model
 from specdec.runtime_choice import resolve_backend
 
 
-@dataclass(frozen=True)
+@dataclass
 class Loaded:
     """A run's models: the target, a draft model (or None), the retrieval datastore (or None), and the precision
-    flag the runtimes take ("auto": measured per kind of pass; None: as loaded)."""
+    flag the runtimes take ("auto": measured per kind of pass; None: as loaded); and what every caller runs the
+    target with: its runtime (built once, when first asked for) and its stop ids."""
 
     target: LoadedModel
     draft: LoadedModel | None = None
     datastore: object | None = None
     precision: str | None = None
+    _runtime: CausalLM | None = field(default=None, repr=False)
+
+    @property
+    def runtime(self) -> CausalLM:
+        """The runtime that computes the target's tokens, probed for pass invariance as it is built."""
+        if self._runtime is None:
+            self._runtime = target_backend(self.target, self.precision)
+        return self._runtime
+
+    @property
+    def stop_ids(self) -> set[int]:
+        """The target's end-of-sequence ids: a round's emitted tokens are cut after the first."""
+        return eos_token_ids(self.target)
 
 
 def load_target(model: str | os.PathLike | None = None, *, dtype: str = "auto", device: str = "auto",

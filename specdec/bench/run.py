@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.backends import CausalLM, precision_of, target_backend
+from specdec.backends import CausalLM, precision_of
 from specdec.bench.contenders import Contender, LlamaCppContender, SpecdecContender, TransformersContender
 from specdec.bench.prompts import read_prompts
 from specdec.bench.report import BASELINE, Run, build_report, markdown
@@ -20,8 +20,7 @@ from specdec.choices import parse_num_draft_tokens, parse_tree
 from specdec.drafters.loading import parse_drafter_paths
 from specdec.engine import Engine, GenerationConfig
 from specdec.errors import UsageError
-from specdec.loading import draft_source, encode_prompt, load_target
-from specdec.models import eos_token_ids
+from specdec.loading import Loaded, draft_source, encode_prompt, load_target
 from specdec.proposers import PROPOSERS, NoProposer, make_proposer
 from specdec.sampling import SamplingParams
 
@@ -72,12 +71,12 @@ def parse_contender(spec: str, default_k: int | str) -> tuple[str, int | str, tu
     return name, parse_num_draft_tokens(k) if k else default_k, parse_tree(tree or None)
 
 
-def build_contenders(specs: list[str], target, draft, num_draft_tokens: int | str,
-                     precision: str | None = None, datastore=None, drafter_paths: dict[str, str] | None = None
-                     ) -> tuple[list[Contender], CausalLM]:
+def build_contenders(specs: list[str], loaded: Loaded, num_draft_tokens: int | str,
+                     drafter_paths: dict[str, str] | None = None) -> tuple[list[Contender], CausalLM]:
     """One contender per spec (``name`` or ``name:k``), ``none`` (the baseline) first; and the target backend
     specdec's contenders share. Trained drafters come from ``drafter_paths`` (method -> directory), else from
     those shipped for the target; one drafter serves every spec of its method."""
+    target, draft, precision, datastore = loaded.target, loaded.draft, loaded.precision, loaded.datastore
     parsed = {spec: parse_contender(spec, num_draft_tokens) for spec in dict.fromkeys(specs) if spec != BASELINE}
     names = {name for name, _, _ in parsed.values()}
     if draft is None and NEEDS_DRAFT_MODEL & names:
@@ -86,8 +85,7 @@ def build_contenders(specs: list[str], target, draft, num_draft_tokens: int | st
         raise UsageError(f"{', '.join(sorted(NEEDS_TRANSFORMERS & names))} run transformers: use --backend torch")
     if target.gguf is None and NEEDS_GGUF & names:
         raise UsageError(f"{', '.join(sorted(NEEDS_GGUF & names))} run a .gguf file: the target is not one")
-    backend = target_backend(target, precision)
-    eos = eos_token_ids(target)
+    backend, eos = loaded.runtime, loaded.stop_ids
     sources: dict[str, object] = {}  # --drafter name -> what it drafts with, one for every spec of that name
     contenders: list[Contender] = [SpecdecContender(BASELINE, Engine(backend, NoProposer(), eos), 0)]
     for spec, (name, k, tree) in parsed.items():
@@ -138,8 +136,7 @@ def run_bench(args) -> int:
                          threads=args.threads, datastore=args.datastore, draft_model=args.draft_model,
                          drafters=tuple(name.partition(":")[0] for name in names))
     target = loaded.target
-    contenders, backend = build_contenders(names, target, loaded.draft, k, loaded.precision, loaded.datastore,
-                                           drafter_paths)
+    contenders, backend = build_contenders(names, loaded, k, drafter_paths)
     prompts = [(p.id, p.category, encode_prompt(target.tokenizer, p.text, None if p.chat else False))
                for p in bench_prompts]
 

@@ -34,17 +34,14 @@ def load_server(options: ServerOptions, listen: bool = True) -> OpenAIServer:
     """Claim the port, then load the model (checks first, the slow load last); ``start()`` the server to serve
     (``listen=False``: the app alone, for Ray Serve to run, and no port). A busy port is refused in one line before
     anything slow."""
-    from specdec.backends import target_backend
     from specdec.loading import load_target
-    from specdec.models import eos_token_ids
 
     settings = options.settings
     sock = bind(settings) if listen else None
     try:
         loaded = load_target(options.model, dtype=options.dtype, device=options.device, backend=options.backend,
                              threads=options.threads, datastore=options.datastore, drafters=(options.batch.drafter,))
-        runtime = target_backend(loaded.target, loaded.precision)
-        scheduler = build_scheduler(runtime, options.batch, eos_token_ids(loaded.target), loaded.datastore)
+        scheduler = build_scheduler(loaded.runtime, options.batch, loaded.stop_ids, loaded.datastore)
     except BaseException:
         if sock is not None:
             sock.close()
