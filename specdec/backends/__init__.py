@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from specdec.backends.base import CausalLM, probe_pass_invariance, sync
 from specdec.choices import BACKENDS
+from specdec.errors import UsageError
 
 
 def make_backend(model, precision: str | None = None) -> CausalLM:
@@ -26,6 +27,23 @@ def make_backend(model, precision: str | None = None) -> CausalLM:
 
         return HFCausalLM(model)
     return llama.LlamaRuntime(model, _auto_precisions(model) if precision == "auto" else precision)
+
+
+def pool_of(runtime: CausalLM, max_slots: int, max_length: int):
+    """Many sequences in one pass over the runtime's weights, each in a KV-cache slot of up to ``max_length`` tokens:
+    ``BatchedLlama`` over the torch or fused runtime, ``LlamaCppPool`` over llama.cpp's; one line where the runtime
+    batches none (a transformers module)."""
+    from specdec.backends.llama import LlamaRuntime
+    from specdec.backends.llamacpp import LlamaCppLM, LlamaCppPool
+
+    if isinstance(runtime, LlamaCppLM):
+        return LlamaCppPool(runtime.model, max_slots, max_length, runtime.context.threads)
+    if not isinstance(runtime, LlamaRuntime):
+        raise UsageError("the server runs llama-family models (llama, mistral, qwen2) on specdec's runtime, or a "
+                         "GGUF file on llama.cpp")
+    from specdec.backends.batch import BatchedLlama
+
+    return BatchedLlama(runtime, max_slots, max_length)
 
 
 def runtime_of(loaded, precision: str | None = None) -> CausalLM:
@@ -107,4 +125,4 @@ def __getattr__(name: str):  # the runtimes' classes, imported when first asked 
 
 
 __all__ = ["BACKENDS", "CausalLM", "FusedRuntime", "HFCausalLM", "LlamaRuntime", "PassPrecisions", "make_backend",
-           "precision_of", "runtime_of", "sync", "target_backend"]
+           "pool_of", "precision_of", "runtime_of", "sync", "target_backend"]

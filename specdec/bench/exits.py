@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.backends.base import pass_seconds
+from specdec.backends.base import ShallowRunner, pass_seconds, require
 from specdec.bench.stats import round_speedup
 from specdec.errors import UsageError
 
@@ -172,7 +172,6 @@ def markdown(report: ExitReport) -> str:
 
 
 def run_bench_exits(args) -> int:
-    from specdec.backends import LlamaRuntime, make_backend
     from specdec.bench.prompts import read_prompts
     from specdec.drafters import checkpoint
     from specdec.drafters.layers import LayerShape
@@ -180,16 +179,14 @@ def run_bench_exits(args) -> int:
     from specdec.drafters.networks import DrafterConfig, ExitAdapter, TargetParts, prepare_for_drafting
     from specdec.engine import Engine, GenerationConfig
     from specdec.loading import encode_prompt, load_target
-    from specdec.models import eos_token_ids
     from specdec.proposers import NoProposer
 
     paths = _exit_paths(args.drafter_path, parse_drafter_paths)
     bench_prompts = read_prompts(args.prompts, category=args.category, limit=args.limit)
     loaded = load_target(args.model, dtype=args.dtype, device=args.device, backend="torch")
     target = loaded.target
-    runtime = make_backend(target.model, loaded.precision)
-    if not isinstance(runtime, LlamaRuntime):
-        raise UsageError("bench-exits needs the lean runtime of llama-family targets")
+    runtime = loaded.runtime
+    require(runtime, ShallowRunner, "bench-exits", "specdec's torch runtime runs llama-family targets' first layers")
     layers = _parse_layers(args.layers, runtime.num_layers)
     adapters, adapter_paths = {}, {}
     for path in paths:
@@ -199,7 +196,7 @@ def run_bench_exits(args) -> int:
     layers = sorted(set(layers) | set(adapters))
     prompts = [encode_prompt(target.tokenizer, p.text, None if p.chat else False) for p in bench_prompts]
     print(f"specdec: the target answers {len(prompts)} prompts", file=sys.stderr, flush=True)
-    decoder = Engine(runtime, NoProposer(), eos_token_ids(target))
+    decoder = Engine(runtime, NoProposer(), loaded.stop_ids)
     sequences = [(prompt, decoder.generate(prompt, GenerationConfig(max_new_tokens=args.max_new_tokens)).token_ids)
                  for prompt in prompts]
     plain, trained = measure_agreement(runtime, sequences, layers, adapters)

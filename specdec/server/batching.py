@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdec.backends.batch import BatchedLlama
-from specdec.backends.llama import LlamaRuntime
+from specdec.backends import pool_of
 from specdec.choices import SERVED_DRAFTERS, SPECULATION_MODES, check_datastore_drafter
 from specdec.costs import MeasuredPassCosts
 from specdec.errors import UsageError
@@ -52,11 +51,4 @@ def build_scheduler(runtime, settings: BatchSettings, eos_token_ids: set[int], d
 
 def make_pool(runtime, settings: BatchSettings):
     """The KV-cache slots a batch runs in, over the weights the runtime holds."""
-    from specdec.backends.llamacpp import LlamaCppLM, LlamaCppPool
-
-    if isinstance(runtime, LlamaCppLM):
-        return LlamaCppPool(runtime.model, settings.max_batch_size, settings.max_model_len, runtime.context.threads)
-    if not isinstance(runtime, LlamaRuntime):
-        raise UsageError("the server runs llama-family models (llama, mistral, qwen2) on specdec's runtime, or a "
-                         "GGUF file on llama.cpp")
-    return BatchedLlama(runtime, settings.max_batch_size, settings.max_model_len)
+    return pool_of(runtime, settings.max_batch_size, settings.max_model_len)
