@@ -50,3 +50,20 @@ def test_sampling_in_a_batch_with_speculation_draws_from_the_target():
     f_obs = np.append(observed[big], observed[~big].sum())
     f_exp = np.append(expected[big], expected[~big].sum())
     assert chisquare(f_obs, f_exp).pvalue > 1e-3
+
+
+def test_a_runtime_that_batches_nothing_is_refused_in_one_line():
+    """The pool is the backends' to choose (backends.pool_of): a transformers module (here a qwen2 with a sliding
+    window, which specdec's runtime does not cover) has none, and the server says so."""
+    import pytest
+    from test_llama_runtime import FAMILY_SHAPE
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from specdec.backends import HFCausalLM, make_backend
+    from specdec.errors import UsageError
+
+    model = Qwen2ForCausalLM(Qwen2Config(**FAMILY_SHAPE, use_sliding_window=True, sliding_window=8)).eval()
+    runtime = make_backend(model)
+    assert isinstance(runtime, HFCausalLM)
+    with pytest.raises(UsageError, match="the server runs llama-family models"):
+        build_scheduler(runtime, BatchSettings(speculation="never"), {1})
