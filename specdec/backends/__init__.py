@@ -61,47 +61,17 @@ def runtime_of(loaded, precision: str | None = None) -> CausalLM:
 
 def target_backend(loaded, precision: str | None = None) -> CausalLM:
     """``runtime_of`` a target, probed for pass invariance as it loads: the target's rows decide every token, so
-    one line says where they depend on the pass, and what makes them not (a drafter's rows decide none)."""
+    one line says where they depend on the pass, and what makes them not (a drafter's rows decide none). Each
+    runtime names what computes its rows and that remedy itself (``runtime_label``, ``remedy``)."""
     backend = runtime_of(loaded, precision)
-    probe_pass_invariance(backend, loaded.path.name, *_runtime_and_remedy(backend, loaded.path))
+    probe_pass_invariance(backend, loaded.path.name, backend.runtime_label, backend.remedy(loaded.path))
     return backend
 
 
-def _runtime_and_remedy(backend: CausalLM, path) -> tuple[str, str]:
-    """What computes a backend's rows, and what makes them the same in any pass where they are not
-    (docs/exactness.md)."""
-    from specdec.backends.llama import LlamaRuntime
-    from specdec.backends.llamacpp import LlamaCppLM
-
-    if getattr(backend, "fused", False):
-        return (f"specdec's fused runtime ({precision_of(backend)})", "none is needed: it computes each row alone")
-    if isinstance(backend, LlamaCppLM):
-        return (f"llama.cpp ({backend.model.weight_type} weights, this build)",
-                f"`specdec quantize {path}` writes a Q8_0 copy once, and says whether its rows are the same in any "
-                "pass")
-    if isinstance(backend, LlamaRuntime):
-        from specdec.backends import native
-
-        why = native.unavailable() or "its sizes or precision are not theirs (inputs in chunks of 8, float weights)"
-        return (f"specdec's runtime ({backend.precisions})",
-                f"specdec's row kernels, which compute each row as it is alone, do not run here: {why}")
-    return (f"its transformers modules ({precision_of(backend)})",
-            "specdec's own runtime, which is invariant, runs llama, mistral and qwen2 models")
-
-
 def precision_of(backend: CausalLM) -> str:
-    """The weights' precision a backend runs in: per kind of pass on the lean runtime, the GGUF's stored type on
-    llama.cpp, else the model's dtype."""
-    from specdec.backends.llama import LlamaRuntime
-    from specdec.backends.llamacpp import LlamaCppLM
-
-    if getattr(backend, "fused", False):
-        return f"{backend.weights} weights, fused"
-    if isinstance(backend, LlamaRuntime):
-        return str(backend.precisions)
-    if isinstance(backend, LlamaCppLM):
-        return f"{backend.model.weight_type} (GGUF, as stored)"
-    return str(backend.model.dtype).removeprefix("torch.")
+    """The weights' precision a backend runs in, as it declares it: per kind of pass on the torch runtime, the
+    GGUF's stored type on llama.cpp, else the model's dtype."""
+    return backend.precision_label
 
 
 def _auto_precisions(model):

@@ -27,6 +27,8 @@ class CausalLM(Protocol):
     max_length: int  # the most tokens the cache (and the model's positions) can hold
     tokens: list[int]  # the token ids in the cache, in order; read-only for callers
     weight_bytes: int  # the bytes of weights one decode pass (one position) reads: its weight-streaming cost
+    precision_label: str  # the weights' precision, as a summary names it ("float16", "Q4_1 (GGUF, as stored)")
+    runtime_label: str  # what computes its rows, as a notice names it ("specdec's runtime (float16)")
 
     def extend(self, token_ids: list[int], num_logits: int) -> torch.Tensor:  # [num_logits, vocab]
         """Append token_ids to the cache in one forward pass; logits at the last num_logits positions."""
@@ -38,6 +40,11 @@ class CausalLM(Protocol):
 
     def reserve(self, length: int) -> None:
         """Make room for ``length`` tokens at once, so that no later pass reallocates (a hint; may do nothing)."""
+        ...
+
+    def remedy(self, path) -> str:
+        """What makes its rows the same in any pass, where the load probe finds they are not (the model at
+        ``path``)."""
         ...
 
 

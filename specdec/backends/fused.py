@@ -144,6 +144,17 @@ class FusedRuntime(LlamaRuntime):
 
     pass_invariant = True  # fused.c computes each row alone; a prompt's bulk pass runs the same row kernels
 
+    @property
+    def precision_label(self) -> str:
+        return f"{self.weights} weights, fused"
+
+    @property
+    def runtime_label(self) -> str:
+        return f"specdec's fused runtime ({self.precision_label})"
+
+    def remedy(self, path) -> str:
+        return "none is needed: it computes each row alone"
+
     @staticmethod
     def runs_bulk(positions: int, chain: bool = True) -> bool:
         """Whether a pass (or a pool row) over ``positions`` new tokens runs the bulk kernel: a chain of

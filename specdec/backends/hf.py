@@ -20,6 +20,17 @@ class HFCausalLM:
         self._cache = DynamicCache()
         self.tokens: list[int] = []
 
+    @property
+    def precision_label(self) -> str:
+        return str(self.model.dtype).removeprefix("torch.")
+
+    @property
+    def runtime_label(self) -> str:
+        return f"its transformers modules ({self.precision_label})"
+
+    def remedy(self, path) -> str:
+        return "specdec's own runtime, which is invariant, runs llama, mistral and qwen2 models"
+
     @torch.inference_mode()
     def extend(self, token_ids: list[int], num_logits: int) -> torch.Tensor:  # [num_logits, vocab]
         if not token_ids:

@@ -320,6 +320,21 @@ class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
         return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
 
     @property
+    def precision_label(self) -> str:
+        """The weights' precision, per kind of pass."""
+        return str(self.precisions)
+
+    @property
+    def runtime_label(self) -> str:
+        """What computes this runtime's rows, as a notice names it."""
+        return f"specdec's runtime ({self.precision_label})"
+
+    def remedy(self, path) -> str:
+        """What makes this runtime's rows the same in any pass, where they are not."""
+        why = native.unavailable() or "its sizes or precision are not theirs (inputs in chunks of 8, float weights)"
+        return f"specdec's row kernels, which compute each row as it is alone, do not run here: {why}"
+
+    @property
     def pass_invariant(self) -> bool:
         """Whether every row is computed as it is alone by construction: its products and attention are fused.c's
         row kernels (``native``), as on any x86 CPU with AVX2 where they were built. Where they are not (CUDA, a

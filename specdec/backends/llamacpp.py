@@ -219,6 +219,17 @@ class LlamaCppLM(FeatureSource):
 
     device = torch.device("cpu")
 
+    @property
+    def precision_label(self) -> str:
+        return f"{self.model.weight_type} (GGUF, as stored)"
+
+    @property
+    def runtime_label(self) -> str:
+        return f"llama.cpp ({self.model.weight_type} weights, this build)"
+
+    def remedy(self, path) -> str:
+        return f"`specdec quantize {path}` writes a Q8_0 copy once, and says whether its rows are the same in any pass"
+
     def __init__(self, model: GGUFModel, max_length: int | None = None, threads: int | None = None) -> None:
         self.model = model
         self.max_length = max_length or min(model.trained_context or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
