@@ -144,7 +144,9 @@ class BatchedLlama:
             for row, n in zip(rows, lengths):
                 row.slot.length += n
             return given, rows, layout, x
-        if not rt.row_attention:  # blocked attention reads whole blocks of every row's keys
+        if rt.row_attention:  # each query reads its own slot's keys up to its position
+            layout.rows = native.RowKeys(layout.slot_of_token.numpy() * self._slot_floats, layout.positions.numpy() + 1)
+        else:  # blocked attention reads whole blocks of every row's keys
             self._clear_up_to(layout.span, rows)
             layout.bias = attention_bias(layout.mask, rt.kv_heads, rt.heads // rt.kv_heads, rt.dtype)
         cos, sin = self._cos[layout.positions], self._sin[layout.positions]  # [T, head_dim] each
@@ -204,8 +206,7 @@ class BatchedLlama:
         """Each query over its own slot's keys up to its position; keys and values: one layer's pool."""
         rt = self.runtime
         if rt.row_attention:  # fused.c's, each query alone
-            return native.attention(q, keys, values, layout.slot_of_token.numpy() * self._slot_floats,
-                                    layout.positions.numpy() + 1)
+            return native.attention(q, keys, values, layout.rows)
         keys, values = layout.cached(keys), layout.cached(values)
         rows, width = len(layout.lengths), layout.width
         padded = q.new_zeros(rows * width, rt.heads, rt.head_dim)

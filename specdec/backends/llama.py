@@ -233,9 +233,12 @@ class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
         columns, allowed = _tree_reading(mask, start, self.device) if tree else (None, None)
         if self.row_attention:
             if columns is None:
-                return KeysRead(n_keys=np.arange(start + 1, start + n + 1, dtype=np.int32))
-            return KeysRead(n_keys=allowed.sum(-1).flatten().numpy().astype(np.int32),
-                            key_cols=np.ascontiguousarray(columns.numpy(), dtype=np.int32))
+                n_keys, key_cols = np.arange(start + 1, start + n + 1, dtype=np.int32), None
+            else:
+                n_keys = allowed.sum(-1).flatten().numpy().astype(np.int32)
+                key_cols = np.ascontiguousarray(columns.numpy(), dtype=np.int32)
+            return KeysRead(n_keys=n_keys, key_cols=key_cols,
+                            rows=native.RowKeys(np.zeros(n, dtype=np.int64), n_keys, key_cols))
         if allowed is None:
             allowed = blocked_mask(mask, start, n, self.device)
         return KeysRead(bias=attention_bias(allowed, self.kv_heads, self.heads // self.kv_heads, self.dtype),
@@ -272,9 +275,8 @@ class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
         q, k, v = project_qkv(layer, h, cos, sin, heads, self.kv_heads, hd)
         keys[:, start : start + n] = k.transpose(0, 1)
         values[:, start : start + n] = v.transpose(0, 1)
-        if reading.n_keys is not None:  # fused.c's attention, each query alone
-            return layer.out(native.attention(q, keys, values, np.zeros(n, dtype=np.int64), reading.n_keys,
-                                              reading.key_cols))
+        if reading.rows is not None:  # fused.c's attention, each query alone
+            return layer.out(native.attention(q, keys, values, reading.rows))
         if reading.tree_keys is None:
             span = reading.bias.shape[-1]
             attended = blocked_attention(q.transpose(0, 1)[None], keys[None, :, :span], values[None, :, :span],
@@ -352,11 +354,12 @@ class LlamaRuntime(TreeScorer, FeatureSource, ShallowRunner):
 class KeysRead:
     """What each query of a pass reads of the cache. For fused.c's attention (``LlamaRuntime.row_attention``): how
     many keys it reads (``n_keys`` [n]) and, for a tree's node, which cache columns in order (``key_cols`` [n,
-    span]; None: the first n_keys). For :func:`blocked_attention`: its ``bias`` over whole blocks and, for a tree,
-    each node's gathered columns (``tree_keys`` [n, span])."""
+    span]; None: the first n_keys), and both as fused.c reads them (``rows``). For :func:`blocked_attention`: its
+    ``bias`` over whole blocks and, for a tree, each node's gathered columns (``tree_keys`` [n, span])."""
 
     n_keys: np.ndarray | None = None  # int32
     key_cols: np.ndarray | None = None  # int32
+    rows: native.RowKeys | None = None  # the two above as fused.c's attention reads them, made once per pass
     bias: torch.Tensor | None = None
     tree_keys: torch.Tensor | None = None
 

@@ -206,23 +206,30 @@ def rows_struct(arrays: list[np.ndarray], key_cols: np.ndarray | None) -> _Rows:
                  None if key_cols is None else key_cols.ctypes.data, stride)
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, base: np.ndarray, n_keys: np.ndarray,
-              key_cols: np.ndarray | None = None) -> torch.Tensor:  # [n, heads * hd]
-    """Each query row's attention over its own keys, softmax(q k^T / sqrt(hd)) v, as it is alone.
+class RowKeys:
+    """Which keys each of a pass's rows attends, as fused.c reads them: made once per pass, read by every layer.
+    Row i's sequence starts ``base[i]`` floats from a layer cache's start, and it attends that sequence's first
+    ``n_keys[i]`` columns, or those ``key_cols[i]`` lists, in order."""
+
+    def __init__(self, base: np.ndarray, n_keys: np.ndarray, key_cols: np.ndarray | None = None) -> None:
+        unused = np.zeros(len(n_keys), dtype=np.int32)  # RoPE positions and cache columns: attention reads neither
+        self._arrays = [unused, np.ascontiguousarray(base, dtype=np.int64), unused,
+                        np.ascontiguousarray(n_keys, dtype=np.int32)]
+        self._key_cols = None if key_cols is None else np.ascontiguousarray(key_cols, dtype=np.int32)
+        self.struct = rows_struct(self._arrays, self._key_cols)
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: RowKeys
+              ) -> torch.Tensor:  # [n, heads * hd]
+    """Each query row's attention over its own keys (``rows``), softmax(q k^T / sqrt(hd)) v, as it is alone.
 
     q [n, heads, hd]; keys and values: one layer's cache, float32, contiguous, [..., kv_heads, capacity, hd] (a
-    sequence's, or a pool's with a leading slot axis); row i's sequence starts ``base[i]`` floats from the cache's
-    start, and it attends that sequence's first ``n_keys[i]`` columns, or those ``key_cols[i]`` lists, in order."""
+    sequence's, or a pool's with a leading slot axis)."""
     n, heads, hd = q.shape
     kv_heads, capacity = keys.shape[-3], keys.shape[-2]
     q = q.to(torch.float32).contiguous()
     out = torch.empty(n, heads * hd)
-    columns = np.zeros(n, dtype=np.int32)  # neither read nor written here
-    arrays = [columns, np.ascontiguousarray(base, dtype=np.int64), columns,
-              np.ascontiguousarray(n_keys, dtype=np.int32)]
-    cols = None if key_cols is None else np.ascontiguousarray(key_cols, dtype=np.int32)
-    rows = rows_struct(arrays, cols)
-    if library().sd_attention(ctypes.byref(rows), heads, kv_heads, hd, q.data_ptr(), keys.data_ptr(),
+    if library().sd_attention(ctypes.byref(rows.struct), heads, kv_heads, hd, q.data_ptr(), keys.data_ptr(),
                               values.data_ptr(), capacity * hd, out.data_ptr()) != 0:
         raise MemoryError("the attention kernel could not allocate its scratch")
     return out
