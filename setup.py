@@ -1,4 +1,4 @@
-"""The build's one step beyond pyproject.toml: specdec's C kernels (specdec/backends/fused.c: the fused CPU pass,
+"""The build's one step beyond pyproject.toml: specdec's C kernels (specdec/backends/fused/fused.c: the fused CPU pass,
 and the row kernels the torch runtime multiplies and attends with), compiled with the C compiler that
 llama-cpp-python's build already needs. It is optional: where it does not build, the install still succeeds, the
 torch runtime computes with the libraries' kernels and says where its rows then depend on the pass, and specdec
@@ -10,7 +10,7 @@ setup(
     ext_modules=[
         Extension(
             "specdec.backends._fused",
-            sources=["specdec/backends/fused.c"],
+            sources=["specdec/backends/fused/fused.c"],
             extra_compile_args=["-O3", "-std=gnu11", "-fno-strict-aliasing"],
             libraries=["pthread", "m"],
             optional=True,

@@ -38,7 +38,7 @@ class SpecDecoder:
     def __init__(self, target: LoadedModel, drafter: str = "prompt-lookup", draft: LoadedModel | None = None,
                  precision: str | None = None, datastore=None, drafter_path: str | os.PathLike | None = None):
         """``precision``: None runs the models in the dtype they were loaded in; "auto" lets the lean runtime pick,
-        per kind of pass, the fastest weight precision that keeps the target's outputs (see backends/precision.py).
+        per kind of pass, the fastest weight precision that keeps the target's outputs (see backends/lean/precision.py).
         ``datastore``: a loaded retrieval datastore (specdec.datastore.load), for the retrieval drafter.
         ``drafter_path``: a trained drafter's directory (``specdec train``) for draft-model, mtp, eagle or
         early-exit; without it, the one shipped for the target.
@@ -68,8 +68,9 @@ class SpecDecoder:
     ) -> SpecDecoder:
         """Load from local paths (a transformers directory or a .gguf file); ``model=None`` is the default model.
 
-        ``backend``: torch (specdec's runtime), llama.cpp (the GGUF's weights as stored) or auto (llama.cpp for a
-        .gguf file on the CPU with ``dtype="auto"``, else torch); ``threads``: llama.cpp's CPU threads.
+        ``backend``: lean (specdec's runtime in PyTorch; ``torch``, its old name, is taken too), fused, llama.cpp
+        (the GGUF's weights as stored) or auto (on the CPU with ``dtype="auto"`` the one measured fastest for this
+        target here, else lean); ``threads``: llama.cpp's CPU threads.
 
         ``drafter`` defaults to ``draft-model`` when a draft model is given, ``retrieval`` when a datastore is,
         the method of the drafter at ``drafter_path`` when one is given, else ``prompt-lookup``.

@@ -249,13 +249,13 @@ def _reference(model: str | None):
     """specdec's float32 runtime of ``model``, its tokenizer and its EOS ids (loaded once)."""
     from specdec.loading import load_target
 
-    loaded = load_target(model, dtype="float32", backend="torch")
+    loaded = load_target(model, dtype="float32", backend="lean")
     return loaded.runtime, loaded.target.tokenizer, loaded.stop_ids
 
 
 def exact_outcomes(model: str | None, prompt: str, sampling: Sampling, min_probability: float = 1e-7
                    ) -> dict[Outcome, float]:
-    """The exact distribution of outcomes from specdec's runtime of ``model``: every token sequence of up to T
+    """The exact distribution of outcomes from specdec's lean runtime of ``model``: every token sequence of up to T
     tokens with probability above ``min_probability`` (the rest, a negligible mass, left out), decoded to text."""
     import torch
 

@@ -3,14 +3,27 @@ a refused flag answer without loading torch. The modules that implement each cho
 """
 
 import math
+from pathlib import Path
 
 from specdec.errors import UsageError
 
-DRAFTERS = ("none", "prompt-lookup", "retrieval", "draft-model", "mtp", "eagle", "early-exit")  # --drafter
+BUILT_IN_DRAFTERS = ("none", "prompt-lookup", "retrieval", "draft-model", "mtp", "eagle", "early-exit")
+
+
+def _drafter_files() -> tuple[str, ...]:
+    """Every drafter module in specdec/proposers/ (all but base.py), as --drafter names it: ngram.py is ngram,
+    prompt_lookup.py prompt-lookup. Read from the file names, so that --help imports nothing."""
+    folder = Path(__file__).parent / "proposers"
+    return tuple(path.stem.replace("_", "-") for path in folder.glob("*.py") if path.stem not in ("__init__", "base"))
+
+
+# --drafter: the built-in drafters in the order the help lists them, then any other drafter module, by name
+DRAFTERS = BUILT_IN_DRAFTERS + tuple(sorted(set(_drafter_files()) - set(BUILT_IN_DRAFTERS)))
 TRAINED_METHODS = ("draft-model", "mtp", "eagle", "early-exit")  # specdec train --method: drafters it makes
 SERVED_DRAFTERS = ("none", "prompt-lookup", "retrieval")  # drafters with per-request state and no model to batch
 SPECULATION_MODES = ("auto", "always", "never")  # specdec serve --speculation
-BACKENDS = ("auto", "torch", "fused", "llama.cpp")  # --backend
+BACKENDS = ("auto", "lean", "fused", "llama.cpp")  # --backend
+BACKEND_ALIASES = {"torch": "lean"}  # --backend values kept for scripts: the lean runtime's old name
 MAX_DRAFT_TOKENS = 64  # --num-draft-tokens
 EXPORT_FORMATS = {"eagle": "eagle", "medusa": "mtp"}  # specdec export --format: published layout -> drafter method
 POLICY_NAMES = ("auto", "heuristic")  # --num-draft-tokens that adapt: the cost model, transformers' schedule
@@ -22,6 +35,19 @@ SEED_RANGE = (-(1 << 63), 1 << 64)  # what a 64-bit generator takes: signed or u
 
 
 # --- the checks of those flags' values (the classes that hold the values call them too) ------------------------------
+
+
+def canonical_backend(text: str) -> str:
+    """A ``--backend`` value under its runtime's name: an old name (``BACKEND_ALIASES``) becomes the new one."""
+    return BACKEND_ALIASES.get(text, text)
+
+
+def parse_backend(text: str) -> str:
+    """``--backend``: a runtime's name, or an old name for it (``BACKEND_ALIASES``)."""
+    backend = canonical_backend(text)
+    if backend not in BACKENDS:
+        raise UsageError(f"unknown backend {text!r}; choose from {', '.join(BACKENDS)}")
+    return backend
 
 
 def parse_num_draft_tokens(text: str | int) -> int | str:

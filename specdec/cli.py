@@ -21,6 +21,7 @@ from specdec.choices import (
     SERVED_DRAFTERS,
     SPECULATION_MODES,
     TRAINED_METHODS,
+    canonical_backend,
 )
 from specdec.errors import SpecdecError, UsageError
 
@@ -38,10 +39,11 @@ SAMPLING_HELP = (f"how tokens are drawn at a temperature > 0 (default {DEFAULT_S
                  "Gumbel-max with noise keyed by the seed and each token's position, so a seed gives the same "
                  "tokens with any drafter or none; standard, the rejection rule min(1, p/q) with one random stream, "
                  "whose tokens depend on the drafts. Both draw exactly from the target's distribution")
-BACKEND_HELP = ("what runs the target: torch (specdec's runtime), fused (specdec's fused CPU runtime: int8 or "
-                "float16 weights, every layer of a pass in one call), llama.cpp (a .gguf file's weights as stored, on "
-                "llama.cpp's CPU kernels), or auto (default: on the CPU with --dtype auto, whichever of them runs "
-                "this target fastest on this machine, measured once and cached; torch otherwise)")
+BACKEND_HELP = ("what runs the target: lean (specdec's runtime in PyTorch; torch, its old name, is taken too), "
+                "fused (specdec's fused CPU runtime: int8 or float16 weights, every layer of a pass in one call), "
+                "llama.cpp (a .gguf file's weights as stored, on llama.cpp's CPU kernels), or auto (default: on the "
+                "CPU with --dtype auto, whichever of them runs this target fastest on this machine, measured once "
+                "and cached; lean otherwise)")
 THREADS_HELP = "CPU threads (torch's, and llama.cpp's; default: every core this process may use)"
 DTYPE_HELP = ("the weights' precision. auto: bfloat16 on CUDA; on the CPU, for each kind of pass (one position; "
               "several), the fastest precision whose logits stay within 0.1 of float32's, measured once per model "
@@ -61,7 +63,8 @@ def add_model_flags(parser: argparse.ArgumentParser, dtype: bool = True, device:
     if device:
         parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     if backend:
-        parser.add_argument("--backend", default="auto", choices=list(BACKENDS), help=BACKEND_HELP)
+        parser.add_argument("--backend", default="auto", type=canonical_backend, choices=list(BACKENDS),
+                            help=BACKEND_HELP)
     parser.add_argument("--threads", type=int, default=None, help=threads_help)
 
 
@@ -292,7 +295,7 @@ def _add_audit_parser(commands) -> None:
     audit.add_argument("--a", required=True, metavar="URL", help="the endpoint audited (http://host:port)")
     audit.add_argument("--b", default=None, metavar="URL", help="the endpoint it must agree with")
     audit.add_argument("--reference", default=None, choices=["local"],
-                       help="local: against the exact distribution specdec's runtime computes (--reference-model)")
+                       help="local: against the exact distribution specdec's lean runtime computes (--reference-model)")
     audit.add_argument("--reference-model", dest="model_path", default=None, metavar="PATH",
                        help="the model for --reference local (default: the default model)")
     audit.add_argument("--model", default=None, help="the model id to ask for (default: what --a serves)")
@@ -340,7 +343,7 @@ def _add_quantize_parser(commands) -> None:
     quantize.add_argument("--out", default=None, metavar="PATH",
                           help="where to write it (default: beside the source, as NAME.TYPE.gguf)")
     quantize.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
-    quantize.set_defaults(run=_runs("specdec.backends.quantize", "run_quantize"))
+    quantize.set_defaults(run=_runs("specdec.backends.llamacpp.quantize", "run_quantize"))
 
 
 def _add_figures_parser(commands) -> None:
@@ -445,7 +448,7 @@ def run_generate(args: argparse.Namespace) -> int:
             _print_now(ansi(piece, kind) if args.show_acceptance else piece)
 
     completion = decoder.generate_ids(prompt_ids, config, on_token=on_token)
-    summary = summary_line(decoder.drafter, completion.stats, decoder.target.backend_name)
+    summary = summary_line(decoder.drafter, completion.stats, decoder.engine.target.name)
     if args.html:
         _write_html(args.html, pieces, completion.kinds, prompt, summary)
     if args.json:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import time
 
-from specdec.backends.batch import BatchedLlama, Row
+from specdec.backends.base import Pool, Row
 
 PRIOR_STRENGTH = 4.0  # draft tokens' worth of weight a prior has in an Acceptance's rate, by default
 COST_LEARNING_RATE = 0.1  # how fast MeasuredPassCosts' scale follows the passes run
@@ -104,7 +104,7 @@ class MeasuredPassCosts:
         self.scale *= (seconds / self(positions)) ** COST_LEARNING_RATE
 
     @classmethod
-    def measure(cls, pool: BatchedLlama, max_positions: int, context_length: int = 64, repeats: int = 2
+    def measure(cls, pool: Pool, max_positions: int, context_length: int = 64, repeats: int = 2
                 ) -> MeasuredPassCosts:
         """Time passes over 1, 2, 4, ... max_positions positions, spread over up to all of the pool's slots,
         each slot holding ``context_length`` tokens; the pool is left as it was."""
@@ -128,7 +128,7 @@ class MeasuredPassCosts:
                 pool.close(slot)
 
 
-def _timed_pass(pool: BatchedLlama, slots: list, positions: int) -> float:
+def _timed_pass(pool: Pool, slots: list, positions: int) -> float:
     rows = min(len(slots), positions)
     per_row = [positions // rows + (1 if r < positions % rows else 0) for r in range(rows)]
     lengths = [slot.length for slot in slots[:rows]]

@@ -262,7 +262,7 @@ class Engine:
             return
         if not declares(self.proposer, TreeProposer):
             raise UsageError(f"--drafter {self.proposer.name} drafts chains only, not trees")
-        require(self.target, TreeScorer, "a token tree", "use --backend torch (on llama.cpp a pass over several "
+        require(self.target, TreeScorer, "a token tree", "use --backend lean (on llama.cpp a pass over several "
                 "positions costs nearly that many passes over one, so trees cannot pay there)")
 
     def policy(self, num_draft_tokens: int | str, tree: tuple[int, ...] | str | None = None) -> Policy:

@@ -102,10 +102,10 @@ def check_backend_serves(drafter: str, backend: str) -> None:
     needed = CAPABILITY_NEEDED.get(drafter)
     if backend == "llama.cpp" and needed is not None and needed not in LlamaCppLM.__mro__:
         raise UsageError(f"--drafter {drafter} needs a {needed.__name__}, which llama.cpp's runtime is not: use "
-                         "--backend torch")
+                         "--backend lean")
 
 
 def draft_backend(target: LoadedModel) -> str:
     """Where a draft model runs: on llama.cpp too when it is a GGUF file and the target runs there (auto), else on
-    torch, as the target."""
-    return "auto" if target.backend_name == "llama.cpp" else "torch"
+    the lean runtime, as the target."""
+    return "auto" if target.backend_name == "llama.cpp" else "lean"

@@ -33,11 +33,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class LoadedModel:
     model: torch.nn.Module | None  # a transformers PreTrainedModel; None where llama.cpp runs the model
-    tokenizer: object  # a transformers tokenizer, or the GGUF's own (backends/gguf_tokenizer.py)
+    tokenizer: object  # a transformers tokenizer, or the GGUF's own (backends/llamacpp/tokenizer.py)
     path: Path  # the transformers directory it was loaded from, or the GGUF file llama.cpp runs
     runtime: object | None = None  # llama.cpp's CausalLM; None: the backend is built from ``model``
     source: Path | None = None  # the path given: a transformers directory or a .gguf file
-    fused: bool = False  # ``model`` runs on specdec's fused CPU runtime (backends/fused.py)
+    backend: str = "lean"  # the runtime it was loaded for, as --backend names it (lean, fused, llama.cpp)
     _converted: torch.nn.Module | None = field(default=None, repr=False)  # transformers_model(), made once
 
     @property
@@ -47,7 +47,7 @@ class LoadedModel:
 
     @property
     def backend_name(self) -> str:
-        return "llama.cpp" if self.runtime is not None else "fused" if self.fused else "torch"
+        return self.backend
 
     @property
     def vocab_size(self) -> int:
@@ -100,21 +100,21 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def check_backend(backend: str, path: str | os.PathLike | None, dtype: str, device: str) -> None:
-    """Refuse, in one line and before anything loads, a settled backend (torch, fused or llama.cpp) that cannot run
+    """Refuse, in one line and before anything loads, a settled backend (lean, fused or llama.cpp) that cannot run
     this target as asked; ``auto`` is settled first (``runtime_choice.resolve_backend``)."""
-    if backend not in ("torch", "fused", "llama.cpp"):
-        raise ValueError(f"load a model on a settled backend (torch, fused or llama.cpp), not {backend!r}: "
+    if backend not in ("lean", "fused", "llama.cpp"):
+        raise ValueError(f"load a model on a settled backend (lean, fused or llama.cpp), not {backend!r}: "
                          "specdec.runtime_choice.resolve_backend settles auto")
-    if backend == "torch":
+    if backend == "lean":
         return
     if backend == "llama.cpp" and not (path is None or Path(path).suffix.lower() == ".gguf"):
         raise UsageError(f"--backend llama.cpp runs a .gguf file, and {path} is not one (a transformers "
-                         "directory runs with --backend torch or fused)")
+                         "directory runs with --backend lean or fused)")
     if device not in ("auto", "cpu"):
         raise UsageError(f"--backend {backend} runs on the CPU here, not on {device}")
     if dtype != "auto":
         stored = "the GGUF's weights as stored" if backend == "llama.cpp" else "int8 or float16 weights of its own"
-        raise UsageError(f"--backend {backend} runs {stored}; --dtype {dtype} is for --backend torch")
+        raise UsageError(f"--backend {backend} runs {stored}; --dtype {dtype} is for --backend lean")
     if backend == "fused":
         from specdec.backends.native import unavailable
 
@@ -123,11 +123,11 @@ def check_backend(backend: str, path: str | os.PathLike | None, dtype: str, devi
             raise UsageError(f"--backend fused cannot run here: {reason}")
 
 
-def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str = "auto", backend: str = "torch",
+def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str = "auto", backend: str = "lean",
                threads: int | None = None) -> LoadedModel:
     """Load a causal LM and its tokenizer from a local directory or GGUF file; None means the default model.
 
-    ``backend`` (torch, fused or llama.cpp, as ``runtime_choice.resolve_backend`` settles and checks it): on
+    ``backend`` (lean, fused or llama.cpp, as ``runtime_choice.resolve_backend`` settles and checks it): on
     llama.cpp the GGUF file's weights run as stored, with its own vocabulary, and no transformers model is made;
     ``threads`` are llama.cpp's."""
     check_backend(backend, path, dtype, device)
@@ -153,16 +153,17 @@ def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str 
         reason = unavailable(model)
         if reason is not None:
             raise UsageError(f"--backend fused cannot run {source.name}: {reason}")
-    return LoadedModel(model=model, tokenizer=tokenizer, path=directory, source=source, fused=resolved == "fused")
+    return LoadedModel(model=model, tokenizer=tokenizer, path=directory, source=source, backend=resolved)
 
 
 def load_gguf(path: Path, threads: int | None = None) -> LoadedModel:
     """A GGUF file on llama.cpp: its runtime and its own tokenizer."""
-    from specdec.backends.gguf_tokenizer import GGUFTokenizer
     from specdec.backends.llamacpp import LlamaCppLM
+    from specdec.backends.llamacpp.tokenizer import GGUFTokenizer
 
     runtime = LlamaCppLM.load(path, threads=threads)
-    return LoadedModel(model=None, tokenizer=GGUFTokenizer(runtime.model), path=path, runtime=runtime, source=path)
+    return LoadedModel(model=None, tokenizer=GGUFTokenizer(runtime.model), path=path, runtime=runtime, source=path,
+                       backend="llama.cpp")
 
 
 def load_tokenizer(path: str | os.PathLike | None) -> tuple[object, int]:

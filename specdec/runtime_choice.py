@@ -1,12 +1,12 @@
 """Which runtime runs a target: ``--backend`` settled and checked (:func:`resolve_backend`), and for ``auto`` on the
 CPU the runtime that runs the target fastest on this machine, by measurement.
 
-The candidates: llama.cpp (a .gguf target, its weights as stored), specdec's fused runtime (``fused.py``, where it
-was built, the CPU has AVX2/FMA/F16C and the model is one it covers) and specdec's torch runtime (``llama.py``, in
-float16 where fbgemm runs it, else float32). Each is loaded, fed the same context, and timed on a decode pass (one
-position) and a scoring pass (``SCORED_POSITIONS``), interleaved so that the machine's noise falls on all alike.
-The one whose two passes take least time together is chosen. The measure is the same whatever drafter runs, so
-the choice is too: a drafter never decides which runtime computes the target's tokens.
+The candidates: llama.cpp (a .gguf target, its weights as stored), specdec's fused runtime (``backends/fused/``,
+where it was built, the CPU has AVX2/FMA/F16C and the model is one it covers) and specdec's lean runtime
+(``backends/lean/``, in float16 where fbgemm runs it, else float32). Each is loaded, fed the same context, and timed
+on a decode pass (one position) and a scoring pass (``SCORED_POSITIONS``), interleaved so that the machine's noise
+falls on all alike. The one whose two passes take least time together is chosen. The measure is the same whatever
+drafter runs, so the choice is too: a drafter never decides which runtime computes the target's tokens.
 
 The choice is kept in the specdec cache, keyed by the model file, the machine, the threads and the versions, so the
 measurement (a few seconds) runs once. ``--backend NAME`` skips it.
@@ -26,12 +26,11 @@ import torch
 
 from specdec.backends.base import median_pass_seconds
 from specdec.cachefile import MeasurementCache
-from specdec.choices import BACKENDS
-from specdec.errors import UsageError
+from specdec.choices import parse_backend
 from specdec.logs import notice, verbose
 from specdec.models import default_model_path, load_gguf, load_model
 
-CACHE = MeasurementCache("backends.json", version=2)  # 2: the torch runtime on the row kernels
+CACHE = MeasurementCache("backends.json", version=3)  # 2: the lean runtime on the row kernels; 3: its name
 CONTEXT_TOKENS = 64  # cached before the timed passes
 SCORED_POSITIONS = 5  # a scoring pass: k+1 at the default k=4
 REPEATS = 5  # timed passes per candidate and kind; the median is kept
@@ -39,17 +38,17 @@ REPEATS = 5  # timed passes per candidate and kind; the median is kept
 
 def resolve_backend(backend: str, path: str | os.PathLike | None, dtype: str = "auto", device: str = "auto",
                     threads: int | None = None) -> str:
-    """``--backend`` settled: torch, fused or llama.cpp as named (``models.load_model`` checks that it can run the
-    target as asked, once); auto, on the CPU with the weights' precision left to the backend (--dtype auto), the
-    runtime measured fastest for this target on this machine (:func:`auto_backend`; llama.cpp a candidate for a
-    .gguf target, the default model among them); torch otherwise."""
-    if backend not in BACKENDS:
-        raise UsageError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    """``--backend`` settled: lean, fused or llama.cpp as named (or by an old name, ``choices.BACKEND_ALIASES``;
+    ``models.load_model`` checks that it can run the target as asked, once); auto, on the CPU with the weights'
+    precision left to the backend (--dtype auto), the runtime measured fastest for this target on this machine
+    (:func:`auto_backend`; llama.cpp a candidate for a .gguf target, the default model among them); lean
+    otherwise."""
+    backend = parse_backend(backend)
     if backend != "auto":
         return backend
     on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
     if not (on_cpu and dtype == "auto"):
-        return "torch"
+        return "lean"
     gguf = path is None or Path(path).suffix.lower() == ".gguf"
     return auto_backend(default_model_path() if path is None else Path(path), gguf, threads)
 
@@ -75,7 +74,7 @@ def candidates(gguf: bool) -> tuple[list[str], list[str]]:
     from specdec.backends.fused import unavailable
 
     reason = unavailable()
-    names = (["llama.cpp"] if gguf else []) + (["fused"] if reason is None else []) + ["torch"]
+    names = (["llama.cpp"] if gguf else []) + (["fused"] if reason is None else []) + ["lean"]
     return names, [] if reason is None else [reason]
 
 
@@ -89,7 +88,7 @@ def auto_backend(source: Path, gguf: bool, threads: int | None = None) -> str:
     """The measured choice for the target at ``source``, from the cache when it was measured before (a path that
     does not exist is left to the first candidate's loader, which says so)."""
     if not source.exists():
-        return "llama.cpp" if gguf else "torch"
+        return "llama.cpp" if gguf else "lean"
     names, passed_by = candidates(gguf)
     key = _cache_key(source, names, threads)
     cached = CACHE.get(key)
@@ -111,13 +110,13 @@ def measure(source: Path, names: list[str], threads: int | None = None
     """Load each candidate and time its decode and scoring passes after the same context, interleaved; and why
     any candidate could not run the model."""
     runtimes, passed_by = {}, []
-    model = None  # the transformers model, loaded once for the fused and torch candidates
+    model = None  # the transformers model, loaded once for the fused and lean candidates
     for name in names:
         if name == "llama.cpp":
             runtimes[name] = load_gguf(source, threads).runtime
             continue
         if model is None:
-            model = load_model(source, dtype="float32", device="cpu", backend="torch").model
+            model = load_model(source, dtype="float32", device="cpu", backend="lean").model
         runtime = _runtime(name, model)
         if isinstance(runtime, str):
             passed_by.append(runtime)
@@ -132,7 +131,7 @@ def measure(source: Path, names: list[str], threads: int | None = None
 
 
 def _runtime(name: str, model):
-    """The fused or torch candidate over a transformers model, or why the fused runtime does not cover it."""
+    """The fused or lean candidate over a transformers model, or why the fused runtime does not cover it."""
     if name == "fused":
         from specdec.backends.fused import FusedRuntime, unavailable
 

@@ -4,7 +4,7 @@ import pytest
 @pytest.fixture(autouse=True)
 def private_precision_cache(tmp_path, monkeypatch):
     """``--dtype auto`` keeps its measurements in the user's cache; tests keep theirs apart."""
-    from specdec.backends import precision
+    from specdec.backends.lean import precision
 
     monkeypatch.setattr(precision.CACHE, "path", lambda: tmp_path / "precisions.json")
 

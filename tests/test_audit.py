@@ -23,7 +23,7 @@ from tiny import save_with_tokenizer, structured_llama
 
 import specdec.verify
 from specdec.audit import Sampling, chi2_power, chi2_sf, detectable_tv, exact_outcomes, pooled_bins, two_sample
-from specdec.backends import LlamaRuntime
+from specdec.backends import LeanRuntime
 from specdec.cli import main
 from specdec.sampling import SamplingParams
 
@@ -52,7 +52,7 @@ def servers(model):
 def prompt(model) -> str:
     """A walk along the model's likeliest successors, then its first two tokens again: prompt lookup drafts the
     walk's continuation, which the model gives high probability."""
-    runtime = LlamaRuntime(model[0])
+    runtime = LeanRuntime(model[0])
     walk = [7]
     for _ in range(5):
         runtime.rollback(0)

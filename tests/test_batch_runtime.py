@@ -6,8 +6,8 @@ import pytest
 import torch
 from tiny import require_pass_invariant, tiny_llama
 
-from specdec.backends import LlamaRuntime
-from specdec.backends.batch import BatchedLlama, PoolFull, Row
+from specdec.backends import LeanRuntime
+from specdec.backends.base import PoolFull, Row
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def logits_alone(model, ids: list[int], last: int) -> torch.Tensor:  # [last, vo
 
 
 def test_rows_of_different_lengths_in_one_pass_match_each_sequence_alone(model):
-    pool = BatchedLlama(LlamaRuntime(model), max_slots=4, max_length=64)
+    pool = LeanRuntime(model).pool(max_slots=4, max_length=64)
     sequences = [[3, 4, 5, 6, 7], [9, 10], [11, 12, 13, 14, 15, 16, 17], [20]]
     slots = [pool.open() for _ in sequences]
     outputs = pool.forward([Row(slot, ids, len(ids)) for slot, ids in zip(slots, sequences)])
@@ -35,7 +35,7 @@ def test_rows_of_different_lengths_in_one_pass_match_each_sequence_alone(model):
 
 
 def test_closing_a_slot_moves_the_last_into_its_place_and_keeps_its_cache(model):
-    pool = BatchedLlama(LlamaRuntime(model), max_slots=3, max_length=64)
+    pool = LeanRuntime(model).pool(max_slots=3, max_length=64)
     sequences = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
     slots = [pool.open() for _ in sequences]
     pool.forward([Row(slot, ids, 0) for slot, ids in zip(slots, sequences)])
@@ -49,7 +49,7 @@ def test_closing_a_slot_moves_the_last_into_its_place_and_keeps_its_cache(model)
 
 
 def test_rollback_is_a_length_and_a_full_pool_refuses(model):
-    pool = BatchedLlama(LlamaRuntime(model), max_slots=1, max_length=16)
+    pool = LeanRuntime(model).pool(max_slots=1, max_length=16)
     slot = pool.open()
     pool.forward([Row(slot, [3, 4, 5, 6], 0)])
     slot.length = 2  # forget 5, 6
@@ -66,7 +66,7 @@ def test_a_rows_logits_are_the_same_bit_for_bit_whatever_shares_its_pass(precisi
     """In each precision the runtime runs: a sequence's logits, one position at a time on the single-sequence
     runtime, equal those of its rows in pool passes beside other sequences of other lengths (some crossing into a
     second block of keys), and those of one pass over its positions; bit for bit."""
-    runtime = require_pass_invariant(LlamaRuntime(tiny_llama(seed=0, init_range=0.5), precision))
+    runtime = require_pass_invariant(LeanRuntime(tiny_llama(seed=0, init_range=0.5), precision))
     sequence = list(range(3, 63)) * 5  # 300 positions: past the first block of 256 keys
     runtime.extend(sequence[:250], 0)
     alone = torch.cat([runtime.extend([token], 1) for token in sequence[250:260]])  # [10, vocab]
@@ -79,7 +79,7 @@ def logits_beside_others(runtime, prefix: list[int], tokens: list[int]) -> torch
     """A sequence's logits at ``tokens`` in a pool over ``runtime``: its prefix prefilled beside three other
     sequences of 40, 140 and 240 tokens, then one position a pass, beside 0 to 3 of the others' drafts of 1 to 5
     tokens (forgotten after each pass)."""
-    pool = BatchedLlama(runtime, max_slots=4, max_length=512)
+    pool = runtime.pool(max_slots=4, max_length=512)
     watched, others = pool.open(), [pool.open() for _ in range(3)]
     pool.forward([Row(watched, prefix, 0)] + [Row(slot, [5 + i] * (40 + 100 * i), 0)
                                               for i, slot in enumerate(others)])

@@ -74,7 +74,7 @@ def test_streams_text_then_a_summary_line(models, capsys):
     summary = err.strip().splitlines()[-1]
     for words in ("new tokens", "tokens/s", "acceptance rate", "mean accepted length"):
         assert words in summary
-    assert " on fused]" in summary or " on torch]" in summary  # the backend --backend auto measured fastest
+    assert " on fused]" in summary or " on lean]" in summary  # the backend --backend auto measured fastest
 
 
 def test_the_fused_runtime_named_for_a_model_it_does_not_cover_is_one_line_and_exit_2(models, capsys):
@@ -86,7 +86,13 @@ def test_the_fused_runtime_named_for_a_model_it_does_not_cover_is_one_line_and_e
 def test_auto_passes_the_fused_runtime_by_for_a_model_it_does_not_cover_and_says_why(models, capsys):
     code, out, err = run_cli(capsys, "generate", PROMPT, "--model", str(models["uncovered"]), "--max-new-tokens", "4")
     assert code == 0 and "passes specdec's fused runtime by" in err and "multiples of 8" in err, err
-    assert err.strip().splitlines()[-1].startswith("[prompt-lookup on torch]")
+    assert err.strip().splitlines()[-1].startswith("[prompt-lookup on lean]")
+
+
+def test_the_lean_runtime_answers_to_its_old_name_torch(models, capsys):
+    code, out, err = run_cli(capsys, "generate", PROMPT, "--model", str(models["target"]), "--backend", "torch",
+                             "--max-new-tokens", "4")
+    assert code == 0 and err.strip().splitlines()[-1].startswith("[prompt-lookup on lean]"), err
 
 
 def test_explicit_fused_runs_and_names_itself(models, capsys):
@@ -236,7 +242,7 @@ def test_without_the_extension_auto_says_why_once_and_fused_is_refused(models, c
     args = ["generate", PROMPT, "--model", str(models["draft"]), "--max-new-tokens", "4"]
     first = run_cli(capsys, *args)
     assert first[0] == 0 and f"passes specdec's fused runtime by: {reason}" in first[2], first[2]
-    assert first[2].strip().splitlines()[-1].startswith("[prompt-lookup on torch]")
+    assert first[2].strip().splitlines()[-1].startswith("[prompt-lookup on lean]")
     from specdec import runtime_choice as choice
 
     choice._passed_by.cache_clear()  # a new process: the choice comes from the cache, and is not said again

@@ -112,12 +112,12 @@ def test_served_in_a_batch_with_speculation_is_each_request_decoded_alone(decode
     """Ten MT-bench requests decoded together through the server's scheduler, every draft scored, give each the
     tokens it gets decoded alone without speculation, bit for bit: a row's logits do not depend on the rows or
     requests beside it, nor on whether its pass is a decode, scoring or bulk pass."""
-    from specdec.backends import LlamaRuntime
+    from specdec.backends import LeanRuntime
     from specdec.server import BatchSettings, build_scheduler
     from specdec.server.scheduler import GenerationRequest
 
     model = decoder.target.model
-    runtime = LlamaRuntime(model, precision)
+    runtime = LeanRuntime(model, precision)
     scheduler = build_scheduler(runtime, BatchSettings(speculation="always", max_batch_size=16, max_model_len=512),
                                 set())
     scheduler.start()
@@ -127,7 +127,7 @@ def test_served_in_a_batch_with_speculation_is_each_request_decoded_alone(decode
         served.append(handle.collect(timeout=600)[0])
     scheduler.shutdown(timeout=5)
     assert scheduler.metrics.accepted_tokens > 0 and len(scheduler.metrics.positions.drafted) > 1
-    alone = Engine(LlamaRuntime(model, precision), NoProposer())
+    alone = Engine(LeanRuntime(model, precision), NoProposer())
     for prompt, tokens in zip(prompts, served):
         assert tokens == alone.generate(prompt, GenerationConfig(max_new_tokens=48, stop_at_eos=False)).token_ids
 

@@ -12,7 +12,7 @@ import torch
 from scipy.stats import chi2_contingency, chisquare
 from tiny import E2E_PROMPT, e2e_models, e2e_samples, perturbed_copy, tiny_llama
 
-from specdec.backends import HFCausalLM, LlamaRuntime
+from specdec.backends import HFCausalLM, LeanRuntime
 from specdec.backends.base import sync
 from specdec.engine import Engine, GenerationConfig
 from specdec.errors import UsageError
@@ -43,7 +43,7 @@ def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
-BACKENDS = [HFCausalLM, LlamaRuntime]
+BACKENDS = [HFCausalLM, LeanRuntime]
 
 
 @pytest.mark.parametrize("backend_class", BACKENDS)
@@ -68,11 +68,11 @@ def test_greedy_tree_speculation_from_copies_is_plain_greedy(target_and_draft, t
     """Prompt lookup's and retrieval's several continuations, and the draft model's ranked alternatives, as trees
     scored in one pass of the lean runtime."""
     target, draft = target_and_draft
-    target_backend = LlamaRuntime(target)
+    target_backend = LeanRuntime(target)
     engines = {
         "prompt-lookup": Engine(target_backend, PromptLookupProposer(min_ngram=1)),
         "retrieval": Engine(target_backend, RetrievalProposer(min_order=1)),
-        "draft-model": Engine(target_backend, DraftModelProposer(LlamaRuntime(draft), target_backend.vocab_size)),
+        "draft-model": Engine(target_backend, DraftModelProposer(LeanRuntime(draft), target_backend.vocab_size)),
     }
     config = GenerationConfig(max_new_tokens=24, num_draft_tokens=3, stop_at_eos=False, tree=tree)
     branched = 0
@@ -92,8 +92,8 @@ def test_greedy_speculation_with_trees_of_auto_shape_is_plain_greedy(target_and_
     """``tree="auto"``: the tree policy chooses each round's shape; the output stays the target's greedy output,
     and the shapes it chose were trees (more nodes scored than depth drafted) in some rounds."""
     target, draft = target_and_draft
-    target_backend = LlamaRuntime(target)
-    engine = Engine(target_backend, DraftModelProposer(LlamaRuntime(draft), target_backend.vocab_size))
+    target_backend = LeanRuntime(target)
+    engine = Engine(target_backend, DraftModelProposer(LeanRuntime(draft), target_backend.vocab_size))
     config = GenerationConfig(max_new_tokens=24, num_draft_tokens="auto", stop_at_eos=False, tree="auto")
     nodes = depth = 0
     for prompt in PROMPTS:
@@ -136,10 +136,10 @@ def test_seeded_speculation_samples_plain_sampling_tokens(target_and_draft, k, b
 def test_seeded_tree_speculation_samples_plain_sampling_tokens(target_and_draft, tree):
     """Trees too: a node is accepted when its token is the target's own choice at its depth's position."""
     target, draft = target_and_draft
-    target_backend = LlamaRuntime(target)
+    target_backend = LeanRuntime(target)
     plain = Engine(target_backend, NoProposer())
     engines = [Engine(target_backend, PromptLookupProposer(min_ngram=1)),
-               Engine(target_backend, DraftModelProposer(LlamaRuntime(draft), target_backend.vocab_size))]
+               Engine(target_backend, DraftModelProposer(LeanRuntime(draft), target_backend.vocab_size))]
     nodes = depth = 0
     for seed, prompt in enumerate(PROMPTS):
         config = GenerationConfig(max_new_tokens=24, sampling=SEEDED, seed=seed, stop_at_eos=False)
@@ -155,8 +155,8 @@ def test_the_standard_rule_keeps_its_own_draws(target_and_draft):
     """``method="standard"``: the rejection rule with one random stream, reproducible for a seed (its tokens depend
     on the drafts, so they are compared with the same drafter's)."""
     target, draft = target_and_draft
-    backend = LlamaRuntime(target)
-    engine = Engine(backend, DraftModelProposer(LlamaRuntime(draft), backend.vocab_size))
+    backend = LeanRuntime(target)
+    engine = Engine(backend, DraftModelProposer(LeanRuntime(draft), backend.vocab_size))
     config = GenerationConfig(max_new_tokens=24, num_draft_tokens=3, sampling=replace(SEEDED, method="standard"),
                               seed=4, stop_at_eos=False)
     first = engine.generate(PROMPTS[0], config)
@@ -383,14 +383,14 @@ def test_retrieval_with_an_adaptive_draft_length_samples_exactly():
     # and retrieval really drafted, with both outcomes: the exactness above covers accepted and rejected drafts
     # (its copies are accepted a few percent of the time on this random model: 400 seeds find some)
     target, _ = e2e_models()
-    engine = Engine(LlamaRuntime(target), RetrievalProposer())
+    engine = Engine(LeanRuntime(target), RetrievalProposer())
     stats = [engine.generate(REPEATING_PROMPT, GenerationConfig(max_new_tokens=3, num_draft_tokens=2,
                                                                 sampling=sampling, seed=s, stop_at_eos=False)).stats
              for s in range(400)]
     assert 0 < sum(st.accepted_tokens for st in stats) < sum(st.draft_tokens for st in stats)
 
 
-@pytest.mark.parametrize("backend_class", [LlamaRuntime])
+@pytest.mark.parametrize("backend_class", [LeanRuntime])
 def test_bfloat16_speculation_is_plain_bfloat16_greedy(backend_class):
     """In bfloat16 too, where one rounding moves a logit by up to 2^-8 of it: the runtime computes each position as
     it does alone, so speculation gives plain decoding's tokens bit for bit."""
@@ -412,7 +412,7 @@ def test_capabilities_are_declared_and_a_missing_one_is_refused_by_name():
     from specdec.proposers import make_proposer
 
     model = tiny_llama(seed=0)
-    lean, plain = LlamaRuntime(model), HFCausalLM(model)
+    lean, plain = LeanRuntime(model), HFCausalLM(model)
     assert all(declares(lean, c) for c in (TreeScorer, FeatureSource, ShallowRunner))
     assert not any(declares(plain, c) for c in (TreeScorer, FeatureSource, ShallowRunner))
     with pytest.raises(UsageError, match="TreeScorer"):

@@ -22,7 +22,7 @@ from specdec.models import load_model, weight_probe
 def target(tmp_path_factory):
     model = tiny_llama(seed=0, init_range=0.5)
     directory = save_with_tokenizer(model, tmp_path_factory.mktemp("export") / "target")
-    return load_model(str(directory), dtype="float32", backend="torch").model, directory
+    return load_model(str(directory), dtype="float32", backend="lean").model, directory
 
 
 def trained(method: str, target_model, directory, draft_vocab: int = 0, **options):
@@ -91,7 +91,7 @@ def test_the_shipped_eagle_exports_for_the_default_model_and_reads_back_the_same
     from specdec.drafters.loading import load_trained
 
     assert main(["export", str(tmp_path / "eagle"), "--format", "eagle"]) == 0, capsys.readouterr().err
-    model = load_model(None, dtype="float32", backend="torch").model
+    model = load_model(None, dtype="float32", backend="lean").model
     shipped, exported = load_trained("eagle", model), load_trained("eagle", model, tmp_path / "eagle")
     assert torch.equal(shipped.vocab.ids, exported.vocab.ids)
     features = torch.randn(1, 4, model.config.hidden_size)

@@ -1,5 +1,5 @@
-"""specdec's fused CPU runtime (fused.c through fused.py): what the lean runtime computes, each row as it is alone,
-and speculation on it gives plain decoding's tokens with every drafter."""
+"""specdec's fused CPU runtime (fused/fused.c through fused/runtime.py): what the lean runtime computes, each
+row as it is alone, and speculation on it gives plain decoding's tokens with every drafter."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from test_batch_runtime import logits_beside_others
 from tiny import float32_error, perturbed_copy, save_with_tokenizer, tiny_llama
 
-from specdec.backends import LlamaRuntime
+from specdec.backends import LeanRuntime
 from specdec.backends.fused import FusedRuntime, quantized8, unavailable
 from specdec.backends.native import repacked
 from specdec.drafters.networks import DrafterConfig, EagleHead, ExitAdapter, LayerShape, MTPHeads, TargetParts
@@ -88,7 +88,7 @@ def test_logits_are_the_lean_runtimes_over_the_same_weights(model, weights):
     reference = exact_reference(model, weights)
     sequence = list(range(3, 63)) * 5
     outputs = []
-    for runtime in (FusedRuntime(reference, weights), LlamaRuntime(reference, "float32")):
+    for runtime in (FusedRuntime(reference, weights), LeanRuntime(reference, "float32")):
         logits = [runtime.extend(sequence[:250], 250)]
         logits += [runtime.extend([token], 1) for token in sequence[250:260]]
         runtime.rollback(252)
@@ -165,7 +165,7 @@ def test_greedy_speculation_on_it_is_its_plain_greedy_with_every_drafter(model, 
     engines = {
         "prompt-lookup": Engine(target, PromptLookupProposer()),
         "retrieval": Engine(target, RetrievalProposer(min_order=1)),
-        "draft-model": Engine(target, DraftModelProposer(LlamaRuntime(draft), target.vocab_size)),
+        "draft-model": Engine(target, DraftModelProposer(LeanRuntime(draft), target.vocab_size)),
         "mtp": Engine(target, MTPProposer(untrained("mtp", model, heads=3))),
         "eagle": Engine(target, EagleProposer(untrained("eagle", model))),
         "early-exit": Engine(target, EarlyExitProposer(untrained("early-exit", model, exit_layer=1), target)),
@@ -188,7 +188,7 @@ def test_seeded_speculation_on_it_samples_its_plain_sampling_tokens(model, weigh
     draft = perturbed_copy(model, noise=0.03, seed=1)
     plain = Engine(target, NoProposer())
     engines = [Engine(target, PromptLookupProposer()),
-               Engine(target, DraftModelProposer(LlamaRuntime(draft), target.vocab_size))]
+               Engine(target, DraftModelProposer(LeanRuntime(draft), target.vocab_size))]
     for seed, prompt in enumerate(PROMPTS):
         config = GenerationConfig(max_new_tokens=24, sampling=SamplingParams(temperature=0.7, top_p=0.95), seed=seed,
                                   num_draft_tokens=3, stop_at_eos=False)
@@ -244,7 +244,7 @@ def test_a_prompt_runs_the_bulk_kernel_and_what_follows_reads_its_cache(model, w
 
     assert PROMPT_POSITIONS > MAX_DRAFT_TOKENS + 1
     prompt = [(7 * i) % 60 + 3 for i in range(PROMPT_POSITIONS)]
-    fused, lean = FusedRuntime(model, weights), LlamaRuntime(model, "float32")
+    fused, lean = FusedRuntime(model, weights), LeanRuntime(model, "float32")
     assert torch.equal(fused.extend(prompt, 3), lean.extend(prompt, 3))
     steps = torch.cat([fused.extend([token], 1) for token in (4, 5, 6)])
     fused.rollback(len(prompt))

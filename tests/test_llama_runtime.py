@@ -8,8 +8,7 @@ import torch
 from tiny import float32_error, require_pass_invariant, tiny_llama
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from specdec.backends import HFCausalLM, LlamaRuntime, make_backend
-from specdec.backends import llama as llama_backend
+from specdec.backends import HFCausalLM, LeanRuntime, family, make_backend, sequence
 from specdec.backends.linear import BULK_POSITIONS, DTYPE_OF, PassPrecisions
 
 FAMILY_SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -43,7 +42,7 @@ def reference_logits_exactly(model, ids: list[int]) -> torch.Tensor:  # [len(ids
         return model(torch.tensor([ids])).logits[0]
 
 
-def runtime_logits_in_pieces(runtime: LlamaRuntime, ids: list[int], pieces: list[int]) -> torch.Tensor:
+def runtime_logits_in_pieces(runtime: LeanRuntime, ids: list[int], pieces: list[int]) -> torch.Tensor:
     """Feed ids in pieces of the given sizes, with a detour (extend, then roll back) between pieces."""
     out, done = [], 0
     for size in pieces:
@@ -77,9 +76,9 @@ def _is_matmul_weight(name: str) -> bool:
 def test_each_family_matches_transformers_in_float64(family):
     """float64 agrees up to summation order: the runtime computes the same function as transformers' module."""
     model = tiny_family(family).double()
-    assert isinstance(make_backend(model), LlamaRuntime)
+    assert isinstance(make_backend(model), LeanRuntime)
     ids = random_ids(40)
-    ours = runtime_logits_in_pieces(LlamaRuntime(model), ids, [17, 1, 5, 1, 16])
+    ours = runtime_logits_in_pieces(LeanRuntime(model), ids, [17, 1, 5, 1, 16])
     assert (ours - reference_logits(model, ids)).abs().max() < 1e-12
 
 
@@ -94,7 +93,7 @@ def test_each_family_matches_transformers_in_float64(family):
 @pytest.mark.parametrize("precision, init_range", [("float32", 0.5), ("float16", 0.5), ("bfloat16", 0.02)])
 def test_logits_match_transformers_for_each_weight_precision(precision, init_range):
     model = tiny_llama(seed=4, init_range=init_range)
-    runtime = LlamaRuntime(model, precision)
+    runtime = LeanRuntime(model, precision)
     if not runtime.pass_invariant:
         pytest.skip("the row kernels do not run here: the libraries' bfloat16 product rounds activations too")
     ids = random_ids(40)
@@ -114,15 +113,15 @@ def test_the_runtime_declares_its_rows_alone_only_on_the_row_kernels(monkeypatch
     from specdec.backends import native
 
     model = tiny_llama(seed=0)
-    assert LlamaRuntime(model, "float16").pass_invariant and LlamaRuntime(model, "bfloat16").pass_invariant
-    assert not LlamaRuntime(model.double()).pass_invariant
+    assert LeanRuntime(model, "float16").pass_invariant and LeanRuntime(model, "bfloat16").pass_invariant
+    assert not LeanRuntime(model.double()).pass_invariant
     monkeypatch.setattr(native, "unavailable", lambda: "its C extension was not built at install")
-    assert not LlamaRuntime(tiny_llama(seed=0), "float32").pass_invariant
+    assert not LeanRuntime(tiny_llama(seed=0), "float32").pass_invariant
 
 
 def test_each_kind_of_pass_runs_in_its_own_precision():
     model = tiny_llama(seed=4, init_range=0.5)
-    runtime = LlamaRuntime(model, PassPrecisions(decode="float16", score="float32"))
+    runtime = LeanRuntime(model, PassPrecisions(decode="float16", score="float32"))
     ids = random_ids(12)
     several = runtime.extend(ids[:11], 11)  # [11, vocab] a scoring pass
     one = runtime.extend(ids[11:], 1)  # [1, vocab] a decode pass
@@ -138,7 +137,7 @@ def test_each_kind_of_pass_runs_in_its_own_precision():
 
 def test_a_bulk_pass_runs_in_its_own_precision():
     model = tiny_llama(seed=4, init_range=0.5)
-    runtime = LlamaRuntime(model, PassPrecisions(decode="float32", score="float32", bulk="float16"))
+    runtime = LeanRuntime(model, PassPrecisions(decode="float32", score="float32", bulk="float16"))
     ids = random_ids(BULK_POSITIONS + 1)
     bulk = runtime.extend(ids, len(ids))  # [33, vocab] prefill-sized: a bulk pass
     rounded16 = rounded_copy(model, "float16")
@@ -149,21 +148,21 @@ def test_a_bulk_pass_runs_in_its_own_precision():
 
 def test_cache_grows_past_its_first_allocation_and_keeps_a_reservation():
     model = tiny_llama(seed=4, init_range=0.5).double()
-    ids = random_ids(llama_backend.INITIAL_CAPACITY + 60, seed=1)
-    runtime = LlamaRuntime(model)
+    ids = random_ids(sequence.INITIAL_CAPACITY + 60, seed=1)
+    runtime = LeanRuntime(model)
     ours = runtime_logits_in_pieces(runtime, ids, [200, 50, 1, 65])
     assert (ours - reference_logits(model, ids)).abs().max() < 1e-12
     assert runtime.tokens == ids
-    reserved = LlamaRuntime(model)
+    reserved = LeanRuntime(model)
     reserved.reserve(len(ids) + 4)
-    blocks = llama_backend.whole_blocks(len(ids) + 4)  # sized to the request, in whole blocks of keys
+    blocks = family.whole_blocks(len(ids) + 4)  # sized to the request, in whole blocks of keys
     assert reserved._capacity == blocks
     assert (runtime_logits_in_pieces(reserved, ids, [200, 50, 1, 65]) - ours).abs().max() < 1e-12
     assert reserved._capacity == blocks  # no pass reallocated it
 
 
 def test_make_backend_picks_the_runtime_only_where_it_is_exact():
-    assert isinstance(make_backend(tiny_llama(seed=0)), LlamaRuntime)
+    assert isinstance(make_backend(tiny_llama(seed=0)), LeanRuntime)
     scaled = tiny_llama(seed=0)
     scaled.config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
     assert isinstance(make_backend(scaled), HFCausalLM)
@@ -173,14 +172,14 @@ def test_make_backend_picks_the_runtime_only_where_it_is_exact():
 
 def test_a_sliding_window_caps_the_length():
     mistral = MistralForCausalLM(MistralConfig(**FAMILY_SHAPE, sliding_window=100))
-    assert LlamaRuntime(mistral).max_length == 100
+    assert LeanRuntime(mistral).max_length == 100
 
 
 def test_a_tree_pass_scores_every_branch_as_its_own_chain_and_keeps_the_accepted_one():
     """extend_tree: the logits after each node are those of the chain root..node after the cache; keep_path leaves
     the cache (tokens, keys, values, hidden states) as if the accepted branch had been fed as a chain."""
     model = tiny_family("llama").double()
-    runtime = LlamaRuntime(model)
+    runtime = LeanRuntime(model)
     runtime.keep_hidden_states()
     prefix = random_ids(9, seed=1)
     runtime.extend(prefix, 0)
@@ -198,7 +197,7 @@ def test_a_tree_pass_scores_every_branch_as_its_own_chain_and_keeps_the_accepted
         torch.testing.assert_close(logits[node].float(), expected, rtol=0, atol=1e-5)
     runtime.keep_path(len(prefix), [0, 3, 5])
     assert runtime.tokens == prefix + [10, 13, 15]
-    chain = LlamaRuntime(model)
+    chain = LeanRuntime(model)
     chain.keep_hidden_states()
     chain.extend(prefix + [10, 13, 15], 0)
     torch.testing.assert_close(runtime.hidden_states, chain.hidden_states, rtol=0, atol=1e-9)
@@ -216,7 +215,7 @@ def test_a_tree_pass_scores_every_branch_as_its_own_chain_and_keeps_the_accepted
 
 
 def test_a_tree_whose_parent_comes_after_its_child_is_refused():
-    runtime = LlamaRuntime(tiny_family("llama"))
+    runtime = LeanRuntime(tiny_family("llama"))
     runtime.extend(random_ids(4), 0)
     with pytest.raises(ValueError, match="does not come before"):
         runtime.extend_tree([5, 6, 7], [-1, 2, 0])
@@ -228,18 +227,18 @@ def test_a_pass_after_shallow_runs_reuses_them_and_computes_the_same_logits(monk
     of a plain pass (float64: to rounding), and so does every later pass (the shared layers' cache holds them)."""
     model = tiny_llama(seed=5, layers=4, init_range=0.5).double()
     prompt, draft = random_ids(9, seed=1), random_ids(4, seed=2)
-    plain = LlamaRuntime(model)
+    plain = LeanRuntime(model)
     plain.extend(prompt, 0)
     expected = plain.extend(draft, len(draft))
     after = plain.extend([9, 10], 2)
 
-    runtime = LlamaRuntime(model)
+    runtime = LeanRuntime(model)
     runtime.extend(prompt, 0)
     states = [runtime.extend_shallow([token], 2) for token in draft[:3]]  # [1, hidden] each
     assert all(s.shape == (1, 32) for s in states) and len(runtime.tokens) == len(prompt)  # not yet in the cache
     ran = []
-    layers = LlamaRuntime._layers
-    monkeypatch.setattr(LlamaRuntime, "_layers", lambda self, x, first, end, *rest: ran.append(
+    layers = LeanRuntime.run_layers
+    monkeypatch.setattr(LeanRuntime, "run_layers", lambda self, x, first, end, *rest: ran.append(
         (first, end, x.shape[0])) or layers(self, x, first, end, *rest))
     logits = runtime.extend(draft, len(draft))
     assert ran == [(0, 2, 1), (2, 4, 4)]  # the last draft token through the shared layers, then all four deeper
@@ -250,9 +249,9 @@ def test_a_pass_after_shallow_runs_reuses_them_and_computes_the_same_logits(monk
 def test_shallow_runs_are_dropped_by_a_rollback_or_other_tokens():
     model = tiny_llama(seed=5, layers=4, init_range=0.5).double()
     prompt = random_ids(6, seed=3)
-    plain = LlamaRuntime(model)
+    plain = LeanRuntime(model)
     expected = plain.extend(prompt + [11, 12], 2)
-    runtime = LlamaRuntime(model)
+    runtime = LeanRuntime(model)
     runtime.extend(prompt, 0)
     runtime.extend_shallow([40, 41], 3)  # other tokens than the pass will bring
     torch.testing.assert_close(runtime.extend([11, 12], 2), expected, rtol=0, atol=1e-10)
@@ -268,7 +267,7 @@ def test_shallow_runs_are_dropped_by_a_rollback_or_other_tokens():
 def test_a_tree_node_computes_what_its_branch_computes_as_a_chain(precision):
     """Each node of a tree pass attends to its own keys laid out as its branch lays them out as a chain: its logits
     equal the chain's last row's, bit for bit, past the first block of keys too."""
-    runtime = require_pass_invariant(LlamaRuntime(tiny_llama(seed=0, init_range=0.5), precision))
+    runtime = require_pass_invariant(LeanRuntime(tiny_llama(seed=0, init_range=0.5), precision))
     prefix = list(range(3, 63)) * 5  # 300 positions
     parents = [-1, 0, 0, 1, 1, 2, 3]
     for seed in range(3):

@@ -18,8 +18,11 @@ from tiny_gguf import write_tiny_gguf
 llama_cpp = pytest.importorskip("llama_cpp")
 
 from specdec.api import SpecDecoder  # noqa: E402
-from specdec.backends.base import rows_are_pass_invariant  # noqa: E402
-from specdec.backends.batch import PoolFull, Row  # noqa: E402
+from specdec.backends.base import (  # noqa: E402
+    PoolFull,
+    Row,
+    rows_are_pass_invariant,  # noqa: E402
+)
 from specdec.backends.llamacpp import GGUFModel, LlamaCppLM, LlamaCppPool  # noqa: E402
 from specdec.cli import main  # noqa: E402
 from specdec.engine import Engine, GenerationConfig  # noqa: E402
@@ -138,7 +141,7 @@ def test_bad_input_is_refused_before_llama_cpp_sees_it(lm):
     with pytest.raises(ValueError, match="exceed the context"):
         lm.extend([5] * (lm.max_length + 1), 1)
     assert lm.tokens == []
-    from specdec.backends.llamacpp import Entry
+    from specdec.backends.llamacpp.runtime import Entry
 
     with pytest.raises(ValueError, match="position"):
         lm.context.decode([Entry(5, lm.max_length, 0, True)])
@@ -248,14 +251,14 @@ def test_the_api_and_the_default_backend_run_a_gguf_on_the_runtime_measured_fast
     auto = SpecDecoder.load(str(tiny), drafter="prompt-lookup", threads=2)
     (entry,) = [value for key, value in choice.CACHE.entries().items() if str(tiny.resolve()) in key]
     measured = {m["backend"]: m["decode_ms"] + m["score_ms"] for m in entry["measurements"]}
-    assert set(measured) == {"llama.cpp", "fused", "torch"}
+    assert set(measured) == {"llama.cpp", "fused", "lean"}
     assert auto.target.backend_name == entry["backend"] == min(measured, key=measured.get)
     decoder = SpecDecoder.load(str(tiny), drafter="prompt-lookup", backend="llama.cpp", threads=2)
     assert decoder.target.backend_name == "llama.cpp" and decoder.target.model is None
     completion = decoder.generate("Write a haiku about the sea", max_new_tokens=12)
     assert len(completion.token_ids) == 12 or completion.token_ids[-1] in decoder.engine.eos_token_ids
     torch_decoder = SpecDecoder.load(str(tiny), drafter="none", backend="torch")
-    assert torch_decoder.target.backend_name == "torch"
+    assert torch_decoder.target.backend_name == "lean"  # torch: the lean runtime's old name, kept
     # one vocabulary: the GGUF's own tokenizer encodes as transformers' tokenizer of the same file
     text = "Hello world, <|im_start|>user\nnaïve café"
     assert decoder.tokenizer.encode(text) == list(torch_decoder.tokenizer.encode(text))
@@ -325,13 +328,13 @@ def test_drafters_llama_cpp_cannot_serve_are_refused_in_one_line(tiny, capsys):
     assert main(["generate", "hi", "--model", str(tiny), "--drafter", drafter, "--max-new-tokens", "2",
                  "--backend", "llama.cpp"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--backend torch" in err and drafter in err
+    assert len(err.splitlines()) == 1 and "--backend lean" in err and drafter in err
 
 
 def test_trees_are_refused_on_llama_cpp(tiny, capsys):
     assert main(["generate", "hi", "--model", str(tiny), "--tree", "2,1", "--max-new-tokens", "2",
                  "--backend", "llama.cpp"]) == 2
-    assert "--backend torch" in capsys.readouterr().err
+    assert "--backend lean" in capsys.readouterr().err
 
 
 def test_bad_model_files_are_refused_in_one_line(tmp_path, tiny, capsys):
@@ -346,7 +349,7 @@ def test_bad_model_files_are_refused_in_one_line(tmp_path, tiny, capsys):
         (["--model", str(truncated)], "cannot load"),
         (["--model", str(not_gguf)], "not a GGUF file"),
         (["--model", str(directory), "--backend", "llama.cpp"], "is not one"),
-        (["--model", str(tiny), "--backend", "llama.cpp", "--dtype", "float32"], "--backend torch"),
+        (["--model", str(tiny), "--backend", "llama.cpp", "--dtype", "float32"], "--backend lean"),
     ]
     for flags, message in cases:
         assert main(["generate", "hi", "--max-new-tokens", "2", *flags]) == 2

@@ -100,7 +100,7 @@ def test_a_gguf_whose_rows_depend_on_the_pass_is_named_in_one_notice(tmp_path):
 def test_generate_on_a_transformers_directory_says_only_its_summary(tmp_path):
     """The torch runtime loads it through transformers, whose own warnings stay off the terminal."""
     model = save_with_tokenizer(tiny_llama(seed=0), tmp_path / "tiny")
-    result = generate(model, "--backend", "torch")
+    result = generate(model, "--backend", "lean")
     assert result.returncode == 0, result.stderr
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and is_summary(lines[0]), result.stderr

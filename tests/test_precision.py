@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from tiny import tiny_llama
 
-from specdec.backends import LlamaRuntime, make_backend
-from specdec.backends import precision as auto
+from specdec.backends import LeanRuntime, make_backend
 from specdec.backends.base import streamed_parameters
+from specdec.backends.lean import precision as auto
 from specdec.backends.linear import PassPrecisions
 from specdec.bench.roofline import measure_roofline
 
@@ -19,8 +19,8 @@ def test_a_decode_pass_streams_every_weight_but_the_input_embedding():
     tied = tiny_llama(seed=0)
     tied.lm_head.weight = tied.model.embed_tokens.weight
     assert streamed_parameters(tied) == total - 64 * 32  # the shared matrix is read once, by the LM head
-    assert LlamaRuntime(untied, "float32").weight_bytes == 4 * streamed_parameters(untied)
-    assert LlamaRuntime(untied, PassPrecisions("float16", "float32")).weight_bytes == 2 * streamed_parameters(untied)
+    assert LeanRuntime(untied, "float32").weight_bytes == 4 * streamed_parameters(untied)
+    assert LeanRuntime(untied, PassPrecisions("float16", "float32")).weight_bytes == 2 * streamed_parameters(untied)
 
 
 def test_roofline_measures_every_draft_length_and_leaves_the_cache_as_it_was():
@@ -57,7 +57,7 @@ def test_auto_measures_a_model_once_then_reads_its_choice_from_the_cache(monkeyp
     assert first.decode in ("float32", "float16", "bfloat16") and first.score in ("float32", "float16", "bfloat16")
     monkeypatch.setattr(auto, "measure", lambda *a, **k: pytest.fail("measured twice"))
     assert auto.auto_precisions(model) == first
-    assert isinstance(make_backend(model, "auto"), LlamaRuntime)
+    assert isinstance(make_backend(model, "auto"), LeanRuntime)
 
 
 def test_measurement_compares_against_float32_on_the_same_probe():

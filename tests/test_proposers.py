@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny import tiny_llama
 
-from specdec.backends import HFCausalLM, LlamaRuntime
+from specdec.backends import HFCausalLM, LeanRuntime
 from specdec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer, make_proposer
 from specdec.proposers.base import trie_draft
 from specdec.sampling import SamplingParams, logits_to_probs
@@ -61,7 +61,7 @@ def test_none_drafts_nothing():
     assert NoProposer().propose([1, 2, 3], 4, GREEDY, None).tokens == []
 
 
-@pytest.mark.parametrize("backend_class", [HFCausalLM, LlamaRuntime])
+@pytest.mark.parametrize("backend_class", [HFCausalLM, LeanRuntime])
 def test_draft_model_greedy_draft_is_its_own_greedy_continuation(backend_class):
     model = tiny_llama(seed=5, init_range=0.5).double()
     proposer = DraftModelProposer(backend_class(model), target_vocab_size=64)

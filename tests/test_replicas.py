@@ -41,7 +41,7 @@ def port(model):
     ray.init(num_cpus=4, include_dashboard=False, object_store_memory=100 << 20, logging_level="error")
     port = free_port()
     serve.start(http_options=proxy_options("127.0.0.1", port, REQUEST_TIMEOUT))
-    options = ServerOptions(model=str(model[1]), backend="torch", dtype="float32", threads=1,
+    options = ServerOptions(model=str(model[1]), backend="lean", dtype="float32", threads=1,
                              batch=BatchSettings(max_batch_size=8, max_model_len=128, speculation="always"))
     serve.run(serve_app(options, replicas=2), name=APP_NAME, route_prefix="/")
     yield port

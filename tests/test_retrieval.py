@@ -10,7 +10,7 @@ import pytest
 from tiny import save_with_tokenizer, tiny_llama
 
 from specdec import datastore as datastores
-from specdec.backends import LlamaRuntime
+from specdec.backends import LeanRuntime
 from specdec.cli import main
 from specdec.errors import UsageError
 from specdec.proposers.retrieval import RetrievalProposer, SessionIndex, continuation
@@ -136,7 +136,7 @@ def test_a_datastore_drafts_only_with_retrieval():
     from specdec.server import BatchSettings, build_scheduler
 
     store = datastores.build(np.array([1, 2, 3, 1, 2, 4]), vocab_size=64, sources=[])
-    target = LlamaRuntime(tiny_llama(seed=0))
+    target = LeanRuntime(tiny_llama(seed=0))
     assert isinstance(make_proposer("retrieval", target, None, store), RetrievalProposer)
     refusal = "a datastore drafts only with --drafter retrieval, not prompt-lookup"
     with pytest.raises(UsageError, match=refusal):

@@ -7,7 +7,7 @@ import torch
 from scipy.stats import chisquare
 from tiny import tiny_llama
 
-from specdec.backends import LlamaRuntime
+from specdec.backends import LeanRuntime
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.server import BatchSettings, build_scheduler
 from specdec.server.scheduler import GenerationRequest
@@ -30,7 +30,7 @@ def test_sampling_in_a_batch_with_speculation_draws_from_the_target():
     fails at p < 1e-3, its false-alarm rate (the seeds are fixed, so it is deterministic)."""
     torch.manual_seed(0)
     model = tiny_llama(seed=0, init_range=0.5).double()
-    scheduler = build_scheduler(LlamaRuntime(model), BatchSettings(speculation="always", max_batch_size=32,
+    scheduler = build_scheduler(LeanRuntime(model), BatchSettings(speculation="always", max_batch_size=32,
                                                                    max_model_len=16, max_waiting=4096), set())
     scheduler.start()
     handles = [scheduler.submit(GenerationRequest(PROMPT, max_tokens=2, sampling=PARAMS, seed=seed))

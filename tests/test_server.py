@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from tiny import save_with_tokenizer, tiny_llama
 
-from specdec.backends import LlamaRuntime
+from specdec.backends import LeanRuntime
 from specdec.engine import Engine, GenerationConfig
 from specdec.proposers import NoProposer, PromptLookupProposer
 from specdec.server import BatchSettings, build_scheduler
@@ -45,7 +45,7 @@ def start_server(tiny, proposer=None, api_key=None, max_body_bytes=1 << 20, read
     """A server on a free port; ``proposer`` (a factory) replaces the drafter of ``batch['drafter']``."""
     model, tokenizer = tiny
     settings = BatchSettings(**{"max_batch_size": 32, "max_model_len": 256, **batch})
-    scheduler = build_scheduler(LlamaRuntime(model), settings, {EOS})
+    scheduler = build_scheduler(LeanRuntime(model), settings, {EOS})
     if proposer is not None:
         scheduler.new_proposer = proposer
     server = OpenAIServer(scheduler, tokenizer, MODEL, ServerSettings(port=0, api_key=api_key,
@@ -133,7 +133,7 @@ def prompt_text(ids: list[int]) -> str:
 
 def plain_greedy(tiny, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True) -> list[int]:
     """The request decoded alone, without speculation."""
-    engine = Engine(LlamaRuntime(tiny[0]), NoProposer(), eos_token_ids={EOS})
+    engine = Engine(LeanRuntime(tiny[0]), NoProposer(), eos_token_ids={EOS})
     config = GenerationConfig(max_new_tokens=max_tokens, num_draft_tokens=1, stop_at_eos=not ignore_eos)
     return engine.generate(prompt_ids, config).token_ids
 

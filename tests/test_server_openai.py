@@ -30,7 +30,7 @@ from test_server import (  # noqa: F401
     wait_for,
 )
 
-from specdec.backends import LlamaRuntime
+from specdec.backends import LeanRuntime
 from specdec.sampling import LogitsAdjustment, SamplingParams, logits_to_probs
 from specdec.server.scheduler import GenerationRequest
 
@@ -100,7 +100,7 @@ def test_logprobs_are_the_targets_own_at_each_emitted_token(client, tiny):
                                            logprobs=3, extra_body={"ignore_eos": True})
     logprobs = completion.choices[0].logprobs
     tokens = plain_greedy(tiny, PROMPT, 6)
-    runtime = LlamaRuntime(tiny[0])
+    runtime = LeanRuntime(tiny[0])
     expected = torch.log_softmax(runtime.extend(PROMPT + tokens[:-1], 6).double(), dim=-1)  # [6, vocab]
     for i, token in enumerate(tokens):
         assert math.isclose(logprobs.token_logprobs[i], float(expected[i, token]), abs_tol=1e-6)
@@ -307,7 +307,7 @@ def test_penalised_and_biased_sampling_follows_the_adjusted_target_exactly(tiny)
     model, _ = tiny
     adjustment = LogitsAdjustment(bias={9: 2.0, 12: -1.5, 40: -100.0}, presence_penalty=1.2, frequency_penalty=0.7)
     sampling = SamplingParams(temperature=1.0)
-    runtime = LlamaRuntime(model)
+    runtime = LeanRuntime(model)
     scheduler = build_scheduler(runtime, BatchSettings(drafter="prompt-lookup", speculation="always",
                                                        max_batch_size=32, max_model_len=64, max_waiting=4096),
                                 {EOS})

@@ -147,17 +147,17 @@ def test_self_speculation_runs_each_position_once_through_the_shared_layers(trai
     """The early exit drafts with the target's first layer; the verifying pass starts past it for the drafted
     positions. Over a whole generation, as many positions pass the first layer as pass the last (none twice),
     and drafts were both kept and refused."""
-    from specdec.backends.llama import LlamaRuntime
+    from specdec.backends.lean import LeanRuntime
 
     through = {"first": 0, "last": 0}
-    layers = LlamaRuntime._layers
+    layers = LeanRuntime.run_layers
 
     def counted(self, x, first, end, *rest):
         through["first"] += x.shape[0] if first == 0 else 0
         through["last"] += x.shape[0] if end == self.num_layers else 0
         return layers(self, x, first, end, *rest)
 
-    monkeypatch.setattr(LlamaRuntime, "_layers", counted)
+    monkeypatch.setattr(LeanRuntime, "run_layers", counted)
     decoder = SpecDecoder(load_model(trained["target"]), drafter="early-exit", drafter_path=trained["early-exit"])
     sampling = SamplingParams(temperature=1.0)
     stats = [decoder.engine.generate([5, 9, 17], GenerationConfig(max_new_tokens=40, num_draft_tokens=3,

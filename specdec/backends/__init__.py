@@ -1,13 +1,16 @@
-"""Model backends behind the CausalLM protocol (base.py): a lean llama-family runtime (llama.py), its fused CPU
-twin (fused.py), transformers as it is, and llama.cpp over a GGUF file's stored weights (llamacpp.py); which one
-``--backend auto`` runs is measured (specdec/runtime_choice.py).
+"""Model backends behind the CausalLM and Pool protocols (base.py), each runtime in its own wing: the lean runtime
+for llama-family models in PyTorch (``lean/``), its fused CPU twin (``fused/``, the C source beside its Python),
+llama.cpp over a GGUF file's stored weights (``llamacpp/``), and transformers as it is (``hf.py``). No wing imports
+another; what they share lies below them: the llama family's PyTorch code (``family.py``), one sequence's cache
+(``sequence.py``), a pool's slots (``slots.py``), products per precision (``linear.py``) and the C kernels' binding
+(``native.py``). Which runtime ``--backend auto`` runs is measured (specdec/runtime_choice.py).
 
 Nothing here imports transformers until a transformers model is wrapped: the llama.cpp path never pays for it.
 """
 
 from __future__ import annotations
 
-from specdec.backends.base import CausalLM, probe_pass_invariance, sync
+from specdec.backends.base import CausalLM, Pool, Pooled, declares, probe_pass_invariance, sync
 from specdec.choices import BACKENDS
 from specdec.errors import UsageError
 
@@ -17,33 +20,28 @@ def make_backend(model, precision: str | None = None) -> CausalLM:
     the transformers module itself.
 
     ``precision`` is the runtime's weight precision: None keeps the model's dtype; "auto" measures, on the CPU,
-    the fastest precision for each kind of pass that keeps the target's outputs (``precision.py``). The
+    the fastest precision for each kind of pass that keeps the target's outputs (``lean/precision.py``). The
     transformers backend runs in the model's dtype whatever is asked.
     """
-    from specdec.backends import llama
+    from specdec.backends.family import supports
 
-    if not llama.supports(model):
+    if not supports(model):
         from specdec.backends.hf import HFCausalLM
 
         return HFCausalLM(model)
-    return llama.LlamaRuntime(model, _auto_precisions(model) if precision == "auto" else precision)
+    from specdec.backends.lean import LeanRuntime
+
+    return LeanRuntime(model, _auto_precisions(model) if precision == "auto" else precision)
 
 
-def pool_of(runtime: CausalLM, max_slots: int, max_length: int):
+def pool_of(runtime: CausalLM, max_slots: int, max_length: int) -> Pool:
     """Many sequences in one pass over the runtime's weights, each in a KV-cache slot of up to ``max_length`` tokens:
-    ``BatchedLlama`` over the torch or fused runtime, ``LlamaCppPool`` over llama.cpp's; one line where the runtime
-    batches none (a transformers module)."""
-    from specdec.backends.llama import LlamaRuntime
-    from specdec.backends.llamacpp import LlamaCppLM, LlamaCppPool
-
-    if isinstance(runtime, LlamaCppLM):
-        return LlamaCppPool(runtime.model, max_slots, max_length, runtime.context.threads)
-    if not isinstance(runtime, LlamaRuntime):
-        raise UsageError("the server runs llama-family models (llama, mistral, qwen2) on specdec's runtime, or a "
-                         "GGUF file on llama.cpp")
-    from specdec.backends.batch import BatchedLlama
-
-    return BatchedLlama(runtime, max_slots, max_length)
+    the pool the runtime declares (:class:`~specdec.backends.base.Pooled`); one line where it batches none (a
+    transformers module)."""
+    if not declares(runtime, Pooled):
+        raise UsageError("the server runs llama-family models (llama, mistral, qwen2) on specdec's lean or fused "
+                         "runtime, or a GGUF file on llama.cpp")
+    return runtime.pool(max_slots, max_length)
 
 
 def runtime_of(loaded, precision: str | None = None) -> CausalLM:
@@ -52,7 +50,7 @@ def runtime_of(loaded, precision: str | None = None) -> CausalLM:
     (``make_backend``)."""
     if loaded.runtime is not None:
         return loaded.runtime
-    if loaded.fused:
+    if loaded.backend == "fused":
         from specdec.backends.fused import FusedRuntime
 
         return FusedRuntime(loaded.model)
@@ -69,7 +67,7 @@ def target_backend(loaded, precision: str | None = None) -> CausalLM:
 
 
 def precision_of(backend: CausalLM) -> str:
-    """The weights' precision a backend runs in, as it declares it: per kind of pass on the torch runtime, the
+    """The weights' precision a backend runs in, as it declares it: per kind of pass on the lean runtime, the
     GGUF's stored type on llama.cpp, else the model's dtype."""
     return backend.precision_label
 
@@ -77,13 +75,13 @@ def precision_of(backend: CausalLM) -> str:
 def _auto_precisions(model):
     if next(model.parameters()).device.type != "cpu":
         return None  # on CUDA the model's own dtype, as loaded
-    from specdec.backends.precision import auto_precisions
+    from specdec.backends.lean.precision import auto_precisions
 
     return auto_precisions(model)
 
 
 # class -> module
-_LAZY = {"FusedRuntime": "fused", "HFCausalLM": "hf", "LlamaRuntime": "llama", "PassPrecisions": "linear"}
+_LAZY = {"FusedRuntime": "fused", "HFCausalLM": "hf", "LeanRuntime": "lean", "PassPrecisions": "linear"}
 
 
 def __getattr__(name: str):  # the runtimes' classes, imported when first asked for (submodules import as usual)
@@ -94,5 +92,5 @@ def __getattr__(name: str):  # the runtimes' classes, imported when first asked 
     return getattr(importlib.import_module(f"specdec.backends.{_LAZY[name]}"), name)
 
 
-__all__ = ["BACKENDS", "CausalLM", "FusedRuntime", "HFCausalLM", "LlamaRuntime", "PassPrecisions", "make_backend",
-           "pool_of", "precision_of", "runtime_of", "sync", "target_backend"]
+__all__ = ["BACKENDS", "CausalLM", "FusedRuntime", "HFCausalLM", "LeanRuntime", "PassPrecisions", "Pool",
+           "make_backend", "pool_of", "precision_of", "runtime_of", "sync", "target_backend"]

@@ -1,11 +1,16 @@
-"""The model-backend protocol: weights, a KV cache over one sequence, and rollback of that cache; and the
-capabilities beyond it that some backends declare (token trees, hidden states, shallow runs), checked in one place.
+"""The model-backend protocol: weights, a KV cache over one sequence, and rollback of that cache; the pool
+protocol, many sequences' caches extended in one pass; and the capabilities beyond them that some backends declare
+(token trees, hidden states, shallow runs, a pool), checked in one place.
+
+Every runtime's wing (``lean/``, ``fused/``, ``llamacpp/``, and ``hf.py``) is written to these faces, and nothing
+outside ``backends/`` asks which runtime it holds.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -22,6 +27,7 @@ class CausalLM(Protocol):
     so that every user of one backend (engines, benchmarks) sees the same truth about its cache.
     """
 
+    name: str  # the runtime, as --backend names it ("lean", "fused", "llama.cpp", "transformers")
     device: torch.device
     vocab_size: int  # width of the logits
     max_length: int  # the most tokens the cache (and the model's positions) can hold
@@ -45,6 +51,73 @@ class CausalLM(Protocol):
     def remedy(self, path) -> str:
         """What makes its rows the same in any pass, where the load probe finds they are not (the model at
         ``path``)."""
+        ...
+
+
+class PoolFull(RuntimeError):
+    """Every slot of the pool is taken."""
+
+
+@dataclass(eq=False)
+class Slot:
+    """One sequence's place in a pool. ``index`` may move when the pool compacts; hold the Slot, not the index."""
+
+    index: int
+    length: int = 0  # positions cached
+
+
+@dataclass(frozen=True)
+class Row:
+    """One sequence's share of a pass: tokens appended to its slot, logits wanted at the last ``num_logits``."""
+
+    slot: Slot
+    token_ids: list[int]
+    num_logits: int
+
+
+class Pool(Protocol):
+    """KV caches for up to ``max_slots`` sequences of up to ``max_length`` tokens, all extended in one pass, so
+    that the weights stream from memory once whatever the number of rows. A slot's rollback is its length: the
+    positions past it are overwritten (or removed) before its next pass."""
+
+    device: torch.device
+    vocab_size: int  # width of the logits
+    max_slots: int
+    max_length: int
+    slots: list[Slot]  # the open slots
+
+    def open(self) -> Slot:
+        """A free slot, empty; :class:`PoolFull` where none is."""
+        ...
+
+    def close(self, slot: Slot) -> None:
+        """Free the slot and forget its cache."""
+        ...
+
+    def forward(self, rows: list[Row]) -> list[torch.Tensor]:  # per row [num_logits, vocab]
+        """Append every row's tokens to its slot in one pass; each row's logits at its last ``num_logits``."""
+        ...
+
+
+class FeaturePool(Pool, Protocol):
+    """A pool that hands back hidden states too (what training data for drafters reads)."""
+
+    def forward_hidden(self, rows: list[Row], hidden: bool = True
+                       ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """As ``forward``, and each row's final hidden states, normed as the LM head reads them, at every one of
+        its new tokens: per row [num_logits, vocab] and [n, hidden]."""
+        ...
+
+    def states_after(self, rows: list[Row], layers: int) -> list[torch.Tensor]:  # per row [n, hidden]
+        """Each row's residual stream after the first ``layers`` layers only, at every one of its new tokens."""
+        ...
+
+
+class Pooled(Protocol):
+    """Serves many sequences at once: declares the pool over its weights."""
+
+    def pool(self, max_slots: int, max_length: int) -> Pool:
+        """A pool of ``max_slots`` KV-cache slots of up to ``max_length`` tokens over this runtime's weights."""
         ...
 
 
@@ -89,6 +162,10 @@ class ShallowRunner(Protocol):
         ...
 
     def layer_states(self, token_ids: list[int]) -> torch.Tensor:  # [num_layers + 1, n, hidden]
+        ...
+
+    def exit_logits(self, states: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
+        """The LM head over the residual stream after any layer, normed as the last layer's is (an early exit)."""
         ...
 
 

@@ -11,6 +11,8 @@ from specdec.backends.base import streamed_parameters
 class HFCausalLM:
     """A transformers causal LM with a KV cache over one sequence; rollback crops the cache."""
 
+    name = "transformers"
+
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model.eval()
         self.device = next(model.parameters()).device
@@ -29,7 +31,7 @@ class HFCausalLM:
         return f"its transformers modules ({self.precision_label})"
 
     def remedy(self, path) -> str:
-        return "specdec's own runtime, which is invariant, runs llama, mistral and qwen2 models"
+        return "specdec's lean runtime, which is invariant, runs llama, mistral and qwen2 models"
 
     @torch.inference_mode()
     def extend(self, token_ids: list[int], num_logits: int) -> torch.Tensor:  # [num_logits, vocab]

@@ -1,8 +1,8 @@
 """specdec's C kernels (``fused.c``, built at install as ``specdec.backends._fused``), as every CPU runtime uses them.
 
-Two runtimes compute with them: the fused runtime (``fused.py``) runs whole passes in one call, and the lean runtime
-(``llama.py``) runs its products (:class:`RowProduct`) and its attention (:func:`attention`) through them on the
-CPU. Each computes every row as it is alone, in an order that depends on that row only: a row's bits are the same
+Two runtimes compute with them: the fused runtime (``fused/``, beside fused.c) runs whole passes in one call, and the
+lean runtime (``lean/``) runs its products (:class:`RowProduct`) and its attention (:func:`attention`) through them on
+the CPU. Each computes every row as it is alone, in an order that depends on that row only: a row's bits are the same
 whatever shares its pass, on any x86 CPU with AVX2, whichever kernels the libraries would have dispatched to (a
 BLAS's batched products give a row other bits among other rows on some CPUs: docs/exactness.md).
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.backends import LlamaRuntime, PassPrecisions, sync
+from specdec.backends import LeanRuntime, PassPrecisions, sync
 from specdec.engine import Engine, GenerationConfig
 from specdec.proposers import NoProposer, PromptLookupProposer
 
@@ -50,7 +50,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def divergence(reference: LlamaRuntime, prompt_index: int, prompt: list[int], a: list[int], b: list[int]
+def divergence(reference: LeanRuntime, prompt_index: int, prompt: list[int], a: list[int], b: list[int]
                ) -> Divergence:
     i = first_difference(a, b)
     if i is None or i >= min(len(a), len(b)):
@@ -77,12 +77,12 @@ def compare_precisions(model, prompts: list[list[int]], precisions: list[PassPre
                        new_tokens: int) -> list[Comparison]:
     """For each precision: its plain output against float32's plain output, and its speculative output (prompt
     lookup, k=4) against its own plain output."""
-    reference = LlamaRuntime(model, "float32")
+    reference = LeanRuntime(model, "float32")
     reference_plain = [greedy(Engine(reference, NoProposer()), p, new_tokens) for p in prompts]
     comparisons = []
     for precision in precisions:
         is_reference = str(precision) == "float32"
-        runtime = reference if is_reference else LlamaRuntime(model, precision)
+        runtime = reference if is_reference else LeanRuntime(model, precision)
         plain, speculative = Engine(runtime, NoProposer()), Engine(runtime, PromptLookupProposer())
         against_float32, against_plain = [], []
         for i, (prompt, expected) in enumerate(zip(prompts, reference_plain)):
@@ -116,7 +116,7 @@ def agreement_markdown(comparisons: list[Comparison]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specdec.backends.precision import auto_precisions
+    from specdec.backends.lean.precision import auto_precisions
     from specdec.bench.prompts import prompt_script_parser, read_prompts
     from specdec.loading import encode_prompt
     from specdec.models import load_model

@@ -87,9 +87,7 @@ def accepted_lengths(agrees: list[list[bool]], max_k: int = MAX_K) -> list[float
 
 
 def plain_exit(runtime, states: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n] the exit's choices
-    from specdec.backends.llama import rms_norm
-
-    return runtime.weights_for(states.shape[0])[1](rms_norm(states, runtime.final_norm, runtime.eps)).argmax(-1)
+    return runtime.exit_logits(states).argmax(-1)
 
 
 def adapter_exit(adapter, states: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n] target ids
@@ -183,10 +181,10 @@ def run_bench_exits(args) -> int:
 
     paths = _exit_paths(args.drafter_path, parse_drafter_paths)
     bench_prompts = read_prompts(args.prompts, category=args.category, limit=args.limit)
-    loaded = load_target(args.model, dtype=args.dtype, device=args.device, backend="torch")
+    loaded = load_target(args.model, dtype=args.dtype, device=args.device, backend="lean")
     target = loaded.target
     runtime = loaded.runtime
-    require(runtime, ShallowRunner, "bench-exits", "specdec's torch runtime runs llama-family targets' first layers")
+    require(runtime, ShallowRunner, "bench-exits", "specdec's lean runtime runs llama-family targets' first layers")
     layers = _parse_layers(args.layers, runtime.num_layers)
     adapters, adapter_paths = {}, {}
     for path in paths:
@@ -210,7 +208,7 @@ def run_bench_exits(args) -> int:
     report = ExitReport(settings={
         "prompts": str(args.prompts), "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
         "positions": sum(len(answer) for _, answer in sequences), "model": args.model or "default",
-        "dtype": str(runtime.precisions), "threads": torch.get_num_threads(),
+        "dtype": runtime.precision_label, "threads": torch.get_num_threads(),
         "adapters": adapter_paths})
     for layer in layers:
         report.layers.append(ExitLayer(layer, plain[layer], trained.get(layer), draft[layer], verify[layer], decode))

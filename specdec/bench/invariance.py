@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from specdec.backends import native
 from specdec.backends.base import median_pass_seconds
-from specdec.backends.llama import LlamaRuntime, project_qkv
+from specdec.backends.family import project_qkv
+from specdec.backends.lean import LeanRuntime
 
 PASS_SIZES = (2, 5, 8)
 OFFSETS = (3, 17, 30)
@@ -42,7 +43,7 @@ def largest_difference(model, prompt: list[int]) -> float:
     return worst
 
 
-class FusedAttentionRuntime(LlamaRuntime):
+class FusedAttentionRuntime(LeanRuntime):
     """specdec's runtime with PyTorch's fused attention, as it was before it was made invariant (a reference price)."""
 
     def _attention(self, layer, h, keys, values, start, cos, sin, reading):
@@ -77,9 +78,9 @@ def pass_cost(model, precision: str, prompt: list[int], repeats: int = 9) -> dic
     """Median ms of passes over COST_SIZES positions after COST_CACHED cached ones, interleaved: the row kernels
     (what the runtime runs), the libraries' kernels with blocked attention (invariant on some CPUs only), and with
     PyTorch's fused attention (invariant on none)."""
-    runtimes = {"row kernels": LlamaRuntime(model, precision)}
+    runtimes = {"row kernels": LeanRuntime(model, precision)}
     with libraries_only():
-        runtimes["libraries"] = LlamaRuntime(model, precision)
+        runtimes["libraries"] = LeanRuntime(model, precision)
         runtimes["libraries, fused attention"] = FusedAttentionRuntime(model, precision)
     for runtime in runtimes.values():
         runtime.extend(prompt[:COST_CACHED], 0)
@@ -123,9 +124,9 @@ def main(argv: list[str] | None = None) -> None:
     prompt = torch.randint(0, model.config.vocab_size, (160,), generator=torch.Generator().manual_seed(0)).tolist()
     print("| runtime | largest logit difference, alone vs in a pass |\n|---|---:|")
     for precision in args.precisions.split(","):
-        print(f"| specdec {precision} | {largest_difference(LlamaRuntime(model, precision), prompt):.3g} |")
+        print(f"| specdec {precision} | {largest_difference(LeanRuntime(model, precision), prompt):.3g} |")
         with libraries_only():
-            libraries = LlamaRuntime(model, precision)
+            libraries = LeanRuntime(model, precision)
         print(f"| specdec {precision}, the libraries' kernels | {largest_difference(libraries, prompt):.3g} |")
     if args.gguf:
         from specdec.backends.llamacpp import LlamaCppLM

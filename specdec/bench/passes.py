@@ -25,18 +25,18 @@ POSITIONS = (1, 2, 3, 4, 5, 8, 17)
 
 def runtimes(model_path, threads: int) -> dict[str, object]:
     from specdec.backends.fused import FusedRuntime, unavailable
-    from specdec.backends.llama import LlamaRuntime
+    from specdec.backends.lean import LeanRuntime
     from specdec.models import default_model_path, load_gguf, load_model
 
     source = default_model_path() if model_path is None else model_path
-    model = load_model(source, dtype="float32", device="cpu", backend="torch").model
+    model = load_model(source, dtype="float32", device="cpu", backend="lean").model
     found = {"llama.cpp (GGUF as stored)": load_gguf(source, threads).runtime}
     if unavailable(model) is None:
         found["fused (float16)"] = FusedRuntime(model, "float16")
     if unavailable(model, "int8") is None:
         found["fused (int8)"] = FusedRuntime(model, "int8")
-    found["torch (float16, fbgemm)"] = LlamaRuntime(model, "float16")
-    found["torch (float32, oneDNN)"] = LlamaRuntime(model, "float32")
+    found["lean (float16)"] = LeanRuntime(model, "float16")
+    found["lean (float32)"] = LeanRuntime(model, "float32")
     return found
 
 

@@ -82,7 +82,7 @@ def build_contenders(specs: list[str], loaded: Loaded, num_draft_tokens: int | s
     if draft is None and NEEDS_DRAFT_MODEL & names:
         raise UsageError("the hf-assisted configuration needs --draft-model PATH")
     if target.model is None and NEEDS_TRANSFORMERS & names:
-        raise UsageError(f"{', '.join(sorted(NEEDS_TRANSFORMERS & names))} run transformers: use --backend torch")
+        raise UsageError(f"{', '.join(sorted(NEEDS_TRANSFORMERS & names))} run transformers: use --backend lean")
     if target.gguf is None and NEEDS_GGUF & names:
         raise UsageError(f"{', '.join(sorted(NEEDS_GGUF & names))} run a .gguf file: the target is not one")
     backend, eos = loaded.runtime, loaded.stop_ids
@@ -150,7 +150,7 @@ def run_bench(args) -> int:
         "model": args.model or "default",
         "draft_model": args.draft_model, "drafter_paths": drafter_paths,
         "dtype": precision_of(backend),
-        "device": str(backend.device), "backend": target.backend_name,
+        "device": str(backend.device), "backend": backend.name,
         "threads": _threads_of(target),
         "machine": platform.machine(),
     }

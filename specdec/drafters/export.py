@@ -79,7 +79,7 @@ def run_export(args) -> int:
     from specdec.models import load_model
 
     method = FORMATS[args.format]  # argparse took only these
-    target = load_model(args.model, dtype="float32", backend="torch").model
+    target = load_model(args.model, dtype="float32", backend="lean").model
     source = Path(args.drafter_path) if args.drafter_path else shipped_directory(method, target)
     if source is None:
         raise UsageError(f"no trained {method} drafter ships for this target: pass --drafter-path DIR")

@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from specdec.backends.batch import BatchedLlama, Row, Slot
+from specdec.backends.base import Pool, Row, Slot
 from specdec.costs import Acceptance
 from specdec.errors import UsageError
 from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
@@ -189,7 +189,7 @@ class _Running:
 class Scheduler:
     """Runs the step loop on its own thread; ``submit`` hands it requests from any thread."""
 
-    def __init__(self, pool: BatchedLlama, new_proposer: Callable[[], Proposer], planner: SpeculationPlanner,
+    def __init__(self, pool: Pool, new_proposer: Callable[[], Proposer], planner: SpeculationPlanner,
                  eos_token_ids: frozenset[int] | set[int], max_draft_tokens: int = 4, max_waiting: int = 256,
                  metrics: Metrics | None = None, drafter: str = "") -> None:
         self.pool = pool

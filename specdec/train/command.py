@@ -23,7 +23,8 @@ DEFAULT_LAYERS = {"draft-model": 2, "eagle": 1, "mtp": 1, "early-exit": 1}
 
 
 def run_train(args) -> int:
-    from specdec.backends import llama, make_backend
+    from specdec.backends import make_backend
+    from specdec.backends.family import supports
     from specdec.cachefile import cache_root
     from specdec.models import eos_token_ids, fingerprint, load_model, weight_probe
 
@@ -35,7 +36,7 @@ def run_train(args) -> int:
                                       max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens)
     fed_slice = replace(data_slice, prompts=args.conversations, answers="data")
     target = load_model(args.target, device=args.device)
-    if not llama.supports(target.model):
+    if not supports(target.model):
         raise UsageError("specdec train needs a llama-family target (llama, mistral, qwen2)")
     if args.method == "early-exit":
         _check_exit_layer(args.exit_layer, target.model.config.num_hidden_layers)

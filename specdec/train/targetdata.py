@@ -1,7 +1,7 @@
 """The target's own outputs, the data every drafter learns from (self-distillation).
 
 For each training prompt the frozen target writes its greedy answer, many prompts at once in one batched pass per
-step (``BatchedLlama``). Every position of prompt and answer keeps what the drafters are trained against:
+step (the runtime's pool). Every position of prompt and answer keeps what the drafters are trained against:
 
 - ``tokens``: the ids, prompt then answer;
 - ``features``: the target's final hidden state there, normed as its LM head reads it (float16); the target's
@@ -133,9 +133,10 @@ def _check_meta(directory: Path, data_slice: DataSlice, fingerprint: str) -> Non
 
 def _answer(runtime, todo: deque, eos_ids: set[int], data_slice: DataSlice, batch_size: int):
     """Greedy answers to the prompts of ``todo``, yielded as they finish; slots are refilled as answers end."""
-    from specdec.backends.batch import BatchedLlama, Row
+    from specdec.backends import pool_of
+    from specdec.backends.base import Row
 
-    pool = BatchedLlama(runtime, batch_size, data_slice.max_prompt_tokens + data_slice.max_new_tokens + 1)
+    pool = pool_of(runtime, batch_size, data_slice.max_prompt_tokens + data_slice.max_new_tokens + 1)
     active: dict[int, tuple] = {}  # id(slot) -> (slot, Answer, next token)
     started = reported = time.perf_counter()
     produced, total = 0, len(todo)
@@ -175,7 +176,8 @@ def _answer(runtime, todo: deque, eos_ids: set[int], data_slice: DataSlice, batc
 def _feed(runtime, todo: deque, eos_ids: set[int], data_slice: DataSlice, batch_size: int):
     """The target's hidden states along each sequence of ``todo`` (prompt and the data's answer), one pass per
     group of sequences of similar length; the last token is not fed (as in ``_answer``)."""
-    from specdec.backends.batch import BatchedLlama, Row
+    from specdec.backends import pool_of
+    from specdec.backends.base import Row
 
     width = data_slice.max_prompt_tokens + data_slice.max_new_tokens + 1
     group_size = max(1, min(batch_size, FEED_POSITIONS // width))
@@ -184,7 +186,7 @@ def _feed(runtime, todo: deque, eos_ids: set[int], data_slice: DataSlice, batch_
     ordered = sorted(todo, key=lambda item: (item[0] // FEED_CHUNK, len(item[1])))  # in order, by length within chunks
     for start in range(0, len(ordered), group_size):
         group = ordered[start : start + group_size]
-        pool = BatchedLlama(runtime, len(group), width)
+        pool = pool_of(runtime, len(group), width)
         slots = [pool.open() for _ in group]
         _, hidden = pool.forward_hidden([Row(slot, ids[:-1], 1) for slot, (_, ids, _) in zip(slots, group)])
         for (index, ids, prompt_length), row_hidden in zip(group, hidden):
@@ -199,7 +201,7 @@ def _feed(runtime, todo: deque, eos_ids: set[int], data_slice: DataSlice, batch_
 def _write_shard(path: Path, sequences: list[Answer], runtime) -> None:
     """One shard: every sequence's tokens, features (the last token's is zero: it was never fed) and lse."""
     tokens, features, lse, offsets, prompt_lengths = [], [], [], [0], []
-    head = runtime.weights_for(SHARD_SEQUENCES)[1]  # the LM head, as a pass over many positions holds it
+    head = runtime.head_for(SHARD_SEQUENCES)  # the LM head, as a pass over many positions holds it
     for sequence in sequences:
         hidden = torch.cat(sequence.features)  # [L-1, hidden]
         hidden = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])  # [L, hidden]
@@ -225,7 +227,8 @@ def _write_shard(path: Path, sequences: list[Answer], runtime) -> None:
 def exit_states(runtime, token_lists: list[list[int]], layers: int) -> list[torch.Tensor]:
     """The target's hidden states (residual stream, float16) after its first ``layers`` layers along each token
     list, as an early exit reads them: [L, hidden] each, in order. Groups of similar length share a pass."""
-    from specdec.backends.batch import BatchedLlama, Row
+    from specdec.backends import pool_of
+    from specdec.backends.base import Row
 
     order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))
     found: dict[int, torch.Tensor] = {}
@@ -236,7 +239,7 @@ def exit_states(runtime, token_lists: list[list[int]], layers: int) -> list[torc
         group = [order.pop(0)]
         while order and len(token_lists[order[0]]) * (len(group) + 1) <= max(FEED_POSITIONS, width):
             group.append(order.pop(0))
-        pool = BatchedLlama(runtime, len(group), max(len(token_lists[i]) for i in group))
+        pool = pool_of(runtime, len(group), max(len(token_lists[i]) for i in group))
         states = pool.states_after([Row(pool.open(), token_lists[i], 1) for i in group], layers)
         for i, state in zip(group, states):
             found[i] = state.to(torch.float16)

@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from specdec.backends.base import median_pass_seconds
+from specdec.backends.lean.runtime import LeanRuntime
 from specdec.backends.linear import BULK_POSITIONS, PRECISIONS, PassPrecisions
-from specdec.backends.llama import LlamaRuntime
 from specdec.cachefile import MeasurementCache
 
 MAX_LOGIT_ERROR = 0.1  # the largest logit difference from float32 that auto admits
@@ -70,7 +70,7 @@ def choose(measurements: list[PrecisionMeasurement]) -> PassPrecisions:
 def measure(model, candidates: tuple[str, ...] = PRECISIONS, seed: int = 0) -> list[PrecisionMeasurement]:
     """Time and compare each candidate precision on a probe of random tokens (float32 is the reference)."""
     candidates = ("float32",) + tuple(c for c in candidates if c != "float32")
-    runtimes = [LlamaRuntime(model, precision) for precision in candidates]
+    runtimes = [LeanRuntime(model, precision) for precision in candidates]
     probe = torch.randint(0, runtimes[0].vocab_size, (PROBE_TOKENS,), generator=torch.Generator().manual_seed(seed))
     logits = [runtime.extend(probe.tolist(), PROBE_TOKENS).float() for runtime in runtimes]  # each [probe, vocab]
     seconds = median_pass_seconds(dict(zip(candidates, runtimes)), (1, SCORED_POSITIONS, BULK_TIMED), REPEATS)

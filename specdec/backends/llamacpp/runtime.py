@@ -7,7 +7,7 @@ CPU kernels, through llama-cpp-python's low-level API.
   sequence's cache back.
 - :class:`LlamaCppLM` is the single-sequence :class:`~specdec.backends.base.CausalLM` (sequence 0).
 - :class:`LlamaCppPool` holds many sequences, a ``seq_id`` per slot, extended together in one ``llama_decode``:
-  the server's continuous batching on llama.cpp (the same interface as :class:`~specdec.backends.batch.BatchedLlama`).
+  the server's continuous batching on llama.cpp (the :class:`~specdec.backends.base.Pool` protocol).
 
 Everything llama.cpp would abort the process on (a token outside the vocabulary, a position past the context,
 a sequence id past ``n_seq_max``) is checked here first and raised as an error.
@@ -23,8 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdec.backends.base import FeatureSource
-from specdec.backends.batch import PoolFull, Row, Slot
+from specdec.backends.base import FeatureSource, Pool, Pooled, PoolFull, Row, Slot
 from specdec.errors import UsageError
 from specdec.logs import notice, route_llama_cpp_logs
 
@@ -70,7 +69,7 @@ class GGUFModel:
         self.pointer = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self.pointer:
             raise UsageError(f"llama.cpp cannot load {self.path} (truncated, or an architecture it lacks); "
-                             "try --backend torch")
+                             "try --backend lean")
         self.vocab = lib.llama_model_get_vocab(self.pointer)
         self.vocab_size = lib.llama_vocab_n_tokens(self.vocab)
         self.hidden_size = lib.llama_model_n_embd(self.pointer)
@@ -214,9 +213,10 @@ class LlamaCppContext:
             self.pointer = None
 
 
-class LlamaCppLM(FeatureSource):
+class LlamaCppLM(FeatureSource, Pooled):
     """The CausalLM protocol on llama.cpp: one sequence's cache, extended and rolled back."""
 
+    name = "llama.cpp"
     device = torch.device("cpu")
 
     @property
@@ -242,6 +242,9 @@ class LlamaCppLM(FeatureSource):
         self.tokens: list[int] = []
         self._hidden: torch.Tensor | None = None  # [max_length, hidden] once keep_hidden_states() was called
 
+    def pool(self, max_slots: int, max_length: int) -> LlamaCppPool:
+        return LlamaCppPool(self.model, max_slots, max_length, self.context.threads)
+
     @classmethod
     def load(cls, path: str | os.PathLike, max_length: int | None = None, threads: int | None = None
              ) -> LlamaCppLM:
@@ -250,7 +253,7 @@ class LlamaCppLM(FeatureSource):
     def keep_hidden_states(self) -> None:
         """From now on keep every cached position's final hidden state (what eagle and mtp read). llama.cpp gives
         them as its embeddings, only for rows that are outputs: every position of every pass then computes its
-        logits too, a cost the torch runtime does not pay. The cache is emptied once, if it held positions
+        logits too, a cost the lean runtime does not pay. The cache is emptied once, if it held positions
         without their states."""
         if self._hidden is None:
             self.rollback(0)
@@ -285,7 +288,7 @@ class LlamaCppLM(FeatureSource):
         pass  # the context's cache is allocated whole when it is made
 
 
-class LlamaCppPool:
+class LlamaCppPool(Pool):
     """KV caches for up to ``max_slots`` sequences (a llama.cpp ``seq_id`` each) of up to ``max_length`` tokens,
     all extended in one ``llama_decode``. A slot's index is its sequence id; rollback is the slot's length (the
     positions past it are removed from llama.cpp's cache before the slot's next pass)."""

@@ -1,11 +1,12 @@
-"""specdec's fused CPU runtime: a llama-family pass in one call into ``fused.c`` (built at install as ``_fused``).
+"""specdec's fused CPU runtime: a llama-family pass in one call into ``fused.c`` (beside this file; built at
+install as ``specdec.backends._fused``).
 
-:class:`FusedRuntime` is the lean runtime (``llama.py``: its cache, rollback, trees, shallow passes, hidden states)
-with every layer, and the LM head, computed by the C pass: int8 or float16 weights read once per pass whatever the
-row count, one thread team (PyTorch's OpenMP threads), norms, RoPE and attention written around the products, and
-each row computed as it is alone (batch-invariant by construction, see ``fused.c``); a prompt longer than any round
-runs the bulk kernel (float32 oneDNN) into the same cache. The server's pool (``batch.py``) runs its rows through
-the same call.
+:class:`FusedRuntime` keeps a llama-family sequence's cache (``sequence.py``: rollback, trees, shallow passes, hidden
+states, as the lean runtime does) and computes every layer, and the LM head, in the C pass: int8 or float16
+weights read once per pass whatever the row count, one thread team (PyTorch's OpenMP threads), norms, RoPE and
+attention written around the products, and each row computed as it is alone (batch-invariant by construction, see
+``fused.c``); a prompt longer than any round runs the bulk kernel (PyTorch's float32 layers, ``family.py``) into
+the same cache. Its pool (``pool.py``) runs its rows through the same call.
 
 Where it cannot run (not built, a CPU without AVX2/FMA/F16C, a model it does not cover), :func:`unavailable` says
 why in one line, and ``--backend auto`` passes it by.
@@ -19,9 +20,13 @@ import numpy as np
 import torch
 
 from specdec.backends import native
-from specdec.backends.linear import PassPrecisions
-from specdec.backends.llama import LlamaRuntime, _build, supports
-from specdec.backends.native import FORMAT, MAX_HEAD_DIM, Q8_BLOCK_BYTES, Cache, Layer, Model, repacked
+from specdec.backends.base import Pooled, streamed_parameters
+from specdec.backends.family import Layer as TorchLayer
+from specdec.backends.family import build_layers, head_dim_of, supports
+from specdec.backends.fused.cache import PassCache
+from specdec.backends.linear import Linear
+from specdec.backends.native import FORMAT, MAX_HEAD_DIM, Q8_BLOCK_BYTES, Layer, Model, repacked
+from specdec.backends.sequence import LlamaSequence
 from specdec.choices import MAX_DRAFT_TOKENS
 
 WEIGHTS = ("float16", "int8")  # how fused.c holds the weights; activations, norms, attention and the cache are float32
@@ -49,7 +54,7 @@ def unavailable(model=None, weights: str = "float16") -> str | None:
     if not supports(model):
         return f"it runs llama, mistral and qwen2 models with default RoPE, not {model.config.model_type}"
     config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = head_dim_of(config)
     sizes = (config.hidden_size, head_dim, config.intermediate_size)
     if any(size % 8 for size in sizes) or head_dim > MAX_HEAD_DIM:
         return f"its sizes (hidden, head, intermediate: {sizes}) are not multiples of 8 up to a head of {MAX_HEAD_DIM}"
@@ -102,26 +107,11 @@ def _matrices(layer) -> list[torch.Tensor]:
             attention.o_proj.weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight]
 
 
-def _address(tensor: torch.Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()
-
-
-class _PassCache:
-    """What fused.c reads of a cache: per-layer key and value bases, the stride between kv heads, RoPE tables. Holds
-    the tensors it points into."""
-
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], head_stride: int, cos: torch.Tensor,
-                 sin: torch.Tensor) -> None:
-        self.tensors = (keys, values, cos, sin)
-        pointers = ctypes.c_void_p * len(keys)
-        self._keys, self._values = pointers(*[_address(k) for k in keys]), pointers(*[_address(v) for v in values])
-        self.struct = Cache(self._keys, self._values, head_stride, _address(cos), _address(sin))
-
-
-class FusedRuntime(LlamaRuntime):
+class FusedRuntime(LlamaSequence, Pooled):
     """The CausalLM protocol for llama-family models, every pass one call into fused.c."""
 
-    fused = True  # the server's pool (batch.py) runs its passes through run_rows
+    name = "fused"
+    pass_invariant = True  # fused.c computes each row alone; a prompt's bulk pass runs the same row kernels
 
     def __init__(self, model, weights: str = "auto") -> None:
         """``weights``: float16; int8 with a float scale and offset per 32 inputs (``quantized8``); or auto: int8
@@ -132,17 +122,16 @@ class FusedRuntime(LlamaRuntime):
         reason = unavailable(model, "float16" if weights == "auto" else weights)
         if reason is not None:
             raise FusedUnavailable(f"the fused runtime cannot run this model: {reason}")
+        super().__init__(model, torch.float32)
         self._library = native.library()
         self.threads = native.use_threads()
         self.weights = weights if weights != "auto" or unavailable(model, "int8") is None else "float16"
-        super().__init__(model, PassPrecisions.uniform("float16"))  # its bookkeeping; fused.c holds the weights
-        if self.weights == "int8":
-            self.weight_bytes = int(self.weight_bytes / 2 * Q8_BYTES_PER_WEIGHT)
-        self._pass_cache: _PassCache | None = None
+        self._model = self._c_model(model)
+        bytes_per_weight = Q8_BYTES_PER_WEIGHT if self.weights == "int8" else 2
+        self.weight_bytes = int(streamed_parameters(model) * bytes_per_weight)
+        self._pass_cache: tuple[int, PassCache] | None = None  # (the cache's generation, what fused.c reads of it)
         self._source = model  # the bulk kernel's float32 weights are made from it when a prompt first needs them
-        self._bulk: tuple | None = None
-
-    pass_invariant = True  # fused.c computes each row alone; a prompt's bulk pass runs the same row kernels
+        self._bulk: tuple[list[TorchLayer], Linear] | None = None
 
     @property
     def precision_label(self) -> str:
@@ -161,19 +150,33 @@ class FusedRuntime(LlamaRuntime):
         PROMPT_POSITIONS or more, a prompt. Trees and rounds never do."""
         return chain and positions >= PROMPT_POSITIONS
 
-    def pass_weights(self, positions: int, chain: bool) -> tuple:
-        """A bulk pass's float32 layers and LM head (made once, when first needed); else fused.c's LM head (its
-        layers are only counted)."""
-        if not self.runs_bulk(positions, chain):
-            return self._weights["float16"]
+    def bulk_weights(self) -> tuple[list[TorchLayer], Linear]:
+        """The bulk kernel's float32 layers and LM head, made once, when a prompt first needs them."""
         if self._bulk is None:
-            self._bulk = _build(self._source, "float32", self.dtype)
+            self._bulk = build_layers(self._source, "float32", self.dtype)
         return self._bulk
 
-    def weights_for(self, positions: int) -> tuple:
-        return self.pass_weights(positions, chain=True)
+    def head_for(self, positions: int, chain: bool = True) -> Linear:
+        return self.bulk_weights()[1] if self.runs_bulk(positions, chain) else self._lm_head
 
-    def _build_weights(self, model, precisions: PassPrecisions) -> dict:
+    def run_layers(self, x: torch.Tensor, first: int, end: int, start: int, positions: slice | torch.Tensor,
+                   mask: torch.Tensor | None) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
+        n = x.shape[0]
+        if self.runs_bulk(n, isinstance(positions, slice)):  # a prompt: the bulk kernel, into the same cache
+            return self.torch_layers(self.bulk_weights()[0], x, first, end, start, positions, mask)
+        columns = np.arange(start, start + n, dtype=np.int32)
+        tree = isinstance(positions, torch.Tensor)  # a tree: each node reads the cache, then its ancestors
+        reading = self._keys_read(mask, start, n, tree)
+        rope = positions.numpy() if tree else columns
+        return self.fused_pass(x, first, end, self._cache(), rope, np.zeros(n, dtype=np.int64), columns,
+                               reading.n_keys, reading.key_cols)
+
+    def pool(self, max_slots: int, max_length: int):
+        from specdec.backends.fused.pool import FusedPool
+
+        return FusedPool(self, max_slots, max_length)
+
+    def _c_model(self, model) -> Model:
         """The C model over copies of the weights as fused.c reads them (kept here, as fused.c points into them)."""
         config = model.config
         layers = model.model.layers
@@ -208,40 +211,22 @@ class FusedRuntime(LlamaRuntime):
             struct.post_norm = held(layer.post_attention_layernorm.weight)
             struct.qkv_bias = held(bias)
             struct.qkv, struct.out, struct.gate_up, struct.down = (next(addresses) for _ in range(4))
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self._layer_structs = structs
-        self._model = Model(len(layers), config.hidden_size, config.num_attention_heads,
-                             config.num_key_value_heads, head_dim, config.intermediate_size,
-                             model.get_output_embeddings().weight.shape[0], config.rms_norm_eps, structs,
-                             held(model.model.norm.weight), next(addresses), FORMAT[self.weights])
-        stub = [None] * len(layers)  # weights_for's layers: only their count is read (num_layers)
-        return {"float16": (stub, self._lm_head)}  # what pass_weights gives a pass that is no prompt
+        return Model(len(layers), config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                     head_dim_of(config), config.intermediate_size, model.get_output_embeddings().weight.shape[0],
+                     config.rms_norm_eps, structs, held(model.model.norm.weight), next(addresses),
+                     FORMAT[self.weights])
 
-    def _resize(self, capacity: int) -> None:
-        super()._resize(capacity)
-        self._pass_cache = None  # the cache's tensors moved
+    def _cache(self) -> PassCache:
+        """What fused.c reads of this sequence's cache, made again after the cache moved."""
+        if self._pass_cache is None or self._pass_cache[0] != self.cache_generation:
+            self._pass_cache = (self.cache_generation, PassCache(self._keys, self._values,
+                                                                 self._capacity * self.head_dim, self._cos, self._sin))
+        return self._pass_cache[1]
 
-    def _cache(self) -> _PassCache:
-        if self._pass_cache is None:
-            self._pass_cache = _PassCache(self._keys, self._values, self._capacity * self.head_dim, self._cos,
-                                          self._sin)
-        return self._pass_cache
-
-    def _layers(self, x: torch.Tensor, first: int, end: int, start: int, positions: slice | torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
-        n = x.shape[0]
-        if self.runs_bulk(n, isinstance(positions, slice)):  # a prompt: the bulk kernel, into the same cache
-            return super()._layers(x, first, end, start, positions, mask)
-        columns = np.arange(start, start + n, dtype=np.int32)
-        tree = isinstance(positions, torch.Tensor)  # a tree: each node reads the cache, then its ancestors
-        reading = self._keys_read(mask, start, n, tree)
-        rope = positions.numpy() if tree else columns
-        return self.run_rows(x, first, end, self._cache(), rope, np.zeros(n, dtype=np.int64), columns,
-                             reading.n_keys, reading.key_cols)
-
-    def run_rows(self, x: torch.Tensor, first: int, end: int, cache: _PassCache, rope: np.ndarray,
-                 base: np.ndarray, columns: np.ndarray, n_keys: np.ndarray, key_cols: np.ndarray | None = None,
-                 ) -> torch.Tensor:  # [n, hidden]
+    def fused_pass(self, x: torch.Tensor, first: int, end: int, cache: PassCache, rope: np.ndarray,
+                   base: np.ndarray, columns: np.ndarray, n_keys: np.ndarray, key_cols: np.ndarray | None = None,
+                   ) -> torch.Tensor:  # [n, hidden]
         """Rows x [n, hidden] through layers first..end-1 in one C pass; the residual stream after them (a new
         tensor). Row i sits at RoPE position ``rope[i]``; its key and value are written at cache column
         ``columns[i]`` of the sequence that starts ``base[i]`` floats from each layer cache's base; it attends the

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
-from specdec.backends.llamacpp import GGUFModel, llama_cpp
+from specdec.backends.llamacpp.runtime import GGUFModel, llama_cpp
 
 PIECE_BUFFER = 256  # bytes; llama.cpp returns the negated size needed when a piece is longer
 

@@ -11,7 +11,7 @@ import ctypes
 from pathlib import Path
 
 from specdec.backends.base import rows_are_pass_invariant
-from specdec.backends.llamacpp import GGUFModel, LlamaCppLM, check_gguf_file, default_threads, llama_cpp
+from specdec.backends.llamacpp.runtime import GGUFModel, LlamaCppLM, check_gguf_file, default_threads, llama_cpp
 from specdec.choices import QUANTIZE_TYPES
 from specdec.errors import UsageError
 

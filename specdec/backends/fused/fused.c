@@ -1,7 +1,7 @@
 /* specdec's fused CPU pass for llama-family models: every layer of a pass over n rows in one call.
  *
  * Built at install as specdec/backends/_fused (setup.py; optional: a failed build leaves the install working and
- * fused.py says why once), loaded with ctypes. It needs AVX2, FMA and F16C; fused.py checks the CPU first.
+ * fused.py says why once), loaded with ctypes. It needs AVX2, FMA and F16C; native.py checks the CPU first.
  *
  * What it does that a chain of PyTorch ops does not:
  * - one thread team (PyTorch's OpenMP threads, else threads of its own that persist) runs the whole pass; the
@@ -12,7 +12,7 @@
  *   sits in L1;
  * - norms, RoPE, the cache writes, attention, SiLU and the residual adds are written around the products.
  *
- * The same tiles and attention serve the lean runtime (llama.py, through native.py) one operation at a time:
+ * The same tiles and attention serve the lean runtime (backends/lean/, through native.py) one operation at a time:
  * sd_product multiplies rows by a weight matrix held in float32, float16, bfloat16 or int8, and sd_attention runs
  * each row's attention over its own keys.
  *
@@ -84,7 +84,7 @@ static pthread_mutex_t team_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t team_wake = PTHREAD_COND_INITIALIZER;
 static pthread_mutex_t pass_lock = PTHREAD_MUTEX_INITIALIZER; /* one pass at a time uses the team */
 
-/* PyTorch's OpenMP runtime, where fused.py found it (sd_use_openmp): the team is then PyTorch's own threads, so no
+/* PyTorch's OpenMP runtime, where native.py found it (sd_use_openmp): the team is then PyTorch's own threads, so no
  * second set of threads competes for the cores with PyTorch's, which spin for a while after each of its parallel
  * operations (a sampling step, the bulk kernel). */
 typedef void (*GompParallel)(void (*)(void *), void *, unsigned, unsigned);
@@ -196,7 +196,7 @@ __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) static inline void sum
     out[1] = sum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 
-/* Float weights (float16, float32 or bfloat16) are repacked (fused.py, `repacked`) in blocks of 8 output rows:
+/* Float weights (float16, float32 or bfloat16) are repacked (native.py, `repacked`) in blocks of 8 output rows:
  * block b holds rows 8b..8b+7, one 8-wide chunk of `in` after another, each chunk the 8 rows' 8 values (64 values).
  * A block is one sequential stream, however many of its rows a tile reads.
  *
@@ -277,7 +277,7 @@ TILES512(f32, float, LOAD16_F32)
 TILES512(bf16, uint16_t, LOAD16_BF16)
 
 /* Q8: 8-bit weights with a float scale and offset per 32 inputs of a row (w = d q + m: exact for the GGUF's Q4_1,
- * Q4_0 and Q8_0 blocks, fused.py `quantized8`), repacked like the float formats in blocks of 8 output rows: the
+ * Q4_0 and Q8_0 blocks, fused/runtime.py `quantized8`), repacked like the float formats in blocks of 8 output rows: the
  * rows' 32 inputs after 32 inputs, each a block_q8x8. A weight is dequantised by one FMA, exactly as in every tile,
  * then multiplied as a float weight is.
  *
@@ -570,7 +570,7 @@ static void pass_job(void *arg, int thread, int threads) {
 
 /* ---------------------------------------------------------------- products and attention alone
  *
- * What the lean runtime (llama.py) computes with on the CPU, each row as it is alone: a product's rows by the tiles
+ * What the lean runtime (backends/lean/) computes with on the CPU, each row as it is alone: a product's rows by the tiles
  * above, a row's attention by attend. So its rows, too, are the same bits in any pass on any CPU. */
 
 typedef struct {

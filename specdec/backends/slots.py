@@ -1,57 +1,33 @@
-"""Many sequences in one forward pass: a pool of KV-cache slots over the weights of a :class:`LlamaRuntime`.
+"""Many sequences in one forward pass over a llama-family runtime's weights: a pool of KV-cache slots, shared below
+the lean and fused runtimes' wings (each declares its pool on :class:`SlotPool`).
 
 Each sequence owns a slot; its keys and values sit at ``pool[slot, :, :length]``. A pass takes rows (a slot, its new
-tokens, how many logits it wants): the rows' tokens are packed into one matrix for every matmul, so the weights
-stream from memory once per pass whatever the number of rows, and attention runs over all rows at once, padded to
-the longest row, each query masked to its own slot's positions. Open slots are kept at the front of the pool (a
-closed slot takes the last one's cache), so a pass over every open slot reads the pool as a view, with no copy.
+tokens, how many logits it wants): the rows' tokens are packed into one matrix for every product, so the weights
+stream from memory once per pass whatever the number of rows, and each query attends its own slot's positions (on
+the CPU, fused.c's attention, each query alone; elsewhere attention over all rows at once, padded to the longest
+row, each query masked). Open slots are kept at the front of the pool (a closed slot takes the last one's cache), so
+a pass over every open slot reads the pool as a view, with no copy.
 
 Rollback is, as in the single-sequence runtime, only a length: positions past it are overwritten by the next pass.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from specdec.backends import native
-from specdec.backends.llama import (
-    LlamaRuntime,
-    attention_bias,
-    blocked_attention,
-    mlp,
-    project_qkv,
-    rms_norm,
-    whole_blocks,
-)
+from specdec.backends.base import FeaturePool, PoolFull, Row, Slot
+from specdec.backends.family import Layer, attention_bias, blocked_attention, mlp, project_qkv, rms_norm, whole_blocks
+from specdec.backends.linear import Linear
+from specdec.backends.sequence import LlamaSequence
 
 
-class PoolFull(RuntimeError):
-    """Every slot of the pool is taken."""
+class SlotPool(FeaturePool):
+    """KV caches for up to ``max_slots`` sequences of up to ``max_length`` tokens, all extended in one pass. The
+    runtime's wing declares how a pass's rows run (:meth:`run_rows`) and which LM head reads them
+    (:meth:`head_for`); :meth:`torch_rows` runs them in PyTorch."""
 
-
-@dataclass(eq=False)
-class Slot:
-    """One sequence's place in the pool. ``index`` moves when the pool compacts; hold the Slot, not the index."""
-
-    index: int
-    length: int = 0  # positions cached
-
-
-@dataclass(frozen=True)
-class Row:
-    """One sequence's share of a pass: tokens appended to its slot, logits wanted at the last ``num_logits``."""
-
-    slot: Slot
-    token_ids: list[int]
-    num_logits: int
-
-
-class BatchedLlama:
-    """KV caches for up to ``max_slots`` sequences of up to ``max_length`` tokens, all extended in one pass."""
-
-    def __init__(self, runtime: LlamaRuntime, max_slots: int, max_length: int) -> None:
+    def __init__(self, runtime: LlamaSequence, max_slots: int, max_length: int) -> None:
         if max_slots < 1:
             raise ValueError(f"need at least one slot, got {max_slots}")
         self.runtime = runtime
@@ -69,12 +45,7 @@ class BatchedLlama:
         # per slot index: positions below this hold finite numbers. Attention reads every row up to the pass's
         # longest; masked positions weigh 0, but 0 x NaN (never-written memory) is still NaN
         self._written = [0] * max_slots
-        self._slot_floats = shape[1] * shape[2] * shape[3]  # from one slot's cache to the next
-        self._fused_cache = None
-        if getattr(runtime, "fused", False):  # the fused runtime reads the pool through fused.c
-            from specdec.backends.fused import _PassCache
-
-            self._fused_cache = _PassCache(self._keys, self._values, shape[2] * shape[3], self._cos, self._sin)
+        self.slot_floats = shape[1] * shape[2] * shape[3]  # from one slot's cache to the next
 
     def open(self) -> Slot:
         if len(self.slots) == self.max_slots:
@@ -104,17 +75,16 @@ class BatchedLlama:
         """As :meth:`forward`, and (when ``hidden``) each row's final hidden states, normed as the LM head reads
         them, at every one of its new tokens: per row [num_logits, vocab] and [n, hidden]."""
         rt = self.runtime
-        if self._fused_cache is not None and 0 < len(self._bulk_rows(rows)) < len(rows):
-            return self._split(rows, hidden)
-        given, rows, layout, x = self._pass(rows, rt.num_layers)
-        lm_head = self._weights(rows, layout)[1]
+        given, rows, layout = self._layout(rows)
+        x = self.run_rows(rows, layout, rt.num_layers)
+        self._advance(rows, layout)
         if hidden:
             normed = rms_norm(x, rt.final_norm, rt.eps)  # [T, hidden]
             picked = normed[layout.logit_rows]
             by_row_hidden = dict(zip((id(row) for row in rows), normed.split(layout.lengths)))
         else:
             picked = rms_norm(x[layout.logit_rows], rt.final_norm, rt.eps)  # [sum num_logits, hidden]
-        logits = lm_head(picked) if len(picked) else picked.new_empty(0, 0)
+        logits = self.head_for(rows, layout)(picked) if len(picked) else picked.new_empty(0, 0)
         by_row = dict(zip((id(row) for row in rows), logits.split([row.num_logits for row in rows])))
         return ([by_row[id(row)] for row in given],
                 [by_row_hidden[id(row)] for row in given] if hidden else None)
@@ -123,13 +93,27 @@ class BatchedLlama:
     def states_after(self, rows: list[Row], layers: int) -> list[torch.Tensor]:  # per row [n, hidden]
         """Each row's hidden states (the residual stream, unnormed) after the first ``layers`` layers only, at every
         one of its new tokens. The deeper layers' caches are not written: a pool used so serves only this."""
-        given, rows, layout, x = self._pass(rows, layers)
+        given, rows, layout = self._layout(rows)
+        x = self.run_rows(rows, layout, layers)
+        self._advance(rows, layout)
         by_row = dict(zip((id(row) for row in rows), x.split(layout.lengths)))
         return [by_row[id(row)] for row in given]
 
-    def _pass(self, rows: list[Row], layers: int) -> tuple[list[Row], list[Row], _Layout, torch.Tensor]:
-        """The rows' tokens through the first ``layers`` layers: (rows as given, rows by slot, layout, the hidden
-        states [T, hidden] in slot order)."""
+    # --- what each runtime's pool declares -------------------------------------------------------------------------
+
+    def run_rows(self, rows: list[Row], layout: Layout, layers: int) -> torch.Tensor:  # [T, hidden]
+        """The rows' packed tokens (``layout``) through the first ``layers`` layers, their keys and values written
+        to their slots: the residual stream after them, in slot order."""
+        raise NotImplementedError
+
+    def head_for(self, rows: list[Row], layout: Layout) -> Linear:
+        """The LM head a pass over these rows applies to their final hidden states, normed."""
+        raise NotImplementedError
+
+    # --- the pool ----------------------------------------------------------------------------------------------------
+
+    def _layout(self, rows: list[Row]) -> tuple[list[Row], list[Row], Layout]:
+        """(rows as given, rows by slot, where each packed token goes), or a refusal of rows that do not fit."""
         given, rows = rows, sorted(rows, key=lambda row: row.slot.index)
         lengths = [len(row.token_ids) for row in rows]
         if any(n == 0 for n in lengths):
@@ -137,60 +121,31 @@ class BatchedLlama:
         starts = [row.slot.length for row in rows]
         if any(start + n > self.max_length for start, n in zip(starts, lengths)):
             raise ValueError(f"a row would pass the pool's {self.max_length} positions")
-        layout = _Layout(rows, starts, lengths, self.device)
+        return given, rows, Layout(rows, starts, lengths, self.device)
+
+    @staticmethod
+    def _advance(rows: list[Row], layout: Layout) -> None:
+        for row, n in zip(rows, layout.lengths):
+            row.slot.length += n
+
+    def torch_rows(self, layers: list[Layer], layout: Layout, count: int) -> torch.Tensor:  # [T, hidden]
+        """:meth:`run_rows` in PyTorch through the first ``count`` of ``layers``."""
         rt = self.runtime
-        if self._fused_cache is not None and not self._bulk_rows(rows):  # one call, each row computed alone
-            x = self._fused_layers(layout, layers)
-            for row, n in zip(rows, lengths):
-                row.slot.length += n
-            return given, rows, layout, x
         if rt.row_attention:  # each query reads its own slot's keys up to its position
-            layout.rows = native.RowKeys(layout.slot_of_token.numpy() * self._slot_floats, layout.positions.numpy() + 1)
+            layout.rows = native.RowKeys(layout.slot_of_token.numpy() * self.slot_floats, layout.positions.numpy() + 1)
         else:  # blocked attention reads whole blocks of every row's keys
-            self._clear_up_to(layout.span, rows)
+            self._clear_up_to(layout.span, layout.rows_by_slot)
             layout.bias = attention_bias(layout.mask, rt.kv_heads, rt.heads // rt.kv_heads, rt.dtype)
         cos, sin = self._cos[layout.positions], self._sin[layout.positions]  # [T, head_dim] each
         x = rt.embed[layout.token_ids]  # [T, hidden]
-        for layer, keys, values in zip(self._weights(rows, layout)[0][:layers], self._keys, self._values):
+        for layer, keys, values in zip(layers[:count], self._keys, self._values):
             h = rms_norm(x, layer.input_norm, rt.eps)
             q, k, v = project_qkv(layer, h, cos, sin, rt.heads, rt.kv_heads, rt.head_dim)  # [T, *, hd]
             keys[layout.slot_of_token, :, layout.positions] = k
             values[layout.slot_of_token, :, layout.positions] = v
             x = x + layer.out(self._attention(q, keys, values, layout))
             x = x + mlp(layer, x, rt.eps)
-        for row, n in zip(rows, lengths):
-            row.slot.length += n
-        return given, rows, layout, x
-
-    def _weights(self, rows: list[Row], layout: _Layout) -> tuple:
-        """The layers and LM head of a pass over these rows: on the fused runtime, the bulk kernel's for prompts'
-        rows and fused.c's for the others, so that a row's kernel depends on the row alone; elsewhere, the
-        precision of a pass over that many positions."""
-        if self._fused_cache is None:
-            return self.runtime.weights_for(layout.total)
-        return self.runtime.pass_weights(layout.total if self._bulk_rows(rows) else 1, chain=True)
-
-    def _bulk_rows(self, rows: list[Row]) -> list[Row]:
-        """The rows the fused runtime runs on its bulk kernel (prompts)."""
-        return [row for row in rows if self.runtime.runs_bulk(len(row.token_ids))]
-
-    def _split(self, rows: list[Row], hidden: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """Prompts' rows through the bulk kernel, then the others through fused.c: two passes, one answer."""
-        bulk = self._bulk_rows(rows)
-        others = [row for row in rows if not self.runtime.runs_bulk(len(row.token_ids))]
-        answers = {}
-        for part in (bulk, others):
-            logits, states = self.forward_hidden(part, hidden)
-            for i, row in enumerate(part):
-                answers[id(row)] = (logits[i], states[i] if hidden else None)
-        return [answers[id(row)][0] for row in rows], [answers[id(row)][1] for row in rows] if hidden else None
-
-    def _fused_layers(self, layout: _Layout, layers: int) -> torch.Tensor:  # [T, hidden]
-        """The packed tokens through the first ``layers`` layers in one call of the fused runtime: each at its
-        position in its slot, attending its slot's keys up to itself."""
-        positions = layout.positions.numpy()
-        return self.runtime.run_rows(self.runtime.embed[layout.token_ids], 0, layers, self._fused_cache, positions,
-                                     layout.slot_of_token.numpy() * self._slot_floats, positions, positions + 1)
+        return x
 
     def _clear_up_to(self, span: int, rows: list[Row]) -> None:
         """Zero the never-written positions below ``span`` of the rows' slots: the pass reads them, masked."""
@@ -201,7 +156,7 @@ class BatchedLlama:
                     pool[index, :, written:span] = 0
                 self._written[index] = span
 
-    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: _Layout
+    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: Layout
                    ) -> torch.Tensor:  # [T, heads * hd]
         """Each query over its own slot's keys up to its position; keys and values: one layer's pool."""
         rt = self.runtime
@@ -217,10 +172,11 @@ class BatchedLlama:
         return flat[layout.padded_index]
 
 
-class _Layout:
+class Layout:
     """Where each packed token of a pass goes: its slot, position, place among the padded queries, and the mask."""
 
     def __init__(self, rows: list[Row], starts: list[int], lengths: list[int], device: torch.device) -> None:
+        self.rows_by_slot = rows
         self.lengths = lengths
         self.total = sum(lengths)
         self.width = max(lengths)

@@ -1,0 +1,203 @@
+"""The llama family (llama, mistral, qwen2) as PyTorch computes it: which models it covers, a layer's weights
+(one fused product for q, k and v, one for gate and up, each through the kernel for its precision, ``linear.py``),
+the norms, RoPE, the feed-forward block, and attention that reads whole blocks of keys.
+
+Shared below the runtimes' wings: the lean runtime computes every pass with it, and the fused runtime its prompts'
+bulk passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from specdec.backends import native
+from specdec.backends.linear import Linear, make_linear
+
+FAMILIES = ("llama", "mistral", "qwen2")
+KEY_BLOCK = 256  # keys attention reduces over at a time; caches hold whole blocks (see blocked_attention)
+
+
+def supports(model) -> bool:
+    """Whether this family's code computes what the transformers module computes for ``model``."""
+    config = model.config
+    return (
+        getattr(config, "model_type", None) in FAMILIES
+        and rope_parameters(config).get("rope_type", "default") == "default"
+        and getattr(config, "hidden_act", "silu") == "silu"
+        and getattr(config, "pretraining_tp", 1) == 1
+        and not getattr(config, "use_sliding_window", False)  # qwen2's switch; mistral's window caps max_length
+    )
+
+
+def head_dim_of(config) -> int:
+    """A head's width: the config's own, or the hidden size shared among the heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+LINEARS = ("qkv", "out", "gate_up", "down")  # a layer's products
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor  # [hidden]
+    qkv: Linear  # [n, hidden] -> [n, (heads + 2 * kv_heads) * head_dim]
+    out: Linear  # [n, heads * head_dim] -> [n, hidden]
+    gate_up: Linear  # [n, hidden] -> [n, 2 * intermediate]
+    down: Linear  # [n, intermediate] -> [n, hidden]
+
+
+@dataclass(frozen=True)
+class KeysRead:
+    """What each query of a pass reads of the cache. For fused.c's attention (``LlamaSequence.row_attention``): how
+    many keys it reads (``n_keys`` [n]) and, for a tree's node, which cache columns in order (``key_cols`` [n,
+    span]; None: the first n_keys), and both as fused.c reads them (``rows``). For :func:`blocked_attention`: its
+    ``bias`` over whole blocks and, for a tree, each node's gathered columns (``tree_keys`` [n, span])."""
+
+    n_keys: np.ndarray | None = None  # int32
+    key_cols: np.ndarray | None = None  # int32
+    rows: native.RowKeys | None = None  # the two above as fused.c's attention reads them, made once per pass
+    bias: torch.Tensor | None = None
+    tree_keys: torch.Tensor | None = None
+
+
+@torch.no_grad()
+def build_layers(model, precision: str, dtype: torch.dtype) -> tuple[list[Layer], Linear]:
+    """The layers' fused matmuls and the LM head, with their weights in ``precision``."""
+    layers = [_fuse(layer, precision, dtype) for layer in model.model.layers]
+    head = model.get_output_embeddings()
+    return layers, make_linear(head.weight, head.bias, precision)
+
+
+def _fuse(layer, precision: str, dtype: torch.dtype) -> Layer:
+    attention, mlp = layer.self_attn, layer.mlp
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+    biases = [p.bias for p in projections]
+    qkv_bias = None if all(b is None for b in biases) else torch.cat(
+        [p.bias if p.bias is not None else p.weight.new_zeros(p.weight.shape[0]) for p in projections]
+    )
+    gate_up_bias = None if mlp.gate_proj.bias is None else torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
+    return Layer(
+        input_norm=layer.input_layernorm.weight.to(dtype),
+        post_norm=layer.post_attention_layernorm.weight.to(dtype),
+        qkv=make_linear(torch.cat([p.weight for p in projections]), qkv_bias, precision),
+        out=make_linear(attention.o_proj.weight, attention.o_proj.bias, precision),
+        gate_up=make_linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), gate_up_bias, precision),
+        down=make_linear(mlp.down_proj.weight, mlp.down_proj.bias, precision),
+    )
+
+
+def rope_parameters(config) -> dict:
+    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As transformers' LlamaRMSNorm: normalise in float32, scale in the input's dtype."""
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+def project_qkv(layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [n, heads, hd], k and v [n, kv_heads, hd] of the normed hidden states h [n, hidden], q and k rotated to
+    the positions whose cos and sin ([n, hd]) are given."""
+    n = h.shape[0]
+    qkv = layer.qkv(h)  # [n, (heads + 2 * kv_heads) * hd]
+    qk = _apply_rope(qkv[:, : (heads + kv_heads) * head_dim].view(n, heads + kv_heads, head_dim), cos, sin)
+    return qk[:, :heads], qk[:, heads:], qkv[:, (heads + kv_heads) * head_dim :].view(n, kv_heads, head_dim)
+
+
+def mlp(layer: Layer, x: torch.Tensor, eps: float) -> torch.Tensor:  # [n, hidden]
+    """The feed-forward block's output (to add to x): down(silu(gate) * up) of the normed x."""
+    gate, up = layer.gate_up(rms_norm(x, layer.post_norm, eps)).chunk(2, dim=-1)  # [n, intermediate] each
+    return layer.down(F.silu(gate) * up)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x [n, heads, hd]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def whole_blocks(length: int) -> int:
+    """``length`` rounded up to whole blocks of KEY_BLOCK keys."""
+    return -(-length // KEY_BLOCK) * KEY_BLOCK
+
+
+def blocked_mask(mask: torch.Tensor | None, start: int, n: int, device: torch.device) -> torch.Tensor:
+    """[1, n, whole_blocks(start+n)]: True where query i may attend key j; ``mask`` [n, start+n] as given (None:
+    causal), keys past start+n never."""
+    span = whole_blocks(start + n)
+    if mask is None:
+        mask = causal_mask(start, n, device) if n > 1 else torch.ones(1, start + n, dtype=torch.bool, device=device)
+    return F.pad(mask, (0, span - mask.shape[-1]))[None]
+
+
+def attention_bias(allowed: torch.Tensor, kv_heads: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """``allowed`` [B or 1, n, S] as what :func:`blocked_attention` adds to its scores: [B * kv_heads or 1,
+    group * n, S], 0 where allowed and -inf elsewhere, in the rows' order there (each query once per head of a
+    kv head's group). Made once per pass."""
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+    batch, n, span = bias.shape
+    bias = bias[:, None, None].expand(batch, 1 if batch == 1 else kv_heads, group, n, span)
+    return bias.reshape(-1, group * n, span)
+
+
+def tree_reading(mask: torch.Tensor, start: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a tree pass (``mask`` [n, start+n]: the cache, then each node's ancestry, itself included): each node's
+    keys in the order its branch lays them out as a chain (the cache, then its ancestors root first, then padding),
+    as cache columns [n, span], and what it may read of them [n, 1, span]."""
+    n = mask.shape[0]
+    branches = [torch.nonzero(mask[i, start:]).flatten() + start for i in range(n)]  # ancestors in depth order
+    span = whole_blocks(start + max(len(b) for b in branches))
+    columns = torch.zeros(n, span, dtype=torch.long, device=device)  # padding reads column 0: finite, masked
+    allowed = torch.zeros(n, 1, span, dtype=torch.bool, device=device)
+    columns[:, :start] = torch.arange(start, device=device)
+    for i, branch in enumerate(branches):
+        columns[i, start : start + len(branch)] = branch
+        allowed[i, 0, : start + len(branch)] = True
+    return columns, allowed
+
+
+def blocked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor
+                      ) -> torch.Tensor:  # [B, heads, n, hd]
+    """softmax(q k^T / sqrt(hd) + bias) v, invariant to the pass: q [B, heads, n, hd]; keys and values [B, kv_heads,
+    S, hd], S whole blocks of KEY_BLOCK keys (those no query may see: finite); ``bias`` from
+    :func:`attention_bias`.
+
+    Block by block, with a running maximum and sum (flash attention's online softmax), every row reduces over the
+    same whole blocks in the same order, and every matmul's row is computed as it is alone: a row's result is
+    the same bit for bit whatever the number of rows in the pass, whichever sequences share it, and however many
+    blocks the pass reads beyond the row's own (a block a row may not see leaves its maximum, sum and output
+    exactly as they were). PyTorch's fused attention is not: one query and several take different paths."""
+    batch, heads, n, hd = q.shape
+    kv_heads = keys.shape[1]
+    rows = heads // kv_heads * n  # a kv head's queries: its group of heads, each over the n positions
+    q = q.reshape(batch * kv_heads, rows, hd)
+    top = total = out = None
+    for block in range(0, keys.shape[2], KEY_BLOCK):
+        k = keys[:, :, block : block + KEY_BLOCK].reshape(batch * kv_heads, KEY_BLOCK, hd)
+        v = values[:, :, block : block + KEY_BLOCK].reshape(batch * kv_heads, KEY_BLOCK, hd)
+        scores = torch.baddbmm(bias[..., block : block + KEY_BLOCK], q, k.transpose(1, 2), alpha=hd**-0.5)
+        block_top = scores.amax(-1, keepdim=True)  # [B * kv_heads, rows, 1]
+        new_top = block_top if top is None else torch.maximum(top, block_top)
+        weights = scores.sub_(new_top).exp_()
+        block_total, block_out = weights.sum(-1, keepdim=True), torch.bmm(weights, v)
+        if top is None:
+            total, out = block_total, block_out
+        else:  # earlier blocks rescaled to the new maximum: by 1 exactly where this block adds nothing
+            rescale = torch.exp(top - new_top)
+            total, out = total * rescale + block_total, out * rescale + block_out
+        top = new_top
+    return (out / total).view(batch, heads, n, hd)
+
+
+def causal_mask(start: int, n: int, device: torch.device) -> torch.Tensor | None:
+    """[n, start+n] True where query i (position start+i) may attend key j; None for one query (sees all)."""
+    if n == 1:
+        return None
+    keys = torch.arange(start + n, device=device)
+    return keys[None, :] <= (start + torch.arange(n, device=device))[:, None]

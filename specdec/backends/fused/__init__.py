@@ -1,0 +1,13 @@
+"""The fused runtime's wing: a llama-family pass in one call into fused.c (``runtime.py``; the C source beside it),
+and its pool (``pool.py``)."""
+
+from specdec.backends.fused.runtime import (
+    PROMPT_POSITIONS,
+    WEIGHTS,
+    FusedRuntime,
+    FusedUnavailable,
+    quantized8,
+    unavailable,
+)
+
+__all__ = ["PROMPT_POSITIONS", "WEIGHTS", "FusedRuntime", "FusedUnavailable", "quantized8", "unavailable"]

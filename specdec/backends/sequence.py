@@ -1,0 +1,323 @@
+"""One sequence's KV cache over a llama-family model (llama, mistral, qwen2), shared below the runtimes' wings.
+
+:class:`LlamaSequence` holds what every llama-family runtime does alike: a KV cache preallocated to the request and
+written by position (rollback is only a length; no tensor grows per step), RoPE tables computed once, token trees,
+self-speculation's shallow passes and the final hidden states. How a pass's rows go through the layers, and which LM
+head reads them, each runtime declares (:meth:`LlamaSequence.run_layers`, :meth:`LlamaSequence.head_for`): the lean
+runtime in PyTorch (``lean/``), the fused runtime in one call into fused.c (``fused/``). Both may run PyTorch's
+layers over this cache (:meth:`LlamaSequence.torch_layers`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from specdec.backends import native
+from specdec.backends.base import FeatureSource, ShallowRunner, TreeScorer
+from specdec.backends.family import (
+    KeysRead,
+    Layer,
+    attention_bias,
+    blocked_attention,
+    blocked_mask,
+    causal_mask,
+    head_dim_of,
+    mlp,
+    project_qkv,
+    rms_norm,
+    rope_parameters,
+    supports,
+    tree_reading,
+    whole_blocks,
+)
+from specdec.backends.linear import Linear
+
+INITIAL_CAPACITY = 256  # cache positions allocated when nothing was reserved; doubled when a request needs more
+
+
+class LlamaSequence(TreeScorer, FeatureSource, ShallowRunner):
+    """The CausalLM protocol's cache for llama-family models, extended and rolled back; the runtime built on it
+    computes the rows (:meth:`run_layers`, :meth:`head_for`)."""
+
+    def __init__(self, model, dtype: torch.dtype) -> None:
+        """The cache's and the embeddings' bookkeeping for ``model``, activations in ``dtype``; the runtime built on
+        it holds the layers' weights."""
+        if not supports(model):
+            raise ValueError("specdec's llama-family runtimes run llama, mistral and qwen2 models with default RoPE")
+        config = model.config
+        self.device = next(model.parameters()).device
+        self.dtype = dtype
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.eps = config.rms_norm_eps
+        self.max_length = min(config.max_position_embeddings, getattr(config, "sliding_window", None) or 2**62)
+        self.num_layers = config.num_hidden_layers
+        self.embed = model.get_input_embeddings().weight.detach().to(self.dtype)  # [vocab, hidden]
+        self.vocab_size = self.embed.shape[0]
+        self.final_norm = model.model.norm.weight.detach().to(self.dtype)
+        rope = rope_parameters(config)
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, device=self.device).float() / self.head_dim))
+        self.tokens: list[int] = []
+        self._hidden: torch.Tensor | None = None  # [capacity, hidden] once keep_hidden_states() was called
+        self._keys: list[torch.Tensor] = []  # per layer [kv_heads, capacity, head_dim]
+        self._values: list[torch.Tensor] = []
+        self._cos = self._sin = torch.empty(0, self.head_dim, device=self.device)  # [capacity, head_dim]
+        self._capacity = 0
+        self.cache_generation = 0  # counts the cache's reallocations: what points into it must be made again
+        self._shallow = _Shallow()  # positions after the cache run through the first layers only (extend_shallow)
+        # on the CPU each query's attention is fused.c's, computed as it is alone; elsewhere blocked_attention
+        self.row_attention = native.covers_attention(self.head_dim, self.dtype, self.device)
+
+    # --- what each runtime declares ---------------------------------------------------------------------------------
+
+    def run_layers(self, x: torch.Tensor, first: int, end: int, start: int, positions: slice | torch.Tensor,
+                   mask: torch.Tensor | None) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
+        """Layers ``first``..``end-1`` over the hidden states x of the positions after ``start`` (a chain's
+        ``positions`` are a slice, a tree's a tensor of RoPE positions; ``mask`` [n, start+n] what each may read,
+        None: all), their keys and values written to those layers' cache."""
+        raise NotImplementedError
+
+    def head_for(self, positions: int, chain: bool = True) -> Linear:  # [m, hidden] -> [m, vocab]
+        """The LM head a pass over ``positions`` new tokens (a chain of them, or a tree) applies to its final
+        hidden states, normed."""
+        raise NotImplementedError
+
+    def exit_logits(self, states: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
+        """The LM head over the residual stream after any layer (an early exit), normed as the last layer's is."""
+        return self.head_for(states.shape[0])(rms_norm(states, self.final_norm, self.eps))
+
+    # --- the sequence ------------------------------------------------------------------------------------------------
+
+    def reserve(self, length: int) -> None:
+        """Hold at least ``length`` positions (capped at max_length), so that no pass reallocates the cache."""
+        self._resize(min(max(length, self._capacity), self.max_length))
+
+    def rollback(self, length: int) -> None:
+        del self.tokens[length:]  # positions past the length are overwritten by the next extend
+        self._shallow = _Shallow()
+
+    def keep_hidden_states(self) -> None:
+        """From now on keep every cached position's final hidden state (what drafters that read the target's
+        features need); the cost is one norm over every new position instead of only where logits are wanted."""
+        if self._hidden is None:
+            self._hidden = torch.empty(self._capacity, self.embed.shape[1], dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def extend(self, token_ids: list[int], num_logits: int) -> torch.Tensor:  # [num_logits, vocab]
+        """Append ``token_ids``; the logits after the last ``num_logits`` of them. Tokens that
+        :meth:`extend_shallow` ran through the first layers since the last extend are not run there again."""
+        if not token_ids:
+            return torch.empty(0, self.vocab_size, device=self.device)
+        start, n = len(self.tokens), len(token_ids)
+        return self._forward(token_ids, num_logits, slice(start, start + n), causal_mask(start, n, self.device))
+
+    @torch.inference_mode()
+    def extend_shallow(self, token_ids: list[int], layers: int) -> torch.Tensor:  # [n, hidden]
+        """Run ``token_ids`` through the first ``layers`` layers only, after the cache and the tokens run so since
+        the last extend; the hidden states they leave (the residual stream, unnormed). Their keys and values stay
+        in those layers' cache: the next :meth:`extend` over the same tokens starts at layer ``layers`` for them
+        (self-speculation's shared cache). Anything else (a rollback, a tree, other tokens) drops them."""
+        if not 1 <= layers <= self.num_layers:
+            raise ValueError(f"layers must be in 1..{self.num_layers}, got {layers}")
+        if self._shallow.layers not in (0, layers):
+            self._shallow = _Shallow()
+        start, n = len(self.tokens) + len(self._shallow.tokens), len(token_ids)
+        self._make_room(start + n)
+        x = self.run_layers(self._embedded(token_ids), 0, layers, start, slice(start, start + n),
+                         causal_mask(start, n, self.device))
+        self._shallow.layers = layers
+        self._shallow.tokens += token_ids
+        self._shallow.states.append(x)
+        return x
+
+    @torch.inference_mode()
+    def layer_states(self, token_ids: list[int]) -> torch.Tensor:  # [num_layers + 1, n, hidden]
+        """Append ``token_ids`` (as :meth:`extend` would, without logits) and return the residual stream of the
+        pass after every layer (index 0: the embeddings; L: after the first L layers), as early exits read it."""
+        start, n = len(self.tokens), len(token_ids)
+        self._make_room(start + n)
+        self._shallow = _Shallow()
+        positions, mask = slice(start, start + n), causal_mask(start, n, self.device)
+        states = [self._embedded(token_ids)]
+        for index in range(self.num_layers):
+            states.append(self.run_layers(states[-1], index, index + 1, start, positions, mask))
+        self.tokens += token_ids
+        if self._hidden is not None:
+            self._hidden[start : start + n] = rms_norm(states[-1], self.final_norm, self.eps)
+        return torch.stack(states)
+
+    @torch.inference_mode()
+    def extend_tree(self, token_ids: list[int], parents: list[int]) -> torch.Tensor:  # [n, vocab]
+        """Append a token tree in one pass: ``token_ids[0]`` follows the cache, each other token follows
+        ``token_ids[parents[i]]`` (parents come first). Each position attends to the cache and its own ancestors
+        and sits at the position of its depth; the logits after every token are returned. The cache then holds the
+        tree in this order: :meth:`keep_path` compacts the branch that was accepted."""
+        start, n = len(self.tokens), len(token_ids)
+        depth = [0] * n
+        ancestry = torch.eye(n, dtype=torch.bool, device=self.device)  # [n, n]: ancestry[i, j]: j is i or above it
+        for i in range(1, n):
+            if not 0 <= parents[i] < i:
+                raise ValueError(f"node {i}'s parent {parents[i]} does not come before it")
+            depth[i] = depth[parents[i]] + 1
+            ancestry[i] |= ancestry[parents[i]]
+        mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=self.device), ancestry], dim=1)
+        positions = start + torch.tensor(depth, device=self.device)
+        return self._forward(token_ids, n, positions, mask)
+
+    @torch.inference_mode()
+    def keep_path(self, start: int, path: list[int]) -> None:
+        """After :meth:`extend_tree` at cache length ``start``: keep the tree nodes ``path`` (indexes into that
+        tree, root first, each a child of the one before) as the positions after ``start``; drop the rest."""
+        if path == list(range(len(path))):  # the branch already sits in place (a chain's prefix): nothing moves
+            del self.tokens[start + len(path) :]
+            return
+        slots = torch.tensor([start + node for node in path], device=self.device)
+        for buffers in (self._keys, self._values):
+            for buffer in buffers:
+                buffer[:, start : start + len(path)] = buffer[:, slots]
+        if self._hidden is not None:
+            self._hidden[start : start + len(path)] = self._hidden[slots]
+        self.tokens[start:] = [self.tokens[start + node] for node in path]
+
+    def _forward(self, token_ids: list[int], num_logits: int, positions: slice | torch.Tensor,
+                 mask: torch.Tensor | None) -> torch.Tensor:  # [num_logits, vocab]
+        """One pass over ``token_ids``, written to the cache after it at their rotary ``positions`` (a slice for a
+        chain: the tables are viewed, not copied; [n] for a tree), each query attending to the keys ``mask``
+        [n, start+n] allows (None: all)."""
+        start, n = len(self.tokens), len(token_ids)
+        self._make_room(start + n)
+        lm_head = self.head_for(n, isinstance(positions, slice))
+        reused, shallow = self._reusable_shallow(token_ids, positions), self._shallow
+        self._shallow = _Shallow()
+        if reused:  # the first positions ran the shared layers while drafting: the rest run them now (a chain)
+            x = torch.cat(shallow.states)[:reused]
+            if reused < n:
+                rest = self.run_layers(self._embedded(token_ids[reused:]), 0, shallow.layers, start + reused,
+                                    slice(start + reused, start + n), mask[reused:])
+                x = torch.cat([x, rest])
+        else:
+            x = self._embedded(token_ids)  # [n, hidden]
+        x = self.run_layers(x, shallow.layers if reused else 0, self.num_layers, start, positions, mask)
+        self.tokens += token_ids
+        if self._hidden is not None:  # every position normed, kept; else only where logits are wanted
+            self._hidden[start : start + n] = rms_norm(x, self.final_norm, self.eps)
+        if num_logits == 0:
+            return torch.empty(0, self.vocab_size, device=self.device)
+        normed = self._hidden[start + n - num_logits : start + n] if self._hidden is not None else \
+            rms_norm(x[n - num_logits :], self.final_norm, self.eps)  # [num_logits, hidden]
+        return lm_head(normed)  # [num_logits, vocab]
+
+    def torch_layers(self, layers: list[Layer], x: torch.Tensor, first: int, end: int, start: int,
+                     positions: slice | torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:  # [n, hidden]
+        """:meth:`run_layers` in PyTorch, with ``layers``' weights: each layer's norms, products and attention over
+        this cache."""
+        cos, sin = self._cos[positions], self._sin[positions]  # [n, head_dim] each
+        reading = self._keys_read(mask, start, x.shape[0], isinstance(positions, torch.Tensor))
+        for index in range(first, end):
+            layer = layers[index]
+            x = x + self._attention(layer, rms_norm(x, layer.input_norm, self.eps), self._keys[index],
+                                    self._values[index], start, cos, sin, reading)
+            x = x + mlp(layer, x, self.eps)
+        return x
+
+    def _keys_read(self, mask: torch.Tensor | None, start: int, n: int, tree: bool) -> KeysRead:
+        """What each of a pass's n queries after ``start`` reads of the cache: the causal prefix for a chain; for a
+        tree (``mask`` [n, start+n]), the cache and its own ancestors, laid out as its branch lays them out as a
+        chain."""
+        columns, allowed = tree_reading(mask, start, self.device) if tree else (None, None)
+        if self.row_attention:
+            if columns is None:
+                n_keys, key_cols = np.arange(start + 1, start + n + 1, dtype=np.int32), None
+            else:
+                n_keys = allowed.sum(-1).flatten().numpy().astype(np.int32)
+                key_cols = np.ascontiguousarray(columns.numpy(), dtype=np.int32)
+            return KeysRead(n_keys=n_keys, key_cols=key_cols,
+                            rows=native.RowKeys(np.zeros(n, dtype=np.int64), n_keys, key_cols))
+        if allowed is None:
+            allowed = blocked_mask(mask, start, n, self.device)
+        return KeysRead(bias=attention_bias(allowed, self.kv_heads, self.heads // self.kv_heads, self.dtype),
+                        tree_keys=columns)
+
+    def _embedded(self, token_ids: list[int]) -> torch.Tensor:  # [n, hidden]
+        return self.embed[torch.tensor(token_ids, dtype=torch.long, device=self.device)]
+
+    def _make_room(self, end: int) -> None:
+        """Grow the cache to hold positions up to ``end``."""
+        if end > self._capacity:
+            self._grow(end)
+
+    def _reusable_shallow(self, token_ids: list[int], positions: slice | torch.Tensor) -> int:
+        """How many of a chain pass's first tokens :meth:`extend_shallow` already ran (0 when not these tokens)."""
+        shallow = self._shallow
+        if not shallow.tokens or not isinstance(positions, slice) or len(shallow.tokens) > len(token_ids):
+            return 0
+        return len(shallow.tokens) if token_ids[: len(shallow.tokens)] == shallow.tokens else 0
+
+    def _attention(self, layer: Layer, h: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                   cos: torch.Tensor, sin: torch.Tensor, reading: KeysRead) -> torch.Tensor:  # [n, hidden]
+        """A chain's queries attend to the cache as it lies; a tree's each to its own keys in its branch's chain
+        order (``reading``), so that every node computes what its branch computes as a chain."""
+        n, heads, hd = h.shape[0], self.heads, self.head_dim
+        q, k, v = project_qkv(layer, h, cos, sin, heads, self.kv_heads, hd)
+        keys[:, start : start + n] = k.transpose(0, 1)
+        values[:, start : start + n] = v.transpose(0, 1)
+        if reading.rows is not None:  # fused.c's attention, each query alone
+            return layer.out(native.attention(q, keys, values, reading.rows))
+        if reading.tree_keys is None:
+            span = reading.bias.shape[-1]
+            attended = blocked_attention(q.transpose(0, 1)[None], keys[None, :, :span], values[None, :, :span],
+                                         reading.bias)[0].transpose(0, 1)  # [n, heads, hd]
+        else:  # one batch entry per node: [n, kv_heads, span, hd]
+            attended = blocked_attention(q[:, :, None], keys[:, reading.tree_keys].transpose(0, 1),
+                                         values[:, reading.tree_keys].transpose(0, 1), reading.bias)[:, :, 0]
+        return layer.out(attended.reshape(n, heads * hd))
+
+    def _grow(self, needed: int) -> None:
+        capacity = max(INITIAL_CAPACITY, self._capacity)
+        while capacity < needed:
+            capacity *= 2
+        self._resize(min(capacity, self.max_length))
+
+    def _resize(self, capacity: int) -> None:
+        capacity = whole_blocks(capacity)  # attention reads whole blocks of keys
+        if capacity == self._capacity:
+            return
+        shape = (self.kv_heads, capacity, self.head_dim)
+        used = min(len(self.tokens), capacity)
+        for buffers in (self._keys, self._values):
+            for i in range(self.num_layers):
+                # zeros: attention reads the unwritten positions of its last block, masked; they must be finite
+                resized = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if i < len(buffers):
+                    resized[:, :used] = buffers[i][:, :used]
+                    buffers[i] = resized
+                else:
+                    buffers.append(resized)
+        if self._hidden is not None:
+            resized = torch.empty(capacity, self._hidden.shape[1], dtype=self.dtype, device=self.device)
+            resized[:used] = self._hidden[:used]
+            self._hidden = resized
+        self._cos, self._sin = self.rope_tables(capacity)
+        self._capacity = capacity
+        self.cache_generation += 1
+
+    def rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:  # [length, head_dim] each
+        """cos and sin of the rotary angles at positions 0..length-1."""
+        positions = torch.arange(length, device=self.device, dtype=torch.float32)
+        freqs = positions[:, None] * self.inv_freq[None]  # [length, head_dim / 2]
+        angles = torch.cat([freqs, freqs], dim=-1)  # [length, head_dim]
+        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+
+
+@dataclass
+class _Shallow:
+    """Tokens after the cache that ran through the first ``layers`` layers only, and the states they left."""
+
+    layers: int = 0
+    tokens: list[int] = field(default_factory=list)
+    states: list[torch.Tensor] = field(default_factory=list)  # [n, hidden] per extend_shallow call
