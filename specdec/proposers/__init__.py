@@ -1,10 +1,18 @@
-"""Drafters, one module each, all behind the :class:`Proposer` protocol, chosen by name."""
+"""Drafters, one module each, all behind the :class:`Proposer` protocol, chosen by name.
+
+A drafter is one module here: its proposer class (``name``, ``propose``, ``clear_cache``; ``propose_tree`` where it
+drafts trees), ``make(target, source, datastore)``, which builds it, and, where it needs more of the target's backend
+than the CausalLM protocol, ``NEEDS`` (the capability, checked before anything loads). ``--drafter`` offers every
+such module (``choices.DRAFTERS``, read from this folder's file names); docs/architecture.md shows how to add one.
+"""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from types import ModuleType
 
-from specdec.backends.base import CausalLM, FeatureSource, ShallowRunner, require
+from specdec.backends.base import CausalLM
 from specdec.choices import DRAFTERS, check_datastore_drafter
 from specdec.errors import UsageError
 from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
@@ -17,44 +25,18 @@ from specdec.proposers.prompt_lookup import PromptLookupProposer
 from specdec.proposers.retrieval import ContinuationIndex, RetrievalProposer
 
 
-def _draft_model(target: CausalLM, source, datastore: ContinuationIndex | None) -> Proposer:
-    if source is None:
-        raise UsageError("--drafter draft-model needs a draft model: --draft-model PATH, --drafter-path DIR, or the "
-                         "default target (whose trained draft model ships with specdec)")
-    return DraftModelProposer(source, target_vocab_size=target.vocab_size)
+def drafter_module(name: str) -> ModuleType:
+    """The module of --drafter ``name`` (prompt-lookup: ``prompt_lookup.py``)."""
+    return importlib.import_module(f"specdec.proposers.{name.replace('-', '_')}")
 
 
-# the capability each trained drafter needs of the target's backend
-CAPABILITY_NEEDED = {"mtp": FeatureSource, "eagle": FeatureSource, "early-exit": ShallowRunner}
-
-
-def _trained_drafter(proposer: type) -> Callable:
-    """A factory for a trained drafter that reads the target's hidden states (``FeatureSource``: the engine hands
-    them over) or runs its first layers (``ShallowRunner``: it holds the target)."""
-
-    capability = CAPABILITY_NEEDED[proposer.name]
-
-    def factory(target: CausalLM, source, datastore: ContinuationIndex | None) -> Proposer:
-        require(target, capability, f"--drafter {proposer.name}", "specdec's runtime of llama-family targets is one")
-        if source is None:
-            raise UsageError(f"--drafter {proposer.name} needs a trained drafter (--drafter-path DIR)")
-        return proposer(source, target) if capability is ShallowRunner else proposer(source)
-
-    return factory
-
-
-# --drafter name -> factory(target backend, draft source or None, retrieval datastore or None); the draft source
+DRAFTER_MODULES = {name: drafter_module(name) for name in DRAFTERS}
+# --drafter name -> make(target backend, draft source or None, retrieval datastore or None); the draft source
 # (loading.draft_source) is what drafts: a CausalLM for draft-model, a trained network for mtp, eagle, early-exit
 PROPOSERS: dict[str, Callable[[CausalLM, object, ContinuationIndex | None], Proposer]] = {
-    "none": lambda target, source, datastore: NoProposer(),
-    "prompt-lookup": lambda target, source, datastore: PromptLookupProposer(),
-    "retrieval": lambda target, source, datastore: RetrievalProposer(datastore),
-    "draft-model": _draft_model,
-    "mtp": _trained_drafter(MTPProposer),
-    "eagle": _trained_drafter(EagleProposer),
-    "early-exit": _trained_drafter(EarlyExitProposer),
-}
-assert tuple(PROPOSERS) == DRAFTERS, "specdec.choices.DRAFTERS names every proposer, in this order"
+    name: module.make for name, module in DRAFTER_MODULES.items()}
+# the capability a drafter needs of the target's backend, beyond CausalLM
+CAPABILITY_NEEDED = {name: module.NEEDS for name, module in DRAFTER_MODULES.items() if hasattr(module, "NEEDS")}
 
 
 def make_proposer(name: str, target: CausalLM, source=None, datastore: ContinuationIndex | None = None

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from specdec.backends.base import CausalLM, ShallowRunner, require
+from specdec.errors import UsageError
 from specdec.sampling import SamplingParams
 
 
@@ -113,3 +116,18 @@ def trie_draft(continuations: list[list[int]]) -> Draft:
                 parents.append(parent)
             parent = node
     return Draft(tokens=tokens, parents=parents) if tokens else EMPTY_DRAFT
+
+
+def trained_drafter(proposer: type, capability: type) -> Callable:
+    """The ``make`` of a trained drafter that reads the target's hidden states (``FeatureSource``: the engine hands
+    them over) or runs its first layers (``ShallowRunner``: it holds the target): it refuses, in one line, a target
+    whose backend does not declare ``capability``, or no trained drafter."""
+
+    def make(target: CausalLM, source, datastore) -> Proposer:
+        require(target, capability, f"--drafter {proposer.name}",
+                "specdec's lean and fused runtimes of llama-family targets are")
+        if source is None:
+            raise UsageError(f"--drafter {proposer.name} needs a trained drafter (--drafter-path DIR)")
+        return proposer(source, target) if capability is ShallowRunner else proposer(source)
+
+    return make

@@ -65,3 +65,10 @@ class DraftModelProposer(TreeProposer):
         """Draft probabilities over the target's logit width; ids the draft model lacks get q = 0."""
         return F.pad(probs, (0, self.target_vocab_size - probs.shape[-1]))
 
+
+def make(target: CausalLM, source: CausalLM | None, datastore) -> DraftModelProposer:
+    """A draft model's proposer: ``source`` is the draft model (loading.draft_source finds it)."""
+    if source is None:
+        raise UsageError("--drafter draft-model needs a draft model: --draft-model PATH, --drafter-path DIR, or the "
+                         "default target (whose trained draft model ships with specdec)")
+    return DraftModelProposer(source, target_vocab_size=target.vocab_size)

@@ -10,10 +10,18 @@ from __future__ import annotations
 
 import torch
 
-from specdec.backends.base import common_prefix_length
+from specdec.backends.base import FeatureSource, common_prefix_length
 from specdec.drafters.layers import KVCache
 from specdec.drafters.networks import EagleHead, prepare_for_drafting
-from specdec.proposers.base import EMPTY_DRAFT, Draft, FeatureProposer, TreeProposer, draft_of, spine_tree
+from specdec.proposers.base import (
+    EMPTY_DRAFT,
+    Draft,
+    FeatureProposer,
+    TreeProposer,
+    draft_of,
+    spine_tree,
+    trained_drafter,
+)
 from specdec.sampling import SamplingParams
 
 
@@ -67,3 +75,7 @@ class EagleProposer(FeatureProposer, TreeProposer):
 
     def clear_cache(self) -> None:
         self._fed = []
+
+
+NEEDS = FeatureSource  # of the target's backend: its hidden states, handed over by the engine
+make = trained_drafter(EagleProposer, NEEDS)

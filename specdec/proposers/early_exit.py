@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from specdec.backends.base import ShallowRunner
 from specdec.drafters.networks import ExitAdapter, prepare_for_drafting
-from specdec.proposers.base import EMPTY_DRAFT, Draft, draft_of
+from specdec.proposers.base import EMPTY_DRAFT, Draft, draft_of, trained_drafter
 from specdec.sampling import SamplingParams
 
 
@@ -43,3 +44,7 @@ class EarlyExitProposer:
 
     def clear_cache(self) -> None:
         pass
+
+
+NEEDS = ShallowRunner  # of the target's backend: it runs the target's first layers
+make = trained_drafter(EarlyExitProposer, NEEDS)

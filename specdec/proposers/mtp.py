@@ -9,8 +9,17 @@ from __future__ import annotations
 
 import torch
 
+from specdec.backends.base import FeatureSource
 from specdec.drafters.networks import MTPHeads, prepare_for_drafting
-from specdec.proposers.base import EMPTY_DRAFT, Draft, FeatureProposer, TreeProposer, draft_of, spine_tree
+from specdec.proposers.base import (
+    EMPTY_DRAFT,
+    Draft,
+    FeatureProposer,
+    TreeProposer,
+    draft_of,
+    spine_tree,
+    trained_drafter,
+)
 from specdec.sampling import SamplingParams
 
 
@@ -57,3 +66,7 @@ class MTPProposer(FeatureProposer, TreeProposer):
 
     def clear_cache(self) -> None:
         pass
+
+
+NEEDS = FeatureSource  # of the target's backend: its hidden states, handed over by the engine
+make = trained_drafter(MTPProposer, NEEDS)

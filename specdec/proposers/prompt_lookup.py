@@ -64,3 +64,7 @@ def continuations_of_matches(context: list[int], n: int, k: int, count: int) -> 
                 if len(found) == count:
                     break
     return found
+
+
+def make(target, source, datastore) -> PromptLookupProposer:
+    return PromptLookupProposer()

@@ -174,3 +174,7 @@ class RetrievalProposer(TreeProposer):
             self.session = SessionIndex(self.max_order)
             n = 0
         self.session.extend(context[n:])
+
+
+def make(target, source, datastore: ContinuationIndex | None) -> RetrievalProposer:
+    return RetrievalProposer(datastore)
