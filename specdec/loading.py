@@ -95,13 +95,13 @@ def draft_source(drafter: str, target: LoadedModel, backend, draft: LoadedModel 
 
 def check_backend_serves(drafter: str, backend: str) -> None:
     """Refuse, in one line and before anything slow loads, a drafter that needs a capability (CAPABILITY_NEEDED)
-    that llama.cpp's runtime does not declare."""
-    from specdec.backends.llamacpp import LlamaCppLM
+    that the settled backend's runtime does not declare (llama.cpp's declares no ShallowRunner)."""
+    from specdec.backends import runtime_class
     from specdec.proposers import CAPABILITY_NEEDED
 
     needed = CAPABILITY_NEEDED.get(drafter)
-    if backend == "llama.cpp" and needed is not None and needed not in LlamaCppLM.__mro__:
-        raise UsageError(f"--drafter {drafter} needs a {needed.__name__}, which llama.cpp's runtime is not: use "
+    if needed is not None and needed not in runtime_class(backend).__mro__:
+        raise UsageError(f"--drafter {drafter} needs a {needed.__name__}, which {backend}'s runtime is not: use "
                          "--backend lean")
 
 

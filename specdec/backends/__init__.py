@@ -44,6 +44,16 @@ def pool_of(runtime: CausalLM, max_slots: int, max_length: int) -> Pool:
     return runtime.pool(max_slots, max_length)
 
 
+def runtime_class(backend: str) -> type:
+    """The class that runs a settled ``--backend`` (lean, fused, llama.cpp): what it declares can be asked before
+    anything loads."""
+    import importlib
+
+    wing, name = {"lean": ("lean", "LeanRuntime"), "fused": ("fused", "FusedRuntime"),
+                  "llama.cpp": ("llamacpp", "LlamaCppLM")}[backend]
+    return getattr(importlib.import_module(f"specdec.backends.{wing}"), name)
+
+
 def runtime_of(loaded, precision: str | None = None) -> CausalLM:
     """The backend that runs a loaded model: llama.cpp's runtime where it was loaded on llama.cpp, the fused runtime
     where it was loaded for it (its own weights, whatever ``precision``), else one built from its transformers module
