@@ -104,14 +104,16 @@ class SpecDecoder:
         top_p: float = 1.0,
         seed: int | None = None,
         sampling: str = DEFAULT_SAMPLING_METHOD,
-        num_draft_tokens: int | str = 4,
+        num_draft_tokens: int | str = "auto",
         tree: tuple[int, ...] | str | None = None,
         chat: bool | None = None,
         on_text: Callable[[str], None] | None = None,
     ) -> Completion:
-        """Generate a completion; ``on_text`` receives the text as it is produced. ``tree``: draft token trees,
-        the candidates at each depth, or "auto" (as ``--tree``). ``sampling``: "invariant" or "standard" (as
-        ``--sampling``)."""
+        """Generate a completion; ``on_text`` receives the text as it is produced. ``num_draft_tokens``: "auto"
+        (the default: each round's draft length maximises expected tokens per second, from acceptance and costs
+        measured as it runs, and is 0 where speculation does not pay), a fixed k, or "heuristic". ``tree``: draft
+        token trees, the candidates at each depth, or "auto" (as ``--tree``). ``sampling``: "invariant" or
+        "standard" (as ``--sampling``)."""
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
             num_draft_tokens=num_draft_tokens,

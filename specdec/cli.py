@@ -27,9 +27,9 @@ from specdec.errors import SpecdecError, UsageError
 
 EXIT_USAGE = 2
 MT_BENCH = str(Path(__file__).resolve().parents[1] / "data" / "mt_bench_question.jsonl")  # the default prompts
-K_HELP = (f"draft tokens per round: 1..{MAX_DRAFT_TOKENS} (default 4); auto: the length that maximises expected "
-          "tokens per second, from acceptance and costs measured as it runs (0, plain decoding, when speculation "
-          "does not pay); heuristic: transformers' schedule (+2 after a fully accepted draft, -1 after a rejection)")
+K_HELP = (f"draft tokens per round: 1..{MAX_DRAFT_TOKENS}; auto: the length that maximises expected tokens per "
+          "second, from acceptance and costs measured as it runs (0, plain decoding, when speculation does not pay); "
+          "heuristic: transformers' schedule (+2 after a fully accepted draft, -1 after a rejection)")
 TREE_HELP = ("draft a token tree, verified in one target pass: the candidates at each depth (the last repeats deeper), "
              "as 3,2,1: the drafter's chain of K tokens and, beside each, its next best tokens (eagle, mtp, "
              "draft-model), or W1 continuations K deep (prompt-lookup, retrieval); auto: the cost model chooses "
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "draft-model, mtp and eagle without a path use the drafter trained for the default model")
     gen.add_argument("--drafter-path", default=None, metavar="DIR",
                      help="a trained drafter (specdec train), or a published EAGLE / Medusa checkpoint")
-    gen.add_argument("--num-draft-tokens", "-k", default="4", metavar="K", help=K_HELP)
+    gen.add_argument("--num-draft-tokens", "-k", default="auto", metavar="K", help=K_HELP + " (default auto)")
     gen.add_argument("--tree", default=None, metavar="W1,W2,...|auto", help=TREE_HELP)
     gen.add_argument("--datastore", default=None, metavar="DIR",
                      help="retrieval drafter: also draft from this datastore (specdec datastore build)")
@@ -254,7 +254,8 @@ def _add_bench_parser(commands) -> None:
                             "default --num-draft-tokens; TREE the candidates per depth joined by '/', as 3/2/1): "
                             f"{', '.join(DRAFTERS)}, hf-prompt-lookup, hf-assisted, llamacpp (llama-cpp-python's own "
                             "decoding of the same GGUF), llamacpp-prompt-lookup")
-    bench.add_argument("--num-draft-tokens", "-k", default="4", metavar="K", help=K_HELP)
+    bench.add_argument("--num-draft-tokens", "-k", default="4", metavar="K",
+                       help=K_HELP + " (default 4: a table's draft length is named, NAME:K overrides it)")
     bench.add_argument("--datastore", default=None, metavar="DIR", help="datastore for the retrieval drafter")
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--top-k", type=int, default=0)

@@ -86,19 +86,27 @@ def test_the_fused_runtime_named_for_a_model_it_does_not_cover_is_one_line_and_e
 def test_auto_passes_the_fused_runtime_by_for_a_model_it_does_not_cover_and_says_why(models, capsys):
     code, out, err = run_cli(capsys, "generate", PROMPT, "--model", str(models["uncovered"]), "--max-new-tokens", "4")
     assert code == 0 and "passes specdec's fused runtime by" in err and "multiples of 8" in err, err
-    assert err.strip().splitlines()[-1].startswith("[prompt-lookup on lean]")
+    assert err.strip().splitlines()[-1].startswith("[prompt-lookup, k auto: mean draft ")
+    assert " on lean]" in err.strip().splitlines()[-1]
 
 
 def test_the_lean_runtime_answers_to_its_old_name_torch(models, capsys):
     code, out, err = run_cli(capsys, "generate", PROMPT, "--model", str(models["target"]), "--backend", "torch",
-                             "--max-new-tokens", "4")
+                             "--max-new-tokens", "4", "-k", "4")
     assert code == 0 and err.strip().splitlines()[-1].startswith("[prompt-lookup on lean]"), err
 
 
 def test_explicit_fused_runs_and_names_itself(models, capsys):
     code, out, err = run_cli(capsys, "generate", PROMPT, "--model", str(models["target"]), "--backend", "fused",
-                             "--max-new-tokens", "6")
+                             "--max-new-tokens", "6", "-k", "3")
     assert code == 0 and err.strip().splitlines()[-1].startswith("[prompt-lookup on fused]"), err
+
+
+def test_the_draft_length_is_auto_unless_k_is_named(models, capsys):
+    """By default each round drafts the length that maximises expected tokens per second (0 where speculation does
+    not pay), so the default speculation is never much slower than none; a named k is kept."""
+    code, out, err = run_cli(capsys, "generate", PROMPT, "--model", str(models["target"]), "--max-new-tokens", "6")
+    assert code == 0 and err.strip().splitlines()[-1].startswith("[prompt-lookup, k auto: mean draft "), err
 
 
 def test_seed_makes_sampling_repeatable(models, capsys):
@@ -193,7 +201,7 @@ def test_token_view_in_terminal_and_html(models, capsys, tmp_path):
     page = tmp_path / "view.html"
     code, out, err = run_cli(capsys, "generate", "w5 w9 w12 w9 w12 w9 w12 w9", "--model", str(models["target"]),
                              "--draft-model", str(models["draft"]), "--max-new-tokens", "16", "--show-acceptance",
-                             "--html", str(page))
+                             "--html", str(page), "-k", "4")  # a fixed k drafts every round
     assert code == 0 and "\x1b[32m" in out  # accepted draft tokens, in green
     assert "accepted draft token" in err  # the legend
     page_text = page.read_text()
@@ -239,7 +247,7 @@ def test_without_the_extension_auto_says_why_once_and_fused_is_refused(models, c
 
     reason = "its C extension was not built at install (reinstall with a C compiler: pip install -e . prints why)"
     monkeypatch.setattr(native, "library", lambda: reason)
-    args = ["generate", PROMPT, "--model", str(models["draft"]), "--max-new-tokens", "4"]
+    args = ["generate", PROMPT, "--model", str(models["draft"]), "--max-new-tokens", "4", "-k", "4"]
     first = run_cli(capsys, *args)
     assert first[0] == 0 and f"passes specdec's fused runtime by: {reason}" in first[2], first[2]
     assert first[2].strip().splitlines()[-1].startswith("[prompt-lookup on lean]")

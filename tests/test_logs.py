@@ -4,6 +4,7 @@ with --verbose), what a user must know is one ``specdec:`` line, and ``--verbose
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 
@@ -28,7 +29,9 @@ def generate(model, *flags: str) -> subprocess.CompletedProcess:
 
 
 def is_summary(line: str) -> bool:
-    return line.startswith("[prompt-lookup on ") and line.endswith(" tokens per target pass")
+    """specdec's summary line: the default drafter with the default draft length (k auto), on some runtime."""
+    return re.match(r"\[prompt-lookup, k auto: mean draft [0-9.]+ on ", line) is not None \
+        and line.endswith(" tokens per target pass")
 
 
 def test_generate_on_a_gguf_says_only_specdecs_lines(long_context_gguf):
