@@ -117,7 +117,7 @@ def measure(source: Path, names: list[str], threads: int | None = None
             continue
         if model is None:
             model = load_model(source, dtype="float32", device="cpu", backend="lean").model
-        runtime = _runtime(name, model)
+        runtime = _runtime(name, model, source if source.suffix.lower() == ".gguf" else None)
         if isinstance(runtime, str):
             passed_by.append(runtime)
         else:
@@ -130,13 +130,14 @@ def measure(source: Path, names: list[str], threads: int | None = None
             for name in runtimes], passed_by
 
 
-def _runtime(name: str, model):
-    """The fused or lean candidate over a transformers model, or why the fused runtime does not cover it."""
+def _runtime(name: str, model, gguf: Path | None):
+    """The fused or lean candidate over a transformers model (converted from ``gguf``, if given), or why the fused
+    runtime does not cover it."""
     if name == "fused":
         from specdec.backends.fused import FusedRuntime, unavailable
 
         reason = unavailable(model)
-        return reason if reason is not None else FusedRuntime(model)
+        return reason if reason is not None else FusedRuntime(model, gguf=gguf)
     from specdec.backends import make_backend
     from specdec.backends.linear import has_fbgemm
 

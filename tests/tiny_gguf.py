@@ -33,6 +33,8 @@ TENSOR_TYPES: dict[str, tuple[gguf.LlamaFileType, gguf.GGMLQuantizationType]] = 
     "F32": (gguf.LlamaFileType.ALL_F32, gguf.GGMLQuantizationType.F32),
     "F16": (gguf.LlamaFileType.MOSTLY_F16, gguf.GGMLQuantizationType.F16),
     "Q8_0": (gguf.LlamaFileType.MOSTLY_Q8_0, gguf.GGMLQuantizationType.Q8_0),
+    "Q4_0": (gguf.LlamaFileType.MOSTLY_Q4_0, gguf.GGMLQuantizationType.Q4_0),
+    "Q4_1": (gguf.LlamaFileType.MOSTLY_Q4_1, gguf.GGMLQuantizationType.Q4_1),
 }
 
 
@@ -68,7 +70,7 @@ def write_tiny_gguf(path: str | Path, *, layers: int = 2, hidden: int = 64, head
                     vocab_from: str | Path | None = None) -> Path:
     """Write a random-initialised llama model with ``vocab_from``'s tokenizer to ``path``; return the path.
 
-    The weights depend only on the shape arguments and ``seed``; ``tensor_type`` ("F32", "F16" or "Q8_0") is how
+    The weights depend only on the shape arguments and ``seed``; ``tensor_type`` (F32, F16, Q8_0, Q4_0 or Q4_1) is how
     the 2-D weights are stored, so files of one seed and different types hold the same model, rounded differently.
     ``vocab_from`` is the GGUF file whose ``tokenizer.*`` metadata (vocabulary, merges, special ids, chat template)
     is copied; by default the default model's. The output matrix is untied from the token embedding.

@@ -63,7 +63,7 @@ def runtime_of(loaded, precision: str | None = None) -> CausalLM:
     if loaded.backend == "fused":
         from specdec.backends.fused import FusedRuntime
 
-        return FusedRuntime(loaded.model)
+        return FusedRuntime(loaded.model, gguf=loaded.gguf)
     return make_backend(loaded.model, precision)
 
 

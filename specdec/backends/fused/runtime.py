@@ -15,6 +15,7 @@ why in one line, and ``--backend auto`` passes it by.
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -24,6 +25,8 @@ from specdec.backends.base import Pooled, streamed_parameters
 from specdec.backends.family import Layer as TorchLayer
 from specdec.backends.family import build_layers, head_dim_of, supports
 from specdec.backends.fused.cache import PassCache
+from specdec.backends.fused.stored import stored_q8, tensor_names
+from specdec.backends.gguf_file import GGUFFile
 from specdec.backends.linear import Linear
 from specdec.backends.native import FORMAT, MAX_HEAD_DIM, Q8_BLOCK_BYTES, Layer, Model, repacked
 from specdec.backends.sequence import LlamaSequence
@@ -92,12 +95,23 @@ def quantized8(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:  # [ceil(out 
         found = exact & torch.isfinite(candidate)
         step, on_grid = torch.where(found, candidate, step), on_grid | found
     q = ((values - low) / step).round().clamp(0, 255).to(torch.uint8)  # [rows, groups, 32]
-    groups = inputs // Q8_GROUP
-    q = q.view(rows // 8, 8, groups, 4, 8).permute(0, 2, 3, 1, 4).reshape(rows // 8, groups, 256)
-    scales = step.view(rows // 8, 8, groups).transpose(1, 2).contiguous().view(torch.uint8)  # [blocks, groups, 32]
-    offsets = low.view(rows // 8, 8, groups).transpose(1, 2).contiguous().view(torch.uint8)
     on_grid |= high == low  # one value: kept whatever the step
-    return torch.cat([q, scales, offsets], dim=-1).flatten(), bool(on_grid.all())
+    return packed_q8(q.view(rows, inputs), step[..., 0], low[..., 0]), bool(on_grid.all())
+
+
+def packed_q8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:  # uint8
+    """Bytes q [out, in] with w = scale q + offset per row and 32 inputs (scale, offset float32 [out, in / 32]) as
+    fused.c's Q8 reads them: blocks of 8 rows (the last padded with zeros), each group of 32 inputs as 4 x 8 rows x 8
+    bytes, then the 8 rows' scales and offsets (``block_q8x8``)."""
+    out, inputs = q.shape
+    rows, groups = -(-out // 8) * 8, inputs // Q8_GROUP
+    if rows != out:
+        q = torch.cat([q, q.new_zeros(rows - out, inputs)])
+        scale, offset = (torch.cat([t, t.new_zeros(rows - out, groups)]) for t in (scale, offset))
+    q = q.reshape(rows // 8, 8, groups, 4, 8).permute(0, 2, 3, 1, 4).reshape(rows // 8, groups, 256)
+    scales = scale.float().reshape(rows // 8, 8, groups).transpose(1, 2).contiguous().view(torch.uint8)
+    offsets = offset.float().reshape(rows // 8, 8, groups).transpose(1, 2).contiguous().view(torch.uint8)
+    return torch.cat([q, scales, offsets], dim=-1).flatten()
 
 
 def _matrices(layer) -> list[torch.Tensor]:
@@ -113,10 +127,12 @@ class FusedRuntime(LlamaSequence, Pooled):
     name = "fused"
     pass_invariant = True  # fused.c computes each row alone; a prompt's bulk pass runs the same row kernels
 
-    def __init__(self, model, weights: str = "auto") -> None:
+    def __init__(self, model, weights: str = "auto", gguf: str | Path | None = None) -> None:
         """``weights``: float16; int8 with a float scale and offset per 32 inputs (``quantized8``); or auto: int8
-        where that keeps every weight exactly (a GGUF's Q4_0, Q4_1 and Q8_0 weights, de-quantised: the default
-        model's), so that the logits lose nothing and a pass streams 5/8 of float16's bytes, else float16."""
+        where that keeps every weight exactly (a GGUF's Q4_0, Q4_1 and Q8_0 weights: the default model's), so that
+        the logits lose nothing and a pass streams 5/8 of float16's bytes, else float16. ``gguf``: the GGUF file
+        ``model`` was converted from, whose Q4_0, Q4_1 and Q8_0 blocks are then repacked as stored
+        (``stored.py``), where the module's weights are searched for their grid otherwise."""
         if weights not in WEIGHTS + ("auto",):
             raise ValueError(f"the fused runtime holds weights in {' or '.join(WEIGHTS)} (or auto), not {weights}")
         reason = unavailable(model, "float16" if weights == "auto" else weights)
@@ -126,7 +142,8 @@ class FusedRuntime(LlamaSequence, Pooled):
         self._library = native.library()
         self.threads = native.use_threads()
         self.weights = weights if weights != "auto" or unavailable(model, "int8") is None else "float16"
-        self._model = self._c_model(model)
+        self.stored_matrices = 0  # of fused.c's matrices, those repacked from the GGUF's blocks as stored
+        self._model = self._c_model(model, gguf)
         bytes_per_weight = Q8_BYTES_PER_WEIGHT if self.weights == "int8" else 2
         self.weight_bytes = int(streamed_parameters(model) * bytes_per_weight)
         self._pass_cache: tuple[int, PassCache] | None = None  # (the cache's generation, what fused.c reads of it)
@@ -176,15 +193,16 @@ class FusedRuntime(LlamaSequence, Pooled):
 
         return FusedPool(self, max_slots, max_length)
 
-    def _c_model(self, model) -> Model:
+    def _c_model(self, model, gguf: str | Path | None) -> Model:
         """The C model over copies of the weights as fused.c reads them (kept here, as fused.c points into them)."""
         config = model.config
         layers = model.model.layers
         matrices = [matrix for layer in layers for matrix in _matrices(layer)] + [model.get_output_embeddings().weight]
         packed = []
         if self.weights in ("int8", "auto"):
-            for matrix in matrices:
-                packed.append(quantized8(matrix.detach()))
+            for matrix, blocks in zip(matrices, self._stored_blocks(matrices, gguf, config)):
+                self.stored_matrices += blocks is not None
+                packed.append((packed_q8(*blocks), True) if blocks is not None else quantized8(matrix.detach()))
                 if self.weights == "auto" and not packed[-1][1]:  # not on a grid: float16, asking no further
                     self.weights = "float16"
                     break
@@ -216,6 +234,16 @@ class FusedRuntime(LlamaSequence, Pooled):
                      head_dim_of(config), config.intermediate_size, model.get_output_embeddings().weight.shape[0],
                      config.rms_norm_eps, structs, held(model.model.norm.weight), next(addresses),
                      FORMAT[self.weights])
+
+    @staticmethod
+    def _stored_blocks(matrices: list[torch.Tensor], gguf: str | Path | None, config) -> list:
+        """Per matrix, its q, scale and offset as the GGUF stores them, or None (not stored so, or no GGUF)."""
+        if gguf is None:
+            return [None] * len(matrices)
+        source = GGUFFile(gguf)
+        names = tensor_names(config.num_hidden_layers, source.tensors)
+        return [stored_q8(source, parts, matrix, config.num_attention_heads, config.num_key_value_heads)
+                for parts, matrix in zip(names, matrices)]
 
     def _cache(self) -> PassCache:
         """What fused.c reads of this sequence's cache, made again after the cache moved."""

@@ -1,0 +1,103 @@
+"""A GGUF file read as stored (specdec/backends/gguf_file.py), and the fused runtime repacking its Q4_0, Q4_1 and
+Q8_0 blocks as they are (specdec/backends/fused/stored.py): the same weights as gguf-py reads them, the module's
+logits, and bad files refused in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from tiny import float32_error
+from tiny_gguf import write_tiny_gguf
+
+from specdec.backends import LeanRuntime
+from specdec.backends.fused import FusedRuntime, unavailable
+from specdec.backends.fused.stored import stored_q8, tensor_names
+from specdec.backends.gguf_file import GGUFFile, q8_rows
+from specdec.errors import UsageError
+from specdec.models import load_model
+
+STORED_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("gguf-file")
+    return {kind: write_tiny_gguf(folder / f"tiny-{kind}.gguf", seed=0, tensor_type=kind)
+            for kind in STORED_TYPES + ["F32"]}
+
+
+@pytest.mark.parametrize("kind", STORED_TYPES + ["F32"])
+def test_tensors_and_metadata_are_what_gguf_py_reads(files, kind):
+    ours, theirs = GGUFFile(files[kind]), gguf.GGUFReader(files[kind])
+    assert ours.field("general.architecture") == "llama" and ours.field("llama.block_count") == 2
+    assert len(ours.field("tokenizer.ggml.tokens")) == 49152
+    assert sorted(ours.tensors) == sorted(t.name for t in theirs.tensors)
+    for tensor in theirs.tensors:
+        mine = ours.tensors[tensor.name]
+        assert mine.type_name == tensor.tensor_type.name and mine.shape == tuple(int(d) for d in tensor.shape[::-1])
+        assert np.array_equal(mine.data.reshape(-1), np.asarray(tensor.data).reshape(-1).view(np.uint8))
+
+
+@pytest.mark.parametrize("kind", STORED_TYPES)
+def test_q8_rows_are_the_stored_weights_exactly(files, kind):
+    """d q + m, per 32 values, is gguf-py's de-quantisation of every matrix, value for value."""
+    source = GGUFFile(files[kind])
+    matrices = [t for t in source.tensors.values() if t.type_name == kind]
+    assert len(matrices) >= 14
+    for tensor in matrices:
+        q, d, m = q8_rows(tensor)
+        values = (q.reshape(q.shape[0], -1, 32) * d[..., None] + m[..., None]).reshape(tensor.shape)
+        expected = gguf.quants.dequantize(np.asarray(tensor.data), getattr(gguf.GGMLQuantizationType, kind))
+        assert np.array_equal(values, expected.reshape(tensor.shape)), tensor.name
+
+
+def _module(path: Path) -> torch.nn.Module:
+    """The file as specdec converts it for its PyTorch runtimes (a transformers module, in float32)."""
+    return load_model(str(path), dtype="float32", backend="lean").model
+
+
+@pytest.mark.parametrize("kind", [pytest.param("Q4_0", marks=pytest.mark.slow), "Q4_1",
+                                  pytest.param("Q8_0", marks=pytest.mark.slow)])
+def test_the_fused_runtime_repacks_the_stored_blocks_and_computes_the_modules_logits(files, kind):
+    """Every matrix (q, k and v with llama.cpp's row order undone, the output, gate and up, down, the LM head) comes
+    from the file's blocks, and the logits are those of the lean runtime in float32 over the module's weights,
+    within 4x transformers' own float32 error (tiny.float32_error); and of the runtime that searched the module's
+    weights for their grid."""
+    model = _module(files[kind])
+    if unavailable(model, "int8") is not None:
+        pytest.skip(unavailable(model, "int8"))
+    stored = FusedRuntime(model, "int8", gguf=files[kind])
+    assert stored.stored_matrices == 4 * 2 + 1
+    sequence = list(range(3, 63)) * 2
+    bound = 4 * float32_error(model, sequence)
+    logits = stored.extend(sequence, len(sequence))
+    for other in (LeanRuntime(model, "float32"), FusedRuntime(model, "int8")):
+        assert (logits - other.extend(sequence, len(sequence))).abs().max() <= bound
+
+
+def test_blocks_that_do_not_hold_the_modules_weights_are_left_to_the_grid_search(files):
+    """A matrix whose stored weights match the module's in no row order (another model's), or that is not stored
+    in a Q8 block format (F32), is not taken from the file."""
+    q41, f32 = GGUFFile(files["Q4_1"]), GGUFFile(files["F32"])
+    names = tensor_names(2, q41.tensors)[1]  # layer 0's output projection
+    q, d, m = q8_rows(q41.tensors[names[0]])
+    weight = torch.from_numpy((q.reshape(q.shape[0], -1, 32) * d[..., None] + m[..., None]).reshape(q.shape))
+    assert stored_q8(q41, names, weight, 4, 2) is not None
+    assert stored_q8(q41, names, weight + 1e-3, 4, 2) is None
+    assert stored_q8(f32, names, weight, 4, 2) is None
+
+
+def test_a_truncated_or_foreign_file_is_one_line(files, tmp_path):
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(files["Q4_1"].read_bytes()[:-1000])
+    with pytest.raises(UsageError, match="truncated") as error:
+        GGUFFile(truncated)
+    assert "\n" not in str(error.value) and "truncated.gguf" in str(error.value)
+    foreign = tmp_path / "foreign.gguf"
+    foreign.write_bytes(b"not a model at all")
+    with pytest.raises(UsageError, match="no GGUF magic"):
+        GGUFFile(foreign)
