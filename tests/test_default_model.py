@@ -182,7 +182,8 @@ def test_main_job_on_the_default_model():
     assert proc.returncode == 0, proc.stderr
     assert len(proc.stdout.strip()) > 10
     summary = proc.stderr.strip().splitlines()[-1]
-    assert summary.startswith("[prompt-lookup on ") and "tokens/s" in summary and "mean accepted length" in summary
+    assert summary.startswith("[prompt-lookup, k auto: mean draft ")  # the default draft length
+    assert " on " in summary and "tokens/s" in summary and "mean accepted length" in summary
 
 
 def test_readme_python_example_runs(capsys):

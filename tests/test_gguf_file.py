@@ -101,3 +101,37 @@ def test_a_truncated_or_foreign_file_is_one_line(files, tmp_path):
     foreign.write_bytes(b"not a model at all")
     with pytest.raises(UsageError, match="no GGUF magic"):
         GGUFFile(foreign)
+
+
+@pytest.mark.parametrize("kind", STORED_TYPES)
+def test_the_fused_runtime_read_from_the_file_alone_is_the_converted_modules_bit_for_bit(files, kind):
+    """From the file alone (its metadata, its blocks as stored, no transformers module): the logits of the runtime
+    built from the module the file converts to, with the same blocks, bit for bit: a prompt's bulk pass, decode
+    steps, a chain after a rollback and a tree."""
+    direct = FusedRuntime.from_gguf(files[kind])
+    assert direct.stored_matrices == 4 * 2 + 1 and direct.weights == "int8"
+    converted = FusedRuntime(_module(files[kind]), "int8", gguf=files[kind])
+    outputs = []
+    for runtime in (direct, converted):
+        sequence = list(range(3, 63)) * 2
+        logits = [runtime.extend(sequence, len(sequence))]
+        logits += [runtime.extend([token], 1) for token in (5, 9, 17)]
+        runtime.rollback(len(sequence) + 1)
+        logits += [runtime.extend([7, 8, 9], 3), runtime.extend_tree([1, 2, 3, 4], [0, 0, 1, 1])]
+        outputs.append(torch.cat(logits))
+    assert torch.equal(outputs[0], outputs[1])
+    assert direct.weight_bytes == converted.weight_bytes and direct.max_length == converted.max_length == 512
+
+
+def test_what_the_fused_runtime_does_not_read_directly_is_named_and_converted(files):
+    """An F32 file's matrices are not read directly (one reason, in words); load_model then runs the fused runtime
+    from the file's transformers conversion, and a Q4_1 file from the file alone, with llama.cpp's tokenizer."""
+    from specdec.backends.fused import gguf_unavailable
+
+    assert gguf_unavailable(GGUFFile(files["Q4_1"])) is None
+    assert "stored as F32" in gguf_unavailable(GGUFFile(files["F32"]))
+    direct, converted = (load_model(str(files[kind]), backend="fused") for kind in ("Q4_1", "F32"))
+    assert direct.model is None and isinstance(direct.runtime, FusedRuntime) and direct.backend_name == "fused"
+    assert converted.model is not None and converted.runtime is None
+    ids = direct.tokenizer.encode("Hello, world")
+    assert ids == converted.tokenizer.encode("Hello, world") and direct.vocab_size == converted.vocab_size

@@ -45,3 +45,12 @@ def test_the_llama_cpp_runtime(tmp_path):
                               threads=2)
     check_runtime(runtime, tolerance=1e-3)
     assert runtime.name == "llama.cpp"
+
+
+def test_the_fused_runtime_read_from_a_gguf(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", context=512, seed=0, tensor_type="Q4_1")
+    if unavailable() is not None:
+        pytest.skip(unavailable())
+    runtime = FusedRuntime.from_gguf(path)
+    check_runtime(runtime)
+    assert runtime.name == "fused" and rows_are_pass_invariant(runtime)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.backends import native
+from specdec.backends.gguf_file import GGUFFile, dequantized
 from specdec.backends.linear import Linear, make_linear
 
 FAMILIES = ("llama", "mistral", "qwen2")
@@ -65,6 +66,71 @@ class KeysRead:
     tree_keys: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class LlamaSpec:
+    """What a llama-family runtime holds of a model beside its layers: its sizes, RoPE, the token embedding and the
+    final norm; from a transformers module (:func:`spec_of_module`) or read from a GGUF file."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    max_length: int  # the most positions: trained, or the sliding window
+    rope_theta: float
+    embed: torch.Tensor  # [vocab, hidden]
+    final_norm: torch.Tensor  # [hidden]
+    device: torch.device
+
+
+def spec_of_module(model) -> LlamaSpec:
+    config = model.config
+    return LlamaSpec(
+        hidden=config.hidden_size, layers=config.num_hidden_layers, heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads, head_dim=head_dim_of(config), intermediate=config.intermediate_size,
+        eps=config.rms_norm_eps,
+        max_length=min(config.max_position_embeddings, getattr(config, "sliding_window", None) or 2**62),
+        rope_theta=rope_parameters(config).get("rope_theta", getattr(config, "rope_theta", 10000.0)),
+        embed=model.get_input_embeddings().weight.detach(), final_norm=model.model.norm.weight.detach(),
+        device=next(model.parameters()).device)
+
+
+GGUF_FAMILIES = ("llama",)  # the architectures read from a GGUF file directly (spec_of_gguf)
+
+
+def gguf_uncovered(source: GGUFFile) -> str | None:
+    """Why :func:`spec_of_gguf` does not read this file's model (None where it does)."""
+    arch = source.field("general.architecture")
+    if arch not in GGUF_FAMILIES:
+        return f"its architecture ({arch}) is not read from a GGUF file directly yet"
+    if source.field(f"{arch}.rope.scaling.type", "none") not in ("none", "linear") or \
+            source.field(f"{arch}.rope.scaling.factor", 1.0) != 1.0:
+        return "its RoPE is scaled"
+    heads, hidden = source.field(f"{arch}.attention.head_count"), source.field(f"{arch}.embedding_length")
+    if source.field(f"{arch}.rope.dimension_count", hidden // heads) != hidden // heads:
+        return "its RoPE turns part of each head only"
+    if "token_embd.weight" not in source.tensors or "output_norm.weight" not in source.tensors:
+        return "it lacks the token embedding or the final norm"
+    return None
+
+
+def spec_of_gguf(source: GGUFFile) -> LlamaSpec:
+    """The sizes, RoPE, embedding and final norm of a GGUF file's model, read from its metadata and tensors (the
+    embedding de-quantised once); :func:`gguf_uncovered` first."""
+    arch = source.field("general.architecture")
+    hidden, heads = source.field(f"{arch}.embedding_length"), source.field(f"{arch}.attention.head_count")
+    tensor = lambda name: torch.from_numpy(dequantized(source.tensors[name]).copy())  # noqa: E731
+    return LlamaSpec(
+        hidden=hidden, layers=source.field(f"{arch}.block_count"), heads=heads,
+        kv_heads=source.field(f"{arch}.attention.head_count_kv", heads), head_dim=hidden // heads,
+        intermediate=source.field(f"{arch}.feed_forward_length"),
+        eps=source.field(f"{arch}.attention.layer_norm_rms_epsilon"),
+        max_length=source.field(f"{arch}.context_length"), rope_theta=source.field(f"{arch}.rope.freq_base", 10000.0),
+        embed=tensor("token_embd.weight"), final_norm=tensor("output_norm.weight"), device=torch.device("cpu"))
+
+
 @torch.no_grad()
 def build_layers(model, precision: str, dtype: torch.dtype) -> tuple[list[Layer], Linear]:
     """The layers' fused matmuls and the LM head, with their weights in ``precision``."""
@@ -81,14 +147,18 @@ def _fuse(layer, precision: str, dtype: torch.dtype) -> Layer:
         [p.bias if p.bias is not None else p.weight.new_zeros(p.weight.shape[0]) for p in projections]
     )
     gate_up_bias = None if mlp.gate_proj.bias is None else torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
-    return Layer(
-        input_norm=layer.input_layernorm.weight.to(dtype),
-        post_norm=layer.post_attention_layernorm.weight.to(dtype),
-        qkv=make_linear(torch.cat([p.weight for p in projections]), qkv_bias, precision),
-        out=make_linear(attention.o_proj.weight, attention.o_proj.bias, precision),
-        gate_up=make_linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), gate_up_bias, precision),
-        down=make_linear(mlp.down_proj.weight, mlp.down_proj.bias, precision),
-    )
+    return layer_of(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                    torch.cat([p.weight for p in projections]), attention.o_proj.weight,
+                    torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight, precision, dtype,
+                    biases=(qkv_bias, attention.o_proj.bias, gate_up_bias, mlp.down_proj.bias))
+
+
+def layer_of(input_norm: torch.Tensor, post_norm: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor,
+             gate_up: torch.Tensor, down: torch.Tensor, precision: str, dtype: torch.dtype,
+             biases: tuple = (None, None, None, None)) -> Layer:
+    """A layer from its norms and its four products' weights [out, in] (and biases), held in ``precision``."""
+    linears = [make_linear(weight, bias, precision) for weight, bias in zip((qkv, out, gate_up, down), biases)]
+    return Layer(input_norm.to(dtype), post_norm.to(dtype), *linears)
 
 
 def rope_parameters(config) -> dict:

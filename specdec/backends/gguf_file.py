@@ -136,3 +136,20 @@ def q8_rows(tensor: Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         packed = blocks[..., 4:] if kind == "Q4_1" else blocks[..., 2:]
         q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)  # values 0-15 in the low nibbles, 16-31 high
     return q.reshape(rows, cols), d, m
+
+
+def dequantized(tensor: Tensor) -> np.ndarray:  # float32, the tensor's shape
+    """The tensor's values in float32: F32, F16 and BF16 as stored, Q4_0, Q4_1 and Q8_0 as d q + m."""
+    if tensor.type_name in Q8_STORED:
+        q, d, m = q8_rows(tensor)
+        return (q.reshape(q.shape[0], -1, 32) * d[..., None] + m[..., None]).reshape(tensor.shape).astype(np.float32)
+    raw = tensor.data.reshape(-1)
+    if tensor.type_name == "F32":
+        values = raw.view(np.float32)
+    elif tensor.type_name == "F16":
+        values = raw.view(np.float16).astype(np.float32)
+    elif tensor.type_name == "BF16":
+        values = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    else:
+        raise ValueError(f"tensor {tensor.name} is {tensor.type_name}, which is not read as floats here")
+    return values.reshape(tensor.shape)

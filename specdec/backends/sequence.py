@@ -20,16 +20,14 @@ from specdec.backends.base import FeatureSource, ShallowRunner, TreeScorer
 from specdec.backends.family import (
     KeysRead,
     Layer,
+    LlamaSpec,
     attention_bias,
     blocked_attention,
     blocked_mask,
     causal_mask,
-    head_dim_of,
     mlp,
     project_qkv,
     rms_norm,
-    rope_parameters,
-    supports,
     tree_reading,
     whole_blocks,
 )
@@ -42,26 +40,22 @@ class LlamaSequence(TreeScorer, FeatureSource, ShallowRunner):
     """The CausalLM protocol's cache for llama-family models, extended and rolled back; the runtime built on it
     computes the rows (:meth:`run_layers`, :meth:`head_for`)."""
 
-    def __init__(self, model, dtype: torch.dtype) -> None:
-        """The cache's and the embeddings' bookkeeping for ``model``, activations in ``dtype``; the runtime built on
-        it holds the layers' weights."""
-        if not supports(model):
-            raise ValueError("specdec's llama-family runtimes run llama, mistral and qwen2 models with default RoPE")
-        config = model.config
-        self.device = next(model.parameters()).device
+    def __init__(self, spec: LlamaSpec, dtype: torch.dtype) -> None:
+        """The cache's and the embeddings' bookkeeping for the model ``spec`` describes, activations in ``dtype``;
+        the runtime built on it holds the layers' weights."""
+        self.device = spec.device
         self.dtype = dtype
-        self.heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = head_dim_of(config)
-        self.eps = config.rms_norm_eps
-        self.max_length = min(config.max_position_embeddings, getattr(config, "sliding_window", None) or 2**62)
-        self.num_layers = config.num_hidden_layers
-        self.embed = model.get_input_embeddings().weight.detach().to(self.dtype)  # [vocab, hidden]
+        self.heads = spec.heads
+        self.kv_heads = spec.kv_heads
+        self.head_dim = spec.head_dim
+        self.eps = spec.eps
+        self.max_length = spec.max_length
+        self.num_layers = spec.layers
+        self.embed = spec.embed.to(self.dtype)  # [vocab, hidden]
         self.vocab_size = self.embed.shape[0]
-        self.final_norm = model.model.norm.weight.detach().to(self.dtype)
-        rope = rope_parameters(config)
-        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, device=self.device).float() / self.head_dim))
+        self.final_norm = spec.final_norm.to(self.dtype)
+        arange = torch.arange(0, self.head_dim, 2, device=self.device).float()
+        self.inv_freq = 1.0 / (spec.rope_theta ** (arange / self.head_dim))
         self.tokens: list[int] = []
         self._hidden: torch.Tensor | None = None  # [capacity, hidden] once keep_hidden_states() was called
         self._keys: list[torch.Tensor] = []  # per layer [kv_heads, capacity, head_dim]

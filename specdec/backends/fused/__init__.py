@@ -6,8 +6,10 @@ from specdec.backends.fused.runtime import (
     WEIGHTS,
     FusedRuntime,
     FusedUnavailable,
+    gguf_unavailable,
     quantized8,
     unavailable,
 )
 
-__all__ = ["PROMPT_POSITIONS", "WEIGHTS", "FusedRuntime", "FusedUnavailable", "quantized8", "unavailable"]
+__all__ = ["PROMPT_POSITIONS", "WEIGHTS", "FusedRuntime", "FusedUnavailable", "gguf_unavailable", "quantized8",
+           "unavailable"]

@@ -15,6 +15,8 @@ why in one line, and ``--backend auto`` passes it by.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,11 +25,20 @@ import torch
 from specdec.backends import native
 from specdec.backends.base import Pooled, streamed_parameters
 from specdec.backends.family import Layer as TorchLayer
-from specdec.backends.family import build_layers, head_dim_of, supports
+from specdec.backends.family import (
+    LlamaSpec,
+    build_layers,
+    gguf_uncovered,
+    head_dim_of,
+    layer_of,
+    spec_of_gguf,
+    spec_of_module,
+    supports,
+)
 from specdec.backends.fused.cache import PassCache
-from specdec.backends.fused.stored import stored_q8, tensor_names
-from specdec.backends.gguf_file import GGUFFile
-from specdec.backends.linear import Linear
+from specdec.backends.fused.stored import gguf_blocks, module_blocks, tensor_names
+from specdec.backends.gguf_file import Q8_STORED, GGUFFile, dequantized
+from specdec.backends.linear import Linear, make_linear
 from specdec.backends.native import FORMAT, MAX_HEAD_DIM, Q8_BLOCK_BYTES, Layer, Model, repacked
 from specdec.backends.sequence import LlamaSequence
 from specdec.choices import MAX_DRAFT_TOKENS
@@ -121,6 +132,103 @@ def _matrices(layer) -> list[torch.Tensor]:
             attention.o_proj.weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight]
 
 
+@dataclass
+class FusedWeights:
+    """A model's weights as the fused runtime builds from them, whatever they were read from."""
+
+    spec: LlamaSpec
+    # per fused.c matrix (each layer's qkv, out, gate_up and down, then the LM head): a float tensor [out, in], or
+    # its bytes, scales and offsets as a GGUF stores them (``stored.py``)
+    matrices: list
+    input_norms: list[torch.Tensor]
+    post_norms: list[torch.Tensor]
+    qkv_biases: list[torch.Tensor | None]
+    streamed_parameters: int  # the weights a one-position pass reads (its LM head, not its embedding row)
+    bulk: Callable[[], tuple[list[TorchLayer], Linear]]  # the float32 layers and LM head of a prompt's bulk pass
+
+
+def module_weights(model, gguf: str | Path | None = None) -> FusedWeights:
+    """A transformers module's weights; each matrix the GGUF it came from stores in Q4_0, Q4_1 or Q8_0 blocks, as
+    stored."""
+    config, layers = model.config, model.model.layers
+    matrices = [matrix.detach() for layer in layers for matrix in _matrices(layer)]
+    matrices.append(model.get_output_embeddings().weight.detach())
+    if gguf is not None:
+        matrices = [stored if stored is not None else matrix
+                    for matrix, stored in zip(matrices, module_blocks(matrices, GGUFFile(gguf), config))]
+    return FusedWeights(
+        spec=spec_of_module(model), matrices=matrices,
+        input_norms=[layer.input_layernorm.weight.detach() for layer in layers],
+        post_norms=[layer.post_attention_layernorm.weight.detach() for layer in layers],
+        qkv_biases=[_qkv_bias(layer) for layer in layers], streamed_parameters=streamed_parameters(model),
+        bulk=lambda: build_layers(model, "float32", torch.float32))
+
+
+def gguf_weights(source: GGUFFile) -> FusedWeights:
+    """A GGUF file's weights, from the file alone (``gguf_unavailable`` first)."""
+    spec = spec_of_gguf(source)
+    matrices = gguf_blocks(source, spec.layers, spec.heads, spec.kv_heads)
+    norm = lambda name: torch.from_numpy(dequantized(source.tensors[name]).copy())  # noqa: E731
+
+    def bulk() -> tuple[list[TorchLayer], Linear]:
+        floats = [_float(matrix) for matrix in matrices]
+        layers = [layer_of(norm(f"blk.{i}.attn_norm.weight"), norm(f"blk.{i}.ffn_norm.weight"),
+                           *floats[4 * i : 4 * i + 4], "float32", torch.float32) for i in range(spec.layers)]
+        return layers, make_linear(floats[-1], None, "float32")
+
+    return FusedWeights(
+        spec=spec, matrices=matrices,
+        input_norms=[norm(f"blk.{i}.attn_norm.weight") for i in range(spec.layers)],
+        post_norms=[norm(f"blk.{i}.ffn_norm.weight") for i in range(spec.layers)],
+        qkv_biases=[None] * spec.layers,
+        streamed_parameters=sum(_rows(m) * _columns(m) for m in matrices) + (2 * spec.layers + 1) * spec.hidden,
+        bulk=bulk)
+
+
+def gguf_unavailable(source: GGUFFile) -> str | None:
+    """Why :meth:`FusedRuntime.from_gguf` cannot read this file's model (None where it can): an architecture or a
+    block format it does not read yet, sizes its tiles do not fit, or a build that cannot run here."""
+    reason = native.unavailable() or gguf_uncovered(source)
+    if reason is not None:
+        return reason
+    arch = source.field("general.architecture")
+    hidden, heads = source.field(f"{arch}.embedding_length"), source.field(f"{arch}.attention.head_count")
+    sizes = (hidden, hidden // heads, source.field(f"{arch}.feed_forward_length"))
+    if any(size % Q8_GROUP for size in sizes[::2]) or sizes[1] % 8 or sizes[1] > MAX_HEAD_DIM:
+        return f"its sizes (hidden, head, intermediate: {sizes}) do not fit its int8 tiles"
+    names = tensor_names(source.field(f"{arch}.block_count"), source.tensors)
+    found = {source.tensors[name].type_name for parts in names for name in parts if name in source.tensors}
+    if any(name not in source.tensors for parts in names for name in parts):
+        return "it lacks some of a layer's matrices"
+    if not found <= set(Q8_STORED):
+        return f"its matrices are stored as {', '.join(sorted(found - set(Q8_STORED)))}, not read directly yet"
+    if any(f"blk.{i}.attn_{part}.bias" in source.tensors for i in range(1) for part in ("q", "k", "v")):
+        return "its q, k and v projections have biases"
+    return None
+
+
+def _qkv_bias(layer) -> torch.Tensor | None:
+    projections = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+    if all(p.bias is None for p in projections):
+        return None
+    return torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.weight.shape[0]) for p in projections])
+
+
+def _float(matrix) -> torch.Tensor:  # [out, in] float32
+    if isinstance(matrix, torch.Tensor):
+        return matrix.float()
+    q, scale, offset = matrix
+    return (q.view(q.shape[0], -1, Q8_GROUP).float() * scale[..., None] + offset[..., None]).view(q.shape)
+
+
+def _rows(matrix) -> int:
+    return matrix.shape[0] if isinstance(matrix, torch.Tensor) else matrix[0].shape[0]
+
+
+def _columns(matrix) -> int:
+    return matrix.shape[1] if isinstance(matrix, torch.Tensor) else matrix[0].shape[1]
+
+
 class FusedRuntime(LlamaSequence, Pooled):
     """The CausalLM protocol for llama-family models, every pass one call into fused.c."""
 
@@ -138,16 +246,34 @@ class FusedRuntime(LlamaSequence, Pooled):
         reason = unavailable(model, "float16" if weights == "auto" else weights)
         if reason is not None:
             raise FusedUnavailable(f"the fused runtime cannot run this model: {reason}")
-        super().__init__(model, torch.float32)
+        if weights == "auto" and unavailable(model, "int8") is not None:
+            weights = "float16"
+        self._start(module_weights(model, gguf if weights != "float16" else None), weights)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path | GGUFFile) -> FusedRuntime:
+        """The runtime of a GGUF file's model, read from the file alone: its metadata, its Q4_0, Q4_1 and Q8_0
+        blocks as stored, no transformers module and no de-quantised copy of its matrices (a prompt's bulk pass
+        de-quantises them once, when the first prompt needs it). :func:`gguf_unavailable` says where it cannot."""
+        source = path if isinstance(path, GGUFFile) else GGUFFile(path)
+        reason = gguf_unavailable(source)
+        if reason is not None:
+            raise FusedUnavailable(f"the fused runtime cannot read {source.path.name} directly: {reason}")
+        runtime = cls.__new__(cls)
+        runtime._start(gguf_weights(source), "int8")
+        return runtime
+
+    def _start(self, source: FusedWeights, weights: str) -> None:
+        super().__init__(source.spec, torch.float32)
         self._library = native.library()
         self.threads = native.use_threads()
-        self.weights = weights if weights != "auto" or unavailable(model, "int8") is None else "float16"
-        self.stored_matrices = 0  # of fused.c's matrices, those repacked from the GGUF's blocks as stored
-        self._model = self._c_model(model, gguf)
+        self.weights = weights
+        self.stored_matrices = sum(not isinstance(m, torch.Tensor) for m in source.matrices)  # repacked as stored
+        self._model = self._c_model(source)
         bytes_per_weight = Q8_BYTES_PER_WEIGHT if self.weights == "int8" else 2
-        self.weight_bytes = int(streamed_parameters(model) * bytes_per_weight)
+        self.weight_bytes = int(source.streamed_parameters * bytes_per_weight)
         self._pass_cache: tuple[int, PassCache] | None = None  # (the cache's generation, what fused.c reads of it)
-        self._source = model  # the bulk kernel's float32 weights are made from it when a prompt first needs them
+        self._bulk_source = source.bulk  # makes the bulk kernel's float32 weights when a prompt first needs them
         self._bulk: tuple[list[TorchLayer], Linear] | None = None
 
     @property
@@ -170,7 +296,7 @@ class FusedRuntime(LlamaSequence, Pooled):
     def bulk_weights(self) -> tuple[list[TorchLayer], Linear]:
         """The bulk kernel's float32 layers and LM head, made once, when a prompt first needs them."""
         if self._bulk is None:
-            self._bulk = build_layers(self._source, "float32", self.dtype)
+            self._bulk = self._bulk_source()
         return self._bulk
 
     def head_for(self, positions: int, chain: bool = True) -> Linear:
@@ -193,23 +319,19 @@ class FusedRuntime(LlamaSequence, Pooled):
 
         return FusedPool(self, max_slots, max_length)
 
-    def _c_model(self, model, gguf: str | Path | None) -> Model:
+    def _c_model(self, source: FusedWeights) -> Model:
         """The C model over copies of the weights as fused.c reads them (kept here, as fused.c points into them)."""
-        config = model.config
-        layers = model.model.layers
-        matrices = [matrix for layer in layers for matrix in _matrices(layer)] + [model.get_output_embeddings().weight]
         packed = []
         if self.weights in ("int8", "auto"):
-            for matrix, blocks in zip(matrices, self._stored_blocks(matrices, gguf, config)):
-                self.stored_matrices += blocks is not None
-                packed.append((packed_q8(*blocks), True) if blocks is not None else quantized8(matrix.detach()))
+            for matrix in source.matrices:
+                packed.append(quantized8(matrix) if isinstance(matrix, torch.Tensor) else (packed_q8(*matrix), True))
                 if self.weights == "auto" and not packed[-1][1]:  # not on a grid: float16, asking no further
                     self.weights = "float16"
                     break
             else:
                 self.weights = "int8"
         if self.weights == "float16":
-            packed = [(repacked(matrix.detach()), True) for matrix in matrices]
+            packed = [(repacked(_float(matrix)), True) for matrix in source.matrices]
         self._kept = [blob for blob, _ in packed]
         addresses = iter(blob.data_ptr() for blob in self._kept)
 
@@ -220,30 +342,16 @@ class FusedRuntime(LlamaSequence, Pooled):
             self._kept.append(tensor)
             return tensor.data_ptr()
 
-        structs = (Layer * len(layers))()
-        for struct, layer in zip(structs, layers):
-            projections = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
-            bias = None if all(p.bias is None for p in projections) else torch.cat(
-                [p.bias if p.bias is not None else p.weight.new_zeros(p.weight.shape[0]) for p in projections])
-            struct.input_norm = held(layer.input_layernorm.weight)
-            struct.post_norm = held(layer.post_attention_layernorm.weight)
-            struct.qkv_bias = held(bias)
+        spec = source.spec
+        structs = (Layer * spec.layers)()
+        for struct, input_norm, post_norm, bias in zip(structs, source.input_norms, source.post_norms,
+                                                       source.qkv_biases):
+            struct.input_norm, struct.post_norm, struct.qkv_bias = held(input_norm), held(post_norm), held(bias)
             struct.qkv, struct.out, struct.gate_up, struct.down = (next(addresses) for _ in range(4))
         self._layer_structs = structs
-        return Model(len(layers), config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-                     head_dim_of(config), config.intermediate_size, model.get_output_embeddings().weight.shape[0],
-                     config.rms_norm_eps, structs, held(model.model.norm.weight), next(addresses),
+        return Model(spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, spec.intermediate,
+                     _rows(source.matrices[-1]), spec.eps, structs, held(spec.final_norm), next(addresses),
                      FORMAT[self.weights])
-
-    @staticmethod
-    def _stored_blocks(matrices: list[torch.Tensor], gguf: str | Path | None, config) -> list:
-        """Per matrix, its q, scale and offset as the GGUF stores them, or None (not stored so, or no GGUF)."""
-        if gguf is None:
-            return [None] * len(matrices)
-        source = GGUFFile(gguf)
-        names = tensor_names(config.num_hidden_layers, source.tensors)
-        return [stored_q8(source, parts, matrix, config.num_attention_heads, config.num_key_value_heads)
-                for parts, matrix in zip(names, matrices)]
 
     def _cache(self) -> PassCache:
         """What fused.c reads of this sequence's cache, made again after the cache moved."""

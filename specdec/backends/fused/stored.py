@@ -56,3 +56,23 @@ def _unpermuted(rows: int, heads: int) -> np.ndarray:
     its two rotary halves interleaved (``permute`` in convert_hf_to_gguf.py)."""
     written = np.arange(rows).reshape(heads, 2, rows // heads // 2).swapaxes(1, 2).reshape(rows)  # stored <- module
     return np.argsort(written)
+
+
+def module_blocks(matrices: list[torch.Tensor], source: GGUFFile, config) -> list:
+    """Per fused.c matrix of a module converted from ``source``: its q, scale and offset as stored, or None."""
+    names = tensor_names(config.num_hidden_layers, source.tensors)
+    return [stored_q8(source, parts, matrix, config.num_attention_heads, config.num_key_value_heads)
+            for parts, matrix in zip(names, matrices)]
+
+
+def gguf_blocks(source: GGUFFile, layers: int, heads: int, kv_heads: int) -> list:
+    """Per fused.c matrix, its q, scale and offset as the file stores them, with llama.cpp's q and k row order
+    undone (a llama GGUF's: ``family.gguf_uncovered`` admits no other)."""
+    matrices = []
+    for parts in tensor_names(layers, source.tensors):
+        tensors = [source.tensors[name] for name in parts]
+        orders = _row_orders(parts, [t.shape[0] for t in tensors], heads, kv_heads)[1]
+        rows = [q8_rows(t) for t in tensors]
+        matrices.append(tuple(torch.from_numpy(np.concatenate([part[j][order] for part, order in zip(rows, orders)]))
+                              for j in range(3)))
+    return matrices

@@ -15,7 +15,7 @@ import torch
 
 from specdec.backends import native
 from specdec.backends.base import Pooled, streamed_parameters
-from specdec.backends.family import LINEARS, Layer, build_layers
+from specdec.backends.family import LINEARS, Layer, build_layers, spec_of_module, supports
 from specdec.backends.linear import DTYPE_OF, Linear, PassPrecisions, activation_dtype, precision_name
 from specdec.backends.sequence import LlamaSequence
 
@@ -35,7 +35,9 @@ class LeanRuntime(LlamaSequence, Pooled):
         dtype = activation_dtype(precisions.score, device)
         if any(activation_dtype(p, device) != dtype for p in precisions.all):
             raise ValueError(f"passes in {precisions} would need two activation dtypes on {device.type}")
-        super().__init__(model, dtype)
+        if not supports(model):
+            raise ValueError("the lean runtime runs llama, mistral and qwen2 models with default RoPE")
+        super().__init__(spec_of_module(model), dtype)
         self.precisions = precisions
         self.weight_bytes = streamed_parameters(model) * DTYPE_OF[precisions.decode].itemsize
         # per precision: the layers and LM head a pass in it computes with

@@ -59,13 +59,15 @@ def check_gguf_file(path: Path) -> None:
 class GGUFModel:
     """A GGUF file's weights loaded by llama.cpp (memory-mapped), shared by every context over them."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, vocab_only: bool = False) -> None:
+        """``vocab_only``: its vocabulary and metadata only (a tokenizer), no weights."""
         lib = llama_cpp()
         self.path = Path(path)
         check_gguf_file(self.path)
         lib.llama_backend_init()
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
+        params.vocab_only = vocab_only
         self.pointer = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self.pointer:
             raise UsageError(f"llama.cpp cannot load {self.path} (truncated, or an architecture it lacks); "
