@@ -68,14 +68,27 @@ def choose(measurements: list[BackendMeasurement]) -> str:
     return min(measurements, key=lambda m: m.cost_ms).backend
 
 
-def candidates(gguf: bool) -> tuple[list[str], list[str]]:
+def candidates(gguf: bool, source: Path | None = None) -> tuple[list[str], list[str]]:
     """The runtimes that may run a target here, and why the fused runtime may not where it may not (its unfitness
-    for a model is found at load)."""
+    for a model is found at load). Where the fused runtime reads a GGUF ``source`` from the file alone, the lean
+    runtime, which runs the same model in PyTorch from a transformers conversion and has not been measured faster
+    than it anywhere, is not a candidate: measuring it would convert the file (minutes and several times its size
+    in memory for a model of billions of weights) to build a runtime that cannot win."""
     from specdec.backends.fused import unavailable
 
     reason = unavailable()
-    names = (["llama.cpp"] if gguf else []) + (["fused"] if reason is None else []) + ["lean"]
+    names = (["llama.cpp"] if gguf else []) + (["fused"] if reason is None else [])
+    if reason is not None or not (gguf and source is not None and _fused_reads(source)):
+        names.append("lean")
     return names, [] if reason is None else [reason]
+
+
+def _fused_reads(source: Path) -> bool:
+    """Whether the fused runtime reads this GGUF from the file alone."""
+    from specdec.backends.fused import gguf_unavailable
+    from specdec.backends.gguf_file import GGUFFile
+
+    return gguf_unavailable(GGUFFile(source)) is None
 
 
 @functools.cache
@@ -89,7 +102,7 @@ def auto_backend(source: Path, gguf: bool, threads: int | None = None) -> str:
     does not exist is left to the first candidate's loader, which says so)."""
     if not source.exists():
         return "llama.cpp" if gguf else "lean"
-    names, passed_by = candidates(gguf)
+    names, passed_by = candidates(gguf, source)
     key = _cache_key(source, names, threads)
     cached = CACHE.get(key)
     if cached is not None:  # said when it was measured
@@ -114,6 +127,11 @@ def measure(source: Path, names: list[str], threads: int | None = None
     for name in names:
         if name == "llama.cpp":
             runtimes[name] = load_gguf(source, threads).runtime
+            continue
+        if name == "fused" and "lean" not in names:  # read from the file alone: no conversion
+            from specdec.backends.fused import FusedRuntime
+
+            runtimes[name] = FusedRuntime.from_gguf(source)
             continue
         if model is None:
             model = load_model(source, dtype="float32", device="cpu", backend="lean").model

@@ -141,3 +141,23 @@ def test_what_the_fused_runtime_does_not_read_directly_is_named_and_converted(fi
     assert converted.model is not None and converted.runtime is None
     ids = direct.tokenizer.encode("Hello, world")
     assert ids == converted.tokenizer.encode("Hello, world") and direct.vocab_size == converted.vocab_size
+
+
+def test_auto_measures_without_converting_a_file_the_fused_runtime_reads(files, monkeypatch):
+    """--backend auto on a GGUF the fused runtime reads from the file alone times llama.cpp and the fused runtime,
+    and converts nothing (the lean runtime, which would need the conversion, is no candidate); it runs the faster."""
+    pytest.importorskip("llama_cpp")
+    from specdec import models
+    from specdec import runtime_choice as choice
+    from specdec.api import SpecDecoder
+
+    def no_conversion(path):
+        raise AssertionError(f"converted {path}")
+
+    monkeypatch.setattr(models, "transformers_directory", no_conversion)
+    decoder = SpecDecoder.load(str(files["Q4_1"]), drafter="prompt-lookup", threads=2)
+    (entry,) = [value for key, value in choice.CACHE.entries().items() if str(files["Q4_1"].resolve()) in key]
+    measured = {m["backend"]: m["decode_ms"] + m["score_ms"] for m in entry["measurements"]}
+    assert set(measured) == {"llama.cpp", "fused"}
+    assert decoder.target.backend_name == entry["backend"] == min(measured, key=measured.get)
+    assert decoder.generate("Hello", max_new_tokens=4).token_ids
