@@ -99,7 +99,7 @@ def test_a_truncated_or_foreign_file_is_one_line(files, tmp_path):
     assert "\n" not in str(error.value) and "truncated.gguf" in str(error.value)
     foreign = tmp_path / "foreign.gguf"
     foreign.write_bytes(b"not a model at all")
-    with pytest.raises(UsageError, match="no GGUF magic"):
+    with pytest.raises(UsageError, match="not a GGUF file"):
         GGUFFile(foreign)
 
 

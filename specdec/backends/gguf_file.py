@@ -40,6 +40,11 @@ class GGUFFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        if not self.path.is_file():
+            raise UsageError(f"model file not found: {self.path}")
+        with self.path.open("rb") as f:
+            if f.read(4) != MAGIC:
+                raise UsageError(f"not a GGUF file: {self.path}")
         try:
             self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
             self.metadata, self.tensors = self._parse()
