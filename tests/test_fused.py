@@ -236,15 +236,16 @@ def test_the_server_batches_on_it_and_each_answer_is_its_plain_decoding(tmp_path
 
 
 def test_a_prompt_runs_the_bulk_kernel_and_what_follows_reads_its_cache(model, weights):
-    """A chain longer than any round (a prompt) runs float32 oneDNN, exactly the lean float32 runtime's pass; the
-    positions after it run fused.c over the cache it wrote, in a pass of one or of several alike. Rounds never
-    reach that length, so plain decoding and speculation share the prompt's pass."""
+    """A chain longer than any round (a prompt) runs fused.c's products over the same weights one operation at a
+    time: exactly the lean runtime's pass with its weights in that precision (int8 weights are the float32 values
+    exactly); the positions after it run fused.c over the cache it wrote, in a pass of one or of several alike.
+    Rounds never reach that length, so plain decoding and speculation share the prompt's pass."""
     from specdec.backends.fused import PROMPT_POSITIONS
     from specdec.choices import MAX_DRAFT_TOKENS
 
     assert PROMPT_POSITIONS > MAX_DRAFT_TOKENS + 1
     prompt = [(7 * i) % 60 + 3 for i in range(PROMPT_POSITIONS)]
-    fused, lean = FusedRuntime(model, weights), LeanRuntime(model, "float32")
+    fused, lean = FusedRuntime(model, weights), LeanRuntime(model, "float16" if weights == "float16" else "float32")
     assert torch.equal(fused.extend(prompt, 3), lean.extend(prompt, 3))
     steps = torch.cat([fused.extend([token], 1) for token in (4, 5, 6)])
     fused.rollback(len(prompt))

@@ -123,20 +123,22 @@ def test_the_fused_runtime_read_from_the_file_alone_is_the_converted_modules_bit
     assert direct.weight_bytes == converted.weight_bytes and direct.max_length == converted.max_length == 512
 
 
-def test_what_the_fused_runtime_does_not_read_directly_is_named_and_converted(files, monkeypatch, caplog):
-    """An F32 file's matrices are not read directly (one reason, in words, said under --verbose); load_model then
-    runs the fused runtime from the file's transformers conversion, and a Q4_1 file from the file alone, with
-    llama.cpp's tokenizer."""
+def test_what_the_fused_runtime_does_not_read_directly_is_named_and_converted(files, monkeypatch, caplog, tmp_path):
+    """A file whose sizes the tiles for blocks do not fit (a hidden size of 72, not whole groups of 32) is not read
+    directly (one reason, in words, said under --verbose); load_model then runs the fused runtime from the file's
+    transformers conversion (float16 tiles), and a Q4_1 file from the file alone, with llama.cpp's tokenizer."""
     from specdec import logs
     from specdec.backends.fused import gguf_unavailable
 
+    odd = write_tiny_gguf(tmp_path / "tiny-72.gguf", seed=0, tensor_type="F32", hidden=72, heads=3, kv_heads=1,
+                          ffn=136)
     assert gguf_unavailable(GGUFFile(files["Q4_1"])) is None
-    assert "stored as F32" in gguf_unavailable(GGUFFile(files["F32"]))
+    assert "do not fit" in gguf_unavailable(GGUFFile(odd))
     monkeypatch.setattr(logs, "_verbose", True)
-    direct, converted = (load_model(str(files[kind]), backend="fused") for kind in ("Q4_1", "F32"))
+    direct, converted = (load_model(str(path), backend="fused") for path in (files["Q4_1"], odd))
     assert [r.getMessage() for r in caplog.records if "transformers conversion" in r.getMessage()] == [
-        "the fused runtime runs tiny-F32.gguf from its transformers conversion: its matrices are stored as F32, not "
-        "read directly yet"]
+        "the fused runtime runs tiny-72.gguf from its transformers conversion: its sizes (hidden, head, "
+        "intermediate: (72, 24, 136)) do not fit its int8 tiles"]
     assert direct.model is None and isinstance(direct.runtime, FusedRuntime) and direct.backend_name == "fused"
     assert converted.model is not None and converted.runtime is None
     ids = direct.tokenizer.encode("Hello, world")

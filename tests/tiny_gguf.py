@@ -18,7 +18,8 @@ from typing import Any
 import gguf
 import numpy as np
 
-ARCHITECTURE = "llama"
+ARCHITECTURES = ("llama", "qwen2")  # qwen2: biases on q, k and v, and q and k stored in the module's row order
+BIAS_STD = 0.5
 ROPE_FREQ_BASE = 10000.0
 RMS_NORM_EPS = 1e-5
 # the logits' standard deviation across the vocabulary at a typical position: big enough that the top tokens
@@ -35,7 +36,13 @@ TENSOR_TYPES: dict[str, tuple[gguf.LlamaFileType, gguf.GGMLQuantizationType]] = 
     "Q8_0": (gguf.LlamaFileType.MOSTLY_Q8_0, gguf.GGMLQuantizationType.Q8_0),
     "Q4_0": (gguf.LlamaFileType.MOSTLY_Q4_0, gguf.GGMLQuantizationType.Q4_0),
     "Q4_1": (gguf.LlamaFileType.MOSTLY_Q4_1, gguf.GGMLQuantizationType.Q4_1),
+    "Q5_0": (gguf.LlamaFileType.MOSTLY_Q5_0, gguf.GGMLQuantizationType.Q5_0),
+    "Q5_1": (gguf.LlamaFileType.MOSTLY_Q5_1, gguf.GGMLQuantizationType.Q5_1),
+    "BF16": (gguf.LlamaFileType.MOSTLY_BF16, gguf.GGMLQuantizationType.BF16),
 }
+# K-quant mixes, which gguf-py cannot write: llama.cpp's quantizer makes them from the F32 file (rows in whole
+# blocks of 256)
+LLAMA_CPP_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K")
 
 
 @dataclass(frozen=True)
@@ -67,16 +74,29 @@ class MetadataField:
 
 def write_tiny_gguf(path: str | Path, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
                     ffn: int = 128, context: int = 512, seed: int = 0, tensor_type: str = "F32",
-                    vocab_from: str | Path | None = None) -> Path:
+                    vocab_from: str | Path | None = None, architecture: str = "llama") -> Path:
     """Write a random-initialised llama model with ``vocab_from``'s tokenizer to ``path``; return the path.
 
     The weights depend only on the shape arguments and ``seed``; ``tensor_type`` (F32, F16, Q8_0, Q4_0 or Q4_1) is how
     the 2-D weights are stored, so files of one seed and different types hold the same model, rounded differently.
     ``vocab_from`` is the GGUF file whose ``tokenizer.*`` metadata (vocabulary, merges, special ids, chat template)
     is copied; by default the default model's. The output matrix is untied from the token embedding.
+    ``architecture``: llama, or qwen2 (q, k and v with biases). A ``tensor_type`` of LLAMA_CPP_TYPES is written as
+    F32, then quantised by llama.cpp's quantizer.
     """
+    if tensor_type in LLAMA_CPP_TYPES:
+        from specdec.backends.llamacpp.quantize import quantize
+
+        source = write_tiny_gguf(Path(path).with_suffix(".f32.gguf"), layers=layers, hidden=hidden, heads=heads,
+                                 kv_heads=kv_heads, ffn=ffn, context=context, seed=seed, vocab_from=vocab_from,
+                                 architecture=architecture)
+        quantize(source, Path(path), tensor_type, threads=2)
+        source.unlink()
+        return Path(path)
     if tensor_type not in TENSOR_TYPES:
         raise ValueError(f"tensor_type must be one of {sorted(TENSOR_TYPES)}, not {tensor_type!r}")
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {ARCHITECTURES}, not {architecture!r}")
     if hidden % heads or heads % kv_heads or (hidden // heads) % 2:
         raise ValueError("hidden must split into heads of an even size, and heads into kv_heads groups")
     block = gguf.GGML_QUANT_SIZES[TENSOR_TYPES[tensor_type][1]][0]  # values per quantisation block; 1 for F32/F16
@@ -89,12 +109,14 @@ def write_tiny_gguf(path: str | Path, *, layers: int = 2, hidden: int = 64, head
     file_type, weight_type = TENSOR_TYPES[tensor_type]
 
     path = Path(path)
-    writer = gguf.GGUFWriter(path, ARCHITECTURE)  # writes general.architecture itself
+    writer = gguf.GGUFWriter(path, architecture)  # writes general.architecture itself
     _add_hyperparameters(writer, shape, file_type)
     for field in tokenizer:
         writer.add_key_value(field.key, field.value, field.vtype, sub_type=field.sub_type)
-    for name, weight in random_weights(shape, seed).items():
-        _add_tensor(writer, name, llama_cpp_layout(name, weight, shape), weight_type)
+    weights = random_weights(shape, seed) | (qkv_biases(shape, seed) if architecture == "qwen2" else {})
+    for name, weight in weights.items():
+        _add_tensor(writer, name, llama_cpp_layout(name, weight, shape) if architecture == "llama" else weight,
+                    weight_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -138,7 +160,7 @@ def _vocab_size(fields: tuple[MetadataField, ...]) -> int:
 def _add_hyperparameters(writer: gguf.GGUFWriter, shape: TinyShape, file_type: gguf.LlamaFileType) -> None:
     """The general.* and llama.* keys llama.cpp and transformers read (transformers: its llama key mapping)."""
     writer.add_type("model")
-    writer.add_name("tiny-random-llama")  # transformers reads general.name (a name with "mistral" would remap it)
+    writer.add_name("tiny-random-model")  # transformers reads general.name (a name with "mistral" would remap it)
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_vocab_size(shape.vocab)
@@ -188,6 +210,15 @@ def random_weights(shape: TinyShape, seed: int) -> dict[str, np.ndarray]:
     weights["output_norm.weight"] = norm()
     weights["output.weight"] = matrix(s.vocab, h, std=LOGIT_STD * h ** -0.5)  # (vocab, hidden), untied
     return weights
+
+
+def qkv_biases(shape: TinyShape, seed: int) -> dict[str, np.ndarray]:
+    """Each layer's q, k and v biases (qwen2's), float32, drawn apart from the weights so those stay the same."""
+    rng = np.random.default_rng(seed + 1)
+    rows = {"attn_q": shape.heads * shape.head_dim, "attn_k": shape.kv_heads * shape.head_dim,
+            "attn_v": shape.kv_heads * shape.head_dim}
+    return {f"blk.{i}.{part}.bias": (BIAS_STD * rng.standard_normal(n)).astype(np.float32)
+            for i in range(shape.layers) for part, n in rows.items()}
 
 
 def llama_cpp_layout(name: str, weight: np.ndarray, shape: TinyShape) -> np.ndarray:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.backends import native
-from specdec.backends.gguf_file import GGUFFile, dequantized
+from specdec.backends.gguf_file import GGUFFile, Tensor, dequantized
 from specdec.backends.linear import Linear, make_linear
 
 FAMILIES = ("llama", "mistral", "qwen2")
@@ -80,9 +80,35 @@ class LlamaSpec:
     eps: float
     max_length: int  # the most positions: trained, or the sliding window
     rope_theta: float
-    embed: torch.Tensor  # [vocab, hidden]
+    embed: torch.Tensor | StoredRows  # [vocab, hidden]
     final_norm: torch.Tensor  # [hidden]
     device: torch.device
+
+
+class StoredRows:
+    """A GGUF's token embedding [vocab, hidden] left as stored: indexing by token ids de-quantises those rows alone
+    (float32), so a model of 150k tokens keeps no float copy of its embedding."""
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+        self.shape = torch.Size(tensor.shape)
+        self.dtype = torch.float32
+
+    def __getitem__(self, ids) -> torch.Tensor:  # [n] token ids -> [n, hidden] float32
+        index = np.asarray(ids.cpu() if isinstance(ids, torch.Tensor) else ids, dtype=np.int64).reshape(-1)
+        rows = Tensor(self.tensor.name, self.tensor.type_name, (len(index), self.shape[1]), self.tensor.data[index])
+        return torch.from_numpy(dequantized(rows)).reshape(*np.shape(ids), self.shape[1])
+
+    def to(self, dtype: torch.dtype) -> StoredRows | torch.Tensor:
+        if dtype == torch.float32:
+            return self
+        return torch.from_numpy(dequantized(self.tensor).copy()).to(dtype)
+
+    def float(self) -> StoredRows:
+        return self
+
+    def detach(self) -> StoredRows:
+        return self
 
 
 def spec_of_module(model) -> LlamaSpec:
@@ -97,7 +123,7 @@ def spec_of_module(model) -> LlamaSpec:
         device=next(model.parameters()).device)
 
 
-GGUF_FAMILIES = ("llama",)  # the architectures read from a GGUF file directly (spec_of_gguf)
+GGUF_FAMILIES = ("llama", "qwen2")  # the architectures read from a GGUF file directly (spec_of_gguf)
 
 
 def gguf_uncovered(source: GGUFFile) -> str | None:
@@ -111,6 +137,8 @@ def gguf_uncovered(source: GGUFFile) -> str | None:
     heads, hidden = source.field(f"{arch}.attention.head_count"), source.field(f"{arch}.embedding_length")
     if source.field(f"{arch}.rope.dimension_count", hidden // heads) != hidden // heads:
         return "its RoPE turns part of each head only"
+    if "rope_freqs.weight" in source.tensors:
+        return "its RoPE frequencies are scaled per dimension (Llama 3's)"
     if "token_embd.weight" not in source.tensors or "output_norm.weight" not in source.tensors:
         return "it lacks the token embedding or the final norm"
     return None
@@ -118,7 +146,7 @@ def gguf_uncovered(source: GGUFFile) -> str | None:
 
 def spec_of_gguf(source: GGUFFile) -> LlamaSpec:
     """The sizes, RoPE, embedding and final norm of a GGUF file's model, read from its metadata and tensors (the
-    embedding de-quantised once); :func:`gguf_uncovered` first."""
+    embedding left as stored: :class:`StoredRows`); :func:`gguf_uncovered` first."""
     arch = source.field("general.architecture")
     hidden, heads = source.field(f"{arch}.embedding_length"), source.field(f"{arch}.attention.head_count")
     tensor = lambda name: torch.from_numpy(dequantized(source.tensors[name]).copy())  # noqa: E731
@@ -128,7 +156,8 @@ def spec_of_gguf(source: GGUFFile) -> LlamaSpec:
         intermediate=source.field(f"{arch}.feed_forward_length"),
         eps=source.field(f"{arch}.attention.layer_norm_rms_epsilon"),
         max_length=source.field(f"{arch}.context_length"), rope_theta=source.field(f"{arch}.rope.freq_base", 10000.0),
-        embed=tensor("token_embd.weight"), final_norm=tensor("output_norm.weight"), device=torch.device("cpu"))
+        embed=StoredRows(source.tensors["token_embd.weight"]), final_norm=tensor("output_norm.weight"),
+        device=torch.device("cpu"))
 
 
 @torch.no_grad()

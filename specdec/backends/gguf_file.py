@@ -8,6 +8,7 @@ exactly and without searching for their grid. Shared below the runtimes' wings.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +24,10 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _STRING, _ARRAY = 8, 9
 # ggml tensor types read here: id -> (name, values per block, bytes per block)
 TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34),
-         30: ("BF16", 1, 2), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
-Q8_STORED = ("Q4_0", "Q4_1", "Q8_0")  # w = d q + m per 32 values: kept exactly in one byte, a scale and an offset
+         6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 30: ("BF16", 1, 2), 12: ("Q4_K", 256, 144),
+         13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
+# w = d q + m per 32 (Q6_K: 16) values: kept exactly in one byte, a float scale and a float offset (q8_rows)
+Q8_STORED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 @dataclass(frozen=True)
@@ -46,13 +49,15 @@ class GGUFFile:
             if f.read(4) != MAGIC:
                 raise UsageError(f"not a GGUF file: {self.path}")
         try:
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+            with self.path.open("rb") as f:
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._map = np.frombuffer(self._mmap, dtype=np.uint8)
             self.metadata, self.tensors = self._parse()
         except (OSError, ValueError, struct.error, IndexError, UnicodeDecodeError) as error:
             raise UsageError(f"cannot read {self.path} as a GGUF file: {error}") from None
 
     def _parse(self) -> tuple[dict, dict[str, Tensor]]:
-        reader = _Reader(self._map)
+        reader = _Reader(self._mmap)
         if reader.take(4) != MAGIC:
             raise ValueError("no GGUF magic")
         version = reader.scalar("<I")
@@ -92,13 +97,13 @@ class GGUFFile:
 
 
 class _Reader:
-    def __init__(self, buffer: np.ndarray) -> None:
+    def __init__(self, buffer: mmap.mmap) -> None:
         self.buffer, self.at = buffer, 0
 
     def take(self, n: int) -> bytes:
         if self.at + n > len(self.buffer):
             raise ValueError("the header runs past the end of the file (truncated?)")
-        chunk = self.buffer[self.at : self.at + n].tobytes()
+        chunk = self.buffer[self.at : self.at + n]
         self.at += n
         return chunk
 
@@ -107,6 +112,20 @@ class _Reader:
 
     def string(self) -> str:
         return self.take(self.scalar("<Q")).decode("utf-8")
+
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings in a row (a vocabulary's 150k tokens and merges: a tight loop)."""
+        buffer, at, end, unpack, out = self.buffer, self.at, len(self.buffer), struct.unpack_from, []
+        for _ in range(count):
+            if at + 8 > end:
+                raise ValueError("the header runs past the end of the file (truncated?)")
+            (length,) = unpack("<Q", buffer, at)
+            if at + 8 + length > end:
+                raise ValueError("the header runs past the end of the file (truncated?)")
+            out.append(buffer[at + 8 : at + 8 + length].decode("utf-8"))
+            at += 8 + length
+        self.at = at
+        return out
 
     def value(self, kind: int):
         if kind in _SCALARS:
@@ -118,36 +137,131 @@ class _Reader:
             if item in _SCALARS:  # read whole
                 fmt = _SCALARS[item]
                 return list(struct.unpack(f"<{count}{fmt[1]}", self.take(count * struct.calcsize(fmt))))
+            if item == _STRING:
+                return self.strings(count)
             return [self.value(item) for _ in range(count)]
         raise ValueError(f"unknown metadata type {kind}")
 
 
 def q8_rows(tensor: Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A Q4_0, Q4_1 or Q8_0 matrix [rows, cols] as q (uint8 [rows, cols]) with w = d q + m, and d, m (float32
-    [rows, cols / 32]), exactly the stored weights: Q4_1 stores d and m; Q4_0's w = d (q - 8) has m = -8 d, and
-    Q8_0's w = d q (q signed) is d (q + 128) - 128 d. Each m is exact in float32 (d times a power of two)."""
+    """A matrix [rows, cols] stored in one of ``Q8_STORED``'s block formats as q (uint8 [rows, cols]) with
+    w = d q + m per group of inputs, and d, m (float32 [rows, cols / group]; the group is 16 for Q6_K, 32 for the
+    others): exactly the stored weights, since each format's weight is a float16 (or a float16 times a 6- or 8-bit
+    integer) times an integer of at most 6 bits, plus an offset of the same kind, all exact in float32:
+
+    - Q4_0: w = d (q - 8), so m = -8 d; Q5_0: w = d (q - 16); Q8_0: w = d q (q signed), kept as d (q + 128) - 128 d;
+    - Q4_1 and Q5_1: w = d q + m, both stored;
+    - Q4_K and Q5_K: 256 values with a float16 d and dmin, and per 32 a 6-bit scale and 6-bit min: w = (d sc) q -
+      (dmin mn);
+    - Q6_K: 256 values with a float16 d, and per 16 a signed 8-bit scale: w = (d sc) (q - 32).
+    """
     rows, cols = tensor.shape[0], int(np.prod(tensor.shape[1:]))
-    groups = cols // 32
     kind = tensor.type_name
-    block_bytes = TYPES[{"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}[kind]][2]
-    blocks = tensor.data.reshape(rows, groups, block_bytes)
-    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if kind == "Q8_0":
-        q = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        m = d * np.float32(-128)
-    else:
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1" \
-            else d * np.float32(-8)
-        packed = blocks[..., 4:] if kind == "Q4_1" else blocks[..., 2:]
-        q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)  # values 0-15 in the low nibbles, 16-31 high
-    return q.reshape(rows, cols), d, m
+    block_values, block_bytes = next((values, size) for name, values, size in TYPES.values() if name == kind)
+    blocks = tensor.data.reshape(rows, cols // block_values, block_bytes)
+    q, d, m = _BYTE_GRIDS[kind](blocks)
+    return q.reshape(rows, cols), d.reshape(rows, -1), m.reshape(rows, -1)
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:  # [..., 2] uint8 -> [...] float32
+    return raw.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:  # [..., 16] -> [..., 32]: the low nibbles, then the high
+    out = np.empty((*packed.shape[:-1], 32), dtype=np.uint8)
+    np.bitwise_and(packed, 0x0F, out=out[..., :16])
+    np.right_shift(packed, 4, out=out[..., 16:])
+    return out
+
+
+def _fifth_bits(high: np.ndarray) -> np.ndarray:  # [..., 4] uint8 (a little-endian uint32) -> [..., 32] bit i
+    bits = np.unpackbits(high, axis=-1, bitorder="little")
+    return np.left_shift(bits, 4, out=bits)
+
+
+def _q4_0(blocks):
+    d = _f16(blocks[..., :2])
+    return _nibbles(blocks[..., 2:]), d, d * np.float32(-8)
+
+
+def _q4_1(blocks):
+    return _nibbles(blocks[..., 4:]), _f16(blocks[..., :2]), _f16(blocks[..., 2:4])
+
+
+def _q5_0(blocks):
+    d = _f16(blocks[..., :2])
+    return _nibbles(blocks[..., 6:]) | _fifth_bits(blocks[..., 2:6]), d, d * np.float32(-16)
+
+
+def _q5_1(blocks):
+    return _nibbles(blocks[..., 8:]) | _fifth_bits(blocks[..., 4:8]), _f16(blocks[..., :2]), _f16(blocks[..., 2:4])
+
+
+def _q8_0(blocks):
+    d = _f16(blocks[..., :2])
+    return blocks[..., 2:] ^ np.uint8(0x80), d, d * np.float32(-128)  # q + 128 of a signed byte: its top bit flipped
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's 12 bytes of scales as 8 six-bit scales and 8 six-bit mins: the first 4 of each in the
+    low 6 bits of bytes 0-3 (scales) and 4-7 (mins); the last 4 in bytes 8-11's low (scales) and high (mins)
+    nibbles, with their top 2 bits in the top 2 bits of bytes 0-3 (scales) and 4-7 (mins)."""
+    first, second, last = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = np.concatenate([first & 0x3F, (last & 0x0F) | ((first >> 6) << 4)], axis=-1)
+    mins = np.concatenate([second & 0x3F, (last >> 4) | ((second >> 6) << 4)], axis=-1)
+    return scales.astype(np.float32), mins.astype(np.float32)
+
+
+def _k_grid(blocks: np.ndarray, q: np.ndarray):  # q [..., 256]: per 32 values, d sc and -dmin mn
+    scales, mins = _k_scales(blocks[..., 4:16])
+    d, dmin = _f16(blocks[..., 0:2])[..., None], _f16(blocks[..., 2:4])[..., None]
+    return q, d * scales, -(dmin * mins)
+
+
+def _k_low_nibbles(packed: np.ndarray) -> np.ndarray:  # [..., 128] -> [..., 256]
+    """Each 32 bytes hold two groups of 32: the low nibbles, then the high."""
+    halves = packed.reshape(*packed.shape[:-1], 4, 1, 32) >> np.array([0, 4], dtype=np.uint8)[:, None]
+    return (halves & 0x0F).reshape(*packed.shape[:-1], 256)
+
+
+def _q4_k(blocks):
+    return _k_grid(blocks, _k_low_nibbles(blocks[..., 16:144]))
+
+
+def _q5_k(blocks):
+    high = blocks[..., 16:48]  # bit g of byte i is the fifth bit of value i of group g
+    fifth = (high[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+    return _k_grid(blocks, _k_low_nibbles(blocks[..., 48:176]) | (fifth.reshape(*high.shape[:-1], 256) << 4))
+
+
+def _q6_k(blocks):
+    """128 bytes of low nibbles, 64 of high bit pairs, 16 signed scales and a float16 d. Each half of 128 values
+    takes 64 low bytes (values 0-63: their low nibbles; 64-127: their high) and 32 high bytes (bit pair j of byte i
+    belongs to value 32 j + i)."""
+    low, high = blocks[..., :128], blocks[..., 128:192]
+    lead = blocks.shape[:-1]
+    nibbles = low.reshape(*lead, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8)[:, None]
+    pairs = high.reshape(*lead, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+    q = (nibbles & 0x0F).reshape(*lead, 256) | ((pairs & 0x03).reshape(*lead, 256) << 4)
+    scale = _f16(blocks[..., 208:210])[..., None] * blocks[..., 192:208].view(np.int8).astype(np.float32)
+    return q, scale, scale * np.float32(-32)
+
+
+_BYTE_GRIDS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q4_K": _q4_k,
+               "Q5_K": _q5_k, "Q6_K": _q6_k}
+
+
+def grid_group(type_name: str) -> int:
+    """The inputs that share a scale and offset in :func:`q8_rows`' grid of a tensor of this type."""
+    return 16 if type_name == "Q6_K" else 32
 
 
 def dequantized(tensor: Tensor) -> np.ndarray:  # float32, the tensor's shape
-    """The tensor's values in float32: F32, F16 and BF16 as stored, Q4_0, Q4_1 and Q8_0 as d q + m."""
+    """The tensor's values in float32: F32, F16 and BF16 as stored, the block formats as d q + m (q8_rows)."""
     if tensor.type_name in Q8_STORED:
         q, d, m = q8_rows(tensor)
-        return (q.reshape(q.shape[0], -1, 32) * d[..., None] + m[..., None]).reshape(tensor.shape).astype(np.float32)
+        group = q.shape[1] // d.shape[1]
+        return (q.reshape(q.shape[0], -1, group) * d[..., None] + m[..., None]).reshape(tensor.shape).astype(np.float32)
     raw = tensor.data.reshape(-1)
     if tensor.type_name == "F32":
         values = raw.view(np.float32)

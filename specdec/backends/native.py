@@ -19,8 +19,9 @@ import numpy as np
 import torch
 
 NEEDED_FLAGS = ("avx2", "fma", "f16c")
-# how fused.c stores a weight matrix (its F16, Q8, F32 and BF16)
-FORMAT = {"float16": 0, "int8": 1, "float32": 2, "bfloat16": 3}
+# how fused.c stores a weight matrix (its F16, Q8, F32, BF16 and Q8H): floats, or bytes with a float scale and offset
+# per 32 inputs (int8) or per 16 (int8_group16)
+FORMAT = {"float16": 0, "int8": 1, "float32": 2, "bfloat16": 3, "int8_group16": 4}
 FLOAT_FORMATS = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
 TILE_OUTPUTS = 8  # weight rows per repacked block
 CHUNK_INPUTS = 8  # inputs per chunk of a block: a float product's inputs come in whole chunks
@@ -30,16 +31,23 @@ _p = ctypes.c_void_p
 
 
 # fused.c's structures, as ctypes declares them; their sizes are checked against the library's at load
+class Matrix(ctypes.Structure):
+    """A weight matrix [outputs, inputs] as the tiles read it, in one of FORMAT's formats, with its bias or None."""
+
+    _fields_ = [("format", ctypes.c_int), ("inputs", ctypes.c_int), ("outputs", ctypes.c_int), ("weight", _p),
+                ("bias", _p)]
+
+
 class Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", _p), ("qkv_bias", _p), ("out", _p),
-                ("gate_up", _p), ("down", _p)]
+    _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", Matrix), ("out", Matrix), ("gate_up", Matrix),
+                ("down", Matrix)]
 
 
 class Model(ctypes.Structure):
     _fields_ = [("layers", ctypes.c_int), ("hidden", ctypes.c_int), ("heads", ctypes.c_int),
                 ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("inter", ctypes.c_int),
                 ("vocab", ctypes.c_int), ("eps", ctypes.c_float), ("layer", ctypes.POINTER(Layer)),
-                ("final_norm", _p), ("lm_head", _p), ("format", ctypes.c_int)]
+                ("final_norm", _p), ("lm_head", Matrix)]
 
 
 class Cache(ctypes.Structure):
@@ -52,15 +60,13 @@ class _Rows(ctypes.Structure):
                 ("key_cols", _p), ("key_stride", ctypes.c_int)]
 
 
-class _Matrix(ctypes.Structure):
-    _fields_ = [("format", ctypes.c_int), ("inputs", ctypes.c_int), ("outputs", ctypes.c_int), ("weight", _p),
-                ("bias", _p)]
-
-
-Q8_BLOCK_BYTES = 320  # fused.c's block_q8x8: 8 rows x 32 inputs of bytes, then 8 float scales and 8 offsets
+# fused.c's blocks of 8 rows x 32 inputs of bytes, then per 32 (block_q8x8) or per 16 inputs (block_q8x16) the 8
+# rows' float scales and offsets
+Q8_BLOCK_BYTES = {"int8": 320, "int8_group16": 384}
 # what sd_struct_sizes reports, in its order
 STRUCT_SIZES = {"Model": ctypes.sizeof(Model), "Layer": ctypes.sizeof(Layer), "Cache": ctypes.sizeof(Cache),
-                "Rows": ctypes.sizeof(_Rows), "Matrix": ctypes.sizeof(_Matrix), "block_q8x8": Q8_BLOCK_BYTES}
+                "Rows": ctypes.sizeof(_Rows), "Matrix": ctypes.sizeof(Matrix),
+                "block_q8x8": Q8_BLOCK_BYTES["int8"], "block_q8x16": Q8_BLOCK_BYTES["int8_group16"]}
 
 
 def cpu_lacks() -> list[str]:
@@ -121,7 +127,7 @@ def _declare(loaded: ctypes.CDLL) -> None:
     loaded.sd_head.restype = None
     loaded.sd_head.argtypes = [_p, _p, ctypes.c_int, _p]
     loaded.sd_product.restype = None
-    loaded.sd_product.argtypes = [ctypes.POINTER(_Matrix), _p, ctypes.c_int, _p]
+    loaded.sd_product.argtypes = [ctypes.POINTER(Matrix), _p, ctypes.c_int, _p]
     loaded.sd_attention.restype = ctypes.c_int
     loaded.sd_attention.argtypes = [ctypes.POINTER(_Rows), ctypes.c_int, ctypes.c_int, ctypes.c_int, _p, _p, _p,
                                     ctypes.c_int64, _p]
@@ -169,18 +175,13 @@ def covers_product(weight: torch.Tensor, precision: str) -> bool:
             and unavailable() is None)
 
 
-class RowProduct:
-    """``x -> x @ weight.T + bias`` on the CPU with the weights held in a float ``precision`` (float32, float16 or
-    bfloat16), x and the result float32; every row computed by fused.c's tiles as it is alone: one accumulator per
-    output in the order of the inputs, whatever the row count (:func:`covers_product` says where it runs)."""
+class MatrixProduct:
+    """``x -> x @ W.T + bias`` for a matrix already held as fused.c reads it (its ``Matrix``, whose bytes the
+    caller keeps alive), every row computed as it is alone."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, precision: str) -> None:
-        outputs, inputs = weight.shape
-        self.packed = repacked(weight.detach(), FLOAT_FORMATS[precision])
-        self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.outputs = outputs
-        self.struct = _Matrix(FORMAT[precision], inputs, outputs, self.packed.data_ptr(),
-                              None if self.bias is None else self.bias.data_ptr())
+    def __init__(self, struct: Matrix) -> None:
+        self.struct = struct
+        self.outputs = struct.outputs
         self._library = library()
         use_threads()
 
@@ -190,6 +191,19 @@ class RowProduct:
         if len(x):
             self._library.sd_product(ctypes.byref(self.struct), x.data_ptr(), x.shape[0], y.data_ptr())
         return y
+
+
+class RowProduct(MatrixProduct):
+    """``x -> x @ weight.T + bias`` on the CPU with the weights held in a float ``precision`` (float32, float16 or
+    bfloat16), x and the result float32; every row computed by fused.c's tiles as it is alone: one accumulator per
+    output in the order of the inputs, whatever the row count (:func:`covers_product` says where it runs)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, precision: str) -> None:
+        outputs, inputs = weight.shape
+        self.packed = repacked(weight.detach(), FLOAT_FORMATS[precision])
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        super().__init__(Matrix(FORMAT[precision], inputs, outputs, self.packed.data_ptr(),
+                                None if self.bias is None else self.bias.data_ptr()))
 
 
 def covers_attention(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:

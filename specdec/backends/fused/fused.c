@@ -7,7 +7,8 @@
  * - one thread team (PyTorch's OpenMP threads, else threads of its own that persist) runs the whole pass; the
  *   phases of a layer meet at spin barriers, so no thread is forked or joined per matrix, and Python is not
  *   re-entered per op;
- * - weights (float16, or int8 with a scale and offset per 32 inputs) are read once per pass whatever the row
+ * - weights (float16, float32, bfloat16, or bytes with a scale and offset per 32 or 16 inputs: a GGUF's blocks as
+ *   stored) are read once per pass whatever the row
  *   count: each block of 8 weight rows is converted in registers and fed by FMA to every row of the pass while it
  *   sits in L1;
  * - norms, RoPE, the cache writes, attention, SiLU and the residual adds are written around the products.
@@ -32,13 +33,20 @@
 
 typedef uint16_t half;
 
+/* A weight matrix [out, in] as stored for the tiles (below: a float format repacked in blocks of 8 rows, or Q8 or
+ * Q8H blocks), each with its own format, and its bias or NULL. in: a multiple of 8 (32 for Q8 and Q8H). */
+typedef struct {
+    int format, in, out;
+    const void *weight;
+    const float *bias;    /* [out] or NULL */
+} Matrix;
+
 typedef struct {
     const float *input_norm, *post_norm;  /* [hidden] */
-    const void *qkv;                      /* [(heads + 2 kv_heads) head_dim, hidden] */
-    const float *qkv_bias;                /* [(heads + 2 kv_heads) head_dim] or NULL */
-    const void *out;                      /* [hidden, heads head_dim] */
-    const void *gate_up;                  /* [2 inter, hidden]: gate rows, then up rows */
-    const void *down;                     /* [hidden, inter] */
+    Matrix qkv;                           /* [(heads + 2 kv_heads) head_dim, hidden], with q, k and v's biases */
+    Matrix out;                           /* [hidden, heads head_dim] */
+    Matrix gate_up;                       /* [2 inter, hidden]: gate rows, then up rows */
+    Matrix down;                          /* [hidden, inter] */
 } Layer;
 
 typedef struct {
@@ -46,8 +54,7 @@ typedef struct {
     float eps;
     Layer *layer;
     const float *final_norm; /* [hidden] */
-    const void *lm_head;     /* [vocab, hidden] */
-    int format;              /* how every weight matrix is stored: F16 or Q8 (below) */
+    Matrix lm_head;          /* [vocab, hidden] */
 } Model;
 
 typedef struct {
@@ -276,37 +283,48 @@ TILES512(f16, half, LOAD16_F16)
 TILES512(f32, float, LOAD16_F32)
 TILES512(bf16, uint16_t, LOAD16_BF16)
 
-/* Q8: 8-bit weights with a float scale and offset per 32 inputs of a row (w = d q + m: exact for the GGUF's Q4_1,
- * Q4_0 and Q8_0 blocks, fused/runtime.py `quantized8`), repacked like the float formats in blocks of 8 output rows: the
- * rows' 32 inputs after 32 inputs, each a block_q8x8. A weight is dequantised by one FMA, exactly as in every tile,
- * then multiplied as a float weight is.
+/* Q8: 8-bit weights with a float scale and offset per 32 inputs of a row (w = d q + m: exact for a GGUF's Q4_0,
+ * Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K blocks, gguf_file.py `q8_rows`), and Q8H the same with a scale and offset
+ * per 16 inputs (Q6_K's), repacked like the float formats in blocks of 8 output rows: the rows' 32 inputs after 32
+ * inputs, each a block_q8x8 (block_q8x16). A weight is dequantised by one FMA, exactly as in every tile, then
+ * multiplied as a float weight is.
  *
  * block_q8x8: 8 weight rows x 32 inputs. q[s][r][i] is row r's input 8s + i (so a chunk s holds the 8 rows' 8
- * bytes, read by one load per row); row r's weights are d[r] q + m[r]. */
+ * bytes, read by one load per row); row r's weights are d[r] q + m[r]. block_q8x16: chunks 0 and 1 take d[0] and
+ * m[0], chunks 2 and 3 d[1] and m[1]. */
 typedef struct {
     uint8_t q[4][8][8];
     float d[8], m[8];
 } block_q8x8;
 static_assert(sizeof(block_q8x8) == 320, "block_q8x8: 256 bytes of weights, then 8 scales and 8 offsets");
 
-/* Ask the memory for the Q8 block PREFETCH_BYTES ahead: its five lines. */
-static inline void prefetch_q8(const block_q8x8 *b) {
-    for (int line = 0; line < (int)sizeof(block_q8x8); line += 64)
-        _mm_prefetch((const char *)b + PREFETCH_BYTES + line, _MM_HINT_T0);
-}
+typedef struct {
+    uint8_t q[4][8][8];
+    float d[2][8], m[2][8];
+} block_q8x16;
+static_assert(sizeof(block_q8x16) == 384, "block_q8x16: 256 bytes of weights, then 2 x 8 scales and offsets");
+
+/* Ask the memory for the block PREFETCH_BYTES ahead: its lines. */
+#define PREFETCH_BLOCK(b)                                                                                          \
+    for (int line = 0; line < (int)sizeof(*(b)); line += 64)                                                      \
+        _mm_prefetch((const char *)(b) + PREFETCH_BYTES + line, _MM_HINT_T0);
+
+/* Chunk s's scales (offsets) of a block with SETS sets of 8: the first of row j's. */
+#define CHUNK_D(b, s, SETS, j) ((const float *)(b)->d + (s) / (4 / (SETS)) * 8 + (j))
+#define CHUNK_M(b, s, SETS, j) ((const float *)(b)->m + (s) / (4 / (SETS)) * 8 + (j))
 
 /* out[r][o] for R rows and O outputs from row j of the block at w. */
-#define TILE_Q8(R, O)                                                                                              \
-    __attribute__((target("avx2,fma,f16c"))) static void q8_##R##x##O(const void *w, int j, const float *x,       \
-                                                                      int64_t ldx, int in, float out[GROUP512][8]) { \
-        const block_q8x8 *b = (const block_q8x8 *)w;                                                               \
+#define TILE_Q8(NAME, BLOCK, SETS, R, O)                                                                           \
+    __attribute__((target("avx2,fma,f16c"))) static void NAME##_##R##x##O(const void *w, int j, const float *x,   \
+                                                                         int64_t ldx, int in, float out[GROUP512][8]) { \
+        const BLOCK *b = (const BLOCK *)w;                                                                         \
         __m256 acc[R][O];                                                                                          \
         for (int r = 0; r < R; r++)                                                                                \
             for (int o = 0; o < O; o++) acc[r][o] = _mm256_setzero_ps();                                           \
         for (int k = 0; k < in; k += 32, b++) {                                                                    \
-            const float *d = b->d + j, *m = b->m + j;                                                              \
-            prefetch_q8(b);                                                                                        \
+            PREFETCH_BLOCK(b)                                                                                      \
             for (int s = 0; s < 4; s++) {                                                                          \
+                const float *d = CHUNK_D(b, s, SETS, j), *m = CHUNK_M(b, s, SETS, j);                              \
                 __m256 wv[O];                                                                                      \
                 for (int o = 0; o < O; o++) {                                                                      \
                     __m128i q = _mm_loadl_epi64((const __m128i *)b->q[s][j + o]);                                  \
@@ -322,31 +340,32 @@ static inline void prefetch_q8(const block_q8x8 *b) {
         for (int r = 0; r < R; r++)                                                                                \
             for (int o = 0; o < O; o++) out[r][o] = sum8(acc[r][o]);                                               \
     }
-TILE_Q8(1, 8)
-TILE_Q8(2, 4)
-TILE_Q8(3, 2)
-TILE_Q8(4, 2)
+#define TILES_Q8(NAME, BLOCK, SETS) TILE_Q8(NAME, BLOCK, SETS, 1, 8) TILE_Q8(NAME, BLOCK, SETS, 2, 4)            \
+    TILE_Q8(NAME, BLOCK, SETS, 3, 2) TILE_Q8(NAME, BLOCK, SETS, 4, 2)
+TILES_Q8(q8, block_q8x8, 1)
+TILES_Q8(q8h, block_q8x16, 2)
 
 /* On AVX-512, two pairs of rows (4 outputs) from row j: each zmm the pair's 8 weights of one row, then the other's,
  * dequantised by the pair's d and m in the matching halves; the same bits as the tiles above. */
-#define TILE_Q8_512(R)                                                                                             \
-    __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) static void q8z_##R(                               \
+#define TILE_Q8_512(NAME, BLOCK, SETS, R)                                                                          \
+    __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) static void NAME##z_##R(                            \
         const void *w, int j, const float *x, int64_t ldx, int in, float out[GROUP512][8]) {                       \
-        const block_q8x8 *b = (const block_q8x8 *)w;                                                               \
+        const BLOCK *b = (const BLOCK *)w;                                                                         \
         __m512 acc[R][2];                                                                                          \
         for (int r = 0; r < R; r++)                                                                                \
             for (int p = 0; p < 2; p++) acc[r][p] = _mm512_setzero_ps();                                           \
         for (int k = 0; k < in; k += 32, b++) {                                                                    \
-            const float *d = b->d + j, *m = b->m + j;                                                              \
             __m512 dz[2], mz[2];                                                                                   \
-            for (int p = 0; p < 2; p++) {                                                                          \
-                dz[p] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_broadcast_ss(d + 2 * p)),                 \
-                                           _mm256_broadcast_ss(d + 2 * p + 1), 1);                                 \
-                mz[p] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_broadcast_ss(m + 2 * p)),                 \
-                                           _mm256_broadcast_ss(m + 2 * p + 1), 1);                                 \
-            }                                                                                                      \
-            prefetch_q8(b);                                                                                        \
+            PREFETCH_BLOCK(b)                                                                                      \
             for (int s = 0; s < 4; s++) {                                                                          \
+                if (s % (4 / (SETS)) == 0) /* a new set of scales and offsets */                                   \
+                    for (int p = 0; p < 2; p++) {                                                                  \
+                        const float *d = CHUNK_D(b, s, SETS, j), *m = CHUNK_M(b, s, SETS, j);                      \
+                        dz[p] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_broadcast_ss(d + 2 * p)),         \
+                                                   _mm256_broadcast_ss(d + 2 * p + 1), 1);                         \
+                        mz[p] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_broadcast_ss(m + 2 * p)),         \
+                                                   _mm256_broadcast_ss(m + 2 * p + 1), 1);                         \
+                    }                                                                                              \
                 __m512 wv[2];                                                                                      \
                 for (int p = 0; p < 2; p++) {                                                                      \
                     __m128i q = _mm_loadu_si128((const __m128i *)b->q[s][j + 2 * p]); /* two rows' 8 bytes */      \
@@ -361,19 +380,21 @@ TILE_Q8(4, 2)
         for (int r = 0; r < R; r++)                                                                                \
             for (int p = 0; p < 2; p++) sum8_pair(acc[r][p], out[r] + 2 * p);                                      \
     }
-TILE_Q8_512(1)
-TILE_Q8_512(2)
-TILE_Q8_512(3)
-TILE_Q8_512(4)
-TILE_Q8_512(5)
-TILE_Q8_512(6)
+#define TILES_Q8_512(NAME, BLOCK, SETS) TILE_Q8_512(NAME, BLOCK, SETS, 1) TILE_Q8_512(NAME, BLOCK, SETS, 2)      \
+    TILE_Q8_512(NAME, BLOCK, SETS, 3) TILE_Q8_512(NAME, BLOCK, SETS, 4) TILE_Q8_512(NAME, BLOCK, SETS, 5)        \
+    TILE_Q8_512(NAME, BLOCK, SETS, 6)
+TILES_Q8_512(q8, block_q8x8, 1)
+TILES_Q8_512(q8h, block_q8x16, 2)
 
 typedef void (*Q8Fn)(const void *, int, const float *, int64_t, int, float[GROUP512][8]);
-static const Q8Fn Q8_WIDE[GROUP + 1] = {0, q8_1x8, q8_2x4, q8_3x2, q8_4x2};
-static const Q8Fn Q8_512[GROUP512 + 1] = {0, q8z_1, q8z_2, q8z_3, q8z_4, q8z_5, q8z_6};
-
-enum { F16, Q8, F32, BF16 }; /* how a weight matrix is stored (Model.format, Matrix.format) */
+enum { F16, Q8, F32, BF16, Q8H }; /* how a weight matrix is stored (Matrix.format) */
 static const int VALUE_BYTES[] = {[F16] = 2, [F32] = 4, [BF16] = 2}; /* the float formats' */
+static const int BLOCK_BYTES[] = {[Q8] = sizeof(block_q8x8), [Q8H] = sizeof(block_q8x16)}; /* per 8 rows x 32 */
+static const Q8Fn Q8_WIDE[][GROUP + 1] = {[Q8] = {0, q8_1x8, q8_2x4, q8_3x2, q8_4x2},
+                                          [Q8H] = {0, q8h_1x8, q8h_2x4, q8h_3x2, q8h_4x2}};
+static const Q8Fn Q8_512[][GROUP512 + 1] = {[Q8] = {0, q8z_1, q8z_2, q8z_3, q8z_4, q8z_5, q8z_6},
+                                            [Q8H] = {0, q8hz_1, q8hz_2, q8hz_3, q8hz_4, q8hz_5, q8hz_6}};
+#define BLOCKED(format) ((format) == Q8 || (format) == Q8H)
 
 typedef void (*TileFn)(const void *, const float *, int64_t, int, float[GROUP512][8]);
 static const TileFn WIDE[][GROUP + 1] = {[F16] = {0, f16_1x8, f16_2x4, f16_3x2, f16_4x2},
@@ -389,15 +410,15 @@ enum { STORE, ADD }; /* y = product (+ bias), or y += product (a residual) */
 /* out[r][j] for `rows` rows (up to GROUP, or GROUP512 with AVX-512) and the 8 rows of the block at w: in one
  * tile (float weights on AVX-512), else in tiles of `width` rows of the block, one after another. */
 static void tile(int format, const void *w, int in, const float *x, int64_t ldx, int rows, float out[GROUP512][8]) {
-    if (format != Q8 && has_avx512) {
+    if (!BLOCKED(format) && has_avx512) {
         WIDE512[format][rows](w, x, ldx, in, out);
         return;
     }
     float part[GROUP512][8];
-    int width = format == Q8 && has_avx512 ? 4 : WIDTH[rows];
+    int width = BLOCKED(format) && has_avx512 ? 4 : WIDTH[rows];
     for (int done = 0; done < 8; done += width) {
-        if (format == Q8)
-            (has_avx512 ? Q8_512 : Q8_WIDE)[rows](w, done, x, ldx, in, part);
+        if (BLOCKED(format))
+            (has_avx512 ? Q8_512[format] : Q8_WIDE[format])[rows](w, done, x, ldx, in, part);
         else
             WIDE[format][rows]((const char *)w + 8 * done * VALUE_BYTES[format], x, ldx, in, part);
         for (int r = 0; r < rows; r++)
@@ -407,14 +428,17 @@ static void tile(int format, const void *w, int in, const float *x, int64_t ldx,
 
 /* Where the block of weight rows o..o+7 (o a multiple of 8) of a matrix with `in` inputs starts. */
 static const void *block_at(int format, const void *w, int64_t o, int in) {
-    return format == Q8 ? (const void *)((const block_q8x8 *)w + o / 8 * (in / 32))
-                        : (const void *)((const char *)w + o * in * VALUE_BYTES[format]);
+    return BLOCKED(format) ? (const void *)((const char *)w + o / 8 * (in / 32) * BLOCK_BYTES[format])
+                           : (const void *)((const char *)w + o * in * VALUE_BYTES[format]);
 }
 
-/* y[r, o] for every row r < n and o in [o0, o1) (o0 a multiple of 8): W repacked, [*, in]; x [n, ldx]; y [n, ldy].
+/* y[r, o] = x[r] . W[o] (+ bias) for every row r < n and o in [o0, o1) (o0 a multiple of 8): x [n, ldx]; y [n, ldy].
  * A block of 8 weight rows is read from memory once, and stays in L1 while every group of rows reads it. */
-static void product(int format, const void *w, const float *x, int64_t ldx, int n, int in, int o0, int o1,
-                    const float *bias, float *y, int64_t ldy, int mode) {
+static void product(const Matrix *m, const float *x, int64_t ldx, int n, int o0, int o1, float *y, int64_t ldy,
+                    int mode) {
+    int format = m->format, in = m->in;
+    const void *w = m->weight;
+    const float *bias = m->bias;
     float out[GROUP512][8];
     int group = has_avx512 ? GROUP512 : GROUP;
     for (int o = o0; o < o1; o += 8) {
@@ -528,7 +552,7 @@ static void pass_job(void *arg, int thread, int threads) {
             rms_norm_row(p->x + (int64_t)r * hidden, layer->input_norm, hidden, m->eps, p->h + (int64_t)r * hidden);
         team_barrier(threads, &sense);
         share(qkv_width, 8, thread, threads, &b, &e);
-        product(m->format, layer->qkv, p->h, hidden, n, hidden, b, e, layer->qkv_bias, p->qkv, qkv_width, STORE);
+        product(&layer->qkv, p->h, hidden, n, b, e, p->qkv, qkv_width, STORE);
         team_barrier(threads, &sense);
         for (int r = thread; r < n; r += threads) {
             float *row = p->qkv + (int64_t)r * qkv_width;
@@ -549,21 +573,21 @@ static void pass_job(void *arg, int thread, int threads) {
         }
         team_barrier(threads, &sense);
         share(hidden, 8, thread, threads, &b, &e);
-        product(m->format, layer->out, p->attended, q_width, n, q_width, b, e, NULL, p->x, hidden, ADD);
+        product(&layer->out, p->attended, q_width, n, b, e, p->x, hidden, ADD);
         team_barrier(threads, &sense);
         for (int r = thread; r < n; r += threads)
             rms_norm_row(p->x + (int64_t)r * hidden, layer->post_norm, hidden, m->eps, p->h + (int64_t)r * hidden);
         team_barrier(threads, &sense);
         share(inter, 8, thread, threads, &b, &e); /* gate and up for the same units, then SiLU(gate) * up */
-        product(m->format, layer->gate_up, p->h, hidden, n, hidden, b, e, NULL, p->act, 2 * inter, STORE);
-        product(m->format, layer->gate_up, p->h, hidden, n, hidden, inter + b, inter + e, NULL, p->act, 2 * inter, STORE);
+        product(&layer->gate_up, p->h, hidden, n, b, e, p->act, 2 * inter, STORE);
+        product(&layer->gate_up, p->h, hidden, n, inter + b, inter + e, p->act, 2 * inter, STORE);
         for (int r = 0; r < n; r++) {
             const float *row = p->act + (int64_t)r * 2 * inter;
             for (int j = b; j < e; j++) p->mid[(int64_t)r * inter + j] = silu(row[j]) * row[inter + j];
         }
         team_barrier(threads, &sense);
         share(hidden, 8, thread, threads, &b, &e);
-        product(m->format, layer->down, p->mid, inter, n, inter, b, e, NULL, p->x, hidden, ADD);
+        product(&layer->down, p->mid, inter, n, b, e, p->x, hidden, ADD);
         team_barrier(threads, &sense);
     }
 }
@@ -572,12 +596,6 @@ static void pass_job(void *arg, int thread, int threads) {
  *
  * What the lean runtime (backends/lean/) computes with on the CPU, each row as it is alone: a product's rows by the tiles
  * above, a row's attention by attend. So its rows, too, are the same bits in any pass on any CPU. */
-
-typedef struct {
-    int format, in, out;  /* float weights (F16, F32, BF16) repacked in blocks of 8 rows, or Q8; in: a multiple of 8 */
-    const void *weight;
-    const float *bias;    /* [out] or NULL */
-} Matrix;
 
 typedef struct {
     const Matrix *m;
@@ -591,7 +609,7 @@ static void product_job(void *arg, int thread, int threads) {
     int b, e;
     if (thread >= threads) return;
     share(p->m->out, 8, thread, threads, &b, &e);
-    product(p->m->format, p->m->weight, p->x, p->m->in, p->n, p->m->in, b, e, p->m->bias, p->y, p->m->out, STORE);
+    product(p->m, p->x, p->m->in, p->n, b, e, p->y, p->m->out, STORE);
 }
 
 /* y = x W^T + bias for n rows, the outputs shared among the team. */
@@ -604,8 +622,7 @@ void sd_product(const Matrix *m, const float *x, int n, float *y) {
 
 /* logits [n, vocab] of n rows already normed, x [n, hidden]. */
 void sd_head(const Model *m, const float *x, int n, float *logits) {
-    Matrix head = {m->format, m->hidden, m->vocab, m->lm_head, NULL};
-    sd_product(&head, x, n, logits);
+    sd_product(&m->lm_head, x, n, logits);
 }
 
 typedef struct {
@@ -649,10 +666,10 @@ int sd_attention(const Rows *rows, int heads, int kv_heads, int head_dim, const 
 }
 
 /* The sizes of the structures native.py declares with ctypes, in its order (STRUCT_SIZES): Model, Layer, Cache,
- * Rows, Matrix, block_q8x8; at most `count` of them. Returns how many it wrote. */
+ * Rows, Matrix, block_q8x8, block_q8x16; at most `count` of them. Returns how many it wrote. */
 int sd_struct_sizes(int64_t *sizes, int count) {
     const int64_t known[] = {sizeof(Model), sizeof(Layer), sizeof(Cache), sizeof(Rows), sizeof(Matrix),
-                             sizeof(block_q8x8)};
+                             sizeof(block_q8x8), sizeof(block_q8x16)};
     int written = 0;
     for (; written < count && written < (int)(sizeof(known) / sizeof(known[0])); written++) sizes[written] = known[written];
     return written;

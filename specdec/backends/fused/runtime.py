@@ -15,7 +15,8 @@ why in one line, and ``--backend auto`` passes it by.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,33 +24,32 @@ import numpy as np
 import torch
 
 from specdec.backends import native
-from specdec.backends.base import Pooled, streamed_parameters
+from specdec.backends.base import Pooled
 from specdec.backends.family import Layer as TorchLayer
-from specdec.backends.family import (
-    LlamaSpec,
-    build_layers,
-    gguf_uncovered,
-    head_dim_of,
-    layer_of,
-    spec_of_gguf,
-    spec_of_module,
-    supports,
-)
+from specdec.backends.family import LlamaSpec, gguf_uncovered, head_dim_of, spec_of_gguf, spec_of_module, supports
+from specdec.backends.fused import packed_file
 from specdec.backends.fused.cache import PassCache
-from specdec.backends.fused.stored import gguf_blocks, module_blocks, tensor_names
-from specdec.backends.gguf_file import Q8_STORED, GGUFFile, dequantized
-from specdec.backends.linear import Linear, make_linear
-from specdec.backends.native import FORMAT, MAX_HEAD_DIM, Q8_BLOCK_BYTES, Layer, Model, repacked
+from specdec.backends.fused.stored import (
+    StoredMatrix,
+    float_matrix,
+    gguf_matrices,
+    module_blocks,
+    packed_q8,
+    tensor_names,
+)
+from specdec.backends.gguf_file import GGUFFile, dequantized
+from specdec.backends.linear import Linear
+from specdec.backends.native import MAX_HEAD_DIM, Layer, Model
 from specdec.backends.sequence import LlamaSequence
 from specdec.choices import MAX_DRAFT_TOKENS
 
+MATRIX_NAMES = ("qkv", "out", "gate_up", "down")  # a layer's matrices, as fused.c's Layer names them
 WEIGHTS = ("float16", "int8")  # how fused.c holds the weights; activations, norms, attention and the cache are float32
 Q8_GROUP = 32  # inputs that share an int8 weight's scale and offset
-Q8_BYTES_PER_WEIGHT = Q8_BLOCK_BYTES / 256  # 8 rows x 32 inputs: 256 bytes of weights, 8 scales and 8 offsets
 # A chain pass over more positions than a round can score (k <= MAX_DRAFT_TOKENS drafts and the pending token) holds
-# a prompt: it runs the bulk kernel, oneDNN's float32 GEMM and batched attention, which arithmetic rather than
-# weight streaming paces. Rounds, trees and plain decoding never reach it, so a prompt's prefill is the same for
-# speculation and plain decoding, and every token after it comes from fused.c.
+# a prompt: it runs the bulk kernel, fused.c's products over the same weights one operation at a time and batched
+# attention, which arithmetic rather than weight streaming paces. Rounds, trees and plain decoding never reach it,
+# so a prompt's prefill is the same for speculation and plain decoding, and every token after it comes from fused.c.
 PROMPT_POSITIONS = MAX_DRAFT_TOKENS + 2
 
 
@@ -110,21 +110,6 @@ def quantized8(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:  # [ceil(out 
     return packed_q8(q.view(rows, inputs), step[..., 0], low[..., 0]), bool(on_grid.all())
 
 
-def packed_q8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:  # uint8
-    """Bytes q [out, in] with w = scale q + offset per row and 32 inputs (scale, offset float32 [out, in / 32]) as
-    fused.c's Q8 reads them: blocks of 8 rows (the last padded with zeros), each group of 32 inputs as 4 x 8 rows x 8
-    bytes, then the 8 rows' scales and offsets (``block_q8x8``)."""
-    out, inputs = q.shape
-    rows, groups = -(-out // 8) * 8, inputs // Q8_GROUP
-    if rows != out:
-        q = torch.cat([q, q.new_zeros(rows - out, inputs)])
-        scale, offset = (torch.cat([t, t.new_zeros(rows - out, groups)]) for t in (scale, offset))
-    q = q.reshape(rows // 8, 8, groups, 4, 8).permute(0, 2, 3, 1, 4).reshape(rows // 8, groups, 256)
-    scales = scale.float().reshape(rows // 8, 8, groups).transpose(1, 2).contiguous().view(torch.uint8)
-    offsets = offset.float().reshape(rows // 8, 8, groups).transpose(1, 2).contiguous().view(torch.uint8)
-    return torch.cat([q, scales, offsets], dim=-1).flatten()
-
-
 def _matrices(layer) -> list[torch.Tensor]:
     """A layer's weight matrices as fused.c multiplies by them: qkv, out, gate and up, down."""
     attention, mlp = layer.self_attn, layer.mlp
@@ -137,52 +122,68 @@ class FusedWeights:
     """A model's weights as the fused runtime builds from them, whatever they were read from."""
 
     spec: LlamaSpec
-    # per fused.c matrix (each layer's qkv, out, gate_up and down, then the LM head): a float tensor [out, in], or
-    # its bytes, scales and offsets as a GGUF stores them (``stored.py``)
-    matrices: list
+    # per fused.c matrix (each layer's qkv, out, gate_up and down, then the LM head): a float tensor [out, in] (a
+    # module's, held as the runtime chooses), or the matrix as a GGUF stores it
+    matrices: list[torch.Tensor | StoredMatrix]
     input_norms: list[torch.Tensor]
     post_norms: list[torch.Tensor]
     qkv_biases: list[torch.Tensor | None]
-    streamed_parameters: int  # the weights a one-position pass reads (its LM head, not its embedding row)
-    bulk: Callable[[], tuple[list[TorchLayer], Linear]]  # the float32 layers and LM head of a prompt's bulk pass
 
 
 def module_weights(model, gguf: str | Path | None = None) -> FusedWeights:
-    """A transformers module's weights; each matrix the GGUF it came from stores in Q4_0, Q4_1 or Q8_0 blocks, as
-    stored."""
-    config, layers = model.config, model.model.layers
+    """A transformers module's weights; each matrix the GGUF it came from stores in a block format, as stored."""
+    layers = model.model.layers
     matrices = [matrix.detach() for layer in layers for matrix in _matrices(layer)]
     matrices.append(model.get_output_embeddings().weight.detach())
     if gguf is not None:
         matrices = [stored if stored is not None else matrix
-                    for matrix, stored in zip(matrices, module_blocks(matrices, GGUFFile(gguf), config))]
+                    for matrix, stored in zip(matrices, module_blocks(matrices, GGUFFile(gguf), model.config))]
     return FusedWeights(
         spec=spec_of_module(model), matrices=matrices,
         input_norms=[layer.input_layernorm.weight.detach() for layer in layers],
         post_norms=[layer.post_attention_layernorm.weight.detach() for layer in layers],
-        qkv_biases=[_qkv_bias(layer) for layer in layers], streamed_parameters=streamed_parameters(model),
-        bulk=lambda: build_layers(model, "float32", torch.float32))
+        qkv_biases=[_qkv_bias(layer) for layer in layers])
 
 
 def gguf_weights(source: GGUFFile) -> FusedWeights:
-    """A GGUF file's weights, from the file alone (``gguf_unavailable`` first)."""
+    """A GGUF file's weights, from the file alone (``gguf_unavailable`` first): its matrices from their packed copy
+    in specdec's cache, else repacked (with a line of progress) and kept there for the next start."""
     spec = spec_of_gguf(source)
-    matrices = gguf_blocks(source, spec.layers, spec.heads, spec.kv_heads)
+    kept = packed_file.packed_path(source.path)
+    packed = packed_file.read(kept)
+    if packed is not None and len(packed) != 4 * spec.layers + 1:
+        packed = None
+    progress = None if packed is not None else _Progress(f"specdec: packing {source.path.name} for the fused runtime")
+    matrices = gguf_matrices(source, spec.layers, spec.heads, spec.kv_heads, packed, progress)
+    if packed is None:
+        progress.done(kept)
+        try:
+            packed_file.write(kept, matrices)
+        except OSError as error:  # a cache that cannot be written: the next start packs again
+            print(f"specdec: could not keep the packed copy ({error})", file=sys.stderr)
     norm = lambda name: torch.from_numpy(dequantized(source.tensors[name]).copy())  # noqa: E731
-
-    def bulk() -> tuple[list[TorchLayer], Linear]:
-        floats = [_float(matrix) for matrix in matrices]
-        layers = [layer_of(norm(f"blk.{i}.attn_norm.weight"), norm(f"blk.{i}.ffn_norm.weight"),
-                           *floats[4 * i : 4 * i + 4], "float32", torch.float32) for i in range(spec.layers)]
-        return layers, make_linear(floats[-1], None, "float32")
-
     return FusedWeights(
         spec=spec, matrices=matrices,
         input_norms=[norm(f"blk.{i}.attn_norm.weight") for i in range(spec.layers)],
         post_norms=[norm(f"blk.{i}.ffn_norm.weight") for i in range(spec.layers)],
-        qkv_biases=[None] * spec.layers,
-        streamed_parameters=sum(_rows(m) * _columns(m) for m in matrices) + (2 * spec.layers + 1) * spec.hidden,
-        bulk=bulk)
+        qkv_biases=[matrices[4 * i].bias for i in range(spec.layers)])
+
+
+class _Progress:
+    """One line on standard error, redrawn as matrices are packed (where it is a terminal: else once, at the end)."""
+
+    def __init__(self, what: str) -> None:
+        self.what, self.started = what, time.perf_counter()
+        self.live = sys.stderr.isatty()
+
+    def __call__(self, done: int, count: int) -> None:
+        if self.live:
+            print(f"\r{self.what}: {done}/{count} matrices", end="", file=sys.stderr, flush=True)
+
+    def done(self, kept: Path) -> None:
+        seconds = time.perf_counter() - self.started
+        print(f"{chr(13) if self.live else ''}{self.what}: done in {seconds:.1f} s (once; kept in {kept.parent})",
+              file=sys.stderr)
 
 
 def gguf_unavailable(source: GGUFFile) -> str | None:
@@ -197,14 +198,20 @@ def gguf_unavailable(source: GGUFFile) -> str | None:
     if any(size % Q8_GROUP for size in sizes[::2]) or sizes[1] % 8 or sizes[1] > MAX_HEAD_DIM:
         return f"its sizes (hidden, head, intermediate: {sizes}) do not fit its int8 tiles"
     names = tensor_names(source.field(f"{arch}.block_count"), source.tensors)
-    found = {source.tensors[name].type_name for parts in names for name in parts if name in source.tensors}
     if any(name not in source.tensors for parts in names for name in parts):
         return "it lacks some of a layer's matrices"
-    if not found <= set(Q8_STORED):
-        return f"its matrices are stored as {', '.join(sorted(found - set(Q8_STORED)))}, not read directly yet"
-    if any(f"blk.{i}.attn_{part}.bias" in source.tensors for i in range(1) for part in ("q", "k", "v")):
-        return "its q, k and v projections have biases"
+    if any(f"blk.0.{part}.bias" in source.tensors for part in ("attn_output", "ffn_gate", "ffn_up", "ffn_down")):
+        return "its output or feed-forward projections have biases"
     return None
+
+
+def _held(weight: torch.Tensor, weights: str) -> StoredMatrix:
+    """A module's matrix in int8 or float16, or (auto) int8 where that keeps it exactly."""
+    if weights != "float16":
+        packed, exact = quantized8(weight)
+        if exact or weights == "int8":
+            return StoredMatrix("int8", weight.shape[0], weight.shape[1], packed)
+    return float_matrix(weight.detach(), "float16")
 
 
 def _qkv_bias(layer) -> torch.Tensor | None:
@@ -214,21 +221,6 @@ def _qkv_bias(layer) -> torch.Tensor | None:
     return torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.weight.shape[0]) for p in projections])
 
 
-def _float(matrix) -> torch.Tensor:  # [out, in] float32
-    if isinstance(matrix, torch.Tensor):
-        return matrix.float()
-    q, scale, offset = matrix
-    return (q.view(q.shape[0], -1, Q8_GROUP).float() * scale[..., None] + offset[..., None]).view(q.shape)
-
-
-def _rows(matrix) -> int:
-    return matrix.shape[0] if isinstance(matrix, torch.Tensor) else matrix[0].shape[0]
-
-
-def _columns(matrix) -> int:
-    return matrix.shape[1] if isinstance(matrix, torch.Tensor) else matrix[0].shape[1]
-
-
 class FusedRuntime(LlamaSequence, Pooled):
     """The CausalLM protocol for llama-family models, every pass one call into fused.c."""
 
@@ -236,11 +228,11 @@ class FusedRuntime(LlamaSequence, Pooled):
     pass_invariant = True  # fused.c computes each row alone; a prompt's bulk pass runs the same row kernels
 
     def __init__(self, model, weights: str = "auto", gguf: str | Path | None = None) -> None:
-        """``weights``: float16; int8 with a float scale and offset per 32 inputs (``quantized8``); or auto: int8
-        where that keeps every weight exactly (a GGUF's Q4_0, Q4_1 and Q8_0 weights: the default model's), so that
-        the logits lose nothing and a pass streams 5/8 of float16's bytes, else float16. ``gguf``: the GGUF file
-        ``model`` was converted from, whose Q4_0, Q4_1 and Q8_0 blocks are then repacked as stored
-        (``stored.py``), where the module's weights are searched for their grid otherwise."""
+        """``weights``: float16; int8 with a float scale and offset per 32 inputs (``quantized8``); or auto: per
+        matrix, int8 where that keeps every weight exactly (a GGUF's Q4_0, Q4_1 and Q8_0 weights: the default
+        model's), so that the logits lose nothing and a pass streams 5/8 of float16's bytes, else float16. ``gguf``:
+        the GGUF file ``model`` was converted from, whose block formats are then repacked as stored (``stored.py``),
+        where the module's weights are searched for their grid otherwise."""
         if weights not in WEIGHTS + ("auto",):
             raise ValueError(f"the fused runtime holds weights in {' or '.join(WEIGHTS)} (or auto), not {weights}")
         reason = unavailable(model, "float16" if weights == "auto" else weights)
@@ -252,29 +244,29 @@ class FusedRuntime(LlamaSequence, Pooled):
 
     @classmethod
     def from_gguf(cls, path: str | Path | GGUFFile) -> FusedRuntime:
-        """The runtime of a GGUF file's model, read from the file alone: its metadata, its Q4_0, Q4_1 and Q8_0
-        blocks as stored, no transformers module and no de-quantised copy of its matrices (a prompt's bulk pass
-        de-quantises them once, when the first prompt needs it). :func:`gguf_unavailable` says where it cannot."""
+        """The runtime of a GGUF file's model, read from the file alone: its metadata, and each matrix in its
+        stored format (``stored.py``), no transformers module and no de-quantised copy of its matrices.
+        :func:`gguf_unavailable` says where it cannot."""
         source = path if isinstance(path, GGUFFile) else GGUFFile(path)
         reason = gguf_unavailable(source)
         if reason is not None:
             raise FusedUnavailable(f"the fused runtime cannot read {source.path.name} directly: {reason}")
         runtime = cls.__new__(cls)
-        runtime._start(gguf_weights(source), "int8")
+        runtime._start(gguf_weights(source), "stored")
         return runtime
 
     def _start(self, source: FusedWeights, weights: str) -> None:
         super().__init__(source.spec, torch.float32)
         self._library = native.library()
         self.threads = native.use_threads()
-        self.weights = weights
-        self.stored_matrices = sum(not isinstance(m, torch.Tensor) for m in source.matrices)  # repacked as stored
+        self.stored_matrices = sum(isinstance(m, StoredMatrix) for m in source.matrices)  # repacked as stored
+        self._matrices = self._held_matrices(source, weights)
+        self.weights = "+".join(sorted({matrix.format for matrix in self._matrices}))
         self._model = self._c_model(source)
-        bytes_per_weight = Q8_BYTES_PER_WEIGHT if self.weights == "int8" else 2
-        self.weight_bytes = int(source.streamed_parameters * bytes_per_weight)
+        norms = sum(norm.numel() for norm in source.input_norms + source.post_norms) + source.spec.hidden
+        self.weight_bytes = sum(matrix.nbytes for matrix in self._matrices) + 4 * norms
         self._pass_cache: tuple[int, PassCache] | None = None  # (the cache's generation, what fused.c reads of it)
-        self._bulk_source = source.bulk  # makes the bulk kernel's float32 weights when a prompt first needs them
-        self._bulk: tuple[list[TorchLayer], Linear] | None = None
+        self._bulk = self._bulk_layers(source)
 
     @property
     def precision_label(self) -> str:
@@ -294,10 +286,15 @@ class FusedRuntime(LlamaSequence, Pooled):
         return chain and positions >= PROMPT_POSITIONS
 
     def bulk_weights(self) -> tuple[list[TorchLayer], Linear]:
-        """The bulk kernel's float32 layers and LM head, made once, when a prompt first needs them."""
-        if self._bulk is None:
-            self._bulk = self._bulk_source()
+        """The bulk kernel's layers and LM head: fused.c's products over the same matrices, one operation at a
+        time (no copy of the weights)."""
         return self._bulk
+
+    def _bulk_layers(self, source: FusedWeights) -> tuple[list[TorchLayer], Linear]:
+        layers = [TorchLayer(input_norm.float(), post_norm.float(),
+                             *(native.MatrixProduct(getattr(struct, name)) for name in MATRIX_NAMES))
+                  for struct, input_norm, post_norm in zip(self._layer_structs, source.input_norms, source.post_norms)]
+        return layers, native.MatrixProduct(self._model.lm_head)
 
     def head_for(self, positions: int, chain: bool = True) -> Linear:
         return self.bulk_weights()[1] if self.runs_bulk(positions, chain) else self._lm_head
@@ -319,21 +316,15 @@ class FusedRuntime(LlamaSequence, Pooled):
 
         return FusedPool(self, max_slots, max_length)
 
+    def _held_matrices(self, source: FusedWeights, weights: str) -> list[StoredMatrix]:
+        """Each matrix as fused.c reads it: as stored, or a module's in ``weights``: int8 (``quantized8``), float16,
+        or auto: int8 where ``quantized8`` keeps every weight of the matrix exactly, else float16."""
+        return [matrix if isinstance(matrix, StoredMatrix) else _held(matrix, weights) for matrix in source.matrices]
+
     def _c_model(self, source: FusedWeights) -> Model:
-        """The C model over copies of the weights as fused.c reads them (kept here, as fused.c points into them)."""
-        packed = []
-        if self.weights in ("int8", "auto"):
-            for matrix in source.matrices:
-                packed.append(quantized8(matrix) if isinstance(matrix, torch.Tensor) else (packed_q8(*matrix), True))
-                if self.weights == "auto" and not packed[-1][1]:  # not on a grid: float16, asking no further
-                    self.weights = "float16"
-                    break
-            else:
-                self.weights = "int8"
-        if self.weights == "float16":
-            packed = [(repacked(_float(matrix)), True) for matrix in source.matrices]
-        self._kept = [blob for blob, _ in packed]
-        addresses = iter(blob.data_ptr() for blob in self._kept)
+        """The C model over the held matrices and copies of the norms and biases (kept here, as fused.c points into
+        them)."""
+        self._kept = []
 
         def held(tensor: torch.Tensor | None) -> int | None:
             if tensor is None:
@@ -342,16 +333,19 @@ class FusedRuntime(LlamaSequence, Pooled):
             self._kept.append(tensor)
             return tensor.data_ptr()
 
+        for matrix, bias in zip(self._matrices[0::4], source.qkv_biases):
+            if bias is not None:
+                matrix.bias = bias.detach().float().contiguous()
         spec = source.spec
         structs = (Layer * spec.layers)()
-        for struct, input_norm, post_norm, bias in zip(structs, source.input_norms, source.post_norms,
-                                                       source.qkv_biases):
-            struct.input_norm, struct.post_norm, struct.qkv_bias = held(input_norm), held(post_norm), held(bias)
-            struct.qkv, struct.out, struct.gate_up, struct.down = (next(addresses) for _ in range(4))
+        for i, (struct, input_norm, post_norm) in enumerate(zip(structs, source.input_norms, source.post_norms)):
+            struct.input_norm, struct.post_norm = held(input_norm), held(post_norm)
+            for name, matrix in zip(MATRIX_NAMES, self._matrices[4 * i : 4 * i + 4]):
+                setattr(struct, name, matrix.struct())
         self._layer_structs = structs
+        head = self._matrices[-1]
         return Model(spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, spec.intermediate,
-                     _rows(source.matrices[-1]), spec.eps, structs, held(spec.final_norm), next(addresses),
-                     FORMAT[self.weights])
+                     head.outputs, spec.eps, structs, held(spec.final_norm), head.struct())
 
     def _cache(self) -> PassCache:
         """What fused.c reads of this sequence's cache, made again after the cache moved."""

@@ -1,21 +1,82 @@
-"""A GGUF's Q4_0, Q4_1 and Q8_0 weights repacked for fused.c as they are stored (``gguf_file.q8_rows``): exact, and
-with no search for each block's grid (``quantized8``: 7 s of the default model's start).
+"""Weight matrices as fused.c's tiles read them (:class:`StoredMatrix`), and a GGUF's matrices repacked as they are
+stored: its block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) as bytes with a float scale and offset
+per 32 inputs (16 for Q6_K: ``gguf_file.q8_rows``), F16 and BF16 as they are, F32 as float32. Exact, and with no
+search for each block's grid (``quantized8``: 7 s of the default model's start) and no transformers module.
 
 Each of fused.c's matrices (a layer's q, k and v; its output; gate and up; down; the LM head) is the GGUF tensors of
-those names, rows concatenated. llama.cpp's converter reorders q's and k's rows for llama models (its rotary layout);
-the order that gives the transformers module's own weights, value for value, is the one taken, and a matrix whose
-stored weights match the module's in no order is left to ``quantized8``.
+those names, rows concatenated, in the one format that holds each of them exactly: the finer grid where their groups
+differ, float32 where they mix floats and blocks. llama.cpp's converter reorders q's and k's rows for llama models
+(its rotary layout), and that is undone; qwen2's are stored in the module's order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-from specdec.backends.gguf_file import Q8_STORED, GGUFFile, q8_rows
+from specdec.backends.gguf_file import Q8_STORED, GGUFFile, dequantized, grid_group, q8_rows
+from specdec.backends.native import FORMAT, Matrix, repacked
 
 # fused.c's matrices of layer i, as GGUF tensor names: qkv, out, gate_up, down (``runtime._matrices``' order)
 LAYER_TENSORS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
+FLOAT_STORED = {"F16": "float16", "BF16": "bfloat16"}  # kept as they are; F32, and mixtures, as float32
+PERMUTED_ARCHITECTURES = ("llama",)  # whose q and k rows llama.cpp's converter interleaved (``_unpermuted``)
+
+
+@dataclass
+class StoredMatrix:
+    """A weight matrix [outputs, inputs] as fused.c's tiles read it: ``packed`` in ``format`` (native.FORMAT's
+    names), with its bias (float32 [outputs]) or None."""
+
+    format: str
+    outputs: int
+    inputs: int
+    packed: torch.Tensor
+    bias: torch.Tensor | None = None
+
+    def struct(self) -> Matrix:
+        """fused.c's Matrix over this one's bytes (which the caller keeps alive with this object)."""
+        bias = None if self.bias is None else self.bias.data_ptr()
+        return Matrix(FORMAT[self.format], self.inputs, self.outputs, self.packed.data_ptr(), bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size()
+
+
+def byte_grid(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> StoredMatrix:
+    """Bytes q [out, in] with w = scale q + offset per group of 32 or 16 inputs (scale, offset float32
+    [out, in / group]), packed as fused.c's Q8 (Q8H) reads them (:func:`packed_q8`)."""
+    group = q.shape[1] // scale.shape[1]
+    return StoredMatrix("int8" if group == 32 else "int8_group16", q.shape[0], q.shape[1],
+                        packed_q8(q, scale.float(), offset.float()))
+
+
+def float_matrix(values: torch.Tensor, precision: str) -> StoredMatrix:
+    """Float weights [out, in], held in ``precision``, repacked for the float tiles."""
+    return StoredMatrix(precision, values.shape[0], values.shape[1], repacked(values, getattr(torch, precision)))
+
+
+def packed_q8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:  # uint8
+    """Bytes q [out, in] with w = scale q + offset per row and group of 32 (16) inputs as fused.c's Q8 (Q8H) reads
+    them: blocks of 8 rows (the last padded with zeros), each 32 inputs as 4 x 8 rows x 8 bytes, then the 8 rows'
+    scales, then their offsets, one set of 8 per group (``block_q8x8``, ``block_q8x16``)."""
+    out, inputs = q.shape
+    sets = scale.shape[1] * 32 // inputs  # scale and offset sets per 32 inputs
+    rows, blocks = -(-out // 8) * 8, inputs // 32
+    if rows != out:
+        q = torch.cat([q, q.new_zeros(rows - out, inputs)])
+        scale, offset = (torch.cat([t, t.new_zeros(rows - out, t.shape[1])]) for t in (scale, offset))
+    q = q.reshape(rows // 8, 8, blocks, 4, 8).permute(0, 2, 3, 1, 4).reshape(rows // 8, blocks, 256)
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:  # [rows, blocks * sets] -> [rows / 8, blocks, sets * 8 * 4]
+        t = t.float().reshape(rows // 8, 8, blocks, sets).permute(0, 2, 3, 1).contiguous()
+        return t.view(torch.uint8).reshape(rows // 8, blocks, -1)
+
+    return torch.cat([q, per_block(scale), per_block(offset)], dim=-1).flatten()
 
 
 def tensor_names(layers: int, tensors: dict) -> list[list[str]]:
@@ -25,30 +86,49 @@ def tensor_names(layers: int, tensors: dict) -> list[list[str]]:
 
 
 def stored_q8(gguf: GGUFFile, names: list[str], weight: torch.Tensor, heads: int, kv_heads: int
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """q, scale, offset of the matrix the tensors ``names`` make, where each is stored as Q4_0, Q4_1 or Q8_0 and
-    they hold ``weight`` [out, in] (the module's de-quantised copy) value for value; else None."""
+              ) -> StoredMatrix | None:
+    """The matrix the tensors ``names`` make, as stored, where each is in one of Q8_STORED's block formats and
+    they hold ``weight`` [out, in] (the module's de-quantised copy) value for value, in the stored row order or with
+    llama.cpp's q and k reordering undone; else None."""
     tensors = [gguf.tensors.get(name) for name in names]
     if any(t is None or t.type_name not in Q8_STORED for t in tensors):
         return None
-    parts = [q8_rows(t) for t in tensors]
-    if sum(q.shape[0] for q, _, _ in parts) != weight.shape[0] or parts[0][0].shape[1] != weight.shape[1]:
+    if sum(t.shape[0] for t in tensors) != weight.shape[0] or tensors[0].shape[1] != weight.shape[1]:
         return None
-    reference = weight.detach().float().numpy()
-    for orders in _row_orders(names, [q.shape[0] for q, _, _ in parts], heads, kv_heads):
-        q, scale, offset = (np.concatenate([part[j][order] for part, order in zip(parts, orders)]) for j in range(3))
-        values = (q.reshape(q.shape[0], -1, 32) * scale[..., None] + offset[..., None]).reshape(q.shape)
-        if np.array_equal(values, reference):
-            return torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(offset)
+    for permuted in (False, True):
+        matrix = _grid_matrix(tensors, _row_orders(names, [t.shape[0] for t in tensors], heads, kv_heads, permuted))
+        if torch.equal(_grid_values(matrix), weight.detach().float()):
+            return byte_grid(*matrix)
     return None
 
 
-def _row_orders(names: list[str], rows: list[int], heads: int, kv_heads: int) -> list[list[np.ndarray]]:
-    """The row orders to try, per tensor: as stored; then with llama.cpp's q and k reordering undone."""
-    stored = [np.arange(n) for n in rows]
-    undone = [_unpermuted(n, heads if ".attn_q." in name else kv_heads) if ".attn_q." in name or ".attn_k." in name
-              else np.arange(n) for name, n in zip(names, rows)]
-    return [stored, undone]
+def _grid_matrix(tensors, orders) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, scale and offset of the tensors' rows in ``orders``, concatenated, on the finest of their groups."""
+    group = min(grid_group(t.type_name) for t in tensors)
+    parts = []
+    for tensor, order in zip(tensors, orders):
+        q, scale, offset = q8_rows(tensor)
+        repeat = grid_group(tensor.type_name) // group  # a coarser grid's scale, once per finer group
+        parts.append((q[order], np.repeat(scale[order], repeat, axis=1), np.repeat(offset[order], repeat, axis=1)))
+    return tuple(torch.from_numpy(np.concatenate([part[j] for part in parts])) for j in range(3))
+
+
+def _grid_values(matrix) -> torch.Tensor:  # [out, in] float32
+    q, scale, offset = matrix
+    group = q.shape[1] // scale.shape[1]
+    return (q.view(q.shape[0], -1, group).float() * scale[..., None] + offset[..., None]).view(q.shape)
+
+
+def _row_orders(names: list[str], rows: list[int], heads: int, kv_heads: int, permuted: bool
+                ) -> list[np.ndarray]:
+    """Per tensor, the stored row that holds each of the module's rows: as stored, or (``permuted``) with
+    llama.cpp's q and k reordering undone."""
+    def order(name: str, n: int) -> np.ndarray:
+        if permuted and (".attn_q." in name or ".attn_k." in name):
+            return _unpermuted(n, heads if ".attn_q." in name else kv_heads)
+        return np.arange(n)
+
+    return [order(name, n) for name, n in zip(names, rows)]
 
 
 def _unpermuted(rows: int, heads: int) -> np.ndarray:
@@ -58,21 +138,48 @@ def _unpermuted(rows: int, heads: int) -> np.ndarray:
     return np.argsort(written)
 
 
-def module_blocks(matrices: list[torch.Tensor], source: GGUFFile, config) -> list:
-    """Per fused.c matrix of a module converted from ``source``: its q, scale and offset as stored, or None."""
+def module_blocks(matrices: list[torch.Tensor], source: GGUFFile, config) -> list[StoredMatrix | None]:
+    """Per fused.c matrix of a module converted from ``source``: that matrix as stored, or None."""
     names = tensor_names(config.num_hidden_layers, source.tensors)
     return [stored_q8(source, parts, matrix, config.num_attention_heads, config.num_key_value_heads)
             for parts, matrix in zip(names, matrices)]
 
 
-def gguf_blocks(source: GGUFFile, layers: int, heads: int, kv_heads: int) -> list:
-    """Per fused.c matrix, its q, scale and offset as the file stores them, with llama.cpp's q and k row order
-    undone (a llama GGUF's: ``family.gguf_uncovered`` admits no other)."""
+def gguf_matrices(source: GGUFFile, layers: int, heads: int, kv_heads: int, packed: list[StoredMatrix] | None = None,
+                  progress: Callable[[int, int], None] | None = None) -> list[StoredMatrix]:
+    """Per fused.c matrix, as the file stores it, with its bias (qwen2's q, k and v), in the module's row order:
+    from ``packed`` where given (the matrices packed before, ``packed_file.py``), else repacked from the file, with
+    ``progress(done, count)`` after each."""
+    permuted = source.field("general.architecture") in PERMUTED_ARCHITECTURES
+    names = tensor_names(layers, source.tensors)
     matrices = []
-    for parts in tensor_names(layers, source.tensors):
+    for index, parts in enumerate(names):
         tensors = [source.tensors[name] for name in parts]
-        orders = _row_orders(parts, [t.shape[0] for t in tensors], heads, kv_heads)[1]
-        rows = [q8_rows(t) for t in tensors]
-        matrices.append(tuple(torch.from_numpy(np.concatenate([part[j][order] for part, order in zip(rows, orders)]))
-                              for j in range(3)))
+        orders = _row_orders(parts, [t.shape[0] for t in tensors], heads, kv_heads, permuted)
+        matrix = packed[index] if packed is not None else _stored(tensors, orders)
+        matrix.bias = _bias(source, parts, orders)
+        matrices.append(matrix)
+        if progress is not None:
+            progress(index + 1, len(names))
     return matrices
+
+
+def _stored(tensors, orders) -> StoredMatrix:
+    types = {t.type_name for t in tensors}
+    if types <= set(Q8_STORED):
+        return byte_grid(*_grid_matrix(tensors, orders))
+    values = torch.from_numpy(np.concatenate([dequantized(t).reshape(t.shape[0], -1)[order]
+                                              for t, order in zip(tensors, orders)]))
+    precision = FLOAT_STORED.get(types.pop()) if len(types) == 1 else None
+    return float_matrix(values, precision or "float32")  # float16 and bfloat16 values are exact in their type
+
+
+def _bias(source: GGUFFile, names: list[str], orders: list[np.ndarray]) -> torch.Tensor | None:
+    """The tensors' biases (``.bias`` beside ``.weight``) in the rows' order, zeros for one without; None if none
+    has one."""
+    biases = [source.tensors.get(name.replace(".weight", ".bias")) for name in names]
+    if all(b is None for b in biases):
+        return None
+    return torch.from_numpy(np.concatenate([
+        dequantized(b)[order] if b is not None else np.zeros(len(order), dtype=np.float32)
+        for b, order in zip(biases, orders)]).astype(np.float32))

@@ -1,0 +1,153 @@
+"""The fused runtime reading GGUF files of every block format and architecture it covers, from the file alone
+(specdec/backends/gguf_file.py, specdec/backends/fused/stored.py): each format's weights as gguf-py de-quantises
+them, bit for bit; logits against a float32 reference (transformers' own module of the same file) and against
+llama.cpp's on the same file; rows alone and in passes; and greedy output with speculation that of plain decoding.
+
+Tiny random GGUFs: llama and qwen2 (biases on q, k and v; q and k in the module's row order), hidden 256 so that
+llama.cpp's K-quant mixes (Q4_K_M: Q4_K with Q6_K for the output and some attn_v and ffn_down; Q5_K_M; Q6_K) keep
+whole blocks of 256.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from runtime_checks import check_runtime
+from tiny import float32_error
+from tiny_gguf import write_tiny_gguf
+
+from specdec.backends.fused import FusedRuntime, gguf_unavailable
+from specdec.backends.gguf_file import GGUFFile, dequantized
+from specdec.bench.numerics import reference_module
+
+FORMATS = ["Q4_K_M", "Q5_K_M", "Q6_K", "Q5_0", "Q5_1", "F16", "BF16", "F32"]
+SHAPE = {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "ffn": 512}
+IDS = [(37 * i) % 3000 + 10 for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> Callable[[str, str], Path]:
+    """The file of an architecture and a format, written when first asked for."""
+    folder = tmp_path_factory.mktemp("gguf-formats")
+
+    @functools.cache
+    def file(arch: str, kind: str) -> Path:
+        return write_tiny_gguf(folder / f"tiny-{arch}-{kind}.gguf", seed=0, tensor_type=kind, architecture=arch,
+                               **SHAPE)
+
+    return file
+
+
+def formats(fast: tuple[str, ...]) -> list:
+    """FORMATS, those not in ``fast`` marked slow."""
+    return [kind if kind in fast else pytest.param(kind, marks=pytest.mark.slow) for kind in FORMATS]
+
+
+@pytest.mark.parametrize("kind", formats(("Q4_K_M", "Q5_K_M", "Q5_1")))
+def test_each_format_is_what_gguf_py_de_quantises(files, kind):
+    """Every tensor, bit for bit against gguf-py's reader (another implementation of the same formats)."""
+    path = files("qwen2", kind)
+    ours, theirs = GGUFFile(path), gguf.GGUFReader(path)
+    kinds = set()
+    for tensor in theirs.tensors:
+        mine = ours.tensors[tensor.name]
+        expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(mine.shape).astype(np.float32)
+        assert np.array_equal(dequantized(mine), expected), tensor.name
+        kinds.add(mine.type_name)
+    assert kind.removesuffix("_M") in kinds, "the file holds the format under test"
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_logits(files):
+    pytest.importorskip("llama_cpp")
+    from specdec.backends.llamacpp.runtime import GGUFModel, LlamaCppLM
+
+    def logits(path: Path) -> torch.Tensor:
+        runtime = LlamaCppLM(GGUFModel(path), max_length=64, threads=2)
+        return torch.as_tensor(np.asarray(runtime.extend(IDS, len(IDS)))).float()
+
+    return logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", formats(("Q4_K_M",)))
+def test_logits_against_a_float32_reference_and_llama_cpp(files, llama_cpp_logits, arch, kind):
+    """Read from the file alone, the runtime computes the model the file holds: its logits are within 4x
+    transformers' own float32 error (``tiny.float32_error``) of transformers' float32 module of the same file, and
+    no farther from it than llama.cpp's logits on the same file are."""
+    path = files(arch, kind)
+    assert gguf_unavailable(GGUFFile(path)) is None
+    fused = FusedRuntime.from_gguf(path)
+    module = reference_module(path)
+    with torch.no_grad():
+        reference = module(torch.tensor([IDS])).logits[0].float()
+    ours = (fused.extend(IDS, len(IDS)) - reference).abs().max().item()
+    theirs = (llama_cpp_logits(path) - reference).abs().max().item()
+    assert ours <= 4 * float32_error(module, IDS)
+    assert ours <= theirs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_k_quant_runtime_is_what_the_house_asks_of_a_runtime(files, arch):
+    """Declarations, cache and rollback, and the pool: rows alone = in a pass = beside other sequences, bit for bit,
+    with the mixed formats of a Q4_K_M file (Q4_K, Q6_K) and qwen2's biases."""
+    runtime = FusedRuntime.from_gguf(files(arch, "Q4_K_M"))
+    assert set(runtime.weights.split("+")) == {"int8", "int8_group16"}
+    check_runtime(runtime)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_speculation_keeps_plain_decodings_output_on_a_k_quant_file(files, arch):
+    """Greedy and seeded (the invariant sampler) output with prompt lookup and retrieval, at k = 4 and auto, is
+    plain decoding's, token for token."""
+    from specdec.api import SpecDecoder
+
+    path = str(files(arch, "Q4_K_M"))
+    prompt = "the quick brown fox jumps over the lazy dog " * 4
+    outputs = {}
+    for drafter in ("none", "prompt-lookup", "retrieval"):
+        decoder = SpecDecoder.load(path, drafter=drafter, backend="fused", threads=2)
+        for temperature, seed in ((0.0, None), (0.8, 7)):
+            for k in (4, "auto"):
+                result = decoder.generate(prompt, max_new_tokens=24, num_draft_tokens=k, temperature=temperature,
+                                          seed=seed, chat=False)
+                outputs.setdefault((temperature, seed), set()).add(tuple(result.token_ids))
+    assert all(len(found) == 1 for found in outputs.values()), outputs
+
+
+def test_the_packed_copy_gives_the_sources_logits_and_follows_the_source(files, tmp_path, monkeypatch, capsys):
+    """The first start packs the file (one line) and keeps the packed matrices in specdec's cache; the next reads
+    them memory-mapped, with the same logits bit for bit; a changed source file is packed anew; a corrupt or
+    truncated packed copy is said to be so in one line, and packed anew."""
+    import os
+
+    from specdec.backends.fused import packed_file
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    source = tmp_path / "model.gguf"
+    source.write_bytes(files("qwen2", "Q4_K_M").read_bytes())
+
+    def start() -> tuple[torch.Tensor, str]:
+        logits = FusedRuntime.from_gguf(source).extend(IDS, len(IDS))
+        return logits, capsys.readouterr().err
+
+    packed, said = start()
+    assert "packing model.gguf" in said and packed_file.packed_path(source).is_file()
+    again, said = start()
+    assert said == "" and torch.equal(again, packed)
+    stat = source.stat()
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the source changed
+    assert not packed_file.packed_path(source).is_file()
+    assert "packing model.gguf" in start()[1]
+    kept = packed_file.packed_path(source)
+    for damage in (lambda data: data[:-5000], lambda data: data[:-200] + bytes(200)):
+        kept.write_bytes(damage(kept.read_bytes()))
+        logits, said = start()
+        lines = said.strip().splitlines()
+        assert "stale or corrupt" in lines[0] and "packing model.gguf" in said and torch.equal(logits, packed)
