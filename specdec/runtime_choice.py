@@ -28,7 +28,7 @@ from specdec.backends.base import median_pass_seconds
 from specdec.cachefile import MeasurementCache
 from specdec.choices import parse_backend
 from specdec.logs import notice, verbose
-from specdec.models import default_model_path, load_gguf, load_model
+from specdec.models import load_gguf, load_model, model_path
 
 CACHE = MeasurementCache("backends.json", version=3)  # 2: the lean runtime on the row kernels; 3: its name
 CONTEXT_TOKENS = 64  # cached before the timed passes
@@ -49,8 +49,8 @@ def resolve_backend(backend: str, path: str | os.PathLike | None, dtype: str = "
     on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
     if not (on_cpu and dtype == "auto"):
         return "lean"
-    gguf = path is None or Path(path).suffix.lower() == ".gguf"
-    return auto_backend(default_model_path() if path is None else Path(path), gguf, threads)
+    source = model_path(path)
+    return auto_backend(source, source.suffix.lower() == ".gguf", threads)
 
 
 @dataclass(frozen=True)

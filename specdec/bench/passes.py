@@ -1,10 +1,13 @@
 """What a pass over n positions costs on each runtime, side by side in one run: the seed's Figure 1 as a table, with
 each runtime's roofline (its weights' bytes over the bandwidth this machine streams).
 
-    python -m specdec.bench.passes [--model FILE.gguf] [--threads 2] [--context 200] [--repeats 7]
+    python -m specdec.bench.passes [--model FILE.gguf] [--threads 2] [--context 200] [--repeats 7] [--lean]
 
-The runtimes: llama.cpp over the GGUF as stored, specdec's fused runtime (float16 weights, and int8 with a scale and
-offset per 32 inputs) and specdec's torch runtime (float16 through fbgemm, float32 through oneDNN). Each is fed the
+The runtimes: llama.cpp over the GGUF as stored, and specdec's fused runtime over the file's matrices as stored
+(``FusedRuntime.from_gguf``). Where the fused runtime cannot read the file directly, or with ``--lean``, the file is
+converted to a float32 transformers model for the fused runtime in float16 and int8 weights and the lean runtime in
+float16 and float32 (the conversion takes minutes and several times the file's size in memory for a model of
+billions of weights). Each is fed the
 same context; then passes over 1, 2, 3, 4, 5, 8 and 17 positions are timed, runtime after runtime within each
 repeat (one untimed pass first: the runtime before may still hold a core while its threads spin down), and the
 medians kept. The bandwidth is the probe of ``specdec bench``'s roofline (a float32 sum over 256 MiB or more,
@@ -23,14 +26,19 @@ from specdec.bench.roofline import bandwidth_probe
 POSITIONS = (1, 2, 3, 4, 5, 8, 17)
 
 
-def runtimes(model_path, threads: int) -> dict[str, object]:
-    from specdec.backends.fused import FusedRuntime, unavailable
+def runtimes(model_name, threads: int, lean: bool = False) -> dict[str, object]:
+    from specdec.backends.fused import FusedRuntime, gguf_unavailable, unavailable
+    from specdec.backends.gguf_file import GGUFFile
     from specdec.backends.lean import LeanRuntime
-    from specdec.models import default_model_path, load_gguf, load_model
+    from specdec.models import load_gguf, load_model, model_path
 
-    source = default_model_path() if model_path is None else model_path
-    model = load_model(source, dtype="float32", device="cpu", backend="lean").model
+    source = model_path(model_name)
     found = {"llama.cpp (GGUF as stored)": load_gguf(source, threads).runtime}
+    if gguf_unavailable(GGUFFile(source)) is None:
+        found["fused (as stored)"] = FusedRuntime.from_gguf(source)
+        if not lean:
+            return found
+    model = load_model(source, dtype="float32", device="cpu", backend="lean").model
     if unavailable(model) is None:
         found["fused (float16)"] = FusedRuntime(model, "float16")
     if unavailable(model, "int8") is None:
@@ -59,10 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--context", type=int, default=200, help="tokens cached before the timed passes")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--lean", action="store_true", help="also the runtimes of the file's float32 conversion")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    found = runtimes(args.model, torch.get_num_threads())
+    found = runtimes(args.model, torch.get_num_threads(), args.lean)
     context = [(100 + 37 * i) % 40000 for i in range(args.context)]
     bandwidth = bandwidth_probe(max(runtime.weight_bytes for runtime in found.values()))
     for runtime in found.values():
