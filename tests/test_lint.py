@@ -26,3 +26,11 @@ def test_the_layers_hold_and_no_imports_circle():
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-1000:]
     contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
     assert len(contracts) == 4 and f"Contracts: {len(contracts)} kept, 0 broken." in run.stdout  # none skipped
+
+
+def test_every_module_compiles_on_this_python():
+    """Every source file parses on the Python the suite runs on (the oldest the project supports in CI): a module no
+    test imports, such as a benchmark script, is caught here too."""
+    root = Path(__file__).resolve().parent.parent
+    for path in sorted((root / "specdec").rglob("*.py")):
+        compile(path.read_text(encoding="utf-8"), str(path), "exec")  # a SyntaxError names the file and line

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| runtime | largest logit difference | mean | argmax agreement | greedy tokens before parting (median) |")
     print("|---|---:|---:|---:|---:|")
     for name, row in rows.items():
-        print(f"| {name} | {max(row["max"]):.2e} | {statistics.mean(row["mean"]):.2e} | "
+        print(f"| {name} | {max(row['max']):.2e} | {statistics.mean(row['mean']):.2e} | "
               f"{statistics.mean(row['argmax']):.1%} | {statistics.median(row['parted']):.0f} of "
               f"{args.max_new_tokens} |")
     return 0
