@@ -93,11 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     from specdec.backends.fused import FusedRuntime
     from specdec.loading import encode_prompt
-    from specdec.models import load_gguf
+    from specdec.models import load_gguf, model_path
 
-    target = load_gguf(args.model, torch.get_num_threads())
-    runtimes = {"fused (as stored)": FusedRuntime.from_gguf(args.model), "llama.cpp": target.runtime}
-    reference = reference_module(args.model)
+    path = model_path(args.model)
+    target = load_gguf(path, torch.get_num_threads())
+    runtimes = {"fused (as stored)": FusedRuntime.from_gguf(path), "llama.cpp": target.runtime}
+    reference = reference_module(path)
 
     def score(runtime, ids: list[int]) -> torch.Tensor:
         runtime.rollback(0)
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             rows[name]["mean"].append(difference.mean().item())
             rows[name]["argmax"].append((got.argmax(-1) == expected.argmax(-1)).float().mean().item())
             rows[name]["parted"].append(parted_at(runtime_greedy(runtime, ids, args.max_new_tokens), answer))
-    print(f"{args.model}: {len(rows[next(iter(rows))]['max'])} prompts, {args.max_new_tokens} greedy tokens each, "
+    print(f"{path.name}: {len(rows[next(iter(rows))]['max'])} prompts, {args.max_new_tokens} greedy tokens each, "
           "against transformers' float32 module of the file's weights\n")
     print("| runtime | largest logit difference | mean | argmax agreement | greedy tokens before parting (median) |")
     print("|---|---:|---:|---:|---:|")

@@ -45,8 +45,8 @@ def _llamacpp(name: str, target, draft, k: int | str, eos: set[int], prompt_look
 
 
 def _threads_of(target) -> int:
-    """The CPU threads the target runs on: llama.cpp's, else torch's."""
-    return target.runtime.context.threads if target.runtime is not None else torch.get_num_threads()
+    """The CPU threads the target's runtime runs on (llama.cpp's, the fused runtime's team), else torch's."""
+    return getattr(target.runtime, "threads", None) or torch.get_num_threads()
 
 
 # the field's references: transformers' own assisted generation, and llama-cpp-python's own decoding on the same

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.backends.gguf_file import Q8_STORED, GGUFFile, dequantized, grid_group, q8_rows
-from specdec.backends.native import FORMAT, Matrix, repacked
+from specdec.backends.gguf_file import Q8_STORED, GGUFFile, Tensor, dequantized, grid_group, q8_rows
+from specdec.backends.native import FORMAT, Q8_BLOCK_BYTES, Matrix, repacked
 
 # fused.c's matrices of layer i, as GGUF tensor names: qkv, out, gate_up, down (``runtime._matrices``' order)
 LAYER_TENSORS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
 FLOAT_STORED = {"F16": "float16", "BF16": "bfloat16"}  # kept as they are; F32, and mixtures, as float32
 PERMUTED_ARCHITECTURES = ("llama",)  # whose q and k rows llama.cpp's converter interleaved (``_unpermuted``)
+CHUNK_ROWS = 8192  # rows decoded and packed at a time (a multiple of the tiles' 8)
 
 
 @dataclass
@@ -113,6 +114,29 @@ def _grid_matrix(tensors, orders) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return tuple(torch.from_numpy(np.concatenate([part[j] for part in parts])) for j in range(3))
 
 
+def _packed_grid(tensors, orders) -> StoredMatrix:
+    """The tensors' rows in ``orders`` on the finest of their grids, packed :data:`CHUNK_ROWS` rows at a time into
+    one buffer: the memory a matrix takes while it is packed is its packed size and a chunk's, where decoding it
+    whole took several times its size (150k rows of an LM head)."""
+    group = min(grid_group(t.type_name) for t in tensors)
+    inputs, rows = tensors[0].shape[1], sum(len(order) for order in orders)
+    if any(len(order) % 8 for order in orders[:-1]):  # a part that ends inside a block of 8 rows: whole
+        return byte_grid(*_grid_matrix(tensors, orders))
+    block_bytes = Q8_BLOCK_BYTES["int8" if group == 32 else "int8_group16"]
+    packed = torch.empty(-(-rows // 8) * (inputs // 32) * block_bytes, dtype=torch.uint8)
+    at = 0
+    for tensor, order in zip(tensors, orders):
+        repeat = grid_group(tensor.type_name) // group  # a coarser grid's scale, once per finer group
+        for start in range(0, len(order), CHUNK_ROWS):
+            chunk = order[start : start + CHUNK_ROWS]
+            q, scale, offset = q8_rows(Tensor(tensor.name, tensor.type_name, (len(chunk), inputs), tensor.data[chunk]))
+            piece = packed_q8(torch.from_numpy(q), torch.from_numpy(np.repeat(scale, repeat, axis=1)),
+                              torch.from_numpy(np.repeat(offset, repeat, axis=1)))
+            packed[at : at + len(piece)] = piece
+            at += len(piece)
+    return StoredMatrix("int8" if group == 32 else "int8_group16", rows, inputs, packed)
+
+
 def _grid_values(matrix) -> torch.Tensor:  # [out, in] float32
     q, scale, offset = matrix
     group = q.shape[1] // scale.shape[1]
@@ -167,7 +191,7 @@ def gguf_matrices(source: GGUFFile, layers: int, heads: int, kv_heads: int, pack
 def _stored(tensors, orders) -> StoredMatrix:
     types = {t.type_name for t in tensors}
     if types <= set(Q8_STORED):
-        return byte_grid(*_grid_matrix(tensors, orders))
+        return _packed_grid(tensors, orders)
     values = torch.from_numpy(np.concatenate([dequantized(t).reshape(t.shape[0], -1)[order]
                                               for t, order in zip(tensors, orders)]))
     precision = FLOAT_STORED.get(types.pop()) if len(types) == 1 else None

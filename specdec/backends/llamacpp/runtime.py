@@ -239,6 +239,7 @@ class LlamaCppLM(FeatureSource, Pooled):
             notice(f"{model.path.name} was trained on {model.trained_context} positions; prompt and answer together "
                    f"get {self.max_length} here")
         self.context = LlamaCppContext(model, self.max_length, 1, threads)
+        self.threads = self.context.threads
         self.vocab_size = model.vocab_size
         self.weight_bytes = model.weight_bytes
         self.tokens: list[int] = []
