@@ -97,6 +97,7 @@ def test_a_gguf_whose_rows_depend_on_the_pass_is_named_in_one_notice(tmp_path):
     notice, summary = result.stderr.splitlines()
     assert notice.startswith("specdec: f32.gguf: llama.cpp (F32 weights, this build) computes a position's logits "
                              "differently alone and in a pass of several") and "specdec quantize" in notice
+    assert "--backend fused" in notice
     assert is_summary(summary)
 
 

@@ -230,7 +230,9 @@ class LlamaCppLM(FeatureSource, Pooled):
         return f"llama.cpp ({self.model.weight_type} weights, this build)"
 
     def remedy(self, path) -> str:
-        return f"`specdec quantize {path}` writes a Q8_0 copy once, and says whether its rows are the same in any pass"
+        return ("`--backend fused` runs a llama or qwen2 GGUF from the file exactly, each row computed alone; or "
+                f"`specdec quantize {path}` writes a Q8_0 copy once, and says whether its rows are the same in any "
+                "pass")
 
     def __init__(self, model: GGUFModel, max_length: int | None = None, threads: int | None = None) -> None:
         self.model = model
