@@ -163,3 +163,22 @@ def test_auto_measures_without_converting_a_file_the_fused_runtime_reads(files, 
     assert set(measured) == {"llama.cpp", "fused"}
     assert decoder.target.backend_name == entry["backend"] == min(measured, key=measured.get)
     assert decoder.generate("Hello", max_new_tokens=4).token_ids
+
+
+def test_a_tensor_whose_shape_the_metadata_contradicts_is_one_line_naming_it(files, tmp_path):
+    """A file whose feed-forward size says 96 while its gate, up and down matrices hold 128: the load stops with one
+    line naming the file and the first such tensor, before anything runs (and the command exits 2)."""
+    from specdec.backends.fused import gguf_unavailable
+    from specdec.cli import main
+
+    data = bytearray(files["Q4_1"].read_bytes())
+    key = b"llama.feed_forward_length"
+    at = data.index(key) + len(key)
+    assert int.from_bytes(data[at : at + 4], "little") == 4 and int.from_bytes(data[at + 4 : at + 8], "little") == 128
+    data[at + 4 : at + 8] = (96).to_bytes(4, "little")
+    bad = tmp_path / "bad-shape.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(UsageError, match=r"bad-shape.gguf: tensor blk.0.ffn_gate.weight is \[128, 64\], where the "
+                                         r"file's metadata makes it \[96, 64\]"):
+        gguf_unavailable(GGUFFile(bad))
+    assert main(["generate", "--model", str(bad), "hi", "--max-new-tokens", "2"]) == 2

@@ -31,6 +31,7 @@ from specdec.backends.fused import packed_file
 from specdec.backends.fused.cache import PassCache
 from specdec.backends.fused.stored import (
     StoredMatrix,
+    check_shapes,
     float_matrix,
     gguf_matrices,
     module_blocks,
@@ -197,9 +198,12 @@ def gguf_unavailable(source: GGUFFile) -> str | None:
     sizes = (hidden, hidden // heads, source.field(f"{arch}.feed_forward_length"))
     if any(size % Q8_GROUP for size in sizes[::2]) or sizes[1] % 8 or sizes[1] > MAX_HEAD_DIM:
         return f"its sizes (hidden, head, intermediate: {sizes}) do not fit its int8 tiles"
-    names = tensor_names(source.field(f"{arch}.block_count"), source.tensors)
+    layers = source.field(f"{arch}.block_count")
+    names = tensor_names(layers, source.tensors)
     if any(name not in source.tensors for parts in names for name in parts):
         return "it lacks some of a layer's matrices"
+    check_shapes(source, layers, hidden, heads, source.field(f"{arch}.attention.head_count_kv", heads), sizes[1],
+                 sizes[2])
     if any(f"blk.0.{part}.bias" in source.tensors for part in ("attn_output", "ffn_gate", "ffn_up", "ffn_down")):
         return "its output or feed-forward projections have biases"
     return None

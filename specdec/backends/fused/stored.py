@@ -19,6 +19,7 @@ import torch
 
 from specdec.backends.gguf_file import Q8_STORED, GGUFFile, Tensor, dequantized, grid_group, q8_rows
 from specdec.backends.native import FORMAT, Q8_BLOCK_BYTES, Matrix, repacked
+from specdec.errors import UsageError
 
 # fused.c's matrices of layer i, as GGUF tensor names: qkv, out, gate_up, down (``runtime._matrices``' order)
 LAYER_TENSORS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
@@ -84,6 +85,22 @@ def tensor_names(layers: int, tensors: dict) -> list[list[str]]:
     """Per fused.c matrix, the GGUF tensors whose rows make it (the LM head: ``output``, or the tied embedding)."""
     names = [[f"blk.{i}.{part}.weight" for part in parts] for i in range(layers) for parts in LAYER_TENSORS]
     return names + [["output.weight" if "output.weight" in tensors else "token_embd.weight"]]
+
+
+def check_shapes(source: GGUFFile, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                 intermediate: int) -> None:
+    """Each matrix tensor of a llama-family file has the shape its metadata's sizes give it; else one line naming the
+    file and the tensor (a malformed file, which no runtime can run)."""
+    width = {"attn_q": (heads * head_dim, hidden), "attn_k": (kv_heads * head_dim, hidden),
+             "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, heads * head_dim),
+             "ffn_gate": (intermediate, hidden), "ffn_up": (intermediate, hidden), "ffn_down": (hidden, intermediate)}
+    for parts in tensor_names(layers, source.tensors):
+        for name in parts:
+            tensor = source.tensors[name]
+            expected = width.get(name.split(".")[-2], (tensor.shape[0], hidden))
+            if tuple(tensor.shape) != expected:
+                raise UsageError(f"{source.path.name}: tensor {name} is {list(tensor.shape)}, where the file's "
+                                 f"metadata makes it {list(expected)}")
 
 
 def stored_q8(gguf: GGUFFile, names: list[str], weight: torch.Tensor, heads: int, kv_heads: int
