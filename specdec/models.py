@@ -176,11 +176,11 @@ def load_fused_gguf(path: Path) -> LoadedModel | None:
     backend's): no transformers module, no conversion. None where the runtime does not read this model directly
     (``fused.gguf_unavailable``): it then runs from the file's transformers conversion."""
     from specdec.backends.fused import FusedRuntime, gguf_unavailable
-    from specdec.backends.gguf_file import GGUFFile
+    from specdec.backends.gguf_file import read_gguf
     from specdec.backends.llamacpp import GGUFModel
     from specdec.backends.llamacpp.tokenizer import GGUFTokenizer
 
-    source = GGUFFile(path)
+    source = read_gguf(path)
     reason = gguf_unavailable(source)
     if reason is not None:
         if verbose():

@@ -86,9 +86,9 @@ def candidates(gguf: bool, source: Path | None = None) -> tuple[list[str], list[
 def _fused_reads(source: Path) -> bool:
     """Whether the fused runtime reads this GGUF from the file alone."""
     from specdec.backends.fused import gguf_unavailable
-    from specdec.backends.gguf_file import GGUFFile
+    from specdec.backends.gguf_file import read_gguf
 
-    return gguf_unavailable(GGUFFile(source)) is None
+    return gguf_unavailable(read_gguf(source)) is None
 
 
 @functools.cache
