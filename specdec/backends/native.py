@@ -124,8 +124,6 @@ def use_threads(threads: int | None = None) -> int:
 def _declare(loaded: ctypes.CDLL) -> None:
     loaded.sd_pass.restype = ctypes.c_int
     loaded.sd_pass.argtypes = [_p, _p, ctypes.POINTER(_Rows), _p, ctypes.c_int, ctypes.c_int]
-    loaded.sd_head.restype = None
-    loaded.sd_head.argtypes = [_p, _p, ctypes.c_int, _p]
     loaded.sd_product.restype = None
     loaded.sd_product.argtypes = [ctypes.POINTER(Matrix), _p, ctypes.c_int, _p]
     loaded.sd_attention.restype = ctypes.c_int

@@ -620,11 +620,6 @@ void sd_product(const Matrix *m, const float *x, int n, float *y) {
     pthread_mutex_unlock(&pass_lock);
 }
 
-/* logits [n, vocab] of n rows already normed, x [n, hidden]. */
-void sd_head(const Model *m, const float *x, int n, float *logits) {
-    sd_product(&m->lm_head, x, n, logits);
-}
-
 typedef struct {
     const Rows *rows;             /* each row's keys: base, n_keys, key_cols */
     int heads, kv_heads, head_dim;

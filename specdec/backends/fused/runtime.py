@@ -301,7 +301,7 @@ class FusedRuntime(LlamaSequence, Pooled):
         return layers, native.MatrixProduct(self._model.lm_head)
 
     def head_for(self, positions: int, chain: bool = True) -> Linear:
-        return self.bulk_weights()[1] if self.runs_bulk(positions, chain) else self._lm_head
+        return self._bulk[1]  # one LM head: fused.c's product over the held matrix, whatever the pass
 
     def run_layers(self, x: torch.Tensor, first: int, end: int, start: int, positions: slice | torch.Tensor,
                    mask: torch.Tensor | None) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
@@ -374,10 +374,3 @@ class FusedRuntime(LlamaSequence, Pooled):
                                  x.data_ptr(), first, end) != 0:
             raise MemoryError("the fused pass could not allocate its scratch")
         return x
-
-    def _lm_head(self, normed: torch.Tensor) -> torch.Tensor:  # [m, hidden] -> [m, vocab]
-        normed = normed.to(torch.float32).contiguous()
-        logits = torch.empty(normed.shape[0], self.vocab_size)
-        if len(normed):
-            self._library.sd_head(ctypes.byref(self._model), normed.data_ptr(), normed.shape[0], logits.data_ptr())
-        return logits
