@@ -27,8 +27,6 @@ _STRING, _ARRAY = 8, 9
 TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34),
          6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 30: ("BF16", 1, 2), 12: ("Q4_K", 256, 144),
          13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
-# w = d q + m per 32 (Q6_K: 16) values: kept exactly in one byte, a float scale and a float offset (q8_rows)
-Q8_STORED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 @dataclass(frozen=True)
@@ -265,6 +263,8 @@ def _q6_k(blocks):
 
 _BYTE_GRIDS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q4_K": _q4_k,
                "Q5_K": _q5_k, "Q6_K": _q6_k}
+# w = d q + m per 32 (Q6_K: 16) values: kept exactly in one byte, a float scale and a float offset (q8_rows)
+Q8_STORED = tuple(_BYTE_GRIDS)
 
 
 def grid_group(type_name: str) -> int:

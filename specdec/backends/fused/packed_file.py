@@ -50,9 +50,8 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 
 def write(path: Path, matrices: list[StoredMatrix]) -> None:
     """Write the matrices' packed bytes (their biases stay with the source), atomically."""
-    entries, offset = [], 0
-    for matrix in matrices:
-        data = _bytes_of(matrix.packed)
+    entries, offset, datas = [], 0, [_bytes_of(matrix.packed) for matrix in matrices]
+    for matrix, data in zip(matrices, datas):
         entries.append({"format": matrix.format, "outputs": matrix.outputs, "inputs": matrix.inputs,
                         "dtype": str(matrix.packed.dtype).removeprefix("torch."), "offset": offset,
                         "bytes": len(data), "crc": _sampled_crc(data)})
@@ -64,9 +63,9 @@ def write(path: Path, matrices: list[StoredMatrix]) -> None:
     partial = path.with_suffix(f".{os.getpid()}.partial")
     with partial.open("wb") as f:
         f.write(MAGIC + len(header).to_bytes(8, "little") + header_crc + header)
-        for matrix, entry in zip(matrices, entries):
+        for data, entry in zip(datas, entries):
             f.seek(start + entry["offset"])
-            f.write(_bytes_of(matrix.packed))
+            f.write(data)
         f.truncate(start + offset)
     partial.replace(path)
 

@@ -134,11 +134,11 @@ def _grid_matrix(tensors, orders) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 def _packed_grid(tensors, orders) -> StoredMatrix:
     """The tensors' rows in ``orders`` on the finest of their grids, packed :data:`CHUNK_ROWS` rows at a time into
     one buffer: the memory a matrix takes while it is packed is its packed size and a chunk's, where decoding it
-    whole took several times its size (150k rows of an LM head)."""
+    whole took several times its size (150k rows of an LM head). Every part but the last holds whole blocks of 8
+    rows (``gguf_unavailable`` admits only heads of a multiple of 8 and sizes of a multiple of 32)."""
     group = min(grid_group(t.type_name) for t in tensors)
     inputs, rows = tensors[0].shape[1], sum(len(order) for order in orders)
-    if any(len(order) % 8 for order in orders[:-1]):  # a part that ends inside a block of 8 rows: whole
-        return byte_grid(*_grid_matrix(tensors, orders))
+    assert all(len(order) % 8 == 0 for order in orders[:-1]), "a part ends inside a block of 8 rows"
     block_bytes = Q8_BLOCK_BYTES["int8" if group == 32 else "int8_group16"]
     packed = torch.empty(-(-rows // 8) * (inputs // 32) * block_bytes, dtype=torch.uint8)
     at = 0
