@@ -35,16 +35,24 @@ INVARIANCE_TESTS = [
     "test_cpu_paths.py::test_row_kernels_compute_each_row_alone",
 ]
 
-# Products in each weight format and attention over a cache, for rows alone and in passes of several, on teams of
-# one and two threads: a digest of every output's bits, and whether each row's bits were the same alone.
+# Products in each weight format (the byte formats' in floats and in integers) and attention over a cache, for rows
+# alone and in passes of several, on teams of one and two threads: a digest of every output's bits, and whether each
+# row's bits were the same alone.
 KERNEL_DIGEST = """
 import hashlib, numpy as np, torch
 from specdec.backends import native
 torch.manual_seed(0)
 digest, alone_everywhere = hashlib.sha256(), True
 x = torch.randn(17, 96)
-for precision in ("float32", "float16", "bfloat16"):
-    product = native.RowProduct(torch.randn(45, 96), torch.randn(45), precision)
+from specdec.backends.fused.stored import byte_grid
+products = [native.RowProduct(torch.randn(45, 96), torch.randn(45), precision)
+            for precision in ("float32", "float16", "bfloat16")]
+grids = []  # held: a product reads their bytes
+for group in (32, 16):  # bytes with a scale and offset per group, multiplied in floats and in integers
+    grids.append(grid := byte_grid(torch.randint(0, 256, (45, 96), dtype=torch.uint8), torch.rand(45, 96 // group) / 50,
+                     torch.randn(45, 96 // group) / 10))
+    products += [native.MatrixProduct(grid.struct(kind)) for kind in ("float", "integer")]
+for product in products:
     native.use_threads(1)
     alone = torch.cat([product(x[i : i + 1]) for i in range(17)])
     native.use_threads(2)

@@ -81,14 +81,14 @@ def test_auto_holds_grid_weights_in_int8_and_others_in_float16(model, weights):
 
 
 def test_logits_are_the_lean_runtimes_over_the_same_weights(model, weights):
-    """Against the lean runtime in float32 over the weights as the fused runtime holds them (float16-rounded, or on
-    their grid), only the order of float32 sums differs: two float32 evaluations, within 4x transformers' own float32
-    error of each other (tiny.float32_error, over the prefill) in a prefill, steps, a chain of several positions
-    after a rollback, a tree, and past a block of 256 cached keys."""
+    """With float products, against the lean runtime in float32 over the weights as the fused runtime holds them
+    (float16-rounded, or on their grid), only the order of float32 sums differs: two float32 evaluations, within 4x
+    transformers' own float32 error of each other (tiny.float32_error, over the prefill) in a prefill, steps, a chain
+    of several positions after a rollback, a tree, and past a block of 256 cached keys."""
     reference = exact_reference(model, weights)
     sequence = list(range(3, 63)) * 5
     outputs = []
-    for runtime in (FusedRuntime(reference, weights), LeanRuntime(reference, "float32")):
+    for runtime in (FusedRuntime(reference, weights, products="float"), LeanRuntime(reference, "float32")):
         logits = [runtime.extend(sequence[:250], 250)]
         logits += [runtime.extend([token], 1) for token in sequence[250:260]]
         runtime.rollback(252)
@@ -237,15 +237,16 @@ def test_the_server_batches_on_it_and_each_answer_is_its_plain_decoding(tmp_path
 
 def test_a_prompt_runs_the_bulk_kernel_and_what_follows_reads_its_cache(model, weights):
     """A chain longer than any round (a prompt) runs fused.c's products over the same weights one operation at a
-    time: exactly the lean runtime's pass with its weights in that precision (int8 weights are the float32 values
-    exactly); the positions after it run fused.c over the cache it wrote, in a pass of one or of several alike.
-    Rounds never reach that length, so plain decoding and speculation share the prompt's pass."""
+    time: with float products, exactly the lean runtime's pass with its weights in that precision (int8 weights are
+    the float32 values exactly); the positions after it run fused.c over the cache it wrote, in a pass of one or of
+    several alike. Rounds never reach that length, so plain decoding and speculation share the prompt's pass."""
     from specdec.backends.fused import PROMPT_POSITIONS
     from specdec.choices import MAX_DRAFT_TOKENS
 
     assert PROMPT_POSITIONS > MAX_DRAFT_TOKENS + 1
     prompt = [(7 * i) % 60 + 3 for i in range(PROMPT_POSITIONS)]
-    fused, lean = FusedRuntime(model, weights), LeanRuntime(model, "float16" if weights == "float16" else "float32")
+    fused = FusedRuntime(model, weights, products="float")
+    lean = LeanRuntime(model, "float16" if weights == "float16" else "float32")
     assert torch.equal(fused.extend(prompt, 3), lean.extend(prompt, 3))
     steps = torch.cat([fused.extend([token], 1) for token in (4, 5, 6)])
     fused.rollback(len(prompt))

@@ -64,18 +64,18 @@ def _module(path: Path) -> torch.nn.Module:
                                   pytest.param("Q8_0", marks=pytest.mark.slow)])
 def test_the_fused_runtime_repacks_the_stored_blocks_and_computes_the_modules_logits(files, kind):
     """Every matrix (q, k and v with llama.cpp's row order undone, the output, gate and up, down, the LM head) comes
-    from the file's blocks, and the logits are those of the lean runtime in float32 over the module's weights,
-    within 4x transformers' own float32 error (tiny.float32_error); and of the runtime that searched the module's
-    weights for their grid."""
+    from the file's blocks, and with float products the logits are those of the lean runtime in float32 over the
+    module's weights, within 4x transformers' own float32 error (tiny.float32_error); and of the runtime that
+    searched the module's weights for their grid."""
     model = _module(files[kind])
     if unavailable(model, "int8") is not None:
         pytest.skip(unavailable(model, "int8"))
-    stored = FusedRuntime(model, "int8", gguf=files[kind])
+    stored = FusedRuntime(model, "int8", gguf=files[kind], products="float")
     assert stored.stored_matrices == 4 * 2 + 1
     sequence = list(range(3, 63)) * 2
     bound = 4 * float32_error(model, sequence)
     logits = stored.extend(sequence, len(sequence))
-    for other in (LeanRuntime(model, "float32"), FusedRuntime(model, "int8")):
+    for other in (LeanRuntime(model, "float32"), FusedRuntime(model, "int8", products="float")):
         assert (logits - other.extend(sequence, len(sequence))).abs().max() <= bound
 
 

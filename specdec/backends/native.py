@@ -22,6 +22,9 @@ NEEDED_FLAGS = ("avx2", "fma", "f16c")
 # how fused.c stores a weight matrix (its F16, Q8, F32, BF16 and Q8H): floats, or bytes with a float scale and offset
 # per 32 inputs (int8) or per 16 (int8_group16)
 FORMAT = {"float16": 0, "int8": 1, "float32": 2, "bfloat16": 3, "int8_group16": 4}
+# the byte formats' integer products (fused.c's Q8I and Q8HI): the same bytes, times each row's inputs quantised to
+# bytes per block of 32
+INTEGER_FORMAT = {"int8": 5, "int8_group16": 6}
 FLOAT_FORMATS = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
 TILE_OUTPUTS = 8  # weight rows per repacked block
 CHUNK_INPUTS = 8  # inputs per chunk of a block: a float product's inputs come in whole chunks
@@ -124,7 +127,7 @@ def use_threads(threads: int | None = None) -> int:
 def _declare(loaded: ctypes.CDLL) -> None:
     loaded.sd_pass.restype = ctypes.c_int
     loaded.sd_pass.argtypes = [_p, _p, ctypes.POINTER(_Rows), _p, ctypes.c_int, ctypes.c_int]
-    loaded.sd_product.restype = None
+    loaded.sd_product.restype = ctypes.c_int
     loaded.sd_product.argtypes = [ctypes.POINTER(Matrix), _p, ctypes.c_int, _p]
     loaded.sd_attention.restype = ctypes.c_int
     loaded.sd_attention.argtypes = [ctypes.POINTER(_Rows), ctypes.c_int, ctypes.c_int, ctypes.c_int, _p, _p, _p,
@@ -187,7 +190,8 @@ class MatrixProduct:
         x = x.to(torch.float32).contiguous()
         y = torch.empty(x.shape[0], self.outputs)
         if len(x):
-            self._library.sd_product(ctypes.byref(self.struct), x.data_ptr(), x.shape[0], y.data_ptr())
+            if self._library.sd_product(ctypes.byref(self.struct), x.data_ptr(), x.shape[0], y.data_ptr()) != 0:
+                raise MemoryError("a product could not allocate its quantised rows")
         return y
 
 

@@ -1,5 +1,6 @@
 """How near each runtime's logits are to a float32 reference on the same GGUF file, side by side: specdec's fused
-runtime over the file's blocks as stored, and llama.cpp's on the same file.
+runtime over the file's blocks as stored (with integer products, each row's inputs quantised to bytes per block of
+32, and with float products), and llama.cpp's on the same file.
 
     python -m specdec.bench.numerics --model FILE.gguf [--prompts FILE.jsonl] [--limit 4] [--max-new-tokens 64]
 
@@ -91,13 +92,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--model FILE.gguf is needed (a llama or qwen2 GGUF)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from specdec.backends.fused import FusedRuntime
+    from specdec.backends.fused import PRODUCTS, FusedRuntime
     from specdec.loading import encode_prompt
     from specdec.models import load_gguf, model_path
 
     path = model_path(args.model)
     target = load_gguf(path, torch.get_num_threads())
-    runtimes = {"fused (as stored)": FusedRuntime.from_gguf(path), "llama.cpp": target.runtime}
+    runtimes = {**{f"fused ({products} products)": FusedRuntime.from_gguf(path, products) for products in PRODUCTS},
+                "llama.cpp": target.runtime}
     reference = reference_module(path)
 
     def score(runtime, ids: list[int]) -> torch.Tensor:

@@ -4,10 +4,10 @@ each runtime's roofline (its weights' bytes over the bandwidth this machine stre
     python -m specdec.bench.passes [--model FILE.gguf] [--threads 2] [--context 200] [--repeats 7] [--lean]
 
 The runtimes: llama.cpp over the GGUF as stored, and specdec's fused runtime over the file's matrices as stored
-(``FusedRuntime.from_gguf``). Where the fused runtime cannot read the file directly, or with ``--lean``, the file is
-converted to a float32 transformers model for the fused runtime in float16 and int8 weights and the lean runtime in
-float16 and float32 (the conversion takes minutes and several times the file's size in memory for a model of
-billions of weights). Each is fed the
+(``FusedRuntime.from_gguf``), with integer products and with float products. Where the fused runtime cannot read
+the file directly, or with ``--lean``, the file is converted to a float32 transformers model for the fused runtime
+in float16 and int8 weights and the lean runtime in float16 and float32 (the conversion takes minutes and several
+times the file's size in memory for a model of billions of weights). Each is fed the
 same context; then passes over 1, 2, 3, 4, 5, 8 and 17 positions are timed, runtime after runtime within each
 repeat (one untimed pass first: the runtime before may still hold a core while its threads spin down), and the
 medians kept. The bandwidth is the probe of ``specdec bench``'s roofline (a float32 sum over 256 MiB or more,
@@ -27,7 +27,7 @@ POSITIONS = (1, 2, 3, 4, 5, 8, 17)
 
 
 def runtimes(model_name, threads: int, lean: bool = False) -> dict[str, object]:
-    from specdec.backends.fused import FusedRuntime, gguf_unavailable, unavailable
+    from specdec.backends.fused import PRODUCTS, FusedRuntime, gguf_unavailable, unavailable
     from specdec.backends.gguf_file import GGUFFile
     from specdec.backends.lean import LeanRuntime
     from specdec.models import load_gguf, load_model, model_path
@@ -35,7 +35,8 @@ def runtimes(model_name, threads: int, lean: bool = False) -> dict[str, object]:
     source = model_path(model_name)
     found = {"llama.cpp (GGUF as stored)": load_gguf(source, threads).runtime}
     if gguf_unavailable(GGUFFile(source)) is None:
-        found["fused (as stored)"] = FusedRuntime.from_gguf(source)
+        for products in PRODUCTS:  # the same packed bytes, mapped once
+            found[f"fused (as stored, {products} products)"] = FusedRuntime.from_gguf(source, products)
         if not lean:
             return found
     model = load_model(source, dtype="float32", device="cpu", backend="lean").model

@@ -2,6 +2,7 @@
 and its pool (``pool.py``)."""
 
 from specdec.backends.fused.runtime import (
+    PRODUCTS,
     PROMPT_POSITIONS,
     WEIGHTS,
     FusedRuntime,
@@ -11,5 +12,5 @@ from specdec.backends.fused.runtime import (
     unavailable,
 )
 
-__all__ = ["PROMPT_POSITIONS", "WEIGHTS", "FusedRuntime", "FusedUnavailable", "gguf_unavailable", "quantized8",
-           "unavailable"]
+__all__ = ["PRODUCTS", "PROMPT_POSITIONS", "WEIGHTS", "FusedRuntime", "FusedUnavailable", "gguf_unavailable",
+           "quantized8", "unavailable"]

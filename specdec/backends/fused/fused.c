@@ -82,6 +82,7 @@ typedef void (*JobFn)(void *arg, int thread, int threads);
 
 static int team_size = 1, team_started = 1;
 static int has_avx512 = -1; /* set with the team: the tiles for 8 outputs then take AVX-512 */
+static int has_vnni = -1;   /* and the integer tiles AVX512-VNNI */
 static pthread_t team[MAX_THREADS];
 static JobFn job_fn;
 static void *job_arg;
@@ -129,6 +130,9 @@ static void *team_member(void *index_ptr) {
 
 int sd_set_threads(int threads) {
     if (has_avx512 < 0) has_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") && !getenv("SPECDEC_FUSED_AVX2");
+    if (has_vnni < 0)
+        has_vnni = has_avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                   __builtin_cpu_supports("avx512vnni");
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     pthread_mutex_lock(&pass_lock);
@@ -386,15 +390,160 @@ TILES_Q8(q8h, block_q8x16, 2)
 TILES_Q8_512(q8, block_q8x8, 1)
 TILES_Q8_512(q8h, block_q8x16, 2)
 
+/* ---------------------------------------------------------------- integer products over the same blocks
+ *
+ * Q8I and Q8HI are Q8 and Q8H's bytes multiplied in integers: each row's inputs are quantised per block of 32 to
+ * bytes, x ~ e xq with e = max|x| / 127 and xq = x / e rounded to the nearest (ties to even), so that a block's
+ * dot product with a weight row's bytes q is an integer, exact in int32 whatever adds it up:
+ *     sum_i w_i x_i ~ e (d sum_i q_i xq_i + m sum_i xq_i)
+ * per set of a scale d and offset m (32 inputs for Q8I, 16 for Q8HI). Quantising a row needs that row alone, so a
+ * row's bits stay the same in any pass; and the integers are exact, so AVX512-VNNI's vpdpbusd (u8 x s8, four
+ * products a lane) and AVX2's maddubs (over q - 128 and |q - 128|, which cannot saturate) give the same sums, and
+ * one float epilogue, the same instructions lane for lane on both, turns each into the row's accumulator:
+ *     acc = fma(float(isum), d e, acc); acc = fma(m, e float(sum xq), acc)
+ * llama.cpp quantises activations the same way (per 32 for its Q8_0 and Q8_1); here the error is bounded by the
+ * tests against a float32 reference and against llama.cpp on the same file. */
+
+typedef struct {
+    const int8_t *q;      /* [n, in] */
+    const float *scale;   /* [n, in / 32]: e */
+    const float *offset;  /* [n, in / 32 * sets]: e float(sum xq) per set */
+    const int32_t *sum;   /* [n, in / 32 * sets]: sum xq per set */
+    int in, sets;
+} Quantised;
+
+/* Row x [in] as bytes per block of 32 (above): q, and per block its scale and per set its sum and offset. */
+__attribute__((target("avx2,fma,f16c"))) static void quantise_row(const float *x, int in, int sets, int8_t *q,
+                                                                  float *scale, float *offset, int32_t *sum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int k = 0, block = 0; k < in; k += 32, block++) {
+        __m256 v[4], most = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(x + k + 8 * i);
+            most = _mm256_max_ps(most, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        float e = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m256 by = _mm256_set1_ps(inverse);
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[0], by)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[1], by));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2], by)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v[3], by));
+        /* packs interleave the 128-bit lanes: 32-bit groups come out as 0 2 4 6 1 3 5 7 of the inputs' 8 */
+        __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+        packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + k), packed);
+        scale[block] = e;
+        for (int s = 0; s < sets; s++) {
+            int32_t total = 0;
+            for (int i = s * 32 / sets; i < (s + 1) * 32 / sets; i++) total += q[k + i];
+            sum[block * sets + s] = total;
+            offset[block * sets + s] = e * (float)total;
+        }
+    }
+}
+
+/* acc + a block's set for 8 outputs: isum (8 int32), the set's scales d and offsets m, the row's e and offset. */
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 epilogue(__m256 acc, __m256i isum, __m256 d, __m256 m,
+                                                                      float e, float offset) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(e)), acc);
+    return _mm256_fmadd_ps(m, _mm256_set1_ps(offset), acc);
+}
+
+/* A set's scales (offsets) for the block's 8 outputs. */
+#define SET_D(b, t) _mm256_loadu_ps((const float *)(b)->d + 8 * (t))
+#define SET_M(b, t) _mm256_loadu_ps((const float *)(b)->m + 8 * (t))
+
+/* out[r][0..7] for R quantised rows and the 8 outputs of the blocks from w, on AVX2: per chunk s the 8 rows' 8
+ * bytes are two registers (rows 0-3, rows 4-7), each 32-bit lane a row's 4 bytes times the row's 4 input bytes. */
+#define TILE_Q8I(NAME, BLOCK, SETS, R)                                                                             \
+    __attribute__((target("avx2,fma,f16c"))) static void NAME##_##R(const void *w, const Quantised *x, int r0,    \
+                                                                    float out[GROUP512][8]) {                      \
+        const BLOCK *b = (const BLOCK *)w;                                                                         \
+        const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);                           \
+        __m256 acc[R];                                                                                             \
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                                  \
+        for (int k = 0, block = 0; k < x->in; k += 32, block++, b++) {                                             \
+            PREFETCH_BLOCK(b)                                                                                      \
+            for (int r = 0; r < R; r++) {                                                                          \
+                int row = r0 + r;                                                                                  \
+                const int8_t *xq = x->q + (int64_t)row * x->in + k;                                                \
+                for (int t = 0; t < SETS; t++) {                                                                   \
+                    __m256i half[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};                            \
+                    for (int s = t * 4 / SETS; s < (t + 1) * 4 / SETS; s++) {                                      \
+                        __m256i xs = _mm256_set1_epi64x(*(const int64_t *)(xq + 8 * s));                          \
+                        for (int h = 0; h < 2; h++) {                                                              \
+                            __m256i centred = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)b->q[s][4 * h]), flip); \
+                            __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(centred), _mm256_sign_epi8(xs, centred)); \
+                            half[h] = _mm256_add_epi32(half[h], _mm256_madd_epi16(pairs, ones));                   \
+                        }                                                                                          \
+                    }                                                                                              \
+                    int64_t set = (int64_t)row * (x->in / 32) * SETS + block * SETS + t;                           \
+                    __m256i isum = _mm256_permute4x64_epi64(_mm256_hadd_epi32(half[0], half[1]), 0xD8);            \
+                    isum = _mm256_add_epi32(isum, _mm256_set1_epi32(128 * x->sum[set])); /* q = centred + 128 */   \
+                    acc[r] = epilogue(acc[r], isum, SET_D(b, t), SET_M(b, t), x->scale[(int64_t)row * (x->in / 32) + block], \
+                                      x->offset[set]);                                                             \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r], acc[r]);                                              \
+    }
+#define TILES_Q8I(NAME, BLOCK, SETS) TILE_Q8I(NAME, BLOCK, SETS, 1) TILE_Q8I(NAME, BLOCK, SETS, 2)                 \
+    TILE_Q8I(NAME, BLOCK, SETS, 3) TILE_Q8I(NAME, BLOCK, SETS, 4)
+TILES_Q8I(q8i, block_q8x8, 1)
+TILES_Q8I(q8hi, block_q8x16, 2)
+
+/* The same on AVX512-VNNI: a chunk's 64 bytes are one register, each 32-bit lane a row's 4 bytes (lanes 2j and
+ * 2j + 1: row j's 8), multiplied into the row's 8 input bytes broadcast by vpdpbusd; the pairs then add up. */
+#define TILE_Q8I_VNNI(NAME, BLOCK, SETS, R)                                                                        \
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c"))) static void            \
+        NAME##v_##R(const void *w, const Quantised *x, int r0, float out[GROUP512][8]) {                          \
+        const BLOCK *b = (const BLOCK *)w;                                                                         \
+        __m256 acc[R];                                                                                             \
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                                  \
+        for (int k = 0, block = 0; k < x->in; k += 32, block++, b++) {                                             \
+            PREFETCH_BLOCK(b)                                                                                      \
+            __m512i wq[4];                                                                                         \
+            for (int s = 0; s < 4; s++) wq[s] = _mm512_loadu_si512((const void *)b->q[s]);                         \
+            for (int r = 0; r < R; r++) {                                                                          \
+                int row = r0 + r;                                                                                  \
+                const int8_t *xq = x->q + (int64_t)row * x->in + k;                                                \
+                for (int t = 0; t < SETS; t++) {                                                                   \
+                    __m512i lanes = _mm512_setzero_si512();                                                        \
+                    for (int s = t * 4 / SETS; s < (t + 1) * 4 / SETS; s++)                                        \
+                        lanes = _mm512_dpbusd_epi32(lanes, wq[s], _mm512_set1_epi64(*(const int64_t *)(xq + 8 * s))); \
+                    int64_t set = (int64_t)row * (x->in / 32) * SETS + block * SETS + t;                           \
+                    __m256i isum = _mm512_cvtepi64_epi32(_mm512_add_epi32(lanes, _mm512_srli_epi64(lanes, 32)));   \
+                    acc[r] = epilogue(acc[r], isum, SET_D(b, t), SET_M(b, t), x->scale[(int64_t)row * (x->in / 32) + block], \
+                                      x->offset[set]);                                                             \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r], acc[r]);                                              \
+    }
+#define TILES_Q8I_VNNI(NAME, BLOCK, SETS) TILE_Q8I_VNNI(NAME, BLOCK, SETS, 1) TILE_Q8I_VNNI(NAME, BLOCK, SETS, 2)  \
+    TILE_Q8I_VNNI(NAME, BLOCK, SETS, 3) TILE_Q8I_VNNI(NAME, BLOCK, SETS, 4) TILE_Q8I_VNNI(NAME, BLOCK, SETS, 5)    \
+    TILE_Q8I_VNNI(NAME, BLOCK, SETS, 6)
+TILES_Q8I_VNNI(q8i, block_q8x8, 1)
+TILES_Q8I_VNNI(q8hi, block_q8x16, 2)
+
 typedef void (*Q8Fn)(const void *, int, const float *, int64_t, int, float[GROUP512][8]);
-enum { F16, Q8, F32, BF16, Q8H }; /* how a weight matrix is stored (Matrix.format) */
+/* how a weight matrix is stored (Matrix.format); Q8I and Q8HI: Q8 and Q8H's bytes, multiplied in integers */
+enum { F16, Q8, F32, BF16, Q8H, Q8I, Q8HI };
 static const int VALUE_BYTES[] = {[F16] = 2, [F32] = 4, [BF16] = 2}; /* the float formats' */
-static const int BLOCK_BYTES[] = {[Q8] = sizeof(block_q8x8), [Q8H] = sizeof(block_q8x16)}; /* per 8 rows x 32 */
+static const int BLOCK_BYTES[] = {[Q8] = sizeof(block_q8x8), [Q8H] = sizeof(block_q8x16), [Q8I] = sizeof(block_q8x8),
+                                   [Q8HI] = sizeof(block_q8x16)}; /* per 8 rows x 32 */
 static const Q8Fn Q8_WIDE[][GROUP + 1] = {[Q8] = {0, q8_1x8, q8_2x4, q8_3x2, q8_4x2},
                                           [Q8H] = {0, q8h_1x8, q8h_2x4, q8h_3x2, q8h_4x2}};
 static const Q8Fn Q8_512[][GROUP512 + 1] = {[Q8] = {0, q8z_1, q8z_2, q8z_3, q8z_4, q8z_5, q8z_6},
                                             [Q8H] = {0, q8hz_1, q8hz_2, q8hz_3, q8hz_4, q8hz_5, q8hz_6}};
-#define BLOCKED(format) ((format) == Q8 || (format) == Q8H)
+#define INTEGER(format) ((format) == Q8I || (format) == Q8HI)
+#define BLOCKED(format) ((format) == Q8 || (format) == Q8H || INTEGER(format))
+typedef void (*IntegerFn)(const void *, const Quantised *, int, float[GROUP512][8]);
+static const IntegerFn INTEGER_WIDE[][GROUP + 1] = {[Q8I] = {0, q8i_1, q8i_2, q8i_3, q8i_4},
+                                                    [Q8HI] = {0, q8hi_1, q8hi_2, q8hi_3, q8hi_4}};
+static const IntegerFn INTEGER_VNNI[][GROUP512 + 1] = {[Q8I] = {0, q8iv_1, q8iv_2, q8iv_3, q8iv_4, q8iv_5, q8iv_6},
+                                                       [Q8HI] = {0, q8hiv_1, q8hiv_2, q8hiv_3, q8hiv_4, q8hiv_5, q8hiv_6}};
 
 typedef void (*TileFn)(const void *, const float *, int64_t, int, float[GROUP512][8]);
 static const TileFn WIDE[][GROUP + 1] = {[F16] = {0, f16_1x8, f16_2x4, f16_3x2, f16_4x2},
@@ -432,6 +581,31 @@ static const void *block_at(int format, const void *w, int64_t o, int in) {
                            : (const void *)((const char *)w + o * in * VALUE_BYTES[format]);
 }
 
+static atomic_int scratch_failed; /* a product could not have its quantised rows: the pass or product fails */
+
+/* The rows x [n, ldx] quantised per block (Quantised) in the calling thread's scratch, kept and grown; 0 if it
+ * could not be had. */
+static const Quantised *quantised_rows(const float *x, int64_t ldx, int n, int in, int sets) {
+    static _Thread_local Quantised held;
+    static _Thread_local void *bytes;
+    static _Thread_local size_t capacity;
+    size_t blocks = (size_t)n * (in / 32), need = (size_t)n * in + blocks * sizeof(float) * (1 + 2 * sets);
+    if (need > capacity) {
+        void *grown = realloc(bytes, need);
+        if (!grown) return NULL;
+        bytes = grown;
+        capacity = need;
+    }
+    float *scale = (float *)bytes, *offset = scale + blocks;
+    int32_t *sum = (int32_t *)(offset + blocks * sets);
+    int8_t *q = (int8_t *)(sum + blocks * sets);
+    for (int r = 0; r < n; r++)
+        quantise_row(x + r * ldx, in, sets, q + (int64_t)r * in, scale + (int64_t)r * (in / 32),
+                     offset + (int64_t)r * (in / 32) * sets, sum + (int64_t)r * (in / 32) * sets);
+    held = (Quantised){q, scale, offset, sum, in, sets};
+    return &held;
+}
+
 /* y[r, o] = x[r] . W[o] (+ bias) for every row r < n and o in [o0, o1) (o0 a multiple of 8): x [n, ldx]; y [n, ldy].
  * A block of 8 weight rows is read from memory once, and stays in L1 while every group of rows reads it. */
 static void product(const Matrix *m, const float *x, int64_t ldx, int n, int o0, int o1, float *y, int64_t ldy,
@@ -441,11 +615,23 @@ static void product(const Matrix *m, const float *x, int64_t ldx, int n, int o0,
     const float *bias = m->bias;
     float out[GROUP512][8];
     int group = has_avx512 ? GROUP512 : GROUP;
+    const Quantised *xq = NULL;
+    if (INTEGER(format)) {
+        if (o0 >= o1) return;
+        if (!(xq = quantised_rows(x, ldx, n, in, format == Q8HI ? 2 : 1))) {
+            atomic_store(&scratch_failed, 1);
+            return;
+        }
+        group = has_vnni ? GROUP512 : GROUP;
+    }
     for (int o = o0; o < o1; o += 8) {
         int count = o1 - o < 8 ? o1 - o : 8; /* a block past the matrix's last row is zero padding */
         for (int r0 = 0; r0 < n; r0 += group) {
             int rows = n - r0 < group ? n - r0 : group;
-            tile(format, block_at(format, w, o, in), in, x + r0 * ldx, ldx, rows, out);
+            if (xq)
+                (has_vnni ? INTEGER_VNNI[format] : INTEGER_WIDE[format])[rows](block_at(format, w, o, in), xq, r0, out);
+            else
+                tile(format, block_at(format, w, o, in), in, x + r0 * ldx, ldx, rows, out);
             for (int r = 0; r < rows; r++)
                 for (int j = 0; j < count; j++) {
                     float *target = y + (int64_t)(r0 + r) * ldy + o + j;
@@ -612,12 +798,15 @@ static void product_job(void *arg, int thread, int threads) {
     product(p->m, p->x, p->m->in, p->n, b, e, p->y, p->m->out, STORE);
 }
 
-/* y = x W^T + bias for n rows, the outputs shared among the team. */
-void sd_product(const Matrix *m, const float *x, int n, float *y) {
+/* y = x W^T + bias for n rows, the outputs shared among the team. Returns 0, or -1 when scratch could not be had. */
+int sd_product(const Matrix *m, const float *x, int n, float *y) {
     Product p = {m, x, n, y};
     pthread_mutex_lock(&pass_lock);
+    atomic_store(&scratch_failed, 0);
     run_team(product_job, &p);
+    int failed = atomic_load(&scratch_failed);
     pthread_mutex_unlock(&pass_lock);
+    return failed ? -1 : 0;
 }
 
 typedef struct {
@@ -707,7 +896,9 @@ int sd_pass(const Model *m, const Cache *cache, const Rows *rows, float *x, int 
     p.act = p.attended + (size_t)n * m->heads * m->head_dim;
     p.mid = p.act + (size_t)n * 2 * m->inter;
     p.scores = p.mid + (size_t)n * m->inter;
+    atomic_store(&scratch_failed, 0);
     run_team(pass_job, &p);
+    int failed = atomic_load(&scratch_failed);
     pthread_mutex_unlock(&pass_lock);
-    return 0;
+    return failed ? -1 : 0;
 }

@@ -46,6 +46,10 @@ from specdec.choices import MAX_DRAFT_TOKENS
 
 MATRIX_NAMES = ("qkv", "out", "gate_up", "down")  # a layer's matrices, as fused.c's Layer names them
 WEIGHTS = ("float16", "int8")  # how fused.c holds the weights; activations, norms, attention and the cache are float32
+# how it multiplies a byte format's weights: integer, each row's inputs quantised to bytes per block of 32 (row-local,
+# so every row keeps its bits in any pass; 2-4x faster on every tile path measured: docs/benchmarks.md), or float,
+# each weight converted to float (the bits of a float32 product over the weights, within float32's error)
+PRODUCTS = ("integer", "float")
 Q8_GROUP = 32  # inputs that share an int8 weight's scale and offset
 # A chain pass over more positions than a round can score (k <= MAX_DRAFT_TOKENS drafts and the pending token) holds
 # a prompt: it runs the bulk kernel, fused.c's products over the same weights one operation at a time and batched
@@ -231,12 +235,13 @@ class FusedRuntime(LlamaSequence, Pooled):
     name = "fused"
     pass_invariant = True  # fused.c computes each row alone; a prompt's bulk pass runs the same row kernels
 
-    def __init__(self, model, weights: str = "auto", gguf: str | Path | None = None) -> None:
+    def __init__(self, model, weights: str = "auto", gguf: str | Path | None = None,
+                 products: str = "integer") -> None:
         """``weights``: float16; int8 with a float scale and offset per 32 inputs (``quantized8``); or auto: per
         matrix, int8 where that keeps every weight exactly (a GGUF's Q4_0, Q4_1 and Q8_0 weights: the default
         model's), so that the logits lose nothing and a pass streams 5/8 of float16's bytes, else float16. ``gguf``:
         the GGUF file ``model`` was converted from, whose block formats are then repacked as stored (``stored.py``),
-        where the module's weights are searched for their grid otherwise."""
+        where the module's weights are searched for their grid otherwise. ``products``: PRODUCTS's."""
         if weights not in WEIGHTS + ("auto",):
             raise ValueError(f"the fused runtime holds weights in {' or '.join(WEIGHTS)} (or auto), not {weights}")
         reason = unavailable(model, "float16" if weights == "auto" else weights)
@@ -244,22 +249,25 @@ class FusedRuntime(LlamaSequence, Pooled):
             raise FusedUnavailable(f"the fused runtime cannot run this model: {reason}")
         if weights == "auto" and unavailable(model, "int8") is not None:
             weights = "float16"
-        self._start(module_weights(model, gguf if weights != "float16" else None), weights)
+        self._start(module_weights(model, gguf if weights != "float16" else None), weights, products)
 
     @classmethod
-    def from_gguf(cls, path: str | Path | GGUFFile) -> FusedRuntime:
+    def from_gguf(cls, path: str | Path | GGUFFile, products: str = "integer") -> FusedRuntime:
         """The runtime of a GGUF file's model, read from the file alone: its metadata, and each matrix in its
-        stored format (``stored.py``), no transformers module and no de-quantised copy of its matrices.
-        :func:`gguf_unavailable` says where it cannot."""
+        stored format (``stored.py``), no transformers module and no de-quantised copy of its matrices, multiplied
+        in ``products`` (PRODUCTS's). :func:`gguf_unavailable` says where it cannot."""
         source = path if isinstance(path, GGUFFile) else GGUFFile(path)
         reason = gguf_unavailable(source)
         if reason is not None:
             raise FusedUnavailable(f"the fused runtime cannot read {source.path.name} directly: {reason}")
         runtime = cls.__new__(cls)
-        runtime._start(gguf_weights(source), "stored")
+        runtime._start(gguf_weights(source), "stored", products)
         return runtime
 
-    def _start(self, source: FusedWeights, weights: str) -> None:
+    def _start(self, source: FusedWeights, weights: str, products: str) -> None:
+        if products not in PRODUCTS:
+            raise ValueError(f"the fused runtime's products are {' or '.join(PRODUCTS)}, not {products}")
+        self.products = products
         super().__init__(source.spec, torch.float32)
         self._library = native.library()
         self.threads = native.use_threads()
@@ -274,7 +282,8 @@ class FusedRuntime(LlamaSequence, Pooled):
 
     @property
     def precision_label(self) -> str:
-        return f"{self.weights} weights, fused"
+        integer = self.products == "integer" and any(m.format in native.INTEGER_FORMAT for m in self._matrices)
+        return f"{self.weights} weights{', integer products' if integer else ''}, fused"
 
     @property
     def runtime_label(self) -> str:
@@ -345,11 +354,11 @@ class FusedRuntime(LlamaSequence, Pooled):
         for i, (struct, input_norm, post_norm) in enumerate(zip(structs, source.input_norms, source.post_norms)):
             struct.input_norm, struct.post_norm = held(input_norm), held(post_norm)
             for name, matrix in zip(MATRIX_NAMES, self._matrices[4 * i : 4 * i + 4]):
-                setattr(struct, name, matrix.struct())
+                setattr(struct, name, matrix.struct(self.products))
         self._layer_structs = structs
         head = self._matrices[-1]
         return Model(spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, spec.intermediate,
-                     head.outputs, spec.eps, structs, held(spec.final_norm), head.struct())
+                     head.outputs, spec.eps, structs, held(spec.final_norm), head.struct(self.products))
 
     def _cache(self) -> PassCache:
         """What fused.c reads of this sequence's cache, made again after the cache moved."""

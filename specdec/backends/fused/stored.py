@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from specdec.backends.gguf_file import Q8_STORED, GGUFFile, Tensor, dequantized, grid_group, q8_rows
-from specdec.backends.native import FORMAT, Q8_BLOCK_BYTES, Matrix, repacked
+from specdec.backends.native import FORMAT, INTEGER_FORMAT, Q8_BLOCK_BYTES, Matrix, repacked
 from specdec.errors import UsageError
 
 # fused.c's matrices of layer i, as GGUF tensor names: qkv, out, gate_up, down (``runtime._matrices``' order)
@@ -39,10 +39,14 @@ class StoredMatrix:
     packed: torch.Tensor
     bias: torch.Tensor | None = None
 
-    def struct(self) -> Matrix:
-        """fused.c's Matrix over this one's bytes (which the caller keeps alive with this object)."""
+    def struct(self, products: str = "integer") -> Matrix:
+        """fused.c's Matrix over this one's bytes (which the caller keeps alive with this object), a byte format's
+        multiplied in ``products``: integer (each row's inputs quantised to bytes per block of 32, fused.c's Q8I) or
+        float (each weight converted to float)."""
         bias = None if self.bias is None else self.bias.data_ptr()
-        return Matrix(FORMAT[self.format], self.inputs, self.outputs, self.packed.data_ptr(), bias)
+        code = INTEGER_FORMAT[self.format] if products == "integer" and self.format in INTEGER_FORMAT else \
+            FORMAT[self.format]
+        return Matrix(code, self.inputs, self.outputs, self.packed.data_ptr(), bias)
 
     @property
     def nbytes(self) -> int:
