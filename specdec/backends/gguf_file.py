@@ -265,6 +265,7 @@ _BYTE_GRIDS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0
                "Q5_K": _q5_k, "Q6_K": _q6_k}
 # w = d q + m per 32 (Q6_K: 16) values: kept exactly in one byte, a float scale and a float offset (q8_rows)
 Q8_STORED = tuple(_BYTE_GRIDS)
+NIBBLE_STORED = ("Q4_0", "Q4_1", "Q4_K")  # whose q (above) is under 16: kept in 4 bits for integer products
 
 
 def grid_group(type_name: str) -> int:

@@ -24,7 +24,7 @@ NEEDED_FLAGS = ("avx2", "fma", "f16c")
 FORMAT = {"float16": 0, "int8": 1, "float32": 2, "bfloat16": 3, "int8_group16": 4}
 # the byte formats' integer products (fused.c's Q8I and Q8HI): the same bytes, times each row's inputs quantised to
 # bytes per block of 32
-INTEGER_FORMAT = {"int8": 5, "int8_group16": 6}
+INTEGER_FORMAT = {"int8": 5, "int8_group16": 6, "int4": 7}  # int4: nibbles with a scale and offset per 32, integer only
 FLOAT_FORMATS = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
 TILE_OUTPUTS = 8  # weight rows per repacked block
 CHUNK_INPUTS = 8  # inputs per chunk of a block: a float product's inputs come in whole chunks
@@ -65,11 +65,12 @@ class _Rows(ctypes.Structure):
 
 # fused.c's blocks of 8 rows x 32 inputs of bytes, then per 32 (block_q8x8) or per 16 inputs (block_q8x16) the 8
 # rows' float scales and offsets
-Q8_BLOCK_BYTES = {"int8": 320, "int8_group16": 384}
+Q8_BLOCK_BYTES = {"int8": 320, "int8_group16": 384, "int4": 192}
 # what sd_struct_sizes reports, in its order
 STRUCT_SIZES = {"Model": ctypes.sizeof(Model), "Layer": ctypes.sizeof(Layer), "Cache": ctypes.sizeof(Cache),
                 "Rows": ctypes.sizeof(_Rows), "Matrix": ctypes.sizeof(Matrix),
-                "block_q8x8": Q8_BLOCK_BYTES["int8"], "block_q8x16": Q8_BLOCK_BYTES["int8_group16"]}
+                "block_q8x8": Q8_BLOCK_BYTES["int8"], "block_q8x16": Q8_BLOCK_BYTES["int8_group16"],
+                "block_q4x8": Q8_BLOCK_BYTES["int4"]}
 
 
 def cpu_lacks() -> list[str]:

@@ -454,13 +454,44 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 epilogue(__m256 ac
 #define SET_D(b, t) _mm256_loadu_ps((const float *)(b)->d + 8 * (t))
 #define SET_M(b, t) _mm256_loadu_ps((const float *)(b)->m + 8 * (t))
 
-/* out[r][0..7] for R quantised rows and the 8 outputs of the blocks from w, on AVX2: per chunk s the 8 rows' 8
- * bytes are two registers (rows 0-3, rows 4-7), each 32-bit lane a row's 4 bytes times the row's 4 input bytes. */
-#define TILE_Q8I(NAME, BLOCK, SETS, R)                                                                             \
+/* Q4I: 4-bit weights (a GGUF's Q4_0, Q4_1 and Q4_K blocks: q < 16) with a float scale and offset per 32 inputs, in
+ * integer products only: block_q4x8 holds block_q8x8's four chunks of 64 bytes as two, chunk 2p's byte i in the low
+ * nibble of byte i of q[p] and chunk 2p + 1's in its high nibble, then the same scales and offsets (0.75 bytes a
+ * weight, against 1.25). */
+typedef struct {
+    uint8_t q[2][64];
+    float d[8], m[8];
+} block_q4x8;
+static_assert(sizeof(block_q4x8) == 192, "block_q4x8: 128 bytes of nibbles, then 8 scales and 8 offsets");
+
+/* Chunk s's bytes of rows 4h..4h+3 (AVX2), or of all 8 rows (AVX-512), as block_q8x8 holds them. */
+#define BYTES2_Q8(b, s, h) _mm256_loadu_si256((const __m256i *)(b)->q[s][4 * (h)])
+#define BYTES2_Q4(b, s, h)                                                                                         \
+    _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)((b)->q[(s) / 2] + 32 * (h))), 4 * ((s) % 2)), \
+                     _mm256_set1_epi8(0x0F))
+#define BYTES512_Q8(b, s) _mm512_loadu_si512((const void *)(b)->q[s])
+#define BYTES512_Q4(b, s)                                                                                          \
+    _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512((const void *)(b)->q[(s) / 2]), 4 * ((s) % 2)),         \
+                     _mm512_set1_epi8(0x0F))
+
+/* Per 32-bit lane, the sum of 4 weight bytes times 4 input bytes, on AVX2 (maddubs: u8 x s8 in pairs to int16,
+ * then pairs to int32). Bytes up to 255 would saturate an int16 pair, so a Q8 byte q is taken as q - 128 (its
+ * magnitude times the input's sign-corrected byte: at most 2 x 128 x 127) and 128 sum(xq) is added back; a nibble
+ * pair cannot saturate (2 x 15 x 127). */
+#define DOT2_Q8(w, xs)                                                                                             \
+    _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(_mm256_xor_si256(w, _mm256_set1_epi8((char)0x80))),    \
+                                           _mm256_sign_epi8(xs, _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)))), \
+                      _mm256_set1_epi16(1))
+#define DOT2_Q4(w, xs) _mm256_madd_epi16(_mm256_maddubs_epi16(w, xs), _mm256_set1_epi16(1))
+#define CENTRE_Q8 128
+#define CENTRE_Q4 0
+
+/* out[r][0..7] for R quantised rows from r0 and the 8 outputs of the blocks from w, on AVX2: per chunk s the 8 rows'
+ * 8 bytes are two registers (rows 0-3, rows 4-7), each 32-bit lane a row's 4 bytes times the row's 4 input bytes. */
+#define TILE_INT(NAME, BLOCK, SETS, KIND, R)                                                                       \
     __attribute__((target("avx2,fma,f16c"))) static void NAME##_##R(const void *w, const Quantised *x, int r0,    \
                                                                     float out[GROUP512][8]) {                      \
         const BLOCK *b = (const BLOCK *)w;                                                                         \
-        const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);                           \
         __m256 acc[R];                                                                                             \
         for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                                  \
         for (int k = 0, block = 0; k < x->in; k += 32, block++, b++) {                                             \
@@ -472,15 +503,12 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 epilogue(__m256 ac
                     __m256i half[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};                            \
                     for (int s = t * 4 / SETS; s < (t + 1) * 4 / SETS; s++) {                                      \
                         __m256i xs = _mm256_set1_epi64x(*(const int64_t *)(xq + 8 * s));                          \
-                        for (int h = 0; h < 2; h++) {                                                              \
-                            __m256i centred = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)b->q[s][4 * h]), flip); \
-                            __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(centred), _mm256_sign_epi8(xs, centred)); \
-                            half[h] = _mm256_add_epi32(half[h], _mm256_madd_epi16(pairs, ones));                   \
-                        }                                                                                          \
+                        for (int h = 0; h < 2; h++)                                                                \
+                            half[h] = _mm256_add_epi32(half[h], DOT2_##KIND(BYTES2_##KIND(b, s, h), xs));          \
                     }                                                                                              \
                     int64_t set = (int64_t)row * (x->in / 32) * SETS + block * SETS + t;                           \
                     __m256i isum = _mm256_permute4x64_epi64(_mm256_hadd_epi32(half[0], half[1]), 0xD8);            \
-                    isum = _mm256_add_epi32(isum, _mm256_set1_epi32(128 * x->sum[set])); /* q = centred + 128 */   \
+                    isum = _mm256_add_epi32(isum, _mm256_set1_epi32(CENTRE_##KIND * x->sum[set]));                 \
                     acc[r] = epilogue(acc[r], isum, SET_D(b, t), SET_M(b, t), x->scale[(int64_t)row * (x->in / 32) + block], \
                                       x->offset[set]);                                                             \
                 }                                                                                                  \
@@ -488,14 +516,16 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 epilogue(__m256 ac
         }                                                                                                          \
         for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r], acc[r]);                                              \
     }
-#define TILES_Q8I(NAME, BLOCK, SETS) TILE_Q8I(NAME, BLOCK, SETS, 1) TILE_Q8I(NAME, BLOCK, SETS, 2)                 \
-    TILE_Q8I(NAME, BLOCK, SETS, 3) TILE_Q8I(NAME, BLOCK, SETS, 4)
-TILES_Q8I(q8i, block_q8x8, 1)
-TILES_Q8I(q8hi, block_q8x16, 2)
+#define TILES_INT(NAME, BLOCK, SETS, KIND) TILE_INT(NAME, BLOCK, SETS, KIND, 1) TILE_INT(NAME, BLOCK, SETS, KIND, 2) \
+    TILE_INT(NAME, BLOCK, SETS, KIND, 3) TILE_INT(NAME, BLOCK, SETS, KIND, 4)
+TILES_INT(q8i, block_q8x8, 1, Q8)
+TILES_INT(q8hi, block_q8x16, 2, Q8)
+TILES_INT(q4i, block_q4x8, 1, Q4)
 
 /* The same on AVX512-VNNI: a chunk's 64 bytes are one register, each 32-bit lane a row's 4 bytes (lanes 2j and
- * 2j + 1: row j's 8), multiplied into the row's 8 input bytes broadcast by vpdpbusd; the pairs then add up. */
-#define TILE_Q8I_VNNI(NAME, BLOCK, SETS, R)                                                                        \
+ * 2j + 1: row j's 8), multiplied into the row's 8 input bytes broadcast by vpdpbusd (u8 x s8: no centring); a set's
+ * chunks in two chains where it has four; then the pairs add up. */
+#define TILE_INT_VNNI(NAME, BLOCK, SETS, KIND, R)                                                                  \
     __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c"))) static void            \
         NAME##v_##R(const void *w, const Quantised *x, int r0, float out[GROUP512][8]) {                          \
         const BLOCK *b = (const BLOCK *)w;                                                                         \
@@ -504,16 +534,18 @@ TILES_Q8I(q8hi, block_q8x16, 2)
         for (int k = 0, block = 0; k < x->in; k += 32, block++, b++) {                                             \
             PREFETCH_BLOCK(b)                                                                                      \
             __m512i wq[4];                                                                                         \
-            for (int s = 0; s < 4; s++) wq[s] = _mm512_loadu_si512((const void *)b->q[s]);                         \
+            for (int s = 0; s < 4; s++) wq[s] = BYTES512_##KIND(b, s);                                             \
             for (int r = 0; r < R; r++) {                                                                          \
                 int row = r0 + r;                                                                                  \
                 const int8_t *xq = x->q + (int64_t)row * x->in + k;                                                \
                 for (int t = 0; t < SETS; t++) {                                                                   \
-                    __m512i lanes = _mm512_setzero_si512();                                                        \
+                    __m512i lanes[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};                           \
                     for (int s = t * 4 / SETS; s < (t + 1) * 4 / SETS; s++)                                        \
-                        lanes = _mm512_dpbusd_epi32(lanes, wq[s], _mm512_set1_epi64(*(const int64_t *)(xq + 8 * s))); \
+                        lanes[s % 2] = _mm512_dpbusd_epi32(lanes[s % 2], wq[s],                                    \
+                                                           _mm512_set1_epi64(*(const int64_t *)(xq + 8 * s)));     \
+                    __m512i both = _mm512_add_epi32(lanes[0], lanes[1]);                                           \
                     int64_t set = (int64_t)row * (x->in / 32) * SETS + block * SETS + t;                           \
-                    __m256i isum = _mm512_cvtepi64_epi32(_mm512_add_epi32(lanes, _mm512_srli_epi64(lanes, 32)));   \
+                    __m256i isum = _mm512_cvtepi64_epi32(_mm512_add_epi32(both, _mm512_srli_epi64(both, 32)));     \
                     acc[r] = epilogue(acc[r], isum, SET_D(b, t), SET_M(b, t), x->scale[(int64_t)row * (x->in / 32) + block], \
                                       x->offset[set]);                                                             \
                 }                                                                                                  \
@@ -521,29 +553,34 @@ TILES_Q8I(q8hi, block_q8x16, 2)
         }                                                                                                          \
         for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r], acc[r]);                                              \
     }
-#define TILES_Q8I_VNNI(NAME, BLOCK, SETS) TILE_Q8I_VNNI(NAME, BLOCK, SETS, 1) TILE_Q8I_VNNI(NAME, BLOCK, SETS, 2)  \
-    TILE_Q8I_VNNI(NAME, BLOCK, SETS, 3) TILE_Q8I_VNNI(NAME, BLOCK, SETS, 4) TILE_Q8I_VNNI(NAME, BLOCK, SETS, 5)    \
-    TILE_Q8I_VNNI(NAME, BLOCK, SETS, 6)
-TILES_Q8I_VNNI(q8i, block_q8x8, 1)
-TILES_Q8I_VNNI(q8hi, block_q8x16, 2)
+#define TILES_INT_VNNI(NAME, BLOCK, SETS, KIND) TILE_INT_VNNI(NAME, BLOCK, SETS, KIND, 1)                          \
+    TILE_INT_VNNI(NAME, BLOCK, SETS, KIND, 2) TILE_INT_VNNI(NAME, BLOCK, SETS, KIND, 3)                            \
+    TILE_INT_VNNI(NAME, BLOCK, SETS, KIND, 4) TILE_INT_VNNI(NAME, BLOCK, SETS, KIND, 5)                            \
+    TILE_INT_VNNI(NAME, BLOCK, SETS, KIND, 6)
+TILES_INT_VNNI(q8i, block_q8x8, 1, Q8)
+TILES_INT_VNNI(q8hi, block_q8x16, 2, Q8)
+TILES_INT_VNNI(q4i, block_q4x8, 1, Q4)
 
 typedef void (*Q8Fn)(const void *, int, const float *, int64_t, int, float[GROUP512][8]);
-/* how a weight matrix is stored (Matrix.format); Q8I and Q8HI: Q8 and Q8H's bytes, multiplied in integers */
-enum { F16, Q8, F32, BF16, Q8H, Q8I, Q8HI };
+/* how a weight matrix is stored (Matrix.format); Q8I and Q8HI: Q8 and Q8H's bytes, multiplied in integers; Q4I:
+ * nibbles, in integers only */
+enum { F16, Q8, F32, BF16, Q8H, Q8I, Q8HI, Q4I };
 static const int VALUE_BYTES[] = {[F16] = 2, [F32] = 4, [BF16] = 2}; /* the float formats' */
 static const int BLOCK_BYTES[] = {[Q8] = sizeof(block_q8x8), [Q8H] = sizeof(block_q8x16), [Q8I] = sizeof(block_q8x8),
-                                   [Q8HI] = sizeof(block_q8x16)}; /* per 8 rows x 32 */
+                                   [Q8HI] = sizeof(block_q8x16), [Q4I] = sizeof(block_q4x8)}; /* per 8 rows x 32 */
 static const Q8Fn Q8_WIDE[][GROUP + 1] = {[Q8] = {0, q8_1x8, q8_2x4, q8_3x2, q8_4x2},
                                           [Q8H] = {0, q8h_1x8, q8h_2x4, q8h_3x2, q8h_4x2}};
 static const Q8Fn Q8_512[][GROUP512 + 1] = {[Q8] = {0, q8z_1, q8z_2, q8z_3, q8z_4, q8z_5, q8z_6},
                                             [Q8H] = {0, q8hz_1, q8hz_2, q8hz_3, q8hz_4, q8hz_5, q8hz_6}};
-#define INTEGER(format) ((format) == Q8I || (format) == Q8HI)
+#define INTEGER(format) ((format) == Q8I || (format) == Q8HI || (format) == Q4I)
 #define BLOCKED(format) ((format) == Q8 || (format) == Q8H || INTEGER(format))
 typedef void (*IntegerFn)(const void *, const Quantised *, int, float[GROUP512][8]);
 static const IntegerFn INTEGER_WIDE[][GROUP + 1] = {[Q8I] = {0, q8i_1, q8i_2, q8i_3, q8i_4},
-                                                    [Q8HI] = {0, q8hi_1, q8hi_2, q8hi_3, q8hi_4}};
+                                                    [Q8HI] = {0, q8hi_1, q8hi_2, q8hi_3, q8hi_4},
+                                                    [Q4I] = {0, q4i_1, q4i_2, q4i_3, q4i_4}};
 static const IntegerFn INTEGER_VNNI[][GROUP512 + 1] = {[Q8I] = {0, q8iv_1, q8iv_2, q8iv_3, q8iv_4, q8iv_5, q8iv_6},
-                                                       [Q8HI] = {0, q8hiv_1, q8hiv_2, q8hiv_3, q8hiv_4, q8hiv_5, q8hiv_6}};
+                                                       [Q8HI] = {0, q8hiv_1, q8hiv_2, q8hiv_3, q8hiv_4, q8hiv_5, q8hiv_6},
+                                                       [Q4I] = {0, q4iv_1, q4iv_2, q4iv_3, q4iv_4, q4iv_5, q4iv_6}};
 
 typedef void (*TileFn)(const void *, const float *, int64_t, int, float[GROUP512][8]);
 static const TileFn WIDE[][GROUP + 1] = {[F16] = {0, f16_1x8, f16_2x4, f16_3x2, f16_4x2},
@@ -850,10 +887,10 @@ int sd_attention(const Rows *rows, int heads, int kv_heads, int head_dim, const 
 }
 
 /* The sizes of the structures native.py declares with ctypes, in its order (STRUCT_SIZES): Model, Layer, Cache,
- * Rows, Matrix, block_q8x8, block_q8x16; at most `count` of them. Returns how many it wrote. */
+ * Rows, Matrix, block_q8x8, block_q8x16, block_q4x8; at most `count` of them. Returns how many it wrote. */
 int sd_struct_sizes(int64_t *sizes, int count) {
     const int64_t known[] = {sizeof(Model), sizeof(Layer), sizeof(Cache), sizeof(Rows), sizeof(Matrix),
-                             sizeof(block_q8x8), sizeof(block_q8x16)};
+                             sizeof(block_q8x8), sizeof(block_q8x16), sizeof(block_q4x8)};
     int written = 0;
     for (; written < count && written < (int)(sizeof(known) / sizeof(known[0])); written++) sizes[written] = known[written];
     return written;

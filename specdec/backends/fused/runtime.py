@@ -150,16 +150,17 @@ def module_weights(model, gguf: str | Path | None = None) -> FusedWeights:
         qkv_biases=[_qkv_bias(layer) for layer in layers])
 
 
-def gguf_weights(source: GGUFFile) -> FusedWeights:
+def gguf_weights(source: GGUFFile, nibbles: bool = True) -> FusedWeights:
     """A GGUF file's weights, from the file alone (``gguf_unavailable`` first): its matrices from their packed copy
-    in specdec's cache, else repacked (with a line of progress) and kept there for the next start."""
+    in specdec's cache, else repacked (with a line of progress) and kept there for the next start; ``nibbles``: its
+    4-bit formats in 4 bits (integer products only)."""
     spec = spec_of_gguf(source)
-    kept = packed_file.packed_path(source.path)
+    kept = packed_file.packed_path(source.path, nibbles)
     packed = packed_file.read(kept)
     if packed is not None and len(packed) != 4 * spec.layers + 1:
         packed = None
     progress = None if packed is not None else _Progress(f"specdec: packing {source.path.name} for the fused runtime")
-    matrices = gguf_matrices(source, spec.layers, spec.heads, spec.kv_heads, packed, progress)
+    matrices = gguf_matrices(source, spec.layers, spec.heads, spec.kv_heads, packed, progress, nibbles)
     if packed is None:
         progress.done(kept)
         try:
@@ -222,6 +223,12 @@ def _held(weight: torch.Tensor, weights: str) -> StoredMatrix:
     return float_matrix(weight.detach(), "float16")
 
 
+def _check_products(products: str) -> str:
+    if products not in PRODUCTS:
+        raise ValueError(f"the fused runtime's products are {' or '.join(PRODUCTS)}, not {products}")
+    return products
+
+
 def _qkv_bias(layer) -> torch.Tensor | None:
     projections = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
     if all(p.bias is None for p in projections):
@@ -261,13 +268,12 @@ class FusedRuntime(LlamaSequence, Pooled):
         if reason is not None:
             raise FusedUnavailable(f"the fused runtime cannot read {source.path.name} directly: {reason}")
         runtime = cls.__new__(cls)
-        runtime._start(gguf_weights(source), "stored", products)
+        _check_products(products)
+        runtime._start(gguf_weights(source, nibbles=products == "integer"), "stored", products)
         return runtime
 
     def _start(self, source: FusedWeights, weights: str, products: str) -> None:
-        if products not in PRODUCTS:
-            raise ValueError(f"the fused runtime's products are {' or '.join(PRODUCTS)}, not {products}")
-        self.products = products
+        self.products = _check_products(products)
         super().__init__(source.spec, torch.float32)
         self._library = native.library()
         self.threads = native.use_threads()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.backends.gguf_file import Q8_STORED, GGUFFile, Tensor, dequantized, grid_group, q8_rows
+from specdec.backends.gguf_file import NIBBLE_STORED, Q8_STORED, GGUFFile, Tensor, dequantized, grid_group, q8_rows
 from specdec.backends.native import FORMAT, INTEGER_FORMAT, Q8_BLOCK_BYTES, Matrix, repacked
 from specdec.errors import UsageError
 
@@ -44,8 +44,12 @@ class StoredMatrix:
         multiplied in ``products``: integer (each row's inputs quantised to bytes per block of 32, fused.c's Q8I) or
         float (each weight converted to float)."""
         bias = None if self.bias is None else self.bias.data_ptr()
-        code = INTEGER_FORMAT[self.format] if products == "integer" and self.format in INTEGER_FORMAT else \
-            FORMAT[self.format]
+        if products == "integer" and self.format in INTEGER_FORMAT:
+            code = INTEGER_FORMAT[self.format]
+        elif self.format in FORMAT:
+            code = FORMAT[self.format]
+        else:
+            raise ValueError(f"{self.format} weights are multiplied in integers only")
         return Matrix(code, self.inputs, self.outputs, self.packed.data_ptr(), bias)
 
     @property
@@ -66,17 +70,22 @@ def float_matrix(values: torch.Tensor, precision: str) -> StoredMatrix:
     return StoredMatrix(precision, values.shape[0], values.shape[1], repacked(values, getattr(torch, precision)))
 
 
-def packed_q8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:  # uint8
+def packed_q8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, nibbles: bool = False
+              ) -> torch.Tensor:  # uint8
     """Bytes q [out, in] with w = scale q + offset per row and group of 32 (16) inputs as fused.c's Q8 (Q8H) reads
     them: blocks of 8 rows (the last padded with zeros), each 32 inputs as 4 x 8 rows x 8 bytes, then the 8 rows'
-    scales, then their offsets, one set of 8 per group (``block_q8x8``, ``block_q8x16``)."""
+    scales, then their offsets, one set of 8 per group (``block_q8x8``, ``block_q8x16``). ``nibbles`` (q < 16, per
+    32): the 4 chunks of 64 bytes as 2, chunk 2p in the low nibbles of the p-th and 2p + 1 in its high (Q4I's
+    ``block_q4x8``)."""
     out, inputs = q.shape
     sets = scale.shape[1] * 32 // inputs  # scale and offset sets per 32 inputs
     rows, blocks = -(-out // 8) * 8, inputs // 32
     if rows != out:
         q = torch.cat([q, q.new_zeros(rows - out, inputs)])
         scale, offset = (torch.cat([t, t.new_zeros(rows - out, t.shape[1])]) for t in (scale, offset))
-    q = q.reshape(rows // 8, 8, blocks, 4, 8).permute(0, 2, 3, 1, 4).reshape(rows // 8, blocks, 256)
+    q = q.reshape(rows // 8, 8, blocks, 4, 8).permute(0, 2, 3, 1, 4).reshape(rows // 8, blocks, 4, 64)
+    q = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)) if nibbles else q
+    q = q.reshape(rows // 8, blocks, -1)
 
     def per_block(t: torch.Tensor) -> torch.Tensor:  # [rows, blocks * sets] -> [rows / 8, blocks, sets * 8 * 4]
         t = t.float().reshape(rows // 8, 8, blocks, sets).permute(0, 2, 3, 1).contiguous()
@@ -135,15 +144,18 @@ def _grid_matrix(tensors, orders) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return tuple(torch.from_numpy(np.concatenate([part[j] for part in parts])) for j in range(3))
 
 
-def _packed_grid(tensors, orders) -> StoredMatrix:
+def _packed_grid(tensors, orders, nibbles: bool = False) -> StoredMatrix:
     """The tensors' rows in ``orders`` on the finest of their grids, packed :data:`CHUNK_ROWS` rows at a time into
     one buffer: the memory a matrix takes while it is packed is its packed size and a chunk's, where decoding it
     whole took several times its size (150k rows of an LM head). Every part but the last holds whole blocks of 8
-    rows (``gguf_unavailable`` admits only heads of a multiple of 8 and sizes of a multiple of 32)."""
+    rows (``gguf_unavailable`` admits only heads of a multiple of 8 and sizes of a multiple of 32). ``nibbles``:
+    tensors all of NIBBLE_STORED's formats are kept in 4 bits (``int4``, for integer products)."""
     group = min(grid_group(t.type_name) for t in tensors)
     inputs, rows = tensors[0].shape[1], sum(len(order) for order in orders)
     assert all(len(order) % 8 == 0 for order in orders[:-1]), "a part ends inside a block of 8 rows"
-    block_bytes = Q8_BLOCK_BYTES["int8" if group == 32 else "int8_group16"]
+    nibbles = nibbles and all(t.type_name in NIBBLE_STORED for t in tensors)
+    name = "int4" if nibbles else "int8" if group == 32 else "int8_group16"
+    block_bytes = Q8_BLOCK_BYTES[name]
     packed = torch.empty(-(-rows // 8) * (inputs // 32) * block_bytes, dtype=torch.uint8)
     at = 0
     for tensor, order in zip(tensors, orders):
@@ -152,10 +164,10 @@ def _packed_grid(tensors, orders) -> StoredMatrix:
             chunk = order[start : start + CHUNK_ROWS]
             q, scale, offset = q8_rows(Tensor(tensor.name, tensor.type_name, (len(chunk), inputs), tensor.data[chunk]))
             piece = packed_q8(torch.from_numpy(q), torch.from_numpy(np.repeat(scale, repeat, axis=1)),
-                              torch.from_numpy(np.repeat(offset, repeat, axis=1)))
+                              torch.from_numpy(np.repeat(offset, repeat, axis=1)), nibbles)
             packed[at : at + len(piece)] = piece
             at += len(piece)
-    return StoredMatrix("int8" if group == 32 else "int8_group16", rows, inputs, packed)
+    return StoredMatrix(name, rows, inputs, packed)
 
 
 def _grid_values(matrix) -> torch.Tensor:  # [out, in] float32
@@ -191,17 +203,17 @@ def module_blocks(matrices: list[torch.Tensor], source: GGUFFile, config) -> lis
 
 
 def gguf_matrices(source: GGUFFile, layers: int, heads: int, kv_heads: int, packed: list[StoredMatrix] | None = None,
-                  progress: Callable[[int, int], None] | None = None) -> list[StoredMatrix]:
+                  progress: Callable[[int, int], None] | None = None, nibbles: bool = False) -> list[StoredMatrix]:
     """Per fused.c matrix, as the file stores it, with its bias (qwen2's q, k and v), in the module's row order:
     from ``packed`` where given (the matrices packed before, ``packed_file.py``), else repacked from the file, with
-    ``progress(done, count)`` after each."""
+    ``progress(done, count)`` after each; ``nibbles``: 4-bit formats in 4 bits (:func:`_packed_grid`)."""
     permuted = source.field("general.architecture") in PERMUTED_ARCHITECTURES
     names = tensor_names(layers, source.tensors)
     matrices = []
     for index, parts in enumerate(names):
         tensors = [source.tensors[name] for name in parts]
         orders = _row_orders(parts, [t.shape[0] for t in tensors], heads, kv_heads, permuted)
-        matrix = packed[index] if packed is not None else _stored(tensors, orders)
+        matrix = packed[index] if packed is not None else _stored(tensors, orders, nibbles)
         matrix.bias = _bias(source, parts, orders)
         matrices.append(matrix)
         if progress is not None:
@@ -209,10 +221,10 @@ def gguf_matrices(source: GGUFFile, layers: int, heads: int, kv_heads: int, pack
     return matrices
 
 
-def _stored(tensors, orders) -> StoredMatrix:
+def _stored(tensors, orders, nibbles: bool) -> StoredMatrix:
     types = {t.type_name for t in tensors}
     if types <= set(Q8_STORED):
-        return _packed_grid(tensors, orders)
+        return _packed_grid(tensors, orders, nibbles)
     values = torch.from_numpy(np.concatenate([dequantized(t).reshape(t.shape[0], -1)[order]
                                               for t, order in zip(tensors, orders)]))
     precision = FLOAT_STORED.get(types.pop()) if len(types) == 1 else None
