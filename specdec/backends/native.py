@@ -22,9 +22,9 @@ NEEDED_FLAGS = ("avx2", "fma", "f16c")
 # how fused.c stores a weight matrix (its F16, Q8, F32, BF16 and Q8H): floats, or bytes with a float scale and offset
 # per 32 inputs (int8) or per 16 (int8_group16)
 FORMAT = {"float16": 0, "int8": 1, "float32": 2, "bfloat16": 3, "int8_group16": 4}
-# the byte formats' integer products (fused.c's Q8I and Q8HI): the same bytes, times each row's inputs quantised to
-# bytes per block of 32
-INTEGER_FORMAT = {"int8": 5, "int8_group16": 6, "int4": 7}  # int4: nibbles with a scale and offset per 32, integer only
+# the block formats' integer products (fused.c's Q8I, Q8HI and Q4I), times each row's inputs quantised to bytes per
+# block of 32: the byte formats' same bytes, and int4, nibbles with a scale and offset per 32 (integer products only)
+INTEGER_FORMAT = {"int8": 5, "int8_group16": 6, "int4": 7}
 FLOAT_FORMATS = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
 TILE_OUTPUTS = 8  # weight rows per repacked block
 CHUNK_INPUTS = 8  # inputs per chunk of a block: a float product's inputs come in whole chunks

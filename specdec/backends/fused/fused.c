@@ -443,16 +443,20 @@ __attribute__((target("avx2,fma,f16c"))) static void quantise_row(const float *x
     }
 }
 
-/* acc + a block's set for 8 outputs: isum (8 int32), the set's scales d and offsets m, the row's e and offset. */
-__attribute__((target("avx2,fma,f16c"))) static inline __m256 epilogue(__m256 acc, __m256i isum, __m256 d, __m256 m,
-                                                                      float e, float offset) {
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(e)), acc);
-    return _mm256_fmadd_ps(m, _mm256_set1_ps(offset), acc);
+/* acc + set t of block `block` of quantised row `row`, for 8 outputs: isum, their integer sums over the set (plus
+ * `centre` sum(xq), where the tile summed q - centre), and the set's scales d and offsets m (8 each). */
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 add_set(__m256 acc, __m256i isum, int centre,
+                                                                     const float *d, const float *m,
+                                                                     const Quantised *x, int row, int block, int t) {
+    int64_t at = (int64_t)row * (x->in / 32) + block, set = at * x->sets + t;
+    isum = _mm256_add_epi32(isum, _mm256_set1_epi32(centre * x->sum[set]));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(_mm256_loadu_ps(d), _mm256_set1_ps(x->scale[at])), acc);
+    return _mm256_fmadd_ps(_mm256_loadu_ps(m), _mm256_set1_ps(x->offset[set]), acc);
 }
 
 /* A set's scales (offsets) for the block's 8 outputs. */
-#define SET_D(b, t) _mm256_loadu_ps((const float *)(b)->d + 8 * (t))
-#define SET_M(b, t) _mm256_loadu_ps((const float *)(b)->m + 8 * (t))
+#define SET_D(b, t) ((const float *)(b)->d + 8 * (t))
+#define SET_M(b, t) ((const float *)(b)->m + 8 * (t))
 
 /* Q4I: 4-bit weights (a GGUF's Q4_0, Q4_1 and Q4_K blocks: q < 16) with a float scale and offset per 32 inputs, in
  * integer products only: block_q4x8 holds block_q8x8's four chunks of 64 bytes as two, chunk 2p's byte i in the low
@@ -506,11 +510,8 @@ static_assert(sizeof(block_q4x8) == 192, "block_q4x8: 128 bytes of nibbles, then
                         for (int h = 0; h < 2; h++)                                                                \
                             half[h] = _mm256_add_epi32(half[h], DOT2_##KIND(BYTES2_##KIND(b, s, h), xs));          \
                     }                                                                                              \
-                    int64_t set = (int64_t)row * (x->in / 32) * SETS + block * SETS + t;                           \
                     __m256i isum = _mm256_permute4x64_epi64(_mm256_hadd_epi32(half[0], half[1]), 0xD8);            \
-                    isum = _mm256_add_epi32(isum, _mm256_set1_epi32(CENTRE_##KIND * x->sum[set]));                 \
-                    acc[r] = epilogue(acc[r], isum, SET_D(b, t), SET_M(b, t), x->scale[(int64_t)row * (x->in / 32) + block], \
-                                      x->offset[set]);                                                             \
+                    acc[r] = add_set(acc[r], isum, CENTRE_##KIND, SET_D(b, t), SET_M(b, t), x, row, block, t);     \
                 }                                                                                                  \
             }                                                                                                      \
         }                                                                                                          \
@@ -544,10 +545,8 @@ TILES_INT(q4i, block_q4x8, 1, Q4)
                         lanes[s % 2] = _mm512_dpbusd_epi32(lanes[s % 2], wq[s],                                    \
                                                            _mm512_set1_epi64(*(const int64_t *)(xq + 8 * s)));     \
                     __m512i both = _mm512_add_epi32(lanes[0], lanes[1]);                                           \
-                    int64_t set = (int64_t)row * (x->in / 32) * SETS + block * SETS + t;                           \
                     __m256i isum = _mm512_cvtepi64_epi32(_mm512_add_epi32(both, _mm512_srli_epi64(both, 32)));     \
-                    acc[r] = epilogue(acc[r], isum, SET_D(b, t), SET_M(b, t), x->scale[(int64_t)row * (x->in / 32) + block], \
-                                      x->offset[set]);                                                             \
+                    acc[r] = add_set(acc[r], isum, 0, SET_D(b, t), SET_M(b, t), x, row, block, t);                 \
                 }                                                                                                  \
             }                                                                                                      \
         }                                                                                                          \
@@ -643,24 +642,26 @@ static const Quantised *quantised_rows(const float *x, int64_t ldx, int n, int i
     return &held;
 }
 
-/* y[r, o] = x[r] . W[o] (+ bias) for every row r < n and o in [o0, o1) (o0 a multiple of 8): x [n, ldx]; y [n, ldy].
- * A block of 8 weight rows is read from memory once, and stays in L1 while every group of rows reads it. */
-static void product(const Matrix *m, const float *x, int64_t ldx, int n, int o0, int o1, float *y, int64_t ldy,
-                    int mode) {
+/* The rows x [n, ldx] as the matrix's integer tiles read them (quantised_rows), or NULL: for a float format, or
+ * (scratch_failed then set) when they could not be had. */
+static const Quantised *inputs_for(const Matrix *m, const float *x, int64_t ldx, int n) {
+    if (!INTEGER(m->format)) return NULL;
+    const Quantised *xq = quantised_rows(x, ldx, n, m->in, m->format == Q8HI ? 2 : 1);
+    if (!xq) atomic_store(&scratch_failed, 1);
+    return xq;
+}
+
+/* y[r, o] = x[r] . W[o] (+ bias) for every row r < n and o in [o0, o1) (o0 a multiple of 8): x [n, ldx], or for an
+ * integer format xq, inputs_for's rows of x; y [n, ldy]. A block of 8 weight rows is read from memory once, and
+ * stays in L1 while every group of rows reads it. */
+static void product_of(const Matrix *m, const float *x, const Quantised *xq, int64_t ldx, int n, int o0, int o1,
+                       float *y, int64_t ldy, int mode) {
     int format = m->format, in = m->in;
     const void *w = m->weight;
     const float *bias = m->bias;
     float out[GROUP512][8];
-    int group = has_avx512 ? GROUP512 : GROUP;
-    const Quantised *xq = NULL;
-    if (INTEGER(format)) {
-        if (o0 >= o1) return;
-        if (!(xq = quantised_rows(x, ldx, n, in, format == Q8HI ? 2 : 1))) {
-            atomic_store(&scratch_failed, 1);
-            return;
-        }
-        group = has_vnni ? GROUP512 : GROUP;
-    }
+    if (INTEGER(format) && !xq) return; /* its rows could not be quantised: the pass fails */
+    int group = (INTEGER(format) ? has_vnni : has_avx512) ? GROUP512 : GROUP;
     for (int o = o0; o < o1; o += 8) {
         int count = o1 - o < 8 ? o1 - o : 8; /* a block past the matrix's last row is zero padding */
         for (int r0 = 0; r0 < n; r0 += group) {
@@ -677,6 +678,12 @@ static void product(const Matrix *m, const float *x, int64_t ldx, int n, int o0,
                 }
         }
     }
+}
+
+/* product_of, the rows quantised here where the format needs it (and not where this member has no outputs). */
+static void product(const Matrix *m, const float *x, int64_t ldx, int n, int o0, int o1, float *y, int64_t ldy,
+                    int mode) {
+    if (o0 < o1) product_of(m, x, inputs_for(m, x, ldx, n), ldx, n, o0, o1, y, ldy, mode);
 }
 
 /* The share of `count` items (in units of `grain`) of member `thread` of `threads`. */
@@ -802,8 +809,11 @@ static void pass_job(void *arg, int thread, int threads) {
             rms_norm_row(p->x + (int64_t)r * hidden, layer->post_norm, hidden, m->eps, p->h + (int64_t)r * hidden);
         team_barrier(threads, &sense);
         share(inter, 8, thread, threads, &b, &e); /* gate and up for the same units, then SiLU(gate) * up */
-        product(&layer->gate_up, p->h, hidden, n, b, e, p->act, 2 * inter, STORE);
-        product(&layer->gate_up, p->h, hidden, n, inter + b, inter + e, p->act, 2 * inter, STORE);
+        if (b < e) { /* h quantised once for both */
+            const Quantised *hq = inputs_for(&layer->gate_up, p->h, hidden, n);
+            product_of(&layer->gate_up, p->h, hq, hidden, n, b, e, p->act, 2 * inter, STORE);
+            product_of(&layer->gate_up, p->h, hq, hidden, n, inter + b, inter + e, p->act, 2 * inter, STORE);
+        }
         for (int r = 0; r < n; r++) {
             const float *row = p->act + (int64_t)r * 2 * inter;
             for (int j = b; j < e; j++) p->mid[(int64_t)r * inter + j] = silu(row[j]) * row[inter + j];
