@@ -174,7 +174,9 @@ def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str 
 def load_fused_gguf(path: Path) -> LoadedModel | None:
     """A GGUF file on the fused runtime read from the file alone, its tokenizer too (llama.cpp's, as the llama.cpp
     backend's): no transformers module, no conversion. None where the runtime does not read this model directly
-    (``fused.gguf_unavailable``): it then runs from the file's transformers conversion."""
+    (``fused.gguf_unavailable``): it then runs from the file's transformers conversion, where the family's code
+    covers the architecture; elsewhere one line says why."""
+    from specdec.backends.family import FAMILIES
     from specdec.backends.fused import FusedRuntime, gguf_unavailable
     from specdec.backends.gguf_file import read_gguf
     from specdec.backends.llamacpp import GGUFModel
@@ -182,6 +184,8 @@ def load_fused_gguf(path: Path) -> LoadedModel | None:
 
     source = read_gguf(path)
     reason = gguf_unavailable(source)
+    if reason is not None and source.field("general.architecture") not in FAMILIES:  # no conversion would run it
+        raise UsageError(f"--backend fused cannot run {path.name}: {reason}")
     if reason is not None:
         if verbose():
             notice(f"the fused runtime runs {path.name} from its transformers conversion: {reason}")

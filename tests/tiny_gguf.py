@@ -18,7 +18,19 @@ from typing import Any
 import gguf
 import numpy as np
 
-ARCHITECTURES = ("llama", "qwen2")  # qwen2: biases on q, k and v, and q and k stored in the module's row order
+# llama; llama3 (llama with Llama 3's RoPE frequencies, rope_freqs.weight); qwen2 (biases on q, k and v, and q and k
+# stored in the module's row order, as every architecture but llama's); qwen3 (q and k normed per head, heads wider
+# than hidden / heads); phi3 (q, k and v in one tensor, gate and up in one); gemma2 (GELU, a scaled and tied
+# embedding, the blocks' outputs normed, soft caps on scores and logits, every other layer sliding); gemma3 (gemma2's
+# without the caps, with q and k normed, five layers in six sliding with RoPE of their own)
+ARCHITECTURES = ("llama", "llama3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+WINDOW = 8  # the sliding layers' window: a few keys, so that a test's tokens pass it
+GEMMA2_SOFTCAPS = (4.0, 3.0)  # scores', logits': small enough to bite on a random model's (real: 50 and 30)
+GEMMA3_ROPE_FREQ_BASE = 1e6  # its global layers' (the local ones' is 10000)
+# Llama 3's RoPE scaling (the converter's rope_freqs), its original context shortened so that a tiny head's
+# frequencies fall on each side of it: scaled, interpolated and kept
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
 BIAS_STD = 0.5
 ROPE_FREQ_BASE = 10000.0
 RMS_NORM_EPS = 1e-5
@@ -56,10 +68,11 @@ class TinyShape:
     ffn: int
     context: int
     vocab: int
+    head_size: int = 0  # a head's width where it is not hidden / heads
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
 
 
 @dataclass(frozen=True)
@@ -74,22 +87,22 @@ class MetadataField:
 
 def write_tiny_gguf(path: str | Path, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
                     ffn: int = 128, context: int = 512, seed: int = 0, tensor_type: str = "F32",
-                    vocab_from: str | Path | None = None, architecture: str = "llama") -> Path:
+                    vocab_from: str | Path | None = None, architecture: str = "llama", head_dim: int = 0) -> Path:
     """Write a random-initialised llama model with ``vocab_from``'s tokenizer to ``path``; return the path.
 
     The weights depend only on the shape arguments and ``seed``; ``tensor_type`` (F32, F16, Q8_0, Q4_0 or Q4_1) is how
     the 2-D weights are stored, so files of one seed and different types hold the same model, rounded differently.
     ``vocab_from`` is the GGUF file whose ``tokenizer.*`` metadata (vocabulary, merges, special ids, chat template)
     is copied; by default the default model's. The output matrix is untied from the token embedding.
-    ``architecture``: llama, or qwen2 (q, k and v with biases). A ``tensor_type`` of LLAMA_CPP_TYPES is written as
-    F32, then quantised by llama.cpp's quantizer.
+    ``architecture``: one of ARCHITECTURES; ``head_dim``: a head's width, where not hidden / heads. A
+    ``tensor_type`` of LLAMA_CPP_TYPES is written as F32, then quantised by llama.cpp's quantizer.
     """
     if tensor_type in LLAMA_CPP_TYPES:
         from specdec.backends.llamacpp.quantize import quantize
 
         source = write_tiny_gguf(Path(path).with_suffix(".f32.gguf"), layers=layers, hidden=hidden, heads=heads,
                                  kv_heads=kv_heads, ffn=ffn, context=context, seed=seed, vocab_from=vocab_from,
-                                 architecture=architecture)
+                                 architecture=architecture, head_dim=head_dim)
         quantize(source, Path(path), tensor_type, threads=2)
         source.unlink()
         return Path(path)
@@ -97,7 +110,7 @@ def write_tiny_gguf(path: str | Path, *, layers: int = 2, hidden: int = 64, head
         raise ValueError(f"tensor_type must be one of {sorted(TENSOR_TYPES)}, not {tensor_type!r}")
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture must be one of {ARCHITECTURES}, not {architecture!r}")
-    if hidden % heads or heads % kv_heads or (hidden // heads) % 2:
+    if hidden % heads or heads % kv_heads or (head_dim or hidden // heads) % 2:
         raise ValueError("hidden must split into heads of an even size, and heads into kv_heads groups")
     block = gguf.GGML_QUANT_SIZES[TENSOR_TYPES[tensor_type][1]][0]  # values per quantisation block; 1 for F32/F16
     if hidden % block or ffn % block:
@@ -105,18 +118,19 @@ def write_tiny_gguf(path: str | Path, *, layers: int = 2, hidden: int = 64, head
     tokenizer = tokenizer_fields(str(vocab_from or _default_gguf()))
     vocab = _vocab_size(tokenizer)
     shape = TinyShape(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, context=context,
-                      vocab=vocab)
+                      vocab=vocab, head_size=head_dim)
     file_type, weight_type = TENSOR_TYPES[tensor_type]
 
     path = Path(path)
-    writer = gguf.GGUFWriter(path, architecture)  # writes general.architecture itself
+    arch = "llama" if architecture == "llama3" else architecture
+    writer = gguf.GGUFWriter(path, arch)  # writes general.architecture itself
     _add_hyperparameters(writer, shape, file_type)
+    _add_architecture(writer, architecture, shape)
     for field in tokenizer:
         writer.add_key_value(field.key, field.value, field.vtype, sub_type=field.sub_type)
-    weights = random_weights(shape, seed) | (qkv_biases(shape, seed) if architecture == "qwen2" else {})
+    weights = architecture_weights(architecture, shape, seed)
     for name, weight in weights.items():
-        _add_tensor(writer, name, llama_cpp_layout(name, weight, shape) if architecture == "llama" else weight,
-                    weight_type)
+        _add_tensor(writer, name, llama_cpp_layout(name, weight, shape) if arch == "llama" else weight, weight_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -171,8 +185,73 @@ def _add_hyperparameters(writer: gguf.GGUFWriter, shape: TinyShape, file_type: g
     writer.add_head_count(shape.heads)
     writer.add_head_count_kv(shape.kv_heads)
     writer.add_layer_norm_rms_eps(RMS_NORM_EPS)
-    writer.add_rope_freq_base(ROPE_FREQ_BASE)
+    writer.add_rope_freq_base(GEMMA3_ROPE_FREQ_BASE if writer.arch == "gemma3" else ROPE_FREQ_BASE)
     writer.add_rope_dimension_count(shape.head_dim)  # transformers takes head_dim from this key
+    if shape.head_size:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+
+
+def _add_architecture(writer: gguf.GGUFWriter, architecture: str, shape: TinyShape) -> None:
+    """The keys an architecture adds: gemma's window, gemma 2's caps."""
+    if architecture.startswith("gemma"):
+        writer.add_sliding_window(WINDOW)
+    if architecture == "gemma2":
+        writer.add_attn_logit_softcapping(GEMMA2_SOFTCAPS[0])
+        writer.add_final_logit_softcapping(GEMMA2_SOFTCAPS[1])
+
+
+def architecture_weights(architecture: str, shape: TinyShape, seed: int) -> dict[str, np.ndarray]:
+    """:func:`random_weights` as ``architecture`` holds them, with what it adds drawn apart (so that the shared
+    weights are the same in every architecture): qwen2's biases, norms per head and of the blocks' outputs, Llama 3's
+    RoPE frequencies; phi3's fused tensors; gemma's tied embedding, scaled as it scales it back."""
+    weights = random_weights(shape, seed)
+    rng = np.random.default_rng(seed + 2)
+
+    def norm(size: int) -> np.ndarray:
+        return (1.0 + NORM_WEIGHT_STD * rng.standard_normal(size)).astype(np.float32)
+
+    if architecture == "qwen2":
+        weights |= qkv_biases(shape, seed)
+    if architecture == "llama3":
+        weights["rope_freqs.weight"] = llama3_rope_factors(shape.head_dim, ROPE_FREQ_BASE)
+    for i in range(shape.layers):
+        if architecture in ("qwen3", "gemma3"):
+            weights |= {f"blk.{i}.attn_q_norm.weight": norm(shape.head_dim),
+                        f"blk.{i}.attn_k_norm.weight": norm(shape.head_dim)}
+        if architecture.startswith("gemma"):
+            weights |= {f"blk.{i}.post_attention_norm.weight": norm(shape.hidden),
+                        f"blk.{i}.post_ffw_norm.weight": norm(shape.hidden)}
+        if architecture == "phi3":
+            parts = [weights.pop(f"blk.{i}.{part}.weight") for part in ("attn_q", "attn_k", "attn_v")]
+            weights[f"blk.{i}.attn_qkv.weight"] = np.concatenate(parts)
+            gate = weights.pop(f"blk.{i}.ffn_gate.weight")
+            weights[f"blk.{i}.ffn_up.weight"] = np.concatenate([gate, weights[f"blk.{i}.ffn_up.weight"]])
+    if architecture.startswith("gemma"):  # tied; the embedding times sqrt(hidden) of LOGIT_STD
+        del weights["output.weight"]
+        weights["token_embd.weight"] *= np.float32(LOGIT_STD / np.sqrt(shape.hidden))
+    return dict(sorted(weights.items(), key=lambda item: _tensor_order(item[0])))
+
+
+def _tensor_order(name: str) -> tuple[int, str]:
+    """Layers in order, the model-wide tensors around them (as llama.cpp's converter writes them)."""
+    parts = name.split(".")
+    return (int(parts[1]) + 1, name) if parts[0] == "blk" else (0 if parts[0] != "output" else 10**6, name)
+
+
+def llama3_rope_factors(head_dim: int, theta: float) -> np.ndarray:
+    """[head_dim / 2]: what each RoPE frequency is divided by under LLAMA3_ROPE (Llama 3's rule: wavelengths
+    under the original context's 1/high_freq_factor kept, over its 1/low_freq_factor divided by the factor, and
+    smoothly between), as llama.cpp's converter writes rope_freqs."""
+    rope = LLAMA3_ROPE
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelength = 2 * np.pi / freqs
+    original = rope["original_max_position_embeddings"]
+    low, high = original / rope["low_freq_factor"], original / rope["high_freq_factor"]
+    smooth = (original / wavelength - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])
+    factors = np.where(wavelength < high, 1.0, np.where(wavelength > low, rope["factor"],
+                                                        1.0 / ((1 - smooth) / rope["factor"] + smooth)))
+    return factors.astype(np.float32)
 
 
 def random_weights(shape: TinyShape, seed: int) -> dict[str, np.ndarray]:

@@ -45,11 +45,28 @@ LINEARS = ("qkv", "out", "gate_up", "down")  # a layer's products
 @dataclass
 class Layer:
     input_norm: torch.Tensor  # [hidden]
-    post_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor  # [hidden]: before the feed-forward block
     qkv: Linear  # [n, hidden] -> [n, (heads + 2 * kv_heads) * head_dim]
     out: Linear  # [n, heads * head_dim] -> [n, hidden]
     gate_up: Linear  # [n, hidden] -> [n, 2 * intermediate]
     down: Linear  # [n, intermediate] -> [n, hidden]
+    q_norm: torch.Tensor | None = None  # [head_dim]: each head's q RMS-normed before RoPE (qwen3, gemma 3)
+    k_norm: torch.Tensor | None = None  # [head_dim]: and its k
+    attn_out_norm: torch.Tensor | None = None  # [hidden]: attention's output normed before the residual add (gemma)
+    ffn_out_norm: torch.Tensor | None = None  # [hidden]: the feed-forward block's output, likewise
+    window: int = 0  # the most keys a query attends (a sliding-window layer), or 0: all
+    activation: str = "silu"  # of the gate: silu, or gelu_tanh (gemma's)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What a model computes differently from llama's pass, model-wide (the defaults: llama's)."""
+
+    activation: str = "silu"  # the feed-forward gate's: silu, or gelu_tanh (GELU's tanh approximation)
+    embed_scale: float = 1.0  # the token embedding times this (gemma: sqrt(hidden))
+    attention_scale: float = 0.0  # q . k times this; 0: 1 / sqrt(head_dim)
+    attention_softcap: float = 0.0  # scores capped softly, cap tanh(s / cap); 0: not (gemma 2)
+    logit_softcap: float = 0.0  # the logits, likewise (gemma 2)
 
 
 @dataclass(frozen=True)
@@ -83,6 +100,10 @@ class LlamaSpec:
     embed: torch.Tensor | StoredRows  # [vocab, hidden]
     final_norm: torch.Tensor  # [hidden]
     device: torch.device
+    architecture: Architecture = Architecture()
+    rope_factors: torch.Tensor | None = None  # [head_dim / 2]: each frequency divided by its factor (Llama 3's)
+    local_rope_theta: float | None = None  # the sliding-window layers' RoPE base, where theirs differs (gemma 3)
+    windows: tuple[int, ...] = ()  # per layer: the most keys a query attends, 0 all; () all everywhere
 
 
 class StoredRows:
@@ -123,7 +144,17 @@ def spec_of_module(model) -> LlamaSpec:
         device=next(model.parameters()).device)
 
 
-GGUF_FAMILIES = ("llama", "qwen2")  # the architectures read from a GGUF file directly (spec_of_gguf)
+# the architectures read from a GGUF file directly (spec_of_gguf); mistral's files are llama's
+GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+GEMMA3_LOCAL_ROPE_THETA = 10000.0  # gemma 3's sliding layers turn by this base, whatever the file's
+GEMMA3_PATTERN = 6  # gemma 3: of every 6 layers, the first 5 slide and the 6th reads everything
+
+
+def gguf_head_dim(source: GGUFFile) -> int:
+    """A head's width: the file's key length where it gives one (qwen3, gemma), else the hidden size per head."""
+    arch = source.field("general.architecture")
+    heads = source.field(f"{arch}.attention.head_count")
+    return source.field(f"{arch}.attention.key_length", source.field(f"{arch}.embedding_length") // heads)
 
 
 def gguf_uncovered(source: GGUFFile) -> str | None:
@@ -131,14 +162,15 @@ def gguf_uncovered(source: GGUFFile) -> str | None:
     arch = source.field("general.architecture")
     if arch not in GGUF_FAMILIES:
         return f"its architecture ({arch}) is not read from a GGUF file directly yet"
-    if source.field(f"{arch}.rope.scaling.type", "none") not in ("none", "linear") or \
-            source.field(f"{arch}.rope.scaling.factor", 1.0) != 1.0:
-        return "its RoPE is scaled"
-    heads, hidden = source.field(f"{arch}.attention.head_count"), source.field(f"{arch}.embedding_length")
-    if source.field(f"{arch}.rope.dimension_count", hidden // heads) != hidden // heads:
+    if source.field(f"{arch}.rope.scaling.type", "none") not in ("none", "linear"):
+        return f"its RoPE is scaled by {source.field(f'{arch}.rope.scaling.type')}"
+    head_dim = gguf_head_dim(source)
+    if source.field(f"{arch}.attention.value_length", head_dim) != head_dim:
+        return "its values are not as wide as its keys"
+    if source.field(f"{arch}.rope.dimension_count", head_dim) != head_dim:
         return "its RoPE turns part of each head only"
-    if "rope_freqs.weight" in source.tensors:
-        return "its RoPE frequencies are scaled per dimension (Llama 3's)"
+    if any(name in source.tensors for name in ("rope_factors_long.weight", "rope_factors_short.weight")):
+        return "its RoPE is scaled by LongRoPE"
     if "token_embd.weight" not in source.tensors or "output_norm.weight" not in source.tensors:
         return "it lacks the token embedding or the final norm"
     return None
@@ -148,16 +180,51 @@ def spec_of_gguf(source: GGUFFile) -> LlamaSpec:
     """The sizes, RoPE, embedding and final norm of a GGUF file's model, read from its metadata and tensors (the
     embedding left as stored: :class:`StoredRows`); :func:`gguf_uncovered` first."""
     arch = source.field("general.architecture")
-    hidden, heads = source.field(f"{arch}.embedding_length"), source.field(f"{arch}.attention.head_count")
+    field = lambda key, default=None: source.field(f"{arch}.{key}", default)  # noqa: E731
+    hidden, heads, layers = field("embedding_length"), field("attention.head_count"), field("block_count")
     tensor = lambda name: torch.from_numpy(dequantized(source.tensors[name]).copy())  # noqa: E731
+    rope_factors = tensor("rope_freqs.weight") if "rope_freqs.weight" in source.tensors else None
+    if field("rope.scaling.type", "none") == "linear" and field("rope.scaling.factor", 1.0) != 1.0:
+        linear = torch.full((gguf_head_dim(source) // 2,), float(field("rope.scaling.factor")))
+        rope_factors = linear if rope_factors is None else rope_factors * linear
+    window = field("attention.sliding_window", 0)
     return LlamaSpec(
-        hidden=hidden, layers=source.field(f"{arch}.block_count"), heads=heads,
-        kv_heads=source.field(f"{arch}.attention.head_count_kv", heads), head_dim=hidden // heads,
-        intermediate=source.field(f"{arch}.feed_forward_length"),
-        eps=source.field(f"{arch}.attention.layer_norm_rms_epsilon"),
-        max_length=source.field(f"{arch}.context_length"), rope_theta=source.field(f"{arch}.rope.freq_base", 10000.0),
-        embed=StoredRows(source.tensors["token_embd.weight"]), final_norm=tensor("output_norm.weight"),
-        device=torch.device("cpu"))
+        hidden=hidden, layers=layers, heads=heads, kv_heads=field("attention.head_count_kv", heads),
+        head_dim=gguf_head_dim(source), intermediate=field("feed_forward_length"),
+        eps=field("attention.layer_norm_rms_epsilon"), max_length=field("context_length"),
+        rope_theta=field("rope.freq_base", 10000.0), embed=StoredRows(source.tensors["token_embd.weight"]),
+        final_norm=tensor("output_norm.weight"), device=torch.device("cpu"),
+        architecture=_gguf_architecture(source), rope_factors=rope_factors,
+        local_rope_theta=GEMMA3_LOCAL_ROPE_THETA if arch == "gemma3" else None,
+        windows=tuple(window if _slides(arch, i) else 0 for i in range(layers)) if window else ())
+
+
+def _slides(arch: str, layer: int) -> bool:
+    """Whether a layer of a model with a sliding window reads through it (gemma 2: every other layer, from the
+    first; gemma 3: five in six; phi3 and the rest: every layer)."""
+    if arch == "gemma2":
+        return layer % 2 == 0
+    if arch == "gemma3":
+        return layer % GEMMA3_PATTERN < GEMMA3_PATTERN - 1
+    return True
+
+
+def _gguf_architecture(source: GGUFFile) -> Architecture:
+    """How a GGUF's model computes apart from llama's: gemma's GELU, scaled embedding, attention scale and soft
+    caps (its 27B scales q by the hidden size per head, as llama.cpp does; the rest by the head's width)."""
+    arch = source.field("general.architecture")
+    if not arch.startswith("gemma"):
+        return Architecture()
+    hidden, heads = source.field(f"{arch}.embedding_length"), source.field(f"{arch}.attention.head_count")
+    gemma_27b = source.field(f"{arch}.block_count") == GEMMA_27B_LAYERS[arch]
+    return Architecture(
+        activation="gelu_tanh", embed_scale=float(np.sqrt(np.float32(hidden))),
+        attention_scale=float(np.float32(hidden // heads) ** -0.5) if gemma_27b else 0.0,
+        attention_softcap=float(source.field(f"{arch}.attn_logit_softcapping", 0.0)),
+        logit_softcap=float(source.field(f"{arch}.final_logit_softcapping", 0.0)))
+
+
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # how llama.cpp knows a 27B, whose q it scales otherwise
 
 
 @torch.no_grad()
@@ -200,19 +267,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def project_qkv(layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
-                head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [n, heads, hd], k and v [n, kv_heads, hd] of the normed hidden states h [n, hidden], q and k rotated to
-    the positions whose cos and sin ([n, hd]) are given."""
+                head_dim: int, eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [n, heads, hd], k and v [n, kv_heads, hd] of the normed hidden states h [n, hidden], q and k normed per
+    head where the layer says (with ``eps``), then rotated to the positions whose cos and sin ([n, hd]) are given."""
     n = h.shape[0]
     qkv = layer.qkv(h)  # [n, (heads + 2 * kv_heads) * hd]
-    qk = _apply_rope(qkv[:, : (heads + kv_heads) * head_dim].view(n, heads + kv_heads, head_dim), cos, sin)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(n, heads + kv_heads, head_dim)
+    if layer.q_norm is not None:
+        qk = torch.cat([rms_norm(qk[:, :heads], layer.q_norm, eps), rms_norm(qk[:, heads:], layer.k_norm, eps)], 1)
+    qk = _apply_rope(qk, cos, sin)
     return qk[:, :heads], qk[:, heads:], qkv[:, (heads + kv_heads) * head_dim :].view(n, kv_heads, head_dim)
 
 
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
+
+
 def mlp(layer: Layer, x: torch.Tensor, eps: float) -> torch.Tensor:  # [n, hidden]
-    """The feed-forward block's output (to add to x): down(silu(gate) * up) of the normed x."""
+    """The feed-forward block's output (to add to x): down(act(gate) * up) of the normed x."""
     gate, up = layer.gate_up(rms_norm(x, layer.post_norm, eps)).chunk(2, dim=-1)  # [n, intermediate] each
-    return layer.down(F.silu(gate) * up)
+    return layer.down(ACTIVATIONS[layer.activation](gate) * up)
+
+
+def added(x: torch.Tensor, output: torch.Tensor, norm: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The residual stream x after a block's ``output`` is added, normed first where the layer norms it (gemma)."""
+    return x + (output if norm is None else rms_norm(output, norm, eps))
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x [n, heads, hd]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -28,7 +29,8 @@ INTEGER_FORMAT = {"int8": 5, "int8_group16": 6, "int4": 7}
 FLOAT_FORMATS = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
 TILE_OUTPUTS = 8  # weight rows per repacked block
 CHUNK_INPUTS = 8  # inputs per chunk of a block: a float product's inputs come in whole chunks
-MAX_HEAD_DIM = 128  # attend keeps one head's output in 16 registers of 8
+MAX_HEAD_DIM = 256  # attend keeps one head's output in 32 registers of 8
+SILU, GELU_TANH = 0, 1  # fused.c's activations of the feed-forward block's gate
 
 _p = ctypes.c_void_p
 
@@ -42,20 +44,23 @@ class Matrix(ctypes.Structure):
 
 
 class Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", Matrix), ("out", Matrix), ("gate_up", Matrix),
+    _fields_ = [("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p), ("attn_out_norm", _p),
+                ("ffn_out_norm", _p), ("window", ctypes.c_int), ("local_rope", ctypes.c_int), ("qkv", Matrix),
+                ("out", Matrix), ("gate_up", Matrix),
                 ("down", Matrix)]
 
 
 class Model(ctypes.Structure):
     _fields_ = [("layers", ctypes.c_int), ("hidden", ctypes.c_int), ("heads", ctypes.c_int),
                 ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("inter", ctypes.c_int),
-                ("vocab", ctypes.c_int), ("eps", ctypes.c_float), ("layer", ctypes.POINTER(Layer)),
+                ("vocab", ctypes.c_int), ("eps", ctypes.c_float), ("activation", ctypes.c_int),
+                ("attn_scale", ctypes.c_float), ("attn_softcap", ctypes.c_float), ("layer", ctypes.POINTER(Layer)),
                 ("final_norm", _p), ("lm_head", Matrix)]
 
 
 class Cache(ctypes.Structure):
     _fields_ = [("keys", ctypes.POINTER(_p)), ("values", ctypes.POINTER(_p)), ("head_stride", ctypes.c_int64),
-                ("cos", _p), ("sin", _p)]
+                ("cos", _p), ("sin", _p), ("local_cos", _p), ("local_sin", _p)]
 
 
 class _Rows(ctypes.Structure):
@@ -132,7 +137,7 @@ def _declare(loaded: ctypes.CDLL) -> None:
     loaded.sd_product.argtypes = [ctypes.POINTER(Matrix), _p, ctypes.c_int, _p]
     loaded.sd_attention.restype = ctypes.c_int
     loaded.sd_attention.argtypes = [ctypes.POINTER(_Rows), ctypes.c_int, ctypes.c_int, ctypes.c_int, _p, _p, _p,
-                                    ctypes.c_int64, _p]
+                                    ctypes.c_int64, _p, ctypes.c_float, ctypes.c_float, ctypes.c_int]
     loaded.sd_struct_sizes.restype = ctypes.c_int
     loaded.sd_struct_sizes.argtypes = [_p, ctypes.c_int]
     loaded.sd_set_threads.restype = ctypes.c_int
@@ -236,17 +241,29 @@ class RowKeys:
         self.struct = rows_struct(self._arrays, self._key_cols)
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: RowKeys
+class Scoring(NamedTuple):
+    """How a layer's queries score their keys, and which they read (fused.c's Scoring): q . k times ``scale`` (0:
+    1 / sqrt(head_dim)), capped softly at ``softcap`` (cap tanh(s / cap); 0: not), over the last ``window`` keys
+    (0: all)."""
+
+    scale: float = 0.0
+    softcap: float = 0.0
+    window: int = 0
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: RowKeys, scoring: Scoring | None = None
               ) -> torch.Tensor:  # [n, heads * hd]
-    """Each query row's attention over its own keys (``rows``), softmax(q k^T / sqrt(hd)) v, as it is alone.
+    """Each query row's attention over its own keys (``rows``), softmax(q k^T / sqrt(hd)) v, as it is alone; its
+    scores and keys as ``scoring`` says (None: as written).
 
     q [n, heads, hd]; keys and values: one layer's cache, float32, contiguous, [..., kv_heads, capacity, hd] (a
     sequence's, or a pool's with a leading slot axis)."""
+    scoring = scoring or Scoring()
     n, heads, hd = q.shape
     kv_heads, capacity = keys.shape[-3], keys.shape[-2]
     q = q.to(torch.float32).contiguous()
     out = torch.empty(n, heads * hd)
     if library().sd_attention(ctypes.byref(rows.struct), heads, kv_heads, hd, q.data_ptr(), keys.data_ptr(),
-                              values.data_ptr(), capacity * hd, out.data_ptr()) != 0:
+                              values.data_ptr(), capacity * hd, out.data_ptr(), *scoring) != 0:
         raise MemoryError("the attention kernel could not allocate its scratch")
     return out

@@ -21,6 +21,7 @@ from specdec.backends.family import (
     KeysRead,
     Layer,
     LlamaSpec,
+    added,
     attention_bias,
     blocked_attention,
     blocked_mask,
@@ -54,13 +55,21 @@ class LlamaSequence(TreeScorer, FeatureSource, ShallowRunner):
         self.embed = spec.embed.to(self.dtype)  # [vocab, hidden]
         self.vocab_size = self.embed.shape[0]
         self.final_norm = spec.final_norm.to(self.dtype)
+        self.architecture = spec.architecture
+        self.windows = spec.windows or (0,) * spec.layers
         arange = torch.arange(0, self.head_dim, 2, device=self.device).float()
         self.inv_freq = 1.0 / (spec.rope_theta ** (arange / self.head_dim))
+        if spec.rope_factors is not None:  # Llama 3's frequencies, each divided by its factor
+            self.inv_freq = self.inv_freq / spec.rope_factors.to(self.device).float()
+        # the sliding-window layers' own RoPE (gemma 3), or None: theirs is the others'
+        self.local_inv_freq = None if spec.local_rope_theta is None else \
+            1.0 / (spec.local_rope_theta ** (arange / self.head_dim))
         self.tokens: list[int] = []
         self._hidden: torch.Tensor | None = None  # [capacity, hidden] once keep_hidden_states() was called
         self._keys: list[torch.Tensor] = []  # per layer [kv_heads, capacity, head_dim]
         self._values: list[torch.Tensor] = []
         self._cos = self._sin = torch.empty(0, self.head_dim, device=self.device)  # [capacity, head_dim]
+        self._local_cos = self._local_sin = None  # the local layers' tables, where they have their own
         self._capacity = 0
         self.cache_generation = 0  # counts the cache's reallocations: what points into it must be made again
         self._shallow = _Shallow()  # positions after the cache run through the first layers only (extend_shallow)
@@ -83,7 +92,28 @@ class LlamaSequence(TreeScorer, FeatureSource, ShallowRunner):
 
     def exit_logits(self, states: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
         """The LM head over the residual stream after any layer (an early exit), normed as the last layer's is."""
-        return self.head_for(states.shape[0])(rms_norm(states, self.final_norm, self.eps))
+        return self.logits(self.head_for(states.shape[0]), rms_norm(states, self.final_norm, self.eps))
+
+    def logits(self, head: Linear, normed: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
+        """The LM head ``head`` over final hidden states, normed; capped softly where the model caps them."""
+        logits = head(normed)
+        cap = self.architecture.logit_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
+
+    def scoring(self, index: int) -> native.Scoring:
+        """How layer ``index``'s queries score their keys, and how many they read."""
+        return native.Scoring(self.architecture.attention_scale, self.architecture.attention_softcap,
+                              self.windows[index])
+
+    def embedded(self, token_ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, hidden]
+        """The tokens' embeddings, scaled where the model scales them (gemma)."""
+        x = self.embed[token_ids]
+        scale = self.architecture.embed_scale
+        return x if scale == 1.0 else x * torch.tensor(scale, dtype=x.dtype)
+
+    def local_rope(self, index: int) -> bool:
+        """Whether layer ``index`` turns its q and k by the local tables (a sliding layer with RoPE of its own)."""
+        return self.local_inv_freq is not None and self.windows[index] > 0
 
     # --- the sequence ------------------------------------------------------------------------------------------------
 
@@ -204,19 +234,22 @@ class LlamaSequence(TreeScorer, FeatureSource, ShallowRunner):
             return torch.empty(0, self.vocab_size, device=self.device)
         normed = self._hidden[start + n - num_logits : start + n] if self._hidden is not None else \
             rms_norm(x[n - num_logits :], self.final_norm, self.eps)  # [num_logits, hidden]
-        return lm_head(normed)  # [num_logits, vocab]
+        return self.logits(lm_head, normed)  # [num_logits, vocab]
 
     def torch_layers(self, layers: list[Layer], x: torch.Tensor, first: int, end: int, start: int,
                      positions: slice | torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:  # [n, hidden]
         """:meth:`run_layers` in PyTorch, with ``layers``' weights: each layer's norms, products and attention over
         this cache."""
-        cos, sin = self._cos[positions], self._sin[positions]  # [n, head_dim] each
+        tables = self._cos[positions], self._sin[positions]  # [n, head_dim] each
+        local = None if self._local_cos is None else (self._local_cos[positions], self._local_sin[positions])
         reading = self._keys_read(mask, start, x.shape[0], isinstance(positions, torch.Tensor))
         for index in range(first, end):
             layer = layers[index]
-            x = x + self._attention(layer, rms_norm(x, layer.input_norm, self.eps), self._keys[index],
-                                    self._values[index], start, cos, sin, reading)
-            x = x + mlp(layer, x, self.eps)
+            cos, sin = local if self.local_rope(index) else tables
+            attended = self._attention(layer, rms_norm(x, layer.input_norm, self.eps), self._keys[index],
+                                       self._values[index], start, cos, sin, reading, self.scoring(index))
+            x = added(x, attended, layer.attn_out_norm, self.eps)
+            x = added(x, mlp(layer, x, self.eps), layer.ffn_out_norm, self.eps)
         return x
 
     def _keys_read(self, mask: torch.Tensor | None, start: int, n: int, tree: bool) -> KeysRead:
@@ -238,7 +271,7 @@ class LlamaSequence(TreeScorer, FeatureSource, ShallowRunner):
                         tree_keys=columns)
 
     def _embedded(self, token_ids: list[int]) -> torch.Tensor:  # [n, hidden]
-        return self.embed[torch.tensor(token_ids, dtype=torch.long, device=self.device)]
+        return self.embedded(torch.tensor(token_ids, dtype=torch.long, device=self.device))
 
     def _make_room(self, end: int) -> None:
         """Grow the cache to hold positions up to ``end``."""
@@ -253,15 +286,17 @@ class LlamaSequence(TreeScorer, FeatureSource, ShallowRunner):
         return len(shallow.tokens) if token_ids[: len(shallow.tokens)] == shallow.tokens else 0
 
     def _attention(self, layer: Layer, h: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                   cos: torch.Tensor, sin: torch.Tensor, reading: KeysRead) -> torch.Tensor:  # [n, hidden]
+                   cos: torch.Tensor, sin: torch.Tensor, reading: KeysRead, scoring: native.Scoring
+                   ) -> torch.Tensor:  # [n, hidden]
         """A chain's queries attend to the cache as it lies; a tree's each to its own keys in its branch's chain
         order (``reading``), so that every node computes what its branch computes as a chain."""
         n, heads, hd = h.shape[0], self.heads, self.head_dim
-        q, k, v = project_qkv(layer, h, cos, sin, heads, self.kv_heads, hd)
+        q, k, v = project_qkv(layer, h, cos, sin, heads, self.kv_heads, hd, self.eps)
         keys[:, start : start + n] = k.transpose(0, 1)
         values[:, start : start + n] = v.transpose(0, 1)
         if reading.rows is not None:  # fused.c's attention, each query alone
-            return layer.out(native.attention(q, keys, values, reading.rows))
+            return layer.out(native.attention(q, keys, values, reading.rows, scoring))
+        assert scoring == native.Scoring(), "blocked attention scores as llama does only"
         if reading.tree_keys is None:
             span = reading.bias.shape[-1]
             attended = blocked_attention(q.transpose(0, 1)[None], keys[None, :, :span], values[None, :, :span],
@@ -297,13 +332,15 @@ class LlamaSequence(TreeScorer, FeatureSource, ShallowRunner):
             resized[:used] = self._hidden[:used]
             self._hidden = resized
         self._cos, self._sin = self.rope_tables(capacity)
+        if self.local_inv_freq is not None:
+            self._local_cos, self._local_sin = self.rope_tables(capacity, local=True)
         self._capacity = capacity
         self.cache_generation += 1
 
-    def rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:  # [length, head_dim] each
-        """cos and sin of the rotary angles at positions 0..length-1."""
+    def rope_tables(self, length: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # [length, hd]
+        """cos and sin of the rotary angles at positions 0..length-1 (``local``: the local layers')."""
         positions = torch.arange(length, device=self.device, dtype=torch.float32)
-        freqs = positions[:, None] * self.inv_freq[None]  # [length, head_dim / 2]
+        freqs = positions[:, None] * (self.local_inv_freq if local else self.inv_freq)[None]  # [length, hd / 2]
         angles = torch.cat([freqs, freqs], dim=-1)  # [length, head_dim]
         return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
 

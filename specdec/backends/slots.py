@@ -17,7 +17,16 @@ import torch
 
 from specdec.backends import native
 from specdec.backends.base import FeaturePool, PoolFull, Row, Slot
-from specdec.backends.family import Layer, attention_bias, blocked_attention, mlp, project_qkv, rms_norm, whole_blocks
+from specdec.backends.family import (
+    Layer,
+    added,
+    attention_bias,
+    blocked_attention,
+    mlp,
+    project_qkv,
+    rms_norm,
+    whole_blocks,
+)
 from specdec.backends.linear import Linear
 from specdec.backends.sequence import LlamaSequence
 
@@ -41,6 +50,8 @@ class SlotPool(FeaturePool):
         self._keys = [torch.empty(shape, dtype=runtime.dtype, device=self.device) for _ in range(runtime.num_layers)]
         self._values = [torch.empty(shape, dtype=runtime.dtype, device=self.device) for _ in range(runtime.num_layers)]
         self._cos, self._sin = runtime.rope_tables(self.max_length)  # [max_length, head_dim] each
+        self._local_cos, self._local_sin = runtime.rope_tables(self.max_length, local=True) \
+            if runtime.local_inv_freq is not None else (None, None)
         self.slots: list[Slot] = []  # open slots, slots[i].index == i
         # per slot index: positions below this hold finite numbers. Attention reads every row up to the pass's
         # longest; masked positions weigh 0, but 0 x NaN (never-written memory) is still NaN
@@ -84,7 +95,7 @@ class SlotPool(FeaturePool):
             by_row_hidden = dict(zip((id(row) for row in rows), normed.split(layout.lengths)))
         else:
             picked = rms_norm(x[layout.logit_rows], rt.final_norm, rt.eps)  # [sum num_logits, hidden]
-        logits = self.head_for(rows, layout)(picked) if len(picked) else picked.new_empty(0, 0)
+        logits = rt.logits(self.head_for(rows, layout), picked) if len(picked) else picked.new_empty(0, 0)
         by_row = dict(zip((id(row) for row in rows), logits.split([row.num_logits for row in rows])))
         return ([by_row[id(row)] for row in given],
                 [by_row_hidden[id(row)] for row in given] if hidden else None)
@@ -136,15 +147,19 @@ class SlotPool(FeaturePool):
         else:  # blocked attention reads whole blocks of every row's keys
             self._clear_up_to(layout.span, layout.rows_by_slot)
             layout.bias = attention_bias(layout.mask, rt.kv_heads, rt.heads // rt.kv_heads, rt.dtype)
-        cos, sin = self._cos[layout.positions], self._sin[layout.positions]  # [T, head_dim] each
-        x = rt.embed[layout.token_ids]  # [T, hidden]
-        for layer, keys, values in zip(layers[:count], self._keys, self._values):
+        tables = self._cos[layout.positions], self._sin[layout.positions]  # [T, head_dim] each
+        local = None if self._local_cos is None else \
+            (self._local_cos[layout.positions], self._local_sin[layout.positions])
+        x = rt.embedded(layout.token_ids)  # [T, hidden]
+        for index, (layer, keys, values) in enumerate(zip(layers[:count], self._keys, self._values)):
+            cos, sin = local if rt.local_rope(index) else tables
             h = rms_norm(x, layer.input_norm, rt.eps)
-            q, k, v = project_qkv(layer, h, cos, sin, rt.heads, rt.kv_heads, rt.head_dim)  # [T, *, hd]
+            q, k, v = project_qkv(layer, h, cos, sin, rt.heads, rt.kv_heads, rt.head_dim, rt.eps)  # [T, *, hd]
             keys[layout.slot_of_token, :, layout.positions] = k
             values[layout.slot_of_token, :, layout.positions] = v
-            x = x + layer.out(self._attention(q, keys, values, layout))
-            x = x + mlp(layer, x, rt.eps)
+            attended = layer.out(self._attention(q, keys, values, layout, rt.scoring(index)))
+            x = added(x, attended, layer.attn_out_norm, rt.eps)
+            x = added(x, mlp(layer, x, rt.eps), layer.ffn_out_norm, rt.eps)
         return x
 
     def _clear_up_to(self, span: int, rows: list[Row]) -> None:
@@ -156,12 +171,13 @@ class SlotPool(FeaturePool):
                     pool[index, :, written:span] = 0
                 self._written[index] = span
 
-    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: Layout
-                   ) -> torch.Tensor:  # [T, heads * hd]
+    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: Layout,
+                   scoring: native.Scoring) -> torch.Tensor:  # [T, heads * hd]
         """Each query over its own slot's keys up to its position; keys and values: one layer's pool."""
         rt = self.runtime
         if rt.row_attention:  # fused.c's, each query alone
-            return native.attention(q, keys, values, layout.rows)
+            return native.attention(q, keys, values, layout.rows, scoring)
+        assert scoring == native.Scoring(), "blocked attention scores as llama does only"
         keys, values = layout.cached(keys), layout.cached(values)
         rows, width = len(layout.lengths), layout.width
         padded = q.new_zeros(rows * width, rt.heads, rt.head_dim)

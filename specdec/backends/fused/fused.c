@@ -33,6 +33,8 @@
 
 typedef uint16_t half;
 
+#define MAX_HEAD_DIM 256 /* attend keeps one head's output in registers: 32 of 8 floats */
+
 /* A weight matrix [out, in] as stored for the tiles (below: a float format repacked in blocks of 8 rows, or Q8 or
  * Q8H blocks), each with its own format, and its bias or NULL. in: a multiple of 8 (32 for Q8 and Q8H). */
 typedef struct {
@@ -42,16 +44,26 @@ typedef struct {
 } Matrix;
 
 typedef struct {
-    const float *input_norm, *post_norm;  /* [hidden] */
+    const float *input_norm, *post_norm;  /* [hidden]: before attention, before the feed-forward block */
+    const float *q_norm, *k_norm;         /* [head_dim] or NULL: each head's q and k RMS-normed before RoPE */
+    const float *attn_out_norm, *ffn_out_norm; /* [hidden] or NULL: attention's and the feed-forward block's
+                                                * outputs RMS-normed before the residual add (gemma's) */
+    int window;                           /* the most keys a query attends (a sliding-window layer), or 0: all */
+    int local_rope;                       /* its RoPE from the cache's local tables (gemma 3's sliding layers) */
     Matrix qkv;                           /* [(heads + 2 kv_heads) head_dim, hidden], with q, k and v's biases */
     Matrix out;                           /* [hidden, heads head_dim] */
     Matrix gate_up;                       /* [2 inter, hidden]: gate rows, then up rows */
     Matrix down;                          /* [hidden, inter] */
 } Layer;
 
+enum { SILU, GELU_TANH }; /* the feed-forward block's activation of gate, times up */
+
 typedef struct {
     int layers, hidden, heads, kv_heads, head_dim, inter, vocab;
     float eps;
+    int activation;             /* SILU or GELU_TANH */
+    float attn_scale;           /* what q . k is multiplied by: 1 / sqrt(head_dim), or the model's own */
+    float attn_softcap;         /* scores capped softly, cap tanh(s / cap), or 0: not */
     Layer *layer;
     const float *final_norm; /* [hidden] */
     Matrix lm_head;          /* [vocab, hidden] */
@@ -61,6 +73,7 @@ typedef struct {
     float **keys, **values;  /* per layer: the cache's base */
     int64_t head_stride;     /* floats from one kv head to the next (capacity * head_dim) */
     const float *cos, *sin;  /* [capacity, head_dim] */
+    const float *local_cos, *local_sin; /* the local layers' tables (Layer.local_rope), or NULL */
 } Cache;
 
 typedef struct {
@@ -730,24 +743,33 @@ __attribute__((target("avx2,fma,f16c"))) static float dot(const float *a, const 
     return sum8(acc);
 }
 
-/* One query's attention: softmax(q . k / sqrt(hd)) over `count` keys (columns 0..count-1, or those `cols` lists),
- * in their order, then the weighted sum of the values, in the same order. keys and values: the query's kv head's
- * columns, hd floats each. */
+/* How a layer's queries score their keys, and which they read. */
+typedef struct {
+    float scale;   /* q . k times this; 0: 1 / sqrt(head_dim) */
+    float softcap; /* scores capped softly at +-softcap (softcap tanh(s / softcap)), or 0 */
+    int window;    /* a query reads its last `window` keys only (a sliding window), or 0: all */
+} Scoring;
+
+/* One query's attention: softmax(q . k * scale) over `count` keys (columns 0..count-1, or those `cols` lists; with
+ * a window, the last `window` of them), in their order, then the weighted sum of the values, in the same order.
+ * keys and values: the query's kv head's columns, hd floats each. */
 __attribute__((target("avx2,fma,f16c"))) static void attend(const float *q, const float *keys, const float *values,
-                                                           int hd, int count, const int32_t *cols, float *scores,
-                                                           float *out) {
-    float scale = 1.0f / sqrtf((float)hd), top = -INFINITY, total = 0.0f;
-    for (int t = 0; t < count; t++) {
+                                                           int hd, int count, const int32_t *cols,
+                                                           const Scoring *how, float *scores, float *out) {
+    float scale = how->scale != 0.0f ? how->scale : 1.0f / sqrtf((float)hd), top = -INFINITY, total = 0.0f;
+    int first = how->window > 0 && count > how->window ? count - how->window : 0;
+    for (int t = first; t < count; t++) {
         scores[t] = dot(q, keys + (int64_t)(cols ? cols[t] : t) * hd, hd) * scale;
+        if (how->softcap != 0.0f) scores[t] = how->softcap * tanhf(scores[t] / how->softcap);
         if (scores[t] > top) top = scores[t];
     }
-    for (int t = 0; t < count; t++) {
+    for (int t = first; t < count; t++) {
         scores[t] = expf(scores[t] - top);
         total += scores[t];
     }
-    __m256 acc[16]; /* head_dim <= 128 */
+    __m256 acc[MAX_HEAD_DIM / 8];
     for (int j = 0; j < hd / 8; j++) acc[j] = _mm256_setzero_ps();
-    for (int t = 0; t < count; t++) {
+    for (int t = first; t < count; t++) {
         const float *v = values + (int64_t)(cols ? cols[t] : t) * hd;
         __m256 weight = _mm256_set1_ps(scores[t]);
         for (int j = 0; j < hd / 8; j++) acc[j] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + 8 * j), acc[j]);
@@ -758,13 +780,39 @@ __attribute__((target("avx2,fma,f16c"))) static void attend(const float *q, cons
 /* Row r's attention for one head, over the cache of one layer (keys, values: its base). q: the row's queries,
  * heads x hd floats; out: the row's heads x hd outputs. */
 static void attend_head(const Rows *rows, const float *keys, const float *values, int64_t head_stride, int heads,
-                        int kv_heads, int hd, int r, int head, const float *q, float *scores, float *out) {
+                        int kv_heads, int hd, const Scoring *how, int r, int head, const float *q, float *scores,
+                        float *out) {
     int64_t offset = rows->base[r] + head / (heads / kv_heads) * head_stride;
     const int32_t *cols = rows->key_cols ? rows->key_cols + (int64_t)r * rows->key_stride : NULL;
-    attend(q + head * hd, keys + offset, values + offset, hd, rows->n_keys[r], cols, scores, out + head * hd);
+    attend(q + head * hd, keys + offset, values + offset, hd, rows->n_keys[r], cols, how, scores, out + head * hd);
 }
 
 static float silu(float g) { return g / (1.0f + expf(-g)); }
+
+static float gelu_tanh(float g) { return 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g))); }
+
+/* Rows' outputs y [n, hidden] of a block added to the residual stream x, each RMS-normed first where `norm` is
+ * given (gemma's); the rows this member adds, as the others do theirs. */
+static void add_normed(const float *norm, float *y, float *x, int hidden, float eps, int n, int thread, int threads) {
+    for (int r = thread; r < n; r += threads) {
+        float *out = y + (int64_t)r * hidden, *row = x + (int64_t)r * hidden;
+        rms_norm_row(out, norm, hidden, eps, out);
+        for (int i = 0; i < hidden; i++) row[i] += out[i];
+    }
+}
+
+/* A block's output product (outputs [b, e) of this member) added to the residual stream p->x; where the block's
+ * output is normed first (`norm`), the product goes to p->h and each row is normed, then added, after the team
+ * meets. Ends at a barrier. */
+static void residual(const Matrix *matrix, const float *norm, const float *input, int ldx, Pass *p, int b, int e,
+                     int thread, int threads, int *sense) {
+    int n = p->rows->n, hidden = p->m->hidden;
+    product(matrix, input, ldx, n, b, e, norm ? p->h : p->x, hidden, norm ? STORE : ADD);
+    team_barrier(threads, sense);
+    if (!norm) return;
+    add_normed(norm, p->h, p->x, hidden, p->m->eps, n, thread, threads);
+    team_barrier(threads, sense);
+}
 
 static void pass_job(void *arg, int thread, int threads) {
     Pass *p = (Pass *)arg;
@@ -784,9 +832,14 @@ static void pass_job(void *arg, int thread, int threads) {
         share(qkv_width, 8, thread, threads, &b, &e);
         product(&layer->qkv, p->h, hidden, n, b, e, p->qkv, qkv_width, STORE);
         team_barrier(threads, &sense);
+        const float *cos_table = layer->local_rope ? p->cache->local_cos : p->cache->cos;
+        const float *sin_table = layer->local_rope ? p->cache->local_sin : p->cache->sin;
         for (int r = thread; r < n; r += threads) {
             float *row = p->qkv + (int64_t)r * qkv_width;
-            const float *cos = p->cache->cos + (int64_t)rows->rope[r] * hd, *sin = p->cache->sin + (int64_t)rows->rope[r] * hd;
+            const float *cos = cos_table + (int64_t)rows->rope[r] * hd, *sin = sin_table + (int64_t)rows->rope[r] * hd;
+            for (int head = 0; head < m->heads + m->kv_heads && layer->q_norm; head++)
+                rms_norm_row(row + head * hd, head < m->heads ? layer->q_norm : layer->k_norm, hd, m->eps,
+                             row + head * hd);
             for (int head = 0; head < m->heads + m->kv_heads; head++) rope_row(row + head * hd, cos, sin, hd);
             for (int kv = 0; kv < m->kv_heads; kv++) {
                 int64_t at = rows->base[r] + kv * p->cache->head_stride + (int64_t)rows->column[r] * hd;
@@ -795,16 +848,16 @@ static void pass_job(void *arg, int thread, int threads) {
             }
         }
         team_barrier(threads, &sense);
+        Scoring how = {m->attn_scale, m->attn_softcap, layer->window};
         for (int item = thread; item < n * m->heads; item += threads) {
             int r = item / m->heads;
             attend_head(rows, p->cache->keys[li], p->cache->values[li], p->cache->head_stride, m->heads, m->kv_heads,
-                        hd, r, item % m->heads, p->qkv + (int64_t)r * qkv_width, scores,
+                        hd, &how, r, item % m->heads, p->qkv + (int64_t)r * qkv_width, scores,
                         p->attended + (int64_t)r * q_width);
         }
         team_barrier(threads, &sense);
         share(hidden, 8, thread, threads, &b, &e);
-        product(&layer->out, p->attended, q_width, n, b, e, p->x, hidden, ADD);
-        team_barrier(threads, &sense);
+        residual(&layer->out, layer->attn_out_norm, p->attended, q_width, p, b, e, thread, threads, &sense);
         for (int r = thread; r < n; r += threads)
             rms_norm_row(p->x + (int64_t)r * hidden, layer->post_norm, hidden, m->eps, p->h + (int64_t)r * hidden);
         team_barrier(threads, &sense);
@@ -816,12 +869,15 @@ static void pass_job(void *arg, int thread, int threads) {
         }
         for (int r = 0; r < n; r++) {
             const float *row = p->act + (int64_t)r * 2 * inter;
-            for (int j = b; j < e; j++) p->mid[(int64_t)r * inter + j] = silu(row[j]) * row[inter + j];
+            float *mid = p->mid + (int64_t)r * inter;
+            if (m->activation == GELU_TANH)
+                for (int j = b; j < e; j++) mid[j] = gelu_tanh(row[j]) * row[inter + j];
+            else
+                for (int j = b; j < e; j++) mid[j] = silu(row[j]) * row[inter + j];
         }
         team_barrier(threads, &sense);
         share(hidden, 8, thread, threads, &b, &e);
-        product(&layer->down, p->mid, inter, n, b, e, p->x, hidden, ADD);
-        team_barrier(threads, &sense);
+        residual(&layer->down, layer->ffn_out_norm, p->mid, inter, p, b, e, thread, threads, &sense);
     }
 }
 
@@ -859,6 +915,7 @@ int sd_product(const Matrix *m, const float *x, int n, float *y) {
 typedef struct {
     const Rows *rows;             /* each row's keys: base, n_keys, key_cols */
     int heads, kv_heads, head_dim;
+    Scoring how;
     const float *q;               /* [n, heads * head_dim] */
     const float *keys, *values;   /* one layer's cache base */
     int64_t head_stride;          /* floats from one kv head to the next */
@@ -873,7 +930,7 @@ static void attention_job(void *arg, int thread, int threads) {
     int width = a->heads * a->head_dim;
     for (int item = thread; item < a->rows->n * a->heads; item += threads) {
         int r = item / a->heads;
-        attend_head(a->rows, a->keys, a->values, a->head_stride, a->heads, a->kv_heads, a->head_dim, r,
+        attend_head(a->rows, a->keys, a->values, a->head_stride, a->heads, a->kv_heads, a->head_dim, &a->how, r,
                     item % a->heads, a->q + (int64_t)r * width, a->scores + (int64_t)thread * a->scores_stride,
                     a->out + (int64_t)r * width);
     }
@@ -881,14 +938,16 @@ static void attention_job(void *arg, int thread, int threads) {
 
 static float *scratch_of(size_t floats);
 
-/* Each row's attention over its own keys in one layer's cache (the keys and values already written); 0, or -1
- * when scratch could not be had. */
+/* Each row's attention over its own keys in one layer's cache (the keys and values already written), its scores
+ * scaled by `scale` (0: 1 / sqrt(head_dim)), capped softly at `softcap` (0: not), over its last `window` keys (0:
+ * all); 0, or -1 when scratch could not be had. */
 int sd_attention(const Rows *rows, int heads, int kv_heads, int head_dim, const float *q, const float *keys,
-                 const float *values, int64_t head_stride, float *out) {
+                 const float *values, int64_t head_stride, float *out, float scale, float softcap, int window) {
     int max_keys = 1;
     for (int r = 0; r < rows->n; r++)
         if (rows->n_keys[r] > max_keys) max_keys = rows->n_keys[r];
-    Attention a = {rows, heads, kv_heads, head_dim, q, keys, values, head_stride, out, NULL, (max_keys + 15) / 16 * 16};
+    Attention a = {rows, heads, kv_heads, head_dim, {scale, softcap, window}, q, keys, values, head_stride, out, NULL,
+                   (max_keys + 15) / 16 * 16};
     pthread_mutex_lock(&pass_lock);
     a.scores = scratch_of((size_t)MAX_THREADS * a.scores_stride);
     if (a.scores) run_team(attention_job, &a);

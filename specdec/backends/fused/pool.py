@@ -24,7 +24,8 @@ class FusedPool(SlotPool):
 
     def __init__(self, runtime: FusedRuntime, max_slots: int, max_length: int) -> None:
         super().__init__(runtime, max_slots, max_length)
-        self._cache = PassCache(self._keys, self._values, self.slot_floats // runtime.kv_heads, self._cos, self._sin)
+        self._cache = PassCache(self._keys, self._values, self.slot_floats // runtime.kv_heads, self._cos, self._sin,
+                                self._local_cos, self._local_sin)
 
     @torch.inference_mode()
     def forward_hidden(self, rows: list[Row], hidden: bool = True
@@ -46,7 +47,7 @@ class FusedPool(SlotPool):
             return self.torch_rows(self.runtime.bulk_weights()[0], layout, layers)
         # one call: each packed token at its position in its slot, attending its slot's keys up to itself
         positions = layout.positions.numpy()
-        return self.runtime.fused_pass(self.runtime.embed[layout.token_ids], 0, layers, self._cache, positions,
+        return self.runtime.fused_pass(self.runtime.embedded(layout.token_ids), 0, layers, self._cache, positions,
                                        layout.slot_of_token.numpy() * self.slot_floats, positions, positions + 1)
 
     def head_for(self, rows: list[Row], layout: Layout) -> Linear:

@@ -26,7 +26,15 @@ import torch
 from specdec.backends import native
 from specdec.backends.base import Pooled
 from specdec.backends.family import Layer as TorchLayer
-from specdec.backends.family import LlamaSpec, gguf_uncovered, head_dim_of, spec_of_gguf, spec_of_module, supports
+from specdec.backends.family import (
+    LlamaSpec,
+    gguf_head_dim,
+    gguf_uncovered,
+    head_dim_of,
+    spec_of_gguf,
+    spec_of_module,
+    supports,
+)
 from specdec.backends.fused import packed_file
 from specdec.backends.fused.cache import PassCache
 from specdec.backends.fused.stored import (
@@ -45,6 +53,9 @@ from specdec.backends.sequence import LlamaSequence
 from specdec.choices import MAX_DRAFT_TOKENS
 
 MATRIX_NAMES = ("qkv", "out", "gate_up", "down")  # a layer's matrices, as fused.c's Layer names them
+# the norms some architectures add to a layer: GGUF tensor names, and the names fused.c's Layer gives them
+LAYER_NORMS = {"attn_q_norm": "q_norm", "attn_k_norm": "k_norm", "post_attention_norm": "attn_out_norm",
+               "post_ffw_norm": "ffn_out_norm"}
 WEIGHTS = ("float16", "int8")  # how fused.c holds the weights; activations, norms, attention and the cache are float32
 # how it multiplies a byte format's weights: integer, each row's inputs quantised to bytes per block of 32 (row-local,
 # so every row keeps its bits in any pass; 2-4x faster on every tile path measured: docs/benchmarks.md), or float,
@@ -133,6 +144,8 @@ class FusedWeights:
     input_norms: list[torch.Tensor]
     post_norms: list[torch.Tensor]
     qkv_biases: list[torch.Tensor | None]
+    # per layer, the norms an architecture adds, by the name fused.c's Layer gives them (LAYER_NORMS)
+    layer_norms: list[dict[str, torch.Tensor]] | None = None
 
 
 def module_weights(model, gguf: str | Path | None = None) -> FusedWeights:
@@ -172,7 +185,9 @@ def gguf_weights(source: GGUFFile, nibbles: bool = True) -> FusedWeights:
         spec=spec, matrices=matrices,
         input_norms=[norm(f"blk.{i}.attn_norm.weight") for i in range(spec.layers)],
         post_norms=[norm(f"blk.{i}.ffn_norm.weight") for i in range(spec.layers)],
-        qkv_biases=[matrices[4 * i].bias for i in range(spec.layers)])
+        qkv_biases=[matrices[4 * i].bias for i in range(spec.layers)],
+        layer_norms=[{name: norm(f"blk.{i}.{part}.weight") for part, name in LAYER_NORMS.items()
+                      if f"blk.{i}.{part}.weight" in source.tensors} for i in range(spec.layers)])
 
 
 class _Progress:
@@ -200,13 +215,18 @@ def gguf_unavailable(source: GGUFFile) -> str | None:
         return reason
     arch = source.field("general.architecture")
     hidden, heads = source.field(f"{arch}.embedding_length"), source.field(f"{arch}.attention.head_count")
-    sizes = (hidden, hidden // heads, source.field(f"{arch}.feed_forward_length"))
+    sizes = (hidden, gguf_head_dim(source), source.field(f"{arch}.feed_forward_length"))
     if any(size % Q8_GROUP for size in sizes[::2]) or sizes[1] % 8 or sizes[1] > MAX_HEAD_DIM:
         return f"its sizes (hidden, head, intermediate: {sizes}) do not fit its int8 tiles"
     layers = source.field(f"{arch}.block_count")
-    names = tensor_names(layers, source.tensors)
+    names = tensor_names(layers, source.tensors, arch)
     if any(name not in source.tensors for parts in names for name in parts):
         return "it lacks some of a layer's matrices"
+    if ("blk.0.attn_q_norm.weight" in source.tensors) != ("blk.0.attn_k_norm.weight" in source.tensors):
+        return "it norms q or k per head, not both"
+    if arch.startswith("gemma") and not all(f"blk.0.{part}.weight" in source.tensors
+                                            for part in ("post_attention_norm", "post_ffw_norm")):
+        return "it lacks gemma's norms of the blocks' outputs"
     check_shapes(source, layers, hidden, heads, source.field(f"{arch}.attention.head_count_kv", heads), sizes[1],
                  sizes[2])
     if any(f"blk.0.{part}.bias" in source.tensors for part in ("attn_output", "ffn_gate", "ffn_up", "ffn_down")):
@@ -286,6 +306,9 @@ class FusedRuntime(LlamaSequence, Pooled):
         self._pass_cache: tuple[int, PassCache] | None = None  # (the cache's generation, what fused.c reads of it)
         self._bulk = self._bulk_layers(source)
 
+    def _layer_norms(self, source: FusedWeights) -> list[dict[str, torch.Tensor]]:
+        return source.layer_norms or [{} for _ in range(source.spec.layers)]
+
     @property
     def precision_label(self) -> str:
         integer = self.products == "integer" and any(m.format in native.INTEGER_FORMAT for m in self._matrices)
@@ -311,8 +334,12 @@ class FusedRuntime(LlamaSequence, Pooled):
 
     def _bulk_layers(self, source: FusedWeights) -> tuple[list[TorchLayer], Linear]:
         layers = [TorchLayer(input_norm.float(), post_norm.float(),
-                             *(native.MatrixProduct(getattr(struct, name)) for name in MATRIX_NAMES))
-                  for struct, input_norm, post_norm in zip(self._layer_structs, source.input_norms, source.post_norms)]
+                             *(native.MatrixProduct(getattr(struct, name)) for name in MATRIX_NAMES),
+                             **{name: norm.float() for name, norm in norms.items()}, window=window,
+                             activation=source.spec.architecture.activation)
+                  for struct, input_norm, post_norm, norms, window in zip(
+                      self._layer_structs, source.input_norms, source.post_norms, self._layer_norms(source),
+                      self.windows)]
         return layers, native.MatrixProduct(self._model.lm_head)
 
     def head_for(self, positions: int, chain: bool = True) -> Linear:
@@ -357,20 +384,27 @@ class FusedRuntime(LlamaSequence, Pooled):
                 matrix.bias = bias.detach().float().contiguous()
         spec = source.spec
         structs = (Layer * spec.layers)()
-        for i, (struct, input_norm, post_norm) in enumerate(zip(structs, source.input_norms, source.post_norms)):
+        for i, (struct, input_norm, post_norm, norms) in enumerate(zip(structs, source.input_norms,
+                                                                        source.post_norms, self._layer_norms(source))):
             struct.input_norm, struct.post_norm = held(input_norm), held(post_norm)
+            for name, norm in norms.items():
+                setattr(struct, name, held(norm))
+            struct.window, struct.local_rope = self.windows[i], self.local_rope(i)
             for name, matrix in zip(MATRIX_NAMES, self._matrices[4 * i : 4 * i + 4]):
                 setattr(struct, name, matrix.struct(self.products))
         self._layer_structs = structs
-        head = self._matrices[-1]
+        head, architecture = self._matrices[-1], spec.architecture
+        activation = {"silu": native.SILU, "gelu_tanh": native.GELU_TANH}[architecture.activation]
         return Model(spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, spec.intermediate,
-                     head.outputs, spec.eps, structs, held(spec.final_norm), head.struct(self.products))
+                     head.outputs, spec.eps, activation, architecture.attention_scale, architecture.attention_softcap,
+                     structs, held(spec.final_norm), head.struct(self.products))
 
     def _cache(self) -> PassCache:
         """What fused.c reads of this sequence's cache, made again after the cache moved."""
         if self._pass_cache is None or self._pass_cache[0] != self.cache_generation:
             self._pass_cache = (self.cache_generation, PassCache(self._keys, self._values,
-                                                                 self._capacity * self.head_dim, self._cos, self._sin))
+                                                                 self._capacity * self.head_dim, self._cos, self._sin,
+                                                                 self._local_cos, self._local_sin))
         return self._pass_cache[1]
 
     def fused_pass(self, x: torch.Tensor, first: int, end: int, cache: PassCache, rope: np.ndarray,

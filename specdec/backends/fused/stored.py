@@ -23,6 +23,8 @@ from specdec.errors import UsageError
 
 # fused.c's matrices of layer i, as GGUF tensor names: qkv, out, gate_up, down (``runtime._matrices``' order)
 LAYER_TENSORS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
+# phi3's files hold q, k and v in one tensor, and gate and up in one (gate's rows first)
+FUSED_LAYER_TENSORS = {"phi3": (("attn_qkv",), ("attn_output",), ("ffn_up",), ("ffn_down",))}
 FLOAT_STORED = {"F16": "float16", "BF16": "bfloat16"}  # kept as they are; F32, and mixtures, as float32
 PERMUTED_ARCHITECTURES = ("llama",)  # whose q and k rows llama.cpp's converter interleaved (``_unpermuted``)
 CHUNK_ROWS = 8192  # rows decoded and packed at a time (a multiple of the tiles' 8)
@@ -94,9 +96,10 @@ def packed_q8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, nibble
     return torch.cat([q, per_block(scale), per_block(offset)], dim=-1).flatten()
 
 
-def tensor_names(layers: int, tensors: dict) -> list[list[str]]:
+def tensor_names(layers: int, tensors: dict, arch: str = "llama") -> list[list[str]]:
     """Per fused.c matrix, the GGUF tensors whose rows make it (the LM head: ``output``, or the tied embedding)."""
-    names = [[f"blk.{i}.{part}.weight" for part in parts] for i in range(layers) for parts in LAYER_TENSORS]
+    names = [[f"blk.{i}.{part}.weight" for part in parts] for i in range(layers)
+             for parts in FUSED_LAYER_TENSORS.get(arch, LAYER_TENSORS)]
     return names + [["output.weight" if "output.weight" in tensors else "token_embd.weight"]]
 
 
@@ -104,10 +107,13 @@ def check_shapes(source: GGUFFile, layers: int, hidden: int, heads: int, kv_head
                  intermediate: int) -> None:
     """Each matrix tensor of a llama-family file has the shape its metadata's sizes give it; else one line naming the
     file and the tensor (a malformed file, which no runtime can run)."""
+    arch = source.field("general.architecture")
+    up = 2 * intermediate if arch in FUSED_LAYER_TENSORS else intermediate  # phi3's holds gate's rows too
     width = {"attn_q": (heads * head_dim, hidden), "attn_k": (kv_heads * head_dim, hidden),
-             "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, heads * head_dim),
-             "ffn_gate": (intermediate, hidden), "ffn_up": (intermediate, hidden), "ffn_down": (hidden, intermediate)}
-    for parts in tensor_names(layers, source.tensors):
+             "attn_v": (kv_heads * head_dim, hidden), "attn_qkv": ((heads + 2 * kv_heads) * head_dim, hidden),
+             "attn_output": (hidden, heads * head_dim), "ffn_gate": (intermediate, hidden), "ffn_up": (up, hidden),
+             "ffn_down": (hidden, intermediate)}
+    for parts in tensor_names(layers, source.tensors, arch):
         for name in parts:
             tensor = source.tensors[name]
             expected = width.get(name.split(".")[-2], (tensor.shape[0], hidden))
@@ -207,8 +213,9 @@ def gguf_matrices(source: GGUFFile, layers: int, heads: int, kv_heads: int, pack
     """Per fused.c matrix, as the file stores it, with its bias (qwen2's q, k and v), in the module's row order:
     from ``packed`` where given (the matrices packed before, ``packed_file.py``), else repacked from the file, with
     ``progress(done, count)`` after each; ``nibbles``: 4-bit formats in 4 bits (:func:`_packed_grid`)."""
-    permuted = source.field("general.architecture") in PERMUTED_ARCHITECTURES
-    names = tensor_names(layers, source.tensors)
+    arch = source.field("general.architecture")
+    permuted = arch in PERMUTED_ARCHITECTURES
+    names = tensor_names(layers, source.tensors, arch)
     matrices = []
     for index, parts in enumerate(names):
         tensors = [source.tensors[name] for name in parts]

@@ -1,0 +1,157 @@
+"""The architectures the fused runtime reads from a GGUF beside llama and qwen2 (test_gguf_formats.py): Llama 3's RoPE
+frequencies, qwen3 (q and k normed per head, heads wider than hidden / heads), phi3 (fused q, k, v and gate, up
+tensors), gemma 2 (GELU, a scaled tied embedding, the blocks' outputs normed, soft caps on scores and logits, every
+other layer sliding, heads of 256) and gemma 3 (q and k normed, five layers in six sliding, with RoPE of their own).
+
+Each on a tiny random GGUF of that architecture (tests/tiny_gguf.py), whose 40 test tokens pass the sliding layers'
+window of 8: logits against transformers' float32 module of the same file and against llama.cpp's; rows alone, in a
+pass and beside other sequences, bit for bit; greedy and seeded output with speculation that of plain decoding. And a
+file it does not cover is said in one line.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from runtime_checks import check_runtime
+from tiny import float32_error
+from tiny_gguf import WINDOW, write_tiny_gguf
+
+from specdec.backends.fused import PRODUCTS, FusedRuntime, gguf_unavailable
+from specdec.backends.gguf_file import GGUFFile
+from specdec.bench.numerics import reference_module
+
+BASE = {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "ffn": 512}
+SHAPES = {"llama3": BASE, "qwen3": BASE | {"head_dim": 128}, "phi3": BASE, "gemma2": BASE | {"head_dim": 256},
+          "gemma3": BASE | {"layers": 6}}  # gemma 3's sixth layer is its first global one
+ARCHITECTURES = list(SHAPES)
+IDS = [(37 * i) % 3000 + 10 for i in range(40)]
+assert len(IDS) > 2 * WINDOW
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> Callable[[str, str], Path]:
+    folder = tmp_path_factory.mktemp("architectures")
+
+    @functools.cache
+    def file(arch: str, kind: str) -> Path:
+        return write_tiny_gguf(folder / f"tiny-{arch}-{kind}.gguf", seed=0, tensor_type=kind, architecture=arch,
+                               **SHAPES[arch])
+
+    return file
+
+
+def llama_cpp_logits(path: Path) -> torch.Tensor:
+    pytest.importorskip("llama_cpp")
+    from specdec.backends.llamacpp.runtime import GGUFModel, LlamaCppLM
+
+    runtime = LlamaCppLM(GGUFModel(path), max_length=64, threads=2)
+    return torch.as_tensor(np.asarray(runtime.extend(IDS, len(IDS)))).float()
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_float32_weights_compute_the_modules_function(files, arch):
+    """F32 weights: the model the file holds, within 4x transformers' own float32 error of its module, where llama.cpp
+    (whose products round activations) is no nearer. The module is the architecture's own transformers class, so the
+    norms, caps, windows and RoPE are checked against an implementation written apart from ours."""
+    path = files(arch, "F32")
+    assert gguf_unavailable(GGUFFile(path)) is None
+    module = reference_module(path)
+    with torch.no_grad():
+        reference = module(torch.tensor([IDS])).logits[0].float()
+    ours = (FusedRuntime.from_gguf(path, "float").extend(IDS, len(IDS)) - reference).abs().max()
+    theirs = (llama_cpp_logits(path) - reference).abs().max()
+    assert ours <= 4 * float32_error(module, IDS) and ours <= theirs, (ours, theirs)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("products", PRODUCTS)
+def test_k_quant_logits_against_the_module_and_llama_cpp(files, arch, products):
+    """A Q4_K_M file, as test_gguf_formats.py holds llama's and qwen2's: float products no farther from the module
+    than llama.cpp; integer products (each row's inputs in bytes per 32, as llama.cpp rounds them) within 10% of its
+    mean difference and 1.5x its largest."""
+    path = files(arch, "Q4_K_M")
+    module = reference_module(path)
+    with torch.no_grad():
+        reference = module(torch.tensor([IDS])).logits[0].float()
+    ours = (FusedRuntime.from_gguf(path, products).extend(IDS, len(IDS)) - reference).abs()
+    theirs = (llama_cpp_logits(path) - reference).abs()
+    if products == "float":
+        assert ours.max() <= theirs.max(), (ours.max(), theirs.max())
+    else:
+        assert ours.mean() <= 1.1 * theirs.mean() and ours.max() <= 1.5 * theirs.max(), (ours.mean(), theirs.mean())
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_rows_are_the_same_alone_in_a_pass_and_in_a_pool(files, arch):
+    runtime = FusedRuntime.from_gguf(files(arch, "Q4_K_M"))
+    check_runtime(runtime)
+
+
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) if a != "gemma3" else a
+                                  for a in ARCHITECTURES])
+def test_speculation_keeps_plain_decodings_output(files, arch):
+    """Greedy and seeded output with prompt lookup at k = 4 and auto, past the sliding window, is plain decoding's."""
+    from specdec.api import SpecDecoder
+
+    path = str(files(arch, "Q4_K_M"))
+    prompt = "the quick brown fox jumps over the lazy dog " * 4
+    outputs = {}
+    for drafter in ("none", "prompt-lookup"):
+        decoder = SpecDecoder.load(path, drafter=drafter, backend="fused", threads=2)
+        for temperature, seed in ((0.0, None), (0.8, 7)):
+            for k in (4, "auto"):
+                result = decoder.generate(prompt, max_new_tokens=24, num_draft_tokens=k, temperature=temperature,
+                                          seed=seed, chat=False)
+                outputs.setdefault((temperature, seed), set()).add(tuple(result.token_ids))
+    assert all(len(found) == 1 for found in outputs.values()), outputs
+
+
+def test_what_it_does_not_cover_is_said_in_one_line(files, tmp_path, capsys):
+    """A RoPE it does not scale (YaRN), or a head only partly turned: gguf_unavailable names it, and an explicit
+    ``--backend fused`` exits 2 with that line."""
+    import gguf
+
+    from specdec.cli import main
+
+    source = gguf.GGUFReader(files("qwen3", "F32"))
+    for name, change, said in (("yarn", {"qwen3.rope.scaling.type": "yarn"}, "its RoPE is scaled by yarn"),
+                               ("partial", {"qwen3.rope.dimension_count": 64}, "turns part of each head")):
+        path = _rewritten(source, tmp_path / f"{name}.gguf", change)
+        assert said in gguf_unavailable(GGUFFile(path))
+        assert main(["generate", "hi", "--model", str(path), "--backend", "fused", "--max-new-tokens", "2"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--backend fused cannot run {name}.gguf: " in err and said in err, err
+
+
+def _rewritten(source, path: Path, change: dict) -> Path:
+    """``source``'s file with the metadata ``change`` (key: new value) made, its tensors as they are."""
+    import gguf
+
+    arch = source.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(path, arch)
+    for key, field in source.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = gguf.GGUFValueType(field.types[0])
+        sub_type = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
+        value = change.pop(key, field.contents())
+        if isinstance(value, str):
+            vtype = gguf.GGUFValueType.STRING
+        writer.add_key_value(key, value, vtype, sub_type=sub_type)
+    for key, value in change.items():
+        writer.add_key_value(key, value, gguf.GGUFValueType.STRING if isinstance(value, str) else
+                             gguf.GGUFValueType.UINT32)
+    for tensor in source.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data), raw_shape=tuple(int(d) for d in tensor.shape[::-1]),
+                          raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
