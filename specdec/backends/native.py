@@ -24,8 +24,9 @@ NEEDED_FLAGS = ("avx2", "fma", "f16c")
 # per 32 inputs (int8) or per 16 (int8_group16)
 FORMAT = {"float16": 0, "int8": 1, "float32": 2, "bfloat16": 3, "int8_group16": 4}
 # the block formats' integer products (fused.c's Q8I, Q8HI and Q4I), times each row's inputs quantised to bytes per
-# block of 32: the byte formats' same bytes, and int4, nibbles with a scale and offset per 32 (integer products only)
-INTEGER_FORMAT = {"int8": 5, "int8_group16": 6, "int4": 7}
+# block of 32: the byte formats' same bytes; int4, nibbles with a scale and offset per 32, and int6_group16, 6 bits
+# with a scale per 16 and the offset -32 times it (Q6_K's), in integer products only
+INTEGER_FORMAT = {"int8": 5, "int8_group16": 6, "int4": 7, "int6_group16": 8}
 FLOAT_FORMATS = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
 TILE_OUTPUTS = 8  # weight rows per repacked block
 CHUNK_INPUTS = 8  # inputs per chunk of a block: a float product's inputs come in whole chunks
@@ -70,12 +71,12 @@ class _Rows(ctypes.Structure):
 
 # fused.c's blocks of 8 rows x 32 inputs of bytes, then per 32 (block_q8x8) or per 16 inputs (block_q8x16) the 8
 # rows' float scales and offsets
-Q8_BLOCK_BYTES = {"int8": 320, "int8_group16": 384, "int4": 192}
+Q8_BLOCK_BYTES = {"int8": 320, "int8_group16": 384, "int4": 192, "int6_group16": 256}
 # what sd_struct_sizes reports, in its order
 STRUCT_SIZES = {"Model": ctypes.sizeof(Model), "Layer": ctypes.sizeof(Layer), "Cache": ctypes.sizeof(Cache),
                 "Rows": ctypes.sizeof(_Rows), "Matrix": ctypes.sizeof(Matrix),
                 "block_q8x8": Q8_BLOCK_BYTES["int8"], "block_q8x16": Q8_BLOCK_BYTES["int8_group16"],
-                "block_q4x8": Q8_BLOCK_BYTES["int4"]}
+                "block_q4x8": Q8_BLOCK_BYTES["int4"], "block_q6x8": Q8_BLOCK_BYTES["int6_group16"]}
 
 
 def cpu_lacks() -> list[str]:

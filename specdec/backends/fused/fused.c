@@ -458,18 +458,20 @@ __attribute__((target("avx2,fma,f16c"))) static void quantise_row(const float *x
 
 /* acc + set t of block `block` of quantised row `row`, for 8 outputs: isum, their integer sums over the set (plus
  * `centre` sum(xq), where the tile summed q - centre), and the set's scales d and offsets m (8 each). */
-__attribute__((target("avx2,fma,f16c"))) static inline __m256 add_set(__m256 acc, __m256i isum, int centre,
-                                                                     const float *d, const float *m,
-                                                                     const Quantised *x, int row, int block, int t) {
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 add_set(__m256 acc, __m256i isum, int centre, __m256 d,
+                                                                     __m256 m, const Quantised *x, int row,
+                                                                     int block, int t) {
     int64_t at = (int64_t)row * (x->in / 32) + block, set = at * x->sets + t;
     isum = _mm256_add_epi32(isum, _mm256_set1_epi32(centre * x->sum[set]));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(_mm256_loadu_ps(d), _mm256_set1_ps(x->scale[at])), acc);
-    return _mm256_fmadd_ps(_mm256_loadu_ps(m), _mm256_set1_ps(x->offset[set]), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(x->scale[at])), acc);
+    return _mm256_fmadd_ps(m, _mm256_set1_ps(x->offset[set]), acc);
 }
 
-/* A set's scales (offsets) for the block's 8 outputs. */
-#define SET_D(b, t) ((const float *)(b)->d + 8 * (t))
-#define SET_M(b, t) ((const float *)(b)->m + 8 * (t))
+/* A set's scales (offsets) for the block's 8 outputs: as stored, or (Q6) -32 times the scale, as Q6_K's are. */
+#define SET_D(b, t) _mm256_loadu_ps((const float *)(b)->d + 8 * (t))
+#define SET_M_Q8(b, t) _mm256_loadu_ps((const float *)(b)->m + 8 * (t))
+#define SET_M_Q4 SET_M_Q8
+#define SET_M_Q6(b, t) _mm256_mul_ps(SET_D(b, t), _mm256_set1_ps(-32.0f))
 
 /* Q4I: 4-bit weights (a GGUF's Q4_0, Q4_1 and Q4_K blocks: q < 16) with a float scale and offset per 32 inputs, in
  * integer products only: block_q4x8 holds block_q8x8's four chunks of 64 bytes as two, chunk 2p's byte i in the low
@@ -481,15 +483,33 @@ typedef struct {
 } block_q4x8;
 static_assert(sizeof(block_q4x8) == 192, "block_q4x8: 128 bytes of nibbles, then 8 scales and 8 offsets");
 
+/* Q6I: 6-bit weights (a GGUF's Q6_K: q < 64, w = d (q - 32)) with a float scale per 16 inputs, in integer products
+ * only: block_q6x8 holds block_q8x16's bytes' low nibbles as block_q4x8 does, their top 2 bits in hi (chunk s's
+ * byte i in bits 2s and 2s + 1 of hi[i]), then the scales; each offset is -32 times its scale, exactly (1 byte a
+ * weight, against 1.5). */
+typedef struct {
+    uint8_t q[2][64], hi[64];
+    float d[2][8];
+} block_q6x8;
+static_assert(sizeof(block_q6x8) == 256, "block_q6x8: 128 bytes of nibbles, 64 of top bits, then 2 x 8 scales");
+
 /* Chunk s's bytes of rows 4h..4h+3 (AVX2), or of all 8 rows (AVX-512), as block_q8x8 holds them. */
 #define BYTES2_Q8(b, s, h) _mm256_loadu_si256((const __m256i *)(b)->q[s][4 * (h)])
 #define BYTES2_Q4(b, s, h)                                                                                         \
     _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)((b)->q[(s) / 2] + 32 * (h))), 4 * ((s) % 2)), \
                      _mm256_set1_epi8(0x0F))
+#define BYTES2_Q6(b, s, h)                                                                                         \
+    _mm256_or_si256(BYTES2_Q4(b, s, h),                                                                            \
+                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)((b)->hi + 32 * (h))), \
+                                                                         2 * (s)), _mm256_set1_epi8(0x03)), 4))
 #define BYTES512_Q8(b, s) _mm512_loadu_si512((const void *)(b)->q[s])
 #define BYTES512_Q4(b, s)                                                                                          \
     _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512((const void *)(b)->q[(s) / 2]), 4 * ((s) % 2)),         \
                      _mm512_set1_epi8(0x0F))
+#define BYTES512_Q6(b, s)                                                                                          \
+    _mm512_or_si512(BYTES512_Q4(b, s),                                                                             \
+                    _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512((const void *)(b)->hi), 2 * (s)), \
+                                                       _mm512_set1_epi8(0x03)), 4))
 
 /* Per 32-bit lane, the sum of 4 weight bytes times 4 input bytes, on AVX2 (maddubs: u8 x s8 in pairs to int16,
  * then pairs to int32). Bytes up to 255 would saturate an int16 pair, so a Q8 byte q is taken as q - 128 (its
@@ -500,8 +520,10 @@ static_assert(sizeof(block_q4x8) == 192, "block_q4x8: 128 bytes of nibbles, then
                                            _mm256_sign_epi8(xs, _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)))), \
                       _mm256_set1_epi16(1))
 #define DOT2_Q4(w, xs) _mm256_madd_epi16(_mm256_maddubs_epi16(w, xs), _mm256_set1_epi16(1))
+#define DOT2_Q6 DOT2_Q4 /* 2 x 63 x 127: no saturation either */
 #define CENTRE_Q8 128
 #define CENTRE_Q4 0
+#define CENTRE_Q6 0
 
 /* out[r][0..7] for R quantised rows from r0 and the 8 outputs of the blocks from w, on AVX2: per chunk s the 8 rows'
  * 8 bytes are two registers (rows 0-3, rows 4-7), each 32-bit lane a row's 4 bytes times the row's 4 input bytes. */
@@ -524,7 +546,7 @@ static_assert(sizeof(block_q4x8) == 192, "block_q4x8: 128 bytes of nibbles, then
                             half[h] = _mm256_add_epi32(half[h], DOT2_##KIND(BYTES2_##KIND(b, s, h), xs));          \
                     }                                                                                              \
                     __m256i isum = _mm256_permute4x64_epi64(_mm256_hadd_epi32(half[0], half[1]), 0xD8);            \
-                    acc[r] = add_set(acc[r], isum, CENTRE_##KIND, SET_D(b, t), SET_M(b, t), x, row, block, t);     \
+                    acc[r] = add_set(acc[r], isum, CENTRE_##KIND, SET_D(b, t), SET_M_##KIND(b, t), x, row, block, t); \
                 }                                                                                                  \
             }                                                                                                      \
         }                                                                                                          \
@@ -535,6 +557,7 @@ static_assert(sizeof(block_q4x8) == 192, "block_q4x8: 128 bytes of nibbles, then
 TILES_INT(q8i, block_q8x8, 1, Q8)
 TILES_INT(q8hi, block_q8x16, 2, Q8)
 TILES_INT(q4i, block_q4x8, 1, Q4)
+TILES_INT(q6i, block_q6x8, 2, Q6)
 
 /* The same on AVX512-VNNI: a chunk's 64 bytes are one register, each 32-bit lane a row's 4 bytes (lanes 2j and
  * 2j + 1: row j's 8), multiplied into the row's 8 input bytes broadcast by vpdpbusd (u8 x s8: no centring); a set's
@@ -559,7 +582,7 @@ TILES_INT(q4i, block_q4x8, 1, Q4)
                                                            _mm512_set1_epi64(*(const int64_t *)(xq + 8 * s)));     \
                     __m512i both = _mm512_add_epi32(lanes[0], lanes[1]);                                           \
                     __m256i isum = _mm512_cvtepi64_epi32(_mm512_add_epi32(both, _mm512_srli_epi64(both, 32)));     \
-                    acc[r] = add_set(acc[r], isum, 0, SET_D(b, t), SET_M(b, t), x, row, block, t);                 \
+                    acc[r] = add_set(acc[r], isum, 0, SET_D(b, t), SET_M_##KIND(b, t), x, row, block, t);          \
                 }                                                                                                  \
             }                                                                                                      \
         }                                                                                                          \
@@ -572,27 +595,32 @@ TILES_INT(q4i, block_q4x8, 1, Q4)
 TILES_INT_VNNI(q8i, block_q8x8, 1, Q8)
 TILES_INT_VNNI(q8hi, block_q8x16, 2, Q8)
 TILES_INT_VNNI(q4i, block_q4x8, 1, Q4)
+TILES_INT_VNNI(q6i, block_q6x8, 2, Q6)
 
 typedef void (*Q8Fn)(const void *, int, const float *, int64_t, int, float[GROUP512][8]);
 /* how a weight matrix is stored (Matrix.format); Q8I and Q8HI: Q8 and Q8H's bytes, multiplied in integers; Q4I:
  * nibbles, in integers only */
-enum { F16, Q8, F32, BF16, Q8H, Q8I, Q8HI, Q4I };
+enum { F16, Q8, F32, BF16, Q8H, Q8I, Q8HI, Q4I, Q6I };
 static const int VALUE_BYTES[] = {[F16] = 2, [F32] = 4, [BF16] = 2}; /* the float formats' */
 static const int BLOCK_BYTES[] = {[Q8] = sizeof(block_q8x8), [Q8H] = sizeof(block_q8x16), [Q8I] = sizeof(block_q8x8),
-                                   [Q8HI] = sizeof(block_q8x16), [Q4I] = sizeof(block_q4x8)}; /* per 8 rows x 32 */
+                                   [Q8HI] = sizeof(block_q8x16), [Q4I] = sizeof(block_q4x8),
+                                   [Q6I] = sizeof(block_q6x8)}; /* per 8 rows x 32 */
 static const Q8Fn Q8_WIDE[][GROUP + 1] = {[Q8] = {0, q8_1x8, q8_2x4, q8_3x2, q8_4x2},
                                           [Q8H] = {0, q8h_1x8, q8h_2x4, q8h_3x2, q8h_4x2}};
 static const Q8Fn Q8_512[][GROUP512 + 1] = {[Q8] = {0, q8z_1, q8z_2, q8z_3, q8z_4, q8z_5, q8z_6},
                                             [Q8H] = {0, q8hz_1, q8hz_2, q8hz_3, q8hz_4, q8hz_5, q8hz_6}};
-#define INTEGER(format) ((format) == Q8I || (format) == Q8HI || (format) == Q4I)
+#define INTEGER(format) ((format) == Q8I || (format) == Q8HI || (format) == Q4I || (format) == Q6I)
+#define SETS(format) ((format) == Q8HI || (format) == Q6I ? 2 : 1) /* an integer format's sets per 32 inputs */
 #define BLOCKED(format) ((format) == Q8 || (format) == Q8H || INTEGER(format))
 typedef void (*IntegerFn)(const void *, const Quantised *, int, float[GROUP512][8]);
 static const IntegerFn INTEGER_WIDE[][GROUP + 1] = {[Q8I] = {0, q8i_1, q8i_2, q8i_3, q8i_4},
                                                     [Q8HI] = {0, q8hi_1, q8hi_2, q8hi_3, q8hi_4},
-                                                    [Q4I] = {0, q4i_1, q4i_2, q4i_3, q4i_4}};
+                                                    [Q4I] = {0, q4i_1, q4i_2, q4i_3, q4i_4},
+                                                    [Q6I] = {0, q6i_1, q6i_2, q6i_3, q6i_4}};
 static const IntegerFn INTEGER_VNNI[][GROUP512 + 1] = {[Q8I] = {0, q8iv_1, q8iv_2, q8iv_3, q8iv_4, q8iv_5, q8iv_6},
                                                        [Q8HI] = {0, q8hiv_1, q8hiv_2, q8hiv_3, q8hiv_4, q8hiv_5, q8hiv_6},
-                                                       [Q4I] = {0, q4iv_1, q4iv_2, q4iv_3, q4iv_4, q4iv_5, q4iv_6}};
+                                                       [Q4I] = {0, q4iv_1, q4iv_2, q4iv_3, q4iv_4, q4iv_5, q4iv_6},
+                                                       [Q6I] = {0, q6iv_1, q6iv_2, q6iv_3, q6iv_4, q6iv_5, q6iv_6}};
 
 typedef void (*TileFn)(const void *, const float *, int64_t, int, float[GROUP512][8]);
 static const TileFn WIDE[][GROUP + 1] = {[F16] = {0, f16_1x8, f16_2x4, f16_3x2, f16_4x2},
@@ -659,7 +687,7 @@ static const Quantised *quantised_rows(const float *x, int64_t ldx, int n, int i
  * (scratch_failed then set) when they could not be had. */
 static const Quantised *inputs_for(const Matrix *m, const float *x, int64_t ldx, int n) {
     if (!INTEGER(m->format)) return NULL;
-    const Quantised *xq = quantised_rows(x, ldx, n, m->in, m->format == Q8HI ? 2 : 1);
+    const Quantised *xq = quantised_rows(x, ldx, n, m->in, SETS(m->format));
     if (!xq) atomic_store(&scratch_failed, 1);
     return xq;
 }
@@ -956,10 +984,11 @@ int sd_attention(const Rows *rows, int heads, int kv_heads, int head_dim, const 
 }
 
 /* The sizes of the structures native.py declares with ctypes, in its order (STRUCT_SIZES): Model, Layer, Cache,
- * Rows, Matrix, block_q8x8, block_q8x16, block_q4x8; at most `count` of them. Returns how many it wrote. */
+ * Rows, Matrix, block_q8x8, block_q8x16, block_q4x8, block_q6x8; at most `count` of them. Returns how many it
+ * wrote. */
 int sd_struct_sizes(int64_t *sizes, int count) {
     const int64_t known[] = {sizeof(Model), sizeof(Layer), sizeof(Cache), sizeof(Rows), sizeof(Matrix),
-                             sizeof(block_q8x8), sizeof(block_q8x16), sizeof(block_q4x8)};
+                             sizeof(block_q8x8), sizeof(block_q8x16), sizeof(block_q4x8), sizeof(block_q6x8)};
     int written = 0;
     for (; written < count && written < (int)(sizeof(known) / sizeof(known[0])); written++) sizes[written] = known[written];
     return written;

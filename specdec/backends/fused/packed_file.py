@@ -24,16 +24,17 @@ from specdec.backends.fused.stored import StoredMatrix
 from specdec.cachefile import cache_root
 
 MAGIC = b"SDPACK\x00\x01"
-LAYOUT_VERSION = 2  # fused.c's block_q8x8, block_q8x16, block_q4x8 and float tiles; up it when a layout changes
+LAYOUT_VERSION = 3  # fused.c's block_q8x8, block_q8x16, block_q4x8, block_q6x8 and float tiles; up it when a layout
+# changes
 ALIGNMENT = 64
 SAMPLE = 65536  # bytes of each of a matrix's three sampled stretches
 
 
-def packed_path(source: Path, nibbles: bool = True) -> Path:
+def packed_path(source: Path, narrow: bool = True) -> Path:
     """Where the packed matrices of ``source`` are kept: named after the file and its identity, and whether its
-    4-bit formats are kept in 4 bits (for integer products; float products read them as bytes)."""
+    4-bit and 6-bit formats are kept in 4 and 6 bits (for integer products; float products read them as bytes)."""
     stat = source.stat()
-    identity = f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|v{LAYOUT_VERSION}{'' if nibbles else '|bytes'}"
+    identity = f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|v{LAYOUT_VERSION}{'' if narrow else '|bytes'}"
     return cache_root() / "packed" / f"{source.stem}-{zlib.crc32(identity.encode()):08x}.sdpack"
 
 

@@ -163,17 +163,17 @@ def module_weights(model, gguf: str | Path | None = None) -> FusedWeights:
         qkv_biases=[_qkv_bias(layer) for layer in layers])
 
 
-def gguf_weights(source: GGUFFile, nibbles: bool = True) -> FusedWeights:
+def gguf_weights(source: GGUFFile, narrow: bool = True) -> FusedWeights:
     """A GGUF file's weights, from the file alone (``gguf_unavailable`` first): its matrices from their packed copy
-    in specdec's cache, else repacked (with a line of progress) and kept there for the next start; ``nibbles``: its
+    in specdec's cache, else repacked (with a line of progress) and kept there for the next start; ``narrow``: its
     4-bit formats in 4 bits (integer products only)."""
     spec = spec_of_gguf(source)
-    kept = packed_file.packed_path(source.path, nibbles)
+    kept = packed_file.packed_path(source.path, narrow)
     packed = packed_file.read(kept)
     if packed is not None and len(packed) != 4 * spec.layers + 1:
         packed = None
     progress = None if packed is not None else _Progress(f"specdec: packing {source.path.name} for the fused runtime")
-    matrices = gguf_matrices(source, spec.layers, spec.heads, spec.kv_heads, packed, progress, nibbles)
+    matrices = gguf_matrices(source, spec.layers, spec.heads, spec.kv_heads, packed, progress, narrow)
     if packed is None:
         progress.done(kept)
         try:
@@ -289,7 +289,7 @@ class FusedRuntime(LlamaSequence, Pooled):
             raise FusedUnavailable(f"the fused runtime cannot read {source.path.name} directly: {reason}")
         runtime = cls.__new__(cls)
         _check_products(products)
-        runtime._start(gguf_weights(source, nibbles=products == "integer"), "stored", products)
+        runtime._start(gguf_weights(source, narrow=products == "integer"), "stored", products)
         return runtime
 
     def _start(self, source: FusedWeights, weights: str, products: str) -> None:

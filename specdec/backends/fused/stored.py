@@ -17,7 +17,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.backends.gguf_file import NIBBLE_STORED, Q8_STORED, GGUFFile, Tensor, dequantized, grid_group, q8_rows
+from specdec.backends.gguf_file import (
+    NIBBLE_STORED,
+    Q8_STORED,
+    SIX_BIT_STORED,
+    GGUFFile,
+    Tensor,
+    dequantized,
+    grid_group,
+    q8_rows,
+)
 from specdec.backends.native import FORMAT, INTEGER_FORMAT, Q8_BLOCK_BYTES, Matrix, repacked
 from specdec.errors import UsageError
 
@@ -72,13 +81,13 @@ def float_matrix(values: torch.Tensor, precision: str) -> StoredMatrix:
     return StoredMatrix(precision, values.shape[0], values.shape[1], repacked(values, getattr(torch, precision)))
 
 
-def packed_q8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, nibbles: bool = False
-              ) -> torch.Tensor:  # uint8
+def packed_q8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int = 8) -> torch.Tensor:  # uint8
     """Bytes q [out, in] with w = scale q + offset per row and group of 32 (16) inputs as fused.c's Q8 (Q8H) reads
     them: blocks of 8 rows (the last padded with zeros), each 32 inputs as 4 x 8 rows x 8 bytes, then the 8 rows'
-    scales, then their offsets, one set of 8 per group (``block_q8x8``, ``block_q8x16``). ``nibbles`` (q < 16, per
+    scales, then their offsets, one set of 8 per group (``block_q8x8``, ``block_q8x16``). ``bits`` 4 (q < 16, per
     32): the 4 chunks of 64 bytes as 2, chunk 2p in the low nibbles of the p-th and 2p + 1 in its high (Q4I's
-    ``block_q4x8``)."""
+    ``block_q4x8``); 6 (q < 64, per 16, each offset -32 times its scale): the low nibbles so, then the top 2 bits of
+    chunk s's byte i in bits 2s, 2s + 1 of a 64-byte plane's byte i, then the scales alone (Q6I's ``block_q6x8``)."""
     out, inputs = q.shape
     sets = scale.shape[1] * 32 // inputs  # scale and offset sets per 32 inputs
     rows, blocks = -(-out // 8) * 8, inputs // 32
@@ -86,14 +95,21 @@ def packed_q8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, nibble
         q = torch.cat([q, q.new_zeros(rows - out, inputs)])
         scale, offset = (torch.cat([t, t.new_zeros(rows - out, t.shape[1])]) for t in (scale, offset))
     q = q.reshape(rows // 8, 8, blocks, 4, 8).permute(0, 2, 3, 1, 4).reshape(rows // 8, blocks, 4, 64)
-    q = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)) if nibbles else q
-    q = q.reshape(rows // 8, blocks, -1)
+    if bits == 8:
+        parts = [q.reshape(rows // 8, blocks, -1)]
+    else:
+        low = q & 0x0F
+        parts = [(low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(rows // 8, blocks, -1)]
+        if bits == 6:
+            top = q >> 4
+            parts.append(top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6))
 
     def per_block(t: torch.Tensor) -> torch.Tensor:  # [rows, blocks * sets] -> [rows / 8, blocks, sets * 8 * 4]
         t = t.float().reshape(rows // 8, 8, blocks, sets).permute(0, 2, 3, 1).contiguous()
         return t.view(torch.uint8).reshape(rows // 8, blocks, -1)
 
-    return torch.cat([q, per_block(scale), per_block(offset)], dim=-1).flatten()
+    parts += [per_block(scale)] + ([per_block(offset)] if bits != 6 else [])
+    return torch.cat(parts, dim=-1).flatten()
 
 
 def tensor_names(layers: int, tensors: dict, arch: str = "llama") -> list[list[str]]:
@@ -150,17 +166,22 @@ def _grid_matrix(tensors, orders) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return tuple(torch.from_numpy(np.concatenate([part[j] for part in parts])) for j in range(3))
 
 
-def _packed_grid(tensors, orders, nibbles: bool = False) -> StoredMatrix:
+def _packed_grid(tensors, orders, narrow: bool = False) -> StoredMatrix:
     """The tensors' rows in ``orders`` on the finest of their grids, packed :data:`CHUNK_ROWS` rows at a time into
     one buffer: the memory a matrix takes while it is packed is its packed size and a chunk's, where decoding it
     whole took several times its size (150k rows of an LM head). Every part but the last holds whole blocks of 8
-    rows (``gguf_unavailable`` admits only heads of a multiple of 8 and sizes of a multiple of 32). ``nibbles``:
-    tensors all of NIBBLE_STORED's formats are kept in 4 bits (``int4``, for integer products)."""
+    rows (``gguf_unavailable`` admits only heads of a multiple of 8 and sizes of a multiple of 32). ``narrow``:
+    tensors all of NIBBLE_STORED's formats are kept in 4 bits (``int4``), all of SIX_BIT_STORED's in 6
+    (``int6_group16``), for integer products."""
     group = min(grid_group(t.type_name) for t in tensors)
     inputs, rows = tensors[0].shape[1], sum(len(order) for order in orders)
     assert all(len(order) % 8 == 0 for order in orders[:-1]), "a part ends inside a block of 8 rows"
-    nibbles = nibbles and all(t.type_name in NIBBLE_STORED for t in tensors)
-    name = "int4" if nibbles else "int8" if group == 32 else "int8_group16"
+    bits = 8
+    if narrow and all(t.type_name in NIBBLE_STORED for t in tensors):
+        bits = 4
+    elif narrow and all(t.type_name in SIX_BIT_STORED for t in tensors):
+        bits = 6
+    name = {4: "int4", 6: "int6_group16"}.get(bits) or ("int8" if group == 32 else "int8_group16")
     block_bytes = Q8_BLOCK_BYTES[name]
     packed = torch.empty(-(-rows // 8) * (inputs // 32) * block_bytes, dtype=torch.uint8)
     at = 0
@@ -170,7 +191,7 @@ def _packed_grid(tensors, orders, nibbles: bool = False) -> StoredMatrix:
             chunk = order[start : start + CHUNK_ROWS]
             q, scale, offset = q8_rows(Tensor(tensor.name, tensor.type_name, (len(chunk), inputs), tensor.data[chunk]))
             piece = packed_q8(torch.from_numpy(q), torch.from_numpy(np.repeat(scale, repeat, axis=1)),
-                              torch.from_numpy(np.repeat(offset, repeat, axis=1)), nibbles)
+                              torch.from_numpy(np.repeat(offset, repeat, axis=1)), bits)
             packed[at : at + len(piece)] = piece
             at += len(piece)
     return StoredMatrix(name, rows, inputs, packed)
@@ -209,10 +230,10 @@ def module_blocks(matrices: list[torch.Tensor], source: GGUFFile, config) -> lis
 
 
 def gguf_matrices(source: GGUFFile, layers: int, heads: int, kv_heads: int, packed: list[StoredMatrix] | None = None,
-                  progress: Callable[[int, int], None] | None = None, nibbles: bool = False) -> list[StoredMatrix]:
+                  progress: Callable[[int, int], None] | None = None, narrow: bool = False) -> list[StoredMatrix]:
     """Per fused.c matrix, as the file stores it, with its bias (qwen2's q, k and v), in the module's row order:
     from ``packed`` where given (the matrices packed before, ``packed_file.py``), else repacked from the file, with
-    ``progress(done, count)`` after each; ``nibbles``: 4-bit formats in 4 bits (:func:`_packed_grid`)."""
+    ``progress(done, count)`` after each; ``narrow``: 4-bit formats in 4 bits (:func:`_packed_grid`)."""
     arch = source.field("general.architecture")
     permuted = arch in PERMUTED_ARCHITECTURES
     names = tensor_names(layers, source.tensors, arch)
@@ -220,7 +241,7 @@ def gguf_matrices(source: GGUFFile, layers: int, heads: int, kv_heads: int, pack
     for index, parts in enumerate(names):
         tensors = [source.tensors[name] for name in parts]
         orders = _row_orders(parts, [t.shape[0] for t in tensors], heads, kv_heads, permuted)
-        matrix = packed[index] if packed is not None else _stored(tensors, orders, nibbles)
+        matrix = packed[index] if packed is not None else _stored(tensors, orders, narrow)
         matrix.bias = _bias(source, parts, orders)
         matrices.append(matrix)
         if progress is not None:
@@ -228,10 +249,10 @@ def gguf_matrices(source: GGUFFile, layers: int, heads: int, kv_heads: int, pack
     return matrices
 
 
-def _stored(tensors, orders, nibbles: bool) -> StoredMatrix:
+def _stored(tensors, orders, narrow: bool) -> StoredMatrix:
     types = {t.type_name for t in tensors}
     if types <= set(Q8_STORED):
-        return _packed_grid(tensors, orders, nibbles)
+        return _packed_grid(tensors, orders, narrow)
     values = torch.from_numpy(np.concatenate([dequantized(t).reshape(t.shape[0], -1)[order]
                                               for t, order in zip(tensors, orders)]))
     precision = FLOAT_STORED.get(types.pop()) if len(types) == 1 else None
