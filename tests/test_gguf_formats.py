@@ -130,8 +130,8 @@ def test_speculation_keeps_plain_decodings_output_on_a_k_quant_file(files, arch)
 
 def test_the_packed_copy_gives_the_sources_logits_and_follows_the_source(files, tmp_path, monkeypatch, capsys):
     """The first start packs the file (one line) and keeps the packed matrices in specdec's cache; the next reads
-    them memory-mapped, with the same logits bit for bit; a changed source file is packed anew; a corrupt or
-    truncated packed copy is said to be so in one line, and packed anew."""
+    them memory-mapped, with the same logits bit for bit; a changed source file is packed anew, and its old copy
+    deleted; a corrupt or truncated packed copy is said to be so in one line, and packed anew."""
     import os
 
     from specdec.backends.fused import packed_file
@@ -148,10 +148,11 @@ def test_the_packed_copy_gives_the_sources_logits_and_follows_the_source(files, 
     assert "packing model.gguf" in said and packed_file.packed_path(source).is_file()
     again, said = start()
     assert said == "" and torch.equal(again, packed)
-    stat = source.stat()
+    stat, old = source.stat(), packed_file.packed_path(source)
     os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the source changed
     assert not packed_file.packed_path(source).is_file()
     assert "packing model.gguf" in start()[1]
+    assert not old.exists(), "the changed source's old copy is deleted when the new one is written"
     kept = packed_file.packed_path(source)
     for damage in (lambda data: data[:-5000], lambda data: data[:-200] + bytes(200)):
         kept.write_bytes(damage(kept.read_bytes()))

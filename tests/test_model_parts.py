@@ -4,10 +4,9 @@ on the real Qwen2.5-Coder-0.5B Q4_K_M, read by the fused runtime from the file a
 
 from __future__ import annotations
 
-import re
-
 import hashlib
 import importlib
+import re
 import shutil
 
 import pytest

@@ -94,6 +94,12 @@ class GGUFFile:
     def field(self, key: str, default=None):
         return self.metadata.get(key, default)
 
+    def release(self) -> None:
+        """Let go of the file's pages this process has read (they stay in the page cache, and are read again when
+        touched): what a first start's packing reads of a large file is then not held at once."""
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._mmap.madvise(mmap.MADV_DONTNEED)
+
 
 @functools.lru_cache(maxsize=4)
 def _read_once(path: Path, size: int, modified_ns: int) -> GGUFFile:

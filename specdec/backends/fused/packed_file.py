@@ -1,12 +1,13 @@
 """The fused runtime's matrices of a GGUF file, repacked once and kept in specdec's cache (``packed/`` under
 ``cache_root()``), memory-mapped on later starts: no block is decoded again.
 
-A packed file is a header, then each matrix's bytes at 64-byte boundaries. The header (JSON after an 8-byte magic
-and its length) names the layout's version, the source file's identity (its resolved path, size and modification
-time: a changed source is another key), and per matrix its format, shape, place and a checksum (CRC-32) of sampled
-stretches of its bytes (its first, middle and last 64 KiB), and its own CRC-32 guards the header. A packed file
-that is truncated, whose header does not parse or whose checksums do not match is stale or corrupt: it is said so in
-one line, deleted and written anew.
+A packed file is each matrix's bytes at 64-byte boundaries, written as each is packed (so a first start holds one
+packed matrix at a time, not the model), then a header, then a trailer: an 8-byte magic, the header's length and its
+CRC-32. The header (JSON) names the layout's version, the source file (its resolved path, size and modification
+time: a changed source is another key) and per matrix its format, shape, place and a checksum (CRC-32) of sampled
+stretches of its bytes (its first, middle and last 64 KiB). A packed file that is truncated, whose header does not
+parse or whose checksums do not match is stale or corrupt: it is said so in one line, deleted and written anew. Each
+write deletes the kept copies of source files that are gone or changed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import mmap
 import os
 import sys
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -33,9 +35,13 @@ SAMPLE = 65536  # bytes of each of a matrix's three sampled stretches
 def packed_path(source: Path, narrow: bool = True) -> Path:
     """Where the packed matrices of ``source`` are kept: named after the file and its identity, and whether its
     4-bit and 6-bit formats are kept in 4 and 6 bits (for integer products; float products read them as bytes)."""
-    stat = source.stat()
-    identity = f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|v{LAYOUT_VERSION}{'' if narrow else '|bytes'}"
+    identity = "|".join(map(str, _identity(source).values())) + f"|v{LAYOUT_VERSION}{'' if narrow else '|bytes'}"
     return cache_root() / "packed" / f"{source.stem}-{zlib.crc32(identity.encode()):08x}.sdpack"
+
+
+def _identity(source: Path) -> dict:
+    stat = source.stat()
+    return {"path": str(source.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
 def _sampled_crc(data: memoryview | bytes) -> int:
@@ -50,26 +56,44 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
-def write(path: Path, matrices: list[StoredMatrix]) -> None:
-    """Write the matrices' packed bytes (their biases stay with the source), atomically."""
-    entries, offset, datas = [], 0, [_bytes_of(matrix.packed) for matrix in matrices]
-    for matrix, data in zip(matrices, datas):
-        entries.append({"format": matrix.format, "outputs": matrix.outputs, "inputs": matrix.inputs,
-                        "dtype": str(matrix.packed.dtype).removeprefix("torch."), "offset": offset,
-                        "bytes": len(data), "crc": _sampled_crc(data)})
-        offset += -(-len(data) // ALIGNMENT) * ALIGNMENT
-    header = json.dumps({"version": LAYOUT_VERSION, "matrices": entries}).encode()
-    header_crc = zlib.crc32(header).to_bytes(4, "little")
-    start = -(-(len(MAGIC) + 8 + 4 + len(header)) // ALIGNMENT) * ALIGNMENT
+def write(path: Path, source: Path, matrices: Iterable[StoredMatrix]) -> None:
+    """Write the matrices' packed bytes (their biases stay with the source) as they come, each let go once written,
+    then the header; atomically. Copies of gone or changed sources are deleted first."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    prune(path.parent)
+    entries, offset = [], 0
     partial = path.with_suffix(f".{os.getpid()}.partial")
-    with partial.open("wb") as f:
-        f.write(MAGIC + len(header).to_bytes(8, "little") + header_crc + header)
-        for data, entry in zip(datas, entries):
-            f.seek(start + entry["offset"])
-            f.write(data)
-        f.truncate(start + offset)
-    partial.replace(path)
+    try:
+        with partial.open("wb") as f:
+            for matrix in matrices:
+                data = _bytes_of(matrix.packed)
+                entries.append({"format": matrix.format, "outputs": matrix.outputs, "inputs": matrix.inputs,
+                                "dtype": str(matrix.packed.dtype).removeprefix("torch."), "offset": offset,
+                                "bytes": len(data), "crc": _sampled_crc(data)})
+                f.seek(offset)
+                f.write(data)
+                offset += -(-len(data) // ALIGNMENT) * ALIGNMENT
+            header = json.dumps({"version": LAYOUT_VERSION, "source": _identity(source),
+                                 "matrices": entries}).encode()
+            f.seek(offset)
+            f.write(header + MAGIC + len(header).to_bytes(8, "little") + zlib.crc32(header).to_bytes(4, "little"))
+            f.truncate()
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def prune(folder: Path) -> None:
+    """Delete the packed copies in ``folder`` whose source file is gone or changed since (and unreadable ones)."""
+    for kept in folder.glob("*.sdpack"):
+        try:
+            with kept.open("rb") as f:
+                source = _header(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))["source"]
+            stale = not Path(source["path"]).is_file() or _identity(Path(source["path"])) != source
+        except (OSError, ValueError, KeyError, TypeError):
+            stale = True
+        if stale:
+            kept.unlink(missing_ok=True)
 
 
 def read(path: Path) -> list[StoredMatrix] | None:
@@ -86,24 +110,32 @@ def read(path: Path) -> list[StoredMatrix] | None:
         return None
 
 
-def _read(path: Path) -> list[StoredMatrix]:
-    with path.open("rb") as f:
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    if mapped[: len(MAGIC)] != MAGIC:
-        raise ValueError("not a packed file")
-    length = int.from_bytes(mapped[len(MAGIC) : len(MAGIC) + 8], "little")
-    header_start = len(MAGIC) + 12
-    header = mapped[header_start : header_start + length]
-    if len(header) != length or zlib.crc32(header) != int.from_bytes(mapped[len(MAGIC) + 8 : header_start], "little"):
+TRAILER = len(MAGIC) + 12  # the magic, the header's length (8 bytes) and its CRC-32 (4)
+
+
+def _header(mapped: mmap.mmap) -> dict:
+    """A packed file's header, its trailer and checksum checked."""
+    if len(mapped) < TRAILER or mapped[-TRAILER : -TRAILER + len(MAGIC)] != MAGIC:
+        raise ValueError("not a packed file, or truncated")
+    length = int.from_bytes(mapped[-12:-4], "little")
+    header = mapped[len(mapped) - TRAILER - length : len(mapped) - TRAILER]
+    if len(header) != length or zlib.crc32(header) != int.from_bytes(mapped[-4:], "little"):
         raise ValueError("its header's checksum does not match")
     layout = json.loads(header)
     if layout["version"] != LAYOUT_VERSION:
         raise ValueError(f"layout version {layout['version']}, not {LAYOUT_VERSION}")
-    start = -(-(header_start + length) // ALIGNMENT) * ALIGNMENT
+    return layout
+
+
+def _read(path: Path) -> list[StoredMatrix]:
+    with path.open("rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    layout = _header(mapped)
+    end = len(mapped) - TRAILER - int.from_bytes(mapped[-12:-4], "little")
     matrices = []
     for entry in layout["matrices"]:
-        begin = start + entry["offset"]
-        if begin + entry["bytes"] > len(mapped):
+        begin = entry["offset"]
+        if begin + entry["bytes"] > end:
             raise ValueError("truncated")
         view = memoryview(mapped)[begin : begin + entry["bytes"]]
         if _sampled_crc(view) != entry["crc"]:

@@ -43,6 +43,7 @@ from specdec.backends.fused.stored import (
     float_matrix,
     gguf_matrices,
     module_blocks,
+    packed_matrices,
     packed_q8,
     tensor_names,
 )
@@ -165,29 +166,58 @@ def module_weights(model, gguf: str | Path | None = None) -> FusedWeights:
 
 def gguf_weights(source: GGUFFile, narrow: bool = True) -> FusedWeights:
     """A GGUF file's weights, from the file alone (``gguf_unavailable`` first): its matrices from their packed copy
-    in specdec's cache, else repacked (with a line of progress) and kept there for the next start; ``narrow``: its
-    4-bit formats in 4 bits (integer products only)."""
+    in specdec's cache, else repacked (with a line of progress) into it, one matrix at a time, for this and the next
+    start; ``narrow``: its 4-bit and 6-bit formats in their bits (integer products only)."""
     spec = spec_of_gguf(source)
+    count = 4 * spec.layers + 1
     kept = packed_file.packed_path(source.path, narrow)
     packed = packed_file.read(kept)
-    if packed is not None and len(packed) != 4 * spec.layers + 1:
-        packed = None
-    progress = None if packed is not None else _Progress(f"specdec: packing {source.path.name} for the fused runtime")
-    matrices = gguf_matrices(source, spec.layers, spec.heads, spec.kv_heads, packed, progress, narrow)
-    if packed is None:
-        progress.done(kept)
-        try:
-            packed_file.write(kept, matrices)
-        except OSError as error:  # a cache that cannot be written: the next start packs again
-            print(f"specdec: could not keep the packed copy ({error})", file=sys.stderr)
+    if packed is None or len(packed) != count:
+        packed = _packed(source, spec, kept, narrow)
+    matrices = gguf_matrices(source, spec.layers, spec.heads, spec.kv_heads, packed)
     norm = lambda name: torch.from_numpy(dequantized(source.tensors[name]).copy())  # noqa: E731
-    return FusedWeights(
+    weights = FusedWeights(
         spec=spec, matrices=matrices,
         input_norms=[norm(f"blk.{i}.attn_norm.weight") for i in range(spec.layers)],
         post_norms=[norm(f"blk.{i}.ffn_norm.weight") for i in range(spec.layers)],
         qkv_biases=[matrices[4 * i].bias for i in range(spec.layers)],
         layer_norms=[{name: norm(f"blk.{i}.{part}.weight") for part, name in LAYER_NORMS.items()
                       if f"blk.{i}.{part}.weight" in source.tensors} for i in range(spec.layers)])
+    source.release()  # what it read of the file is copied; the embedding's rows are read again as tokens come
+    return weights
+
+
+def _packed(source: GGUFFile, spec: LlamaSpec, kept: Path, narrow: bool) -> list[StoredMatrix]:
+    """The file's matrices repacked: written to ``kept`` as each is packed, then memory-mapped from it (so a first
+    start holds one packed matrix at a time); where the cache cannot be written, held in memory."""
+    count = 4 * spec.layers + 1
+    progress = _Progress(f"specdec: packing {source.path.name} for the fused runtime")
+
+    def counted(matrices):
+        for index, matrix in enumerate(matrices):
+            yield matrix
+            progress(index + 1, count)
+
+    try:
+        packed_file.write(kept, source.path,
+                          counted(packed_matrices(source, spec.layers, spec.heads, spec.kv_heads, narrow)))
+        progress.done(kept)
+        _trim_heap()
+        packed = packed_file.read(kept)
+        if packed is not None:
+            return packed
+    except OSError as error:  # a cache that cannot be written: held in memory, and the next start packs again
+        print(f"specdec: could not keep the packed copy ({error})", file=sys.stderr)
+    return list(packed_matrices(source, spec.layers, spec.heads, spec.kv_heads, narrow))
+
+
+def _trim_heap() -> None:
+    """Hand the C heap's free memory back to the system (glibc's malloc_trim), where packing's many freed pieces
+    would otherwise stay in the process beside the weights it then maps."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 
 class _Progress:

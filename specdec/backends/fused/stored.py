@@ -11,7 +11,7 @@ differ, float32 where they mix floats and blocks. llama.cpp's converter reorders
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -229,24 +229,33 @@ def module_blocks(matrices: list[torch.Tensor], source: GGUFFile, config) -> lis
             for parts, matrix in zip(names, matrices)]
 
 
-def gguf_matrices(source: GGUFFile, layers: int, heads: int, kv_heads: int, packed: list[StoredMatrix] | None = None,
-                  progress: Callable[[int, int], None] | None = None, narrow: bool = False) -> list[StoredMatrix]:
-    """Per fused.c matrix, as the file stores it, with its bias (qwen2's q, k and v), in the module's row order:
-    from ``packed`` where given (the matrices packed before, ``packed_file.py``), else repacked from the file, with
-    ``progress(done, count)`` after each; ``narrow``: 4-bit formats in 4 bits (:func:`_packed_grid`)."""
+def packed_matrices(source: GGUFFile, layers: int, heads: int, kv_heads: int, narrow: bool = False
+                    ) -> Iterator[StoredMatrix]:
+    """Each fused.c matrix as the file stores it, in the module's row order, repacked one at a time (their biases:
+    :func:`gguf_matrices`), the file's pages let go after each; ``narrow``: 4-bit and 6-bit formats in their bits
+    (:func:`_packed_grid`)."""
+    for _, tensors, orders in _matrix_rows(source, layers, heads, kv_heads):
+        yield _stored(tensors, orders, narrow)
+        source.release()
+
+
+def gguf_matrices(source: GGUFFile, layers: int, heads: int, kv_heads: int, packed: list[StoredMatrix]
+                  ) -> list[StoredMatrix]:
+    """The matrices :func:`packed_matrices` gives (or their copy kept in specdec's cache, ``packed_file.py``), each
+    with its bias (qwen2's q, k and v) in the module's row order."""
+    for matrix, (parts, _, orders) in zip(packed, _matrix_rows(source, layers, heads, kv_heads)):
+        matrix.bias = _bias(source, parts, orders)
+    return packed
+
+
+def _matrix_rows(source: GGUFFile, layers: int, heads: int, kv_heads: int
+                 ) -> Iterator[tuple[list[str], list[Tensor], list[np.ndarray]]]:
+    """Per fused.c matrix: its GGUF tensors' names, the tensors, and per tensor the stored row of each module row."""
     arch = source.field("general.architecture")
     permuted = arch in PERMUTED_ARCHITECTURES
-    names = tensor_names(layers, source.tensors, arch)
-    matrices = []
-    for index, parts in enumerate(names):
+    for parts in tensor_names(layers, source.tensors, arch):
         tensors = [source.tensors[name] for name in parts]
-        orders = _row_orders(parts, [t.shape[0] for t in tensors], heads, kv_heads, permuted)
-        matrix = packed[index] if packed is not None else _stored(tensors, orders, narrow)
-        matrix.bias = _bias(source, parts, orders)
-        matrices.append(matrix)
-        if progress is not None:
-            progress(index + 1, len(names))
-    return matrices
+        yield parts, tensors, _row_orders(parts, [t.shape[0] for t in tensors], heads, kv_heads, permuted)
 
 
 def _stored(tensors, orders, narrow: bool) -> StoredMatrix:
