@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import io
 import logging
 import os
@@ -28,11 +29,12 @@ from specdec.backends.base import median_pass_seconds
 from specdec.cachefile import MeasurementCache
 from specdec.choices import parse_backend
 from specdec.logs import notice, verbose
-from specdec.models import load_gguf, load_model, model_path
+from specdec.models import load_model, model_path
 
 CACHE = MeasurementCache("backends.json", version=3)  # 2: the lean runtime on the row kernels; 3: its name
 CONTEXT_TOKENS = 64  # cached before the timed passes
 SCORED_POSITIONS = 5  # a scoring pass: k+1 at the default k=4
+MEASURED_POSITIONS = 256  # what a measured runtime's cache holds: the context and a timed pass
 REPEATS = 5  # timed passes per candidate and kind; the median is kept
 
 
@@ -120,18 +122,21 @@ def auto_backend(source: Path, gguf: bool, threads: int | None = None) -> str:
 
 def measure(source: Path, names: list[str], threads: int | None = None
             ) -> tuple[list[BackendMeasurement], list[str]]:
-    """Load each candidate and time its decode and scoring passes after the same context, interleaved; and why
-    any candidate could not run the model."""
+    """Load each candidate and time its decode and scoring passes after the same context, and why any candidate
+    could not run the model. Candidates that read a GGUF alone (llama.cpp, and the fused runtime where no lean one
+    is measured) are loaded, timed and let go one at a time, so that a first start holds one model's weights; those
+    over a transformers model share it, and are timed interleaved."""
+    if "lean" not in names:
+        measured = []
+        for name in names:
+            measured += _timed({name: _file_runtime(name, source, threads)})
+            gc.collect()  # its weights go before the next one's come
+        return measured, []
     runtimes, passed_by = {}, []
     model = None  # the transformers model, loaded once for the fused and lean candidates
     for name in names:
         if name == "llama.cpp":
-            runtimes[name] = load_gguf(source, threads).runtime
-            continue
-        if name == "fused" and "lean" not in names:  # read from the file alone: no conversion
-            from specdec.backends.fused import FusedRuntime
-
-            runtimes[name] = FusedRuntime.from_gguf(source)
+            runtimes[name] = _file_runtime(name, source, threads)
             continue
         if model is None:
             model = load_model(source, dtype="float32", device="cpu", backend="lean").model
@@ -140,12 +145,29 @@ def measure(source: Path, names: list[str], threads: int | None = None
             passed_by.append(runtime)
         else:
             runtimes[name] = runtime
+    return _timed(runtimes), passed_by
+
+
+def _file_runtime(name: str, source: Path, threads: int | None):
+    """llama.cpp's runtime of a GGUF (its context as long as the measurement needs, not the model's: its cache and
+    buffers then take little memory), or the fused runtime read from it alone."""
+    if name == "llama.cpp":
+        from specdec.backends.llamacpp import LlamaCppLM
+
+        return LlamaCppLM.load(source, max_length=MEASURED_POSITIONS, threads=threads)
+    from specdec.backends.fused import FusedRuntime
+
+    return FusedRuntime.from_gguf(source)
+
+
+def _timed(runtimes: dict) -> list[BackendMeasurement]:
+    """The runtimes' median decode and scoring passes after the same context (their turns interleaved)."""
     context = [(7 + 31 * i) % min(r.vocab_size for r in runtimes.values()) for i in range(CONTEXT_TOKENS)]
     for runtime in runtimes.values():
         runtime.extend(context, 0)
     seconds = median_pass_seconds(runtimes, (1, SCORED_POSITIONS), REPEATS)
     return [BackendMeasurement(name, 1000 * seconds[name][1], 1000 * seconds[name][SCORED_POSITIONS])
-            for name in runtimes], passed_by
+            for name in runtimes]
 
 
 def _runtime(name: str, model, gguf: Path | None):
