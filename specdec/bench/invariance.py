@@ -46,7 +46,7 @@ def largest_difference(model, prompt: list[int]) -> float:
 class FusedAttentionRuntime(LeanRuntime):
     """specdec's runtime with PyTorch's fused attention, as it was before it was made invariant (a reference price)."""
 
-    def _attention(self, layer, h, keys, values, start, cos, sin, reading):
+    def _attention(self, layer, h, keys, values, start, cos, sin, reading, scoring):  # llama's scoring only
         n, heads, hd = h.shape[0], self.heads, self.head_dim
         q, k, v = project_qkv(layer, h, cos, sin, heads, self.kv_heads, hd)
         keys[:, start : start + n] = k.transpose(0, 1)
