@@ -11,16 +11,16 @@ file it does not cover is said in one line.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from gguf_checks import check_speculation_identity, llama_cpp_logits, tiny_files
 from runtime_checks import check_runtime
 from tiny import float32_error
-from tiny_gguf import WINDOW, write_tiny_gguf
+from tiny_gguf import WINDOW
 
 from specdec.backends.fused import PRODUCTS, FusedRuntime, gguf_unavailable
 from specdec.backends.gguf_file import GGUFFile
@@ -36,22 +36,7 @@ assert len(IDS) > 2 * WINDOW
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> Callable[[str, str], Path]:
-    folder = tmp_path_factory.mktemp("architectures")
-
-    @functools.cache
-    def file(arch: str, kind: str) -> Path:
-        return write_tiny_gguf(folder / f"tiny-{arch}-{kind}.gguf", seed=0, tensor_type=kind, architecture=arch,
-                               **SHAPES[arch])
-
-    return file
-
-
-def llama_cpp_logits(path: Path) -> torch.Tensor:
-    pytest.importorskip("llama_cpp")
-    from specdec.backends.llamacpp.runtime import GGUFModel, LlamaCppLM
-
-    runtime = LlamaCppLM(GGUFModel(path), max_length=64, threads=2)
-    return torch.as_tensor(np.asarray(runtime.extend(IDS, len(IDS)))).float()
+    return tiny_files(tmp_path_factory.mktemp("architectures"), SHAPES.get)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -65,7 +50,7 @@ def test_float32_weights_compute_the_modules_function(files, arch):
     with torch.no_grad():
         reference = module(torch.tensor([IDS])).logits[0].float()
     ours = (FusedRuntime.from_gguf(path, "float").extend(IDS, len(IDS)) - reference).abs().max()
-    theirs = (llama_cpp_logits(path) - reference).abs().max()
+    theirs = (llama_cpp_logits(path, IDS) - reference).abs().max()
     assert ours <= 4 * float32_error(module, IDS) and ours <= theirs, (ours, theirs)
 
 
@@ -80,7 +65,7 @@ def test_k_quant_logits_against_the_module_and_llama_cpp(files, arch, products):
     with torch.no_grad():
         reference = module(torch.tensor([IDS])).logits[0].float()
     ours = (FusedRuntime.from_gguf(path, products).extend(IDS, len(IDS)) - reference).abs()
-    theirs = (llama_cpp_logits(path) - reference).abs()
+    theirs = (llama_cpp_logits(path, IDS) - reference).abs()
     if products == "float":
         assert ours.max() <= theirs.max(), (ours.max(), theirs.max())
     else:
@@ -97,19 +82,7 @@ def test_rows_are_the_same_alone_in_a_pass_and_in_a_pool(files, arch):
                                   for a in ARCHITECTURES])
 def test_speculation_keeps_plain_decodings_output(files, arch):
     """Greedy and seeded output with prompt lookup at k = 4 and auto, past the sliding window, is plain decoding's."""
-    from specdec.api import SpecDecoder
-
-    path = str(files(arch, "Q4_K_M"))
-    prompt = "the quick brown fox jumps over the lazy dog " * 4
-    outputs = {}
-    for drafter in ("none", "prompt-lookup"):
-        decoder = SpecDecoder.load(path, drafter=drafter, backend="fused", threads=2)
-        for temperature, seed in ((0.0, None), (0.8, 7)):
-            for k in (4, "auto"):
-                result = decoder.generate(prompt, max_new_tokens=24, num_draft_tokens=k, temperature=temperature,
-                                          seed=seed, chat=False)
-                outputs.setdefault((temperature, seed), set()).add(tuple(result.token_ids))
-    assert all(len(found) == 1 for found in outputs.values()), outputs
+    check_speculation_identity(files(arch, "Q4_K_M"), ("prompt-lookup",))
 
 
 def test_what_it_does_not_cover_is_said_in_one_line(files, tmp_path, capsys):

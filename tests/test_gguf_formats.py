@@ -10,7 +10,6 @@ whole blocks of 256.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,9 +17,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf_checks import check_speculation_identity, llama_cpp_logits, tiny_files
 from runtime_checks import check_runtime
 from tiny import float32_error
-from tiny_gguf import write_tiny_gguf
 
 from specdec.backends.fused import PRODUCTS, FusedRuntime, gguf_unavailable
 from specdec.backends.gguf_file import GGUFFile, dequantized
@@ -34,14 +33,7 @@ IDS = [(37 * i) % 3000 + 10 for i in range(40)]
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> Callable[[str, str], Path]:
     """The file of an architecture and a format, written when first asked for."""
-    folder = tmp_path_factory.mktemp("gguf-formats")
-
-    @functools.cache
-    def file(arch: str, kind: str) -> Path:
-        return write_tiny_gguf(folder / f"tiny-{arch}-{kind}.gguf", seed=0, tensor_type=kind, architecture=arch,
-                               **SHAPE)
-
-    return file
+    return tiny_files(tmp_path_factory.mktemp("gguf-formats"), lambda arch: SHAPE)
 
 
 def formats(fast: tuple[str, ...]) -> list:
@@ -63,22 +55,10 @@ def test_each_format_is_what_gguf_py_de_quantises(files, kind):
     assert kind.removesuffix("_M") in kinds, "the file holds the format under test"
 
 
-@pytest.fixture(scope="module")
-def llama_cpp_logits(files):
-    pytest.importorskip("llama_cpp")
-    from specdec.backends.llamacpp.runtime import GGUFModel, LlamaCppLM
-
-    def logits(path: Path) -> torch.Tensor:
-        runtime = LlamaCppLM(GGUFModel(path), max_length=64, threads=2)
-        return torch.as_tensor(np.asarray(runtime.extend(IDS, len(IDS)))).float()
-
-    return logits
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("kind", formats(("Q4_K_M",)))
 @pytest.mark.parametrize("products", PRODUCTS)
-def test_logits_against_a_float32_reference_and_llama_cpp(files, llama_cpp_logits, arch, kind, products):
+def test_logits_against_a_float32_reference_and_llama_cpp(files, arch, kind, products):
     """Read from the file alone, the runtime computes the model the file holds, against transformers' float32 module
     of the same file. With float products: within 4x transformers' own float32 error (``tiny.float32_error``), and
     no farther than llama.cpp's logits on the same file. With integer products, each row's inputs are quantised to
@@ -92,7 +72,7 @@ def test_logits_against_a_float32_reference_and_llama_cpp(files, llama_cpp_logit
     with torch.no_grad():
         reference = module(torch.tensor([IDS])).logits[0].float()
     ours = (fused.extend(IDS, len(IDS)) - reference).abs()
-    theirs = (llama_cpp_logits(path) - reference).abs()
+    theirs = (llama_cpp_logits(path, IDS) - reference).abs()
     if products == "float":
         assert ours.max() <= 4 * float32_error(module, IDS) and ours.max() <= theirs.max()
     else:
@@ -113,19 +93,7 @@ def test_a_k_quant_runtime_is_what_the_house_asks_of_a_runtime(files, arch):
 def test_speculation_keeps_plain_decodings_output_on_a_k_quant_file(files, arch):
     """Greedy and seeded (the invariant sampler) output with prompt lookup and retrieval, at k = 4 and auto, is
     plain decoding's, token for token."""
-    from specdec.api import SpecDecoder
-
-    path = str(files(arch, "Q4_K_M"))
-    prompt = "the quick brown fox jumps over the lazy dog " * 4
-    outputs = {}
-    for drafter in ("none", "prompt-lookup", "retrieval"):
-        decoder = SpecDecoder.load(path, drafter=drafter, backend="fused", threads=2)
-        for temperature, seed in ((0.0, None), (0.8, 7)):
-            for k in (4, "auto"):
-                result = decoder.generate(prompt, max_new_tokens=24, num_draft_tokens=k, temperature=temperature,
-                                          seed=seed, chat=False)
-                outputs.setdefault((temperature, seed), set()).add(tuple(result.token_ids))
-    assert all(len(found) == 1 for found in outputs.values()), outputs
+    check_speculation_identity(files(arch, "Q4_K_M"), ("prompt-lookup", "retrieval"))
 
 
 def test_the_packed_copy_gives_the_sources_logits_and_follows_the_source(files, tmp_path, monkeypatch, capsys):

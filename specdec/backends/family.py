@@ -164,6 +164,8 @@ def gguf_uncovered(source: GGUFFile) -> str | None:
         return f"its architecture ({arch}) is not read from a GGUF file directly yet"
     if source.field(f"{arch}.rope.scaling.type", "none") not in ("none", "linear"):
         return f"its RoPE is scaled by {source.field(f'{arch}.rope.scaling.type')}"
+    if source.field(f"{arch}.rope.scaling.attn_factor", 1.0) != 1.0:
+        return "its RoPE's cos and sin are scaled (rope.scaling.attn_factor)"
     head_dim = gguf_head_dim(source)
     if source.field(f"{arch}.attention.value_length", head_dim) != head_dim:
         return "its values are not as wide as its keys"
