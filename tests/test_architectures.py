@@ -20,7 +20,7 @@ import torch
 from gguf_checks import check_speculation_identity, llama_cpp_logits, tiny_files
 from runtime_checks import check_runtime
 from tiny import float32_error
-from tiny_gguf import WINDOW
+from tiny_gguf import WINDOW, write_tiny_gguf
 
 from specdec.backends.fused import PRODUCTS, FusedRuntime, gguf_unavailable
 from specdec.backends.gguf_file import GGUFFile
@@ -52,6 +52,21 @@ def test_float32_weights_compute_the_modules_function(files, arch):
     ours = (FusedRuntime.from_gguf(path, "float").extend(IDS, len(IDS)) - reference).abs().max()
     theirs = (llama_cpp_logits(path, IDS) - reference).abs().max()
     assert ours <= 4 * float32_error(module, IDS) and ours <= theirs, (ours, theirs)
+
+
+@pytest.mark.slow
+def test_phi3s_window_is_the_models(tmp_path):
+    """phi3's sliding window, which llama.cpp disables, is applied on every layer as transformers' Phi3 applies it:
+    F32 logits within 4x float32's error of the module past the window (and not those of a model without it)."""
+    path = write_tiny_gguf(tmp_path / "phi3-window.gguf", seed=0, architecture="phi3", window=WINDOW, **BASE)
+    module = reference_module(path)
+    assert module.config.sliding_window == WINDOW
+    with torch.no_grad():
+        reference = module(torch.tensor([IDS])).logits[0].float()
+    ours = FusedRuntime.from_gguf(path, "float").extend(IDS, len(IDS))
+    assert (ours - reference).abs().max() <= 4 * float32_error(module, IDS)
+    unwindowed = FusedRuntime.from_gguf(write_tiny_gguf(tmp_path / "phi3.gguf", seed=0, architecture="phi3", **BASE))
+    assert not torch.allclose(unwindowed.extend(IDS, len(IDS))[WINDOW:], reference[WINDOW:], atol=1e-3)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -87,14 +87,16 @@ class MetadataField:
 
 def write_tiny_gguf(path: str | Path, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
                     ffn: int = 128, context: int = 512, seed: int = 0, tensor_type: str = "F32",
-                    vocab_from: str | Path | None = None, architecture: str = "llama", head_dim: int = 0) -> Path:
+                    vocab_from: str | Path | None = None, architecture: str = "llama", head_dim: int = 0,
+                    window: int | None = None) -> Path:
     """Write a random-initialised llama model with ``vocab_from``'s tokenizer to ``path``; return the path.
 
     The weights depend only on the shape arguments and ``seed``; ``tensor_type`` (F32, F16, Q8_0, Q4_0 or Q4_1) is how
     the 2-D weights are stored, so files of one seed and different types hold the same model, rounded differently.
     ``vocab_from`` is the GGUF file whose ``tokenizer.*`` metadata (vocabulary, merges, special ids, chat template)
     is copied; by default the default model's. The output matrix is untied from the token embedding.
-    ``architecture``: one of ARCHITECTURES; ``head_dim``: a head's width, where not hidden / heads. A
+    ``architecture``: one of ARCHITECTURES; ``head_dim``: a head's width, where not hidden / heads; ``window``: the
+    sliding window (gemma's WINDOW by default; phi3's none, as llama.cpp applies none to phi3). A
     ``tensor_type`` of LLAMA_CPP_TYPES is written as F32, then quantised by llama.cpp's quantizer.
     """
     if tensor_type in LLAMA_CPP_TYPES:
@@ -102,7 +104,7 @@ def write_tiny_gguf(path: str | Path, *, layers: int = 2, hidden: int = 64, head
 
         source = write_tiny_gguf(Path(path).with_suffix(".f32.gguf"), layers=layers, hidden=hidden, heads=heads,
                                  kv_heads=kv_heads, ffn=ffn, context=context, seed=seed, vocab_from=vocab_from,
-                                 architecture=architecture, head_dim=head_dim)
+                                 architecture=architecture, head_dim=head_dim, window=window)
         quantize(source, Path(path), tensor_type, threads=2)
         source.unlink()
         return Path(path)
@@ -125,7 +127,7 @@ def write_tiny_gguf(path: str | Path, *, layers: int = 2, hidden: int = 64, head
     arch = "llama" if architecture == "llama3" else architecture
     writer = gguf.GGUFWriter(path, arch)  # writes general.architecture itself
     _add_hyperparameters(writer, shape, file_type)
-    _add_architecture(writer, architecture, shape)
+    _add_architecture(writer, architecture, WINDOW if window is None and architecture.startswith("gemma") else window)
     for field in tokenizer:
         writer.add_key_value(field.key, field.value, field.vtype, sub_type=field.sub_type)
     weights = architecture_weights(architecture, shape, seed)
@@ -192,10 +194,10 @@ def _add_hyperparameters(writer: gguf.GGUFWriter, shape: TinyShape, file_type: g
         writer.add_value_length(shape.head_dim)
 
 
-def _add_architecture(writer: gguf.GGUFWriter, architecture: str, shape: TinyShape) -> None:
-    """The keys an architecture adds: gemma's window, gemma 2's caps."""
-    if architecture.startswith("gemma"):
-        writer.add_sliding_window(WINDOW)
+def _add_architecture(writer: gguf.GGUFWriter, architecture: str, window: int | None) -> None:
+    """The keys an architecture adds: a sliding window, gemma 2's caps."""
+    if window:
+        writer.add_sliding_window(window)
     if architecture == "gemma2":
         writer.add_attn_logit_softcapping(GEMMA2_SOFTCAPS[0])
         writer.add_final_logit_softcapping(GEMMA2_SOFTCAPS[1])
