@@ -54,8 +54,6 @@ class Layer:
     k_norm: torch.Tensor | None = None  # [head_dim]: and its k
     attn_out_norm: torch.Tensor | None = None  # [hidden]: attention's output normed before the residual add (gemma)
     ffn_out_norm: torch.Tensor | None = None  # [hidden]: the feed-forward block's output, likewise
-    window: int = 0  # the most keys a query attends (a sliding-window layer), or 0: all
-    activation: str = "silu"  # of the gate: silu, or gelu_tanh (gemma's)
 
 
 @dataclass(frozen=True)
@@ -284,10 +282,11 @@ def project_qkv(layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
 
 
-def mlp(layer: Layer, x: torch.Tensor, eps: float) -> torch.Tensor:  # [n, hidden]
-    """The feed-forward block's output (to add to x): down(act(gate) * up) of the normed x."""
+def mlp(layer: Layer, x: torch.Tensor, eps: float, activation: str = "silu") -> torch.Tensor:  # [n, hidden]
+    """The feed-forward block's output (to add to x): down(act(gate) * up) of the normed x, act one of
+    ACTIVATIONS."""
     gate, up = layer.gate_up(rms_norm(x, layer.post_norm, eps)).chunk(2, dim=-1)  # [n, intermediate] each
-    return layer.down(ACTIVATIONS[layer.activation](gate) * up)
+    return layer.down(ACTIVATIONS[activation](gate) * up)
 
 
 def added(x: torch.Tensor, output: torch.Tensor, norm: torch.Tensor | None, eps: float) -> torch.Tensor:

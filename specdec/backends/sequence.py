@@ -249,7 +249,7 @@ class LlamaSequence(TreeScorer, FeatureSource, ShallowRunner):
             attended = self._attention(layer, rms_norm(x, layer.input_norm, self.eps), self._keys[index],
                                        self._values[index], start, cos, sin, reading, self.scoring(index))
             x = added(x, attended, layer.attn_out_norm, self.eps)
-            x = added(x, mlp(layer, x, self.eps), layer.ffn_out_norm, self.eps)
+            x = added(x, mlp(layer, x, self.eps, self.architecture.activation), layer.ffn_out_norm, self.eps)
         return x
 
     def _keys_read(self, mask: torch.Tensor | None, start: int, n: int, tree: bool) -> KeysRead:

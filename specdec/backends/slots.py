@@ -159,7 +159,7 @@ class SlotPool(FeaturePool):
             values[layout.slot_of_token, :, layout.positions] = v
             attended = layer.out(self._attention(q, keys, values, layout, rt.scoring(index)))
             x = added(x, attended, layer.attn_out_norm, rt.eps)
-            x = added(x, mlp(layer, x, rt.eps), layer.ffn_out_norm, rt.eps)
+            x = added(x, mlp(layer, x, rt.eps, rt.architecture.activation), layer.ffn_out_norm, rt.eps)
         return x
 
     def _clear_up_to(self, span: int, rows: list[Row]) -> None:

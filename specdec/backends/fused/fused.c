@@ -865,9 +865,10 @@ static void pass_job(void *arg, int thread, int threads) {
         for (int r = thread; r < n; r += threads) {
             float *row = p->qkv + (int64_t)r * qkv_width;
             const float *cos = cos_table + (int64_t)rows->rope[r] * hd, *sin = sin_table + (int64_t)rows->rope[r] * hd;
-            for (int head = 0; head < m->heads + m->kv_heads && layer->q_norm; head++)
-                rms_norm_row(row + head * hd, head < m->heads ? layer->q_norm : layer->k_norm, hd, m->eps,
-                             row + head * hd);
+            if (layer->q_norm) /* and k_norm: runtime.py sets both or neither */
+                for (int head = 0; head < m->heads + m->kv_heads; head++)
+                    rms_norm_row(row + head * hd, head < m->heads ? layer->q_norm : layer->k_norm, hd, m->eps,
+                                 row + head * hd);
             for (int head = 0; head < m->heads + m->kv_heads; head++) rope_row(row + head * hd, cos, sin, hd);
             for (int kv = 0; kv < m->kv_heads; kv++) {
                 int64_t at = rows->base[r] + kv * p->cache->head_stride + (int64_t)rows->column[r] * hd;

@@ -114,7 +114,7 @@ TRAILER = len(MAGIC) + 12  # the magic, the header's length (8 bytes) and its CR
 
 
 def _header(mapped: mmap.mmap) -> dict:
-    """A packed file's header, its trailer and checksum checked."""
+    """A packed file's header, its trailer and checksum checked; ``end``: where the matrices' bytes end."""
     if len(mapped) < TRAILER or mapped[-TRAILER : -TRAILER + len(MAGIC)] != MAGIC:
         raise ValueError("not a packed file, or truncated")
     length = int.from_bytes(mapped[-12:-4], "little")
@@ -124,18 +124,17 @@ def _header(mapped: mmap.mmap) -> dict:
     layout = json.loads(header)
     if layout["version"] != LAYOUT_VERSION:
         raise ValueError(f"layout version {layout['version']}, not {LAYOUT_VERSION}")
-    return layout
+    return layout | {"end": len(mapped) - TRAILER - length}
 
 
 def _read(path: Path) -> list[StoredMatrix]:
     with path.open("rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     layout = _header(mapped)
-    end = len(mapped) - TRAILER - int.from_bytes(mapped[-12:-4], "little")
     matrices = []
     for entry in layout["matrices"]:
         begin = entry["offset"]
-        if begin + entry["bytes"] > end:
+        if begin + entry["bytes"] > layout["end"]:
             raise ValueError("truncated")
         view = memoryview(mapped)[begin : begin + entry["bytes"]]
         if _sampled_crc(view) != entry["crc"]:

@@ -146,7 +146,7 @@ class FusedWeights:
     post_norms: list[torch.Tensor]
     qkv_biases: list[torch.Tensor | None]
     # per layer, the norms an architecture adds, by the name fused.c's Layer gives them (LAYER_NORMS)
-    layer_norms: list[dict[str, torch.Tensor]] | None = None
+    layer_norms: list[dict[str, torch.Tensor]]
 
 
 def module_weights(model, gguf: str | Path | None = None) -> FusedWeights:
@@ -161,7 +161,7 @@ def module_weights(model, gguf: str | Path | None = None) -> FusedWeights:
         spec=spec_of_module(model), matrices=matrices,
         input_norms=[layer.input_layernorm.weight.detach() for layer in layers],
         post_norms=[layer.post_attention_layernorm.weight.detach() for layer in layers],
-        qkv_biases=[_qkv_bias(layer) for layer in layers])
+        qkv_biases=[_qkv_bias(layer) for layer in layers], layer_norms=[{} for _ in layers])
 
 
 def gguf_weights(source: GGUFFile, narrow: bool = True) -> FusedWeights:
@@ -169,10 +169,9 @@ def gguf_weights(source: GGUFFile, narrow: bool = True) -> FusedWeights:
     in specdec's cache, else repacked (with a line of progress) into it, one matrix at a time, for this and the next
     start; ``narrow``: its 4-bit and 6-bit formats in their bits (integer products only)."""
     spec = spec_of_gguf(source)
-    count = 4 * spec.layers + 1
     kept = packed_file.packed_path(source.path, narrow)
     packed = packed_file.read(kept)
-    if packed is None or len(packed) != count:
+    if packed is None or len(packed) != 4 * spec.layers + 1:
         packed = _packed(source, spec, kept, narrow)
     matrices = gguf_matrices(source, spec.layers, spec.heads, spec.kv_heads, packed)
     norm = lambda name: torch.from_numpy(dequantized(source.tensors[name]).copy())  # noqa: E731
@@ -336,9 +335,6 @@ class FusedRuntime(LlamaSequence, Pooled):
         self._pass_cache: tuple[int, PassCache] | None = None  # (the cache's generation, what fused.c reads of it)
         self._bulk = self._bulk_layers(source)
 
-    def _layer_norms(self, source: FusedWeights) -> list[dict[str, torch.Tensor]]:
-        return source.layer_norms or [{} for _ in range(source.spec.layers)]
-
     @property
     def precision_label(self) -> str:
         integer = self.products == "integer" and any(m.format in native.INTEGER_FORMAT for m in self._matrices)
@@ -365,11 +361,9 @@ class FusedRuntime(LlamaSequence, Pooled):
     def _bulk_layers(self, source: FusedWeights) -> tuple[list[TorchLayer], Linear]:
         layers = [TorchLayer(input_norm.float(), post_norm.float(),
                              *(native.MatrixProduct(getattr(struct, name)) for name in MATRIX_NAMES),
-                             **{name: norm.float() for name, norm in norms.items()}, window=window,
-                             activation=source.spec.architecture.activation)
-                  for struct, input_norm, post_norm, norms, window in zip(
-                      self._layer_structs, source.input_norms, source.post_norms, self._layer_norms(source),
-                      self.windows)]
+                             **{name: norm.float() for name, norm in norms.items()})
+                  for struct, input_norm, post_norm, norms in zip(self._layer_structs, source.input_norms,
+                                                                  source.post_norms, source.layer_norms)]
         return layers, native.MatrixProduct(self._model.lm_head)
 
     def head_for(self, positions: int, chain: bool = True) -> Linear:
@@ -415,7 +409,7 @@ class FusedRuntime(LlamaSequence, Pooled):
         spec = source.spec
         structs = (Layer * spec.layers)()
         for i, (struct, input_norm, post_norm, norms) in enumerate(zip(structs, source.input_norms,
-                                                                        source.post_norms, self._layer_norms(source))):
+                                                                        source.post_norms, source.layer_norms)):
             struct.input_norm, struct.post_norm = held(input_norm), held(post_norm)
             for name, norm in norms.items():
                 setattr(struct, name, held(norm))
