@@ -11,7 +11,7 @@ setup(
         Extension(
             "specdec.backends._fused",
             sources=["specdec/backends/fused/fused.c"],
-            extra_compile_args=["-O3", "-std=gnu11", "-fno-strict-aliasing"],
+            extra_compile_args=["-O3", "-std=gnu11", "-fno-strict-aliasing", "-ffp-contract=off"],
             libraries=["pthread", "m"],
             optional=True,
         )
