@@ -136,7 +136,7 @@ def test_int8_keeps_grid_weights_exactly_and_says_when_it_cannot():
     packed, exact = quantized8(grid)
     assert exact and packed.numel() == 3 * 320
     blocks = packed.view(3, 320)  # one block of 8 rows, three groups of 32 inputs
-    q = blocks[:, :256].view(3, 4, 8, 8).permute(2, 0, 1, 3).reshape(8, 96).float()  # [row, input]
+    q = blocks[:, :256].view(3, 8, 8, 4).permute(2, 0, 1, 3).reshape(8, 96).float()  # [row, input]: quads
     scale = blocks[:, 256:288].contiguous().view(torch.float32).T.repeat_interleave(32, dim=1)  # [row, input]
     offset = blocks[:, 288:].contiguous().view(torch.float32).T.repeat_interleave(32, dim=1)
     torch.testing.assert_close(q * scale + offset, grid, rtol=0, atol=1e-6)

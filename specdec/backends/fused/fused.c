@@ -306,17 +306,17 @@ TILES512(bf16, uint16_t, LOAD16_BF16)
  * inputs, each a block_q8x8 (block_q8x16). A weight is dequantised by one FMA, exactly as in every tile, then
  * multiplied as a float weight is.
  *
- * block_q8x8: 8 weight rows x 32 inputs. q[s][r][i] is row r's input 8s + i (so a chunk s holds the 8 rows' 8
- * bytes, read by one load per row); row r's weights are d[r] q + m[r]. block_q8x16: chunks 0 and 1 take d[0] and
- * m[0], chunks 2 and 3 d[1] and m[1]. */
+ * block_q8x8: 8 weight rows x 32 inputs as 8 quads, as the integer tiles read them (below): q[g][4r + i] is row r's
+ * input 4g + i; row r's weights are d[r] q + m[r]. A float tile reads chunk s (inputs 8s..8s+7) of a row from
+ * quads 2s and 2s + 1. block_q8x16: inputs 0-15 take d[0] and m[0], 16-31 d[1] and m[1]. */
 typedef struct {
-    uint8_t q[4][8][8];
+    uint8_t q[8][32];
     float d[8], m[8];
 } block_q8x8;
 static_assert(sizeof(block_q8x8) == 320, "block_q8x8: 256 bytes of weights, then 8 scales and 8 offsets");
 
 typedef struct {
-    uint8_t q[4][8][8];
+    uint8_t q[8][32];
     float d[2][8], m[2][8];
 } block_q8x16;
 static_assert(sizeof(block_q8x16) == 384, "block_q8x16: 256 bytes of weights, then 2 x 8 scales and offsets");
@@ -325,6 +325,11 @@ static_assert(sizeof(block_q8x16) == 384, "block_q8x16: 256 bytes of weights, th
 #define PREFETCH_BLOCK(b)                                                                                          \
     for (int line = 0; line < (int)sizeof(*(b)); line += 64)                                                      \
         _mm_prefetch((const char *)(b) + PREFETCH_BYTES + line, _MM_HINT_T0);
+
+/* Chunk s's 8 bytes of row j, then of row j + 1, from quads 2s and 2s + 1. */
+#define CHUNK_ROWS2(b, s, j)                                                                                       \
+    _mm_unpacklo_epi32(_mm_loadl_epi64((const __m128i *)&(b)->q[2 * (s)][4 * (j)]),                              \
+                       _mm_loadl_epi64((const __m128i *)&(b)->q[2 * (s) + 1][4 * (j)]))
 
 /* Chunk s's scales (offsets) of a block with SETS sets of 8: the first of row j's. */
 #define CHUNK_D(b, s, SETS, j) ((const float *)(b)->d + (s) / (4 / (SETS)) * 8 + (j))
@@ -344,7 +349,7 @@ static_assert(sizeof(block_q8x16) == 384, "block_q8x16: 256 bytes of weights, th
                 const float *d = CHUNK_D(b, s, SETS, j), *m = CHUNK_M(b, s, SETS, j);                              \
                 __m256 wv[O];                                                                                      \
                 for (int o = 0; o < O; o++) {                                                                      \
-                    __m128i q = _mm_loadl_epi64((const __m128i *)b->q[s][j + o]);                                  \
+                    __m128i q = CHUNK_ROWS2(b, s, j + o); /* its low 8 bytes: row j + o's */                       \
                     wv[o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), _mm256_broadcast_ss(d + o), \
                                             _mm256_broadcast_ss(m + o));                                           \
                 }                                                                                                  \
@@ -385,7 +390,7 @@ TILES_Q8(q8h, block_q8x16, 2)
                     }                                                                                              \
                 __m512 wv[2];                                                                                      \
                 for (int p = 0; p < 2; p++) {                                                                      \
-                    __m128i q = _mm_loadu_si128((const __m128i *)b->q[s][j + 2 * p]); /* two rows' 8 bytes */      \
+                    __m128i q = CHUNK_ROWS2(b, s, j + 2 * p); /* two rows' 8 bytes */                                \
                     wv[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), dz[p], mz[p]);           \
                 }                                                                                                  \
                 for (int r = 0; r < R; r++) {                                                                      \
@@ -500,7 +505,8 @@ typedef struct {
 } block_q6x8;
 static_assert(sizeof(block_q6x8) == 256, "block_q6x8: 128 bytes of nibbles, 64 of top bits, then 2 x 8 scales");
 
-/* Quad g of a block_q4x8 (block_q6x8): the 8 rows' 4 weights, a byte each. */
+/* Quad g of a block_q8x8 or block_q8x16 (block_q4x8, block_q6x8): the 8 rows' 4 weights, a byte each. */
+#define QUAD_Q8(b, g) _mm256_loadu_si256((const __m256i *)(b)->q[g])
 #define QUAD_Q4(b, g)                                                                                              \
     _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b)->q[(g) / 2]), 4 * ((g) % 2)),     \
                      _mm256_set1_epi8(0x0F))
@@ -520,14 +526,29 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256i quad_inputs(const
 }
 
 /* out[r][0..7] for R quantised rows from r0 and the 8 outputs of the quad blocks from w: per set, each row's sums
- * of its quads' products (DOT: maddubs then madd on AVX2, vpdpbusd on AVX512-VNNI, u8 x s8 both, no saturation:
- * 2 x 63 x 127), then add_set. The sums are exact integers, so both give the same bits. */
+ * of its quads' products (DOT: maddubs then madd on AVX2, vpdpbusd on AVX512-VNNI, u8 x s8 both), then add_set.
+ * A pair of 6-bit or 4-bit products cannot saturate maddubs' int16 (2 x 63 x 127); a byte q up to 255 could, so on
+ * AVX2 a Q8 byte is taken as q - 128 (its magnitude times the input's sign-corrected byte: at most 2 x 128 x 127)
+ * and add_set adds 128 sum(xq) back (CENTRE). The sums are exact integers, so both give the same bits. */
 /* Independent sums a row's set is split among (quad g in chain g % CHAINS), enough across the R rows that a sum's
  * latency does not stall the next (vpdpbusd: 4 or 5 cycles, 2 a cycle). */
 #define CHAINS(R, SETS) ((R) <= 3 ? 4 : 2)
-#define DOT_QUAD_AVX2(sum, w, x) _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)))
-#define DOT_QUAD_VNNI(sum, w, x) _mm256_dpbusd_epi32(sum, w, x)
-#define TILE_QUAD(NAME, TARGET, DOT, BLOCK, SETS, KIND, R)                                                         \
+#define DOT_AVX2(sum, w, x) _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)))
+#define DOT_AVX2_Q4 DOT_AVX2
+#define DOT_AVX2_Q6 DOT_AVX2
+#define DOT_AVX2_Q8(sum, w, x)                                                                                     \
+    DOT_AVX2(sum, _mm256_abs_epi8(_mm256_xor_si256(w, _mm256_set1_epi8((char)0x80))),                              \
+             _mm256_sign_epi8(x, _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80))))
+#define DOT_VNNI_Q4(sum, w, x) _mm256_dpbusd_epi32(sum, w, x)
+#define DOT_VNNI_Q6 DOT_VNNI_Q4
+#define DOT_VNNI_Q8 DOT_VNNI_Q4
+#define CENTRE_AVX2_Q8 128
+#define CENTRE_AVX2_Q4 0
+#define CENTRE_AVX2_Q6 0
+#define CENTRE_VNNI_Q8 0
+#define CENTRE_VNNI_Q4 0
+#define CENTRE_VNNI_Q6 0
+#define TILE_QUAD(NAME, TARGET, ISA, BLOCK, SETS, KIND, R)                                                         \
     __attribute__((target(TARGET))) static void NAME##_##R(const void *w, const Quantised *x, int r0,              \
                                                            float out[GROUP512][8]) {                               \
         const BLOCK *b = (const BLOCK *)w;                                                                         \
@@ -547,12 +568,13 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256i quad_inputs(const
                     __m256i quad = QUAD_##KIND(b, g);                                                              \
                     for (int r = 0; r < R; r++) {                                                                  \
                         __m256i *chain = &sum[r][g % CHAINS(R, SETS)];                                             \
-                        *chain = DOT(*chain, quad, quad_inputs(xq[r] + k + 4 * g));                                \
+                        *chain = DOT_##ISA##_##KIND(*chain, quad, quad_inputs(xq[r] + k + 4 * g));                 \
                     }                                                                                              \
                 }                                                                                                  \
                 for (int r = 0; r < R; r++) {                                                                      \
                     for (int c = 1; c < CHAINS(R, SETS); c++) sum[r][0] = _mm256_add_epi32(sum[r][0], sum[r][c]);  \
-                    acc[r] = add_set(acc[r], sum[r][0], 0, SET_D(b, t), SET_M_##KIND(b, t), x, r0 + r, block, t);  \
+                    acc[r] = add_set(acc[r], sum[r][0], CENTRE_##ISA##_##KIND, SET_D(b, t), SET_M_##KIND(b, t), x,  \
+                                     r0 + r, block, t);                                                              \
                 }                                                                                                  \
             }                                                                                                      \
         }                                                                                                          \
@@ -561,99 +583,20 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256i quad_inputs(const
 #define AVX2_TARGET "avx2,fma,f16c"
 #define VNNI_TARGET "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c"
 #define TILES_QUAD(NAME, BLOCK, SETS, KIND)                                                                        \
-    TILE_QUAD(NAME, AVX2_TARGET, DOT_QUAD_AVX2, BLOCK, SETS, KIND, 1)                                             \
-    TILE_QUAD(NAME, AVX2_TARGET, DOT_QUAD_AVX2, BLOCK, SETS, KIND, 2)                                             \
-    TILE_QUAD(NAME, AVX2_TARGET, DOT_QUAD_AVX2, BLOCK, SETS, KIND, 3)                                             \
-    TILE_QUAD(NAME, AVX2_TARGET, DOT_QUAD_AVX2, BLOCK, SETS, KIND, 4)                                             \
-    TILE_QUAD(NAME##v, VNNI_TARGET, DOT_QUAD_VNNI, BLOCK, SETS, KIND, 1)                                          \
-    TILE_QUAD(NAME##v, VNNI_TARGET, DOT_QUAD_VNNI, BLOCK, SETS, KIND, 2)                                          \
-    TILE_QUAD(NAME##v, VNNI_TARGET, DOT_QUAD_VNNI, BLOCK, SETS, KIND, 3)                                          \
-    TILE_QUAD(NAME##v, VNNI_TARGET, DOT_QUAD_VNNI, BLOCK, SETS, KIND, 4)                                          \
-    TILE_QUAD(NAME##v, VNNI_TARGET, DOT_QUAD_VNNI, BLOCK, SETS, KIND, 5)                                          \
-    TILE_QUAD(NAME##v, VNNI_TARGET, DOT_QUAD_VNNI, BLOCK, SETS, KIND, 6)
+    TILE_QUAD(NAME, AVX2_TARGET, AVX2, BLOCK, SETS, KIND, 1)                                                       \
+    TILE_QUAD(NAME, AVX2_TARGET, AVX2, BLOCK, SETS, KIND, 2)                                                       \
+    TILE_QUAD(NAME, AVX2_TARGET, AVX2, BLOCK, SETS, KIND, 3)                                                       \
+    TILE_QUAD(NAME, AVX2_TARGET, AVX2, BLOCK, SETS, KIND, 4)                                                       \
+    TILE_QUAD(NAME##v, VNNI_TARGET, VNNI, BLOCK, SETS, KIND, 1)                                                    \
+    TILE_QUAD(NAME##v, VNNI_TARGET, VNNI, BLOCK, SETS, KIND, 2)                                                    \
+    TILE_QUAD(NAME##v, VNNI_TARGET, VNNI, BLOCK, SETS, KIND, 3)                                                    \
+    TILE_QUAD(NAME##v, VNNI_TARGET, VNNI, BLOCK, SETS, KIND, 4)                                                    \
+    TILE_QUAD(NAME##v, VNNI_TARGET, VNNI, BLOCK, SETS, KIND, 5)                                                    \
+    TILE_QUAD(NAME##v, VNNI_TARGET, VNNI, BLOCK, SETS, KIND, 6)
+TILES_QUAD(q8i, block_q8x8, 1, Q8)
+TILES_QUAD(q8hi, block_q8x16, 2, Q8)
 TILES_QUAD(q4i, block_q4x8, 1, Q4)
 TILES_QUAD(q6i, block_q6x8, 2, Q6)
-
-/* Chunk s's bytes of rows 4h..4h+3 (AVX2), or of all 8 rows (AVX-512), as block_q8x8 holds them. */
-#define BYTES2_Q8(b, s, h) _mm256_loadu_si256((const __m256i *)(b)->q[s][4 * (h)])
-#define BYTES512_Q8(b, s) _mm512_loadu_si512((const void *)(b)->q[s])
-
-/* Per 32-bit lane, the sum of 4 weight bytes times 4 input bytes, on AVX2 (maddubs: u8 x s8 in pairs to int16,
- * then pairs to int32). Bytes up to 255 would saturate an int16 pair, so a Q8 byte q is taken as q - 128 (its
- * magnitude times the input's sign-corrected byte: at most 2 x 128 x 127) and 128 sum(xq) is added back. */
-#define DOT2_Q8(w, xs)                                                                                             \
-    _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(_mm256_xor_si256(w, _mm256_set1_epi8((char)0x80))),    \
-                                           _mm256_sign_epi8(xs, _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)))), \
-                      _mm256_set1_epi16(1))
-#define CENTRE_Q8 128
-
-/* out[r][0..7] for R quantised rows from r0 and the 8 outputs of the blocks from w, on AVX2: per chunk s the 8 rows'
- * 8 bytes are two registers (rows 0-3, rows 4-7), each 32-bit lane a row's 4 bytes times the row's 4 input bytes. */
-#define TILE_INT(NAME, BLOCK, SETS, KIND, R)                                                                       \
-    __attribute__((target("avx2,fma,f16c"))) static void NAME##_##R(const void *w, const Quantised *x, int r0,    \
-                                                                    float out[GROUP512][8]) {                      \
-        const BLOCK *b = (const BLOCK *)w;                                                                         \
-        __m256 acc[R];                                                                                             \
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                                  \
-        for (int k = 0, block = 0; k < x->in; k += 32, block++, b++) {                                             \
-            PREFETCH_BLOCK(b)                                                                                      \
-            for (int r = 0; r < R; r++) {                                                                          \
-                int row = r0 + r;                                                                                  \
-                const int8_t *xq = x->q + (int64_t)row * x->in + k;                                                \
-                for (int t = 0; t < SETS; t++) {                                                                   \
-                    __m256i half[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};                            \
-                    for (int s = t * 4 / SETS; s < (t + 1) * 4 / SETS; s++) {                                      \
-                        __m256i xs = _mm256_set1_epi64x(*(const int64_t *)(xq + 8 * s));                          \
-                        for (int h = 0; h < 2; h++)                                                                \
-                            half[h] = _mm256_add_epi32(half[h], DOT2_##KIND(BYTES2_##KIND(b, s, h), xs));          \
-                    }                                                                                              \
-                    __m256i isum = _mm256_permute4x64_epi64(_mm256_hadd_epi32(half[0], half[1]), 0xD8);            \
-                    acc[r] = add_set(acc[r], isum, CENTRE_##KIND, SET_D(b, t), SET_M_##KIND(b, t), x, row, block, t); \
-                }                                                                                                  \
-            }                                                                                                      \
-        }                                                                                                          \
-        for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r], acc[r]);                                              \
-    }
-#define TILES_INT(NAME, BLOCK, SETS, KIND) TILE_INT(NAME, BLOCK, SETS, KIND, 1) TILE_INT(NAME, BLOCK, SETS, KIND, 2) \
-    TILE_INT(NAME, BLOCK, SETS, KIND, 3) TILE_INT(NAME, BLOCK, SETS, KIND, 4)
-TILES_INT(q8i, block_q8x8, 1, Q8)
-TILES_INT(q8hi, block_q8x16, 2, Q8)
-
-/* The same on AVX512-VNNI: a chunk's 64 bytes are one register, each 32-bit lane a row's 4 bytes (lanes 2j and
- * 2j + 1: row j's 8), multiplied into the row's 8 input bytes broadcast by vpdpbusd (u8 x s8: no centring); a set's
- * chunks in two chains where it has four; then the pairs add up. */
-#define TILE_INT_VNNI(NAME, BLOCK, SETS, KIND, R)                                                                  \
-    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c"))) static void            \
-        NAME##v_##R(const void *w, const Quantised *x, int r0, float out[GROUP512][8]) {                          \
-        const BLOCK *b = (const BLOCK *)w;                                                                         \
-        __m256 acc[R];                                                                                             \
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                                  \
-        for (int k = 0, block = 0; k < x->in; k += 32, block++, b++) {                                             \
-            PREFETCH_BLOCK(b)                                                                                      \
-            __m512i wq[4];                                                                                         \
-            for (int s = 0; s < 4; s++) wq[s] = BYTES512_##KIND(b, s);                                             \
-            for (int r = 0; r < R; r++) {                                                                          \
-                int row = r0 + r;                                                                                  \
-                const int8_t *xq = x->q + (int64_t)row * x->in + k;                                                \
-                for (int t = 0; t < SETS; t++) {                                                                   \
-                    __m512i lanes[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};                           \
-                    for (int s = t * 4 / SETS; s < (t + 1) * 4 / SETS; s++)                                        \
-                        lanes[s % 2] = _mm512_dpbusd_epi32(lanes[s % 2], wq[s],                                    \
-                                                           _mm512_set1_epi64(*(const int64_t *)(xq + 8 * s)));     \
-                    __m512i both = _mm512_add_epi32(lanes[0], lanes[1]);                                           \
-                    __m256i isum = _mm512_cvtepi64_epi32(_mm512_add_epi32(both, _mm512_srli_epi64(both, 32)));     \
-                    acc[r] = add_set(acc[r], isum, 0, SET_D(b, t), SET_M_##KIND(b, t), x, row, block, t);          \
-                }                                                                                                  \
-            }                                                                                                      \
-        }                                                                                                          \
-        for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r], acc[r]);                                              \
-    }
-#define TILES_INT_VNNI(NAME, BLOCK, SETS, KIND) TILE_INT_VNNI(NAME, BLOCK, SETS, KIND, 1)                          \
-    TILE_INT_VNNI(NAME, BLOCK, SETS, KIND, 2) TILE_INT_VNNI(NAME, BLOCK, SETS, KIND, 3)                            \
-    TILE_INT_VNNI(NAME, BLOCK, SETS, KIND, 4) TILE_INT_VNNI(NAME, BLOCK, SETS, KIND, 5)                            \
-    TILE_INT_VNNI(NAME, BLOCK, SETS, KIND, 6)
-TILES_INT_VNNI(q8i, block_q8x8, 1, Q8)
-TILES_INT_VNNI(q8hi, block_q8x16, 2, Q8)
 
 typedef void (*Q8Fn)(const void *, int, const float *, int64_t, int, float[GROUP512][8]);
 /* how a weight matrix is stored (Matrix.format); Q8I and Q8HI: Q8 and Q8H's bytes, multiplied in integers; Q4I:

@@ -83,10 +83,10 @@ def float_matrix(values: torch.Tensor, precision: str) -> StoredMatrix:
 
 def packed_q8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int = 8) -> torch.Tensor:  # uint8
     """Bytes q [out, in] with w = scale q + offset per row and group of 32 (16) inputs as fused.c's Q8 (Q8H) reads
-    them: blocks of 8 rows (the last padded with zeros), each 32 inputs as 4 x 8 rows x 8 bytes, then the 8 rows'
-    scales, then their offsets, one set of 8 per group (``block_q8x8``, ``block_q8x16``). ``bits`` 4 (q < 16, per
-    32): the 32 inputs as 8 quads of 8 rows x 4 bytes, quad 2p in the low nibbles of 32 bytes and 2p + 1 in their
-    high (Q4I's ``block_q4x8``); 6 (q < 64, per 16, each offset -32 times its scale): the low nibbles so, then the
+    them: blocks of 8 rows (the last padded with zeros), each 32 inputs as 8 quads of 8 rows x 4 bytes, then the 8
+    rows' scales, then their offsets, one set of 8 per group (``block_q8x8``, ``block_q8x16``). ``bits`` 4 (q < 16,
+    per 32): the quads' bytes as nibbles, quad 2p in the low nibbles of 32 bytes and 2p + 1 in their high (Q4I's
+    ``block_q4x8``); 6 (q < 64, per 16, each offset -32 times its scale): the low nibbles so, then the
     top 2 bits of quad 4h + k in bits 2k, 2k + 1 of the h-th 32 bytes, then the scales alone (Q6I's
     ``block_q6x8``)."""
     out, inputs = q.shape
@@ -95,11 +95,10 @@ def packed_q8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: 
     if rows != out:
         q = torch.cat([q, q.new_zeros(rows - out, inputs)])
         scale, offset = (torch.cat([t, t.new_zeros(rows - out, t.shape[1])]) for t in (scale, offset))
+    q = q.reshape(rows // 8, 8, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(rows // 8, blocks, 8, 32)
     if bits == 8:
-        q = q.reshape(rows // 8, 8, blocks, 4, 8).permute(0, 2, 3, 1, 4)
         parts = [q.reshape(rows // 8, blocks, -1)]
     else:
-        q = q.reshape(rows // 8, 8, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(rows // 8, blocks, 8, 32)
         low = q & 0x0F
         parts = [(low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(rows // 8, blocks, -1)]
         if bits == 6:
