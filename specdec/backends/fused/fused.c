@@ -466,21 +466,32 @@ __attribute__((target("avx2,fma,f16c"))) static void quantise_row(const float *x
 }
 
 /* acc + set t of block `block` of quantised row `row`, for 8 outputs: isum, their integer sums over the set (plus
- * `centre` sum(xq), where the tile summed q - centre), and the set's scales d and offsets m (8 each). */
+ * `centre` sum(xq): where the tile summed q - centre, or where the offset is -centre times the scale), times the
+ * set's scales d and the row's block scale e. */
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 add_scaled(__m256 acc, __m256i isum, int centre,
+                                                                        __m256 d, const Quantised *x, int row,
+                                                                        int block, int t) {
+    int64_t at = (int64_t)row * (x->in / 32) + block, set = at * x->sets + t;
+    isum = _mm256_add_epi32(isum, _mm256_set1_epi32(centre * x->sum[set]));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(x->scale[at])), acc);
+}
+
+/* add_scaled, then the set's offsets m (8) times the row's e sum(xq) over the set. */
 __attribute__((target("avx2,fma,f16c"))) static inline __m256 add_set(__m256 acc, __m256i isum, int centre, __m256 d,
                                                                      __m256 m, const Quantised *x, int row,
                                                                      int block, int t) {
-    int64_t at = (int64_t)row * (x->in / 32) + block, set = at * x->sets + t;
-    isum = _mm256_add_epi32(isum, _mm256_set1_epi32(centre * x->sum[set]));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(x->scale[at])), acc);
+    int64_t set = ((int64_t)row * (x->in / 32) + block) * x->sets + t;
+    acc = add_scaled(acc, isum, centre, d, x, row, block, t);
     return _mm256_fmadd_ps(m, _mm256_set1_ps(x->offset[set]), acc);
 }
 
-/* A set's scales (offsets) for the block's 8 outputs: as stored, or (Q6) -32 times the scale, as Q6_K's are. */
+/* A set's scales for the block's 8 outputs, and a set of a quad block added to acc (SET_*: a Q6 block's offsets
+ * are -32 times its scales, so its sums take -32 sum(xq) in integers, exactly, and no float offset). */
 #define SET_D(b, t) _mm256_loadu_ps((const float *)(b)->d + 8 * (t))
-#define SET_M_Q8(b, t) _mm256_loadu_ps((const float *)(b)->m + 8 * (t))
-#define SET_M_Q4 SET_M_Q8
-#define SET_M_Q6(b, t) _mm256_mul_ps(SET_D(b, t), _mm256_set1_ps(-32.0f))
+#define SET_Q8(acc, isum, centre, b, x, row, block, t)                                                             \
+    add_set(acc, isum, centre, SET_D(b, t), _mm256_loadu_ps((const float *)(b)->m + 8 * (t)), x, row, block, t)
+#define SET_Q4 SET_Q8
+#define SET_Q6(acc, isum, centre, b, x, row, block, t) add_scaled(acc, isum, (centre) - 32, SET_D(b, t), x, row, block, t)
 
 /* Q4I and Q6I, the integer-only formats (a GGUF's 4-bit and 6-bit blocks), hold a block's 32 inputs as 8 quads:
  * quad g (inputs 4g..4g+3) of the 8 rows is 32 bytes, row j's 4 at 4j. One register then holds a quad with a row
@@ -573,8 +584,7 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256i quad_inputs(const
                 }                                                                                                  \
                 for (int r = 0; r < R; r++) {                                                                      \
                     for (int c = 1; c < CHAINS(R, SETS); c++) sum[r][0] = _mm256_add_epi32(sum[r][0], sum[r][c]);  \
-                    acc[r] = add_set(acc[r], sum[r][0], CENTRE_##ISA##_##KIND, SET_D(b, t), SET_M_##KIND(b, t), x,  \
-                                     r0 + r, block, t);                                                              \
+                    acc[r] = SET_##KIND(acc[r], sum[r][0], CENTRE_##ISA##_##KIND, b, x, r0 + r, block, t);         \
                 }                                                                                                  \
             }                                                                                                      \
         }                                                                                                          \
