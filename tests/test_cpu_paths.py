@@ -37,7 +37,8 @@ INVARIANCE_TESTS = [
 
 # Products in each weight format (the byte formats' in floats and in integers, nibbles and 6 bits in integers) and
 # attention over a cache, for rows alone and in passes of several, on teams of one and two threads: a digest of every
-# output's bits, whether each row's bits were the same alone, and whether the narrow formats gave their bytes' values (4 bits: their bits).
+# output's bits, whether each row's bits were the same alone, and whether the narrow formats gave their bytes'
+# values (4 bits: their bits).
 KERNEL_DIGEST = """
 import hashlib, numpy as np, torch
 from specdec.backends import native
