@@ -536,6 +536,14 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256i quad_inputs(const
     return _mm256_set1_epi32(four);
 }
 
+/* sum + the products of w's bytes (u8) and the 4 bytes at x (s8), broadcast to every lane by the instruction's own
+ * memory operand (vpdpbusd m32bcst: compilers broadcast in a register first, an instruction more per quad and row). */
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c"))) static inline __m256i
+dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
+    __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(sum) : "v"(w), "m"(*(const int32_t *)x));
+    return sum;
+}
+
 /* out[r][0..7] for R quantised rows from r0 and the 8 outputs of the quad blocks from w: per set, each row's sums
  * of its quads' products (DOT: maddubs then madd on AVX2, vpdpbusd on AVX512-VNNI, u8 x s8 both), then add_set.
  * A pair of 6-bit or 4-bit products cannot saturate maddubs' int16 (2 x 63 x 127); a byte q up to 255 could, so on
@@ -544,13 +552,14 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256i quad_inputs(const
 /* Independent sums a row's set is split among (quad g in chain g % CHAINS), enough across the R rows that a sum's
  * latency does not stall the next (vpdpbusd: 4 or 5 cycles, 2 a cycle). */
 #define CHAINS(R, SETS) ((R) <= 3 ? 4 : 2)
-#define DOT_AVX2(sum, w, x) _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)))
+#define DOT_AVX2(sum, w, x) _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(w, quad_inputs(x)), _mm256_set1_epi16(1)))
 #define DOT_AVX2_Q4 DOT_AVX2
 #define DOT_AVX2_Q6 DOT_AVX2
 #define DOT_AVX2_Q8(sum, w, x)                                                                                     \
-    DOT_AVX2(sum, _mm256_abs_epi8(_mm256_xor_si256(w, _mm256_set1_epi8((char)0x80))),                              \
-             _mm256_sign_epi8(x, _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80))))
-#define DOT_VNNI_Q4(sum, w, x) _mm256_dpbusd_epi32(sum, w, x)
+    _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(_mm256_xor_si256(w, _mm256_set1_epi8((char)0x80))), \
+                                                                _mm256_sign_epi8(quad_inputs(x), _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)))), \
+                                           _mm256_set1_epi16(1)))
+#define DOT_VNNI_Q4(sum, w, x) dpbusd_broadcast(sum, w, x)
 #define DOT_VNNI_Q6 DOT_VNNI_Q4
 #define DOT_VNNI_Q8 DOT_VNNI_Q4
 #define CENTRE_AVX2_Q8 128
@@ -579,7 +588,7 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256i quad_inputs(const
                     __m256i quad = QUAD_##KIND(b, g);                                                              \
                     for (int r = 0; r < R; r++) {                                                                  \
                         __m256i *chain = &sum[r][g % CHAINS(R, SETS)];                                             \
-                        *chain = DOT_##ISA##_##KIND(*chain, quad, quad_inputs(xq[r] + k + 4 * g));                 \
+                        *chain = DOT_##ISA##_##KIND(*chain, quad, xq[r] + k + 4 * g);                              \
                     }                                                                                              \
                 }                                                                                                  \
                 for (int r = 0; r < R; r++) {                                                                      \
@@ -832,10 +841,19 @@ __attribute__((target("avx2,fma,f16c"))) static void gate_row(const float *gate,
     }
 }
 
-__attribute__((target("avx2,fma,f16c"))) static float dot(const float *a, const float *b, int n) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    return sum8(acc);
+/* q's dot products with 8 keys of hd floats, in 8 lanes: each key's 8 lanes of products, then the 8 added across
+ * in one tree for all 8 ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)): a key's sum is the same in any group. */
+__attribute__((target("avx2,fma,f16c"))) static __m256 dots8(const float *q, const float *const key[8], int hd) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+    for (int i = 0; i < hd; i += 8) {
+        __m256 qv = _mm256_loadu_ps(q + i);
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[j] + i), acc[j]);
+    }
+    __m256 pairs[4], quads[2];
+    for (int j = 0; j < 4; j++) pairs[j] = _mm256_hadd_ps(acc[2 * j], acc[2 * j + 1]);
+    for (int j = 0; j < 2; j++) quads[j] = _mm256_hadd_ps(pairs[2 * j], pairs[2 * j + 1]);
+    return _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20), _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
 }
 
 /* How a layer's queries score their keys, and which they read. */
@@ -853,10 +871,16 @@ __attribute__((target("avx2,fma,f16c"))) static void attend(const float *q, cons
                                                            const Scoring *how, float *scores, float *out) {
     float scale = how->scale != 0.0f ? how->scale : 1.0f / sqrtf((float)hd), top = -INFINITY, total = 0.0f;
     int first = how->window > 0 && count > how->window ? count - how->window : 0;
-    for (int t = first; t < count; t++) {
-        scores[t] = dot(q, keys + (int64_t)(cols ? cols[t] : t) * hd, hd) * scale;
-        if (how->softcap != 0.0f) scores[t] = how->softcap * tanhf(scores[t] / how->softcap);
-        if (scores[t] > top) top = scores[t];
+    static const float nothing[MAX_HEAD_DIM]; /* the keys past the last of a group of 8 */
+    for (int t = first; t < count; t += 8) {
+        const float *key[8];
+        float eight[8];
+        for (int j = 0; j < 8; j++) key[j] = t + j < count ? keys + (int64_t)(cols ? cols[t + j] : t + j) * hd : nothing;
+        _mm256_storeu_ps(eight, _mm256_mul_ps(dots8(q, key, hd), _mm256_set1_ps(scale)));
+        for (int j = 0; j < 8 && t + j < count; j++) {
+            scores[t + j] = how->softcap != 0.0f ? how->softcap * tanhf(eight[j] / how->softcap) : eight[j];
+            if (scores[t + j] > top) top = scores[t + j];
+        }
     }
     int t = first;
     for (; t + 8 <= count; t += 8)
