@@ -546,22 +546,26 @@ dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
 
 /* out[r][0..7] for R quantised rows from r0 and the 8 outputs of the quad blocks from w: per set, each row's sums
  * of its quads' products (DOT: maddubs then madd on AVX2, vpdpbusd on AVX512-VNNI, u8 x s8 both), then add_set.
- * A pair of 6-bit or 4-bit products cannot saturate maddubs' int16 (2 x 63 x 127); a byte q up to 255 could, so on
- * AVX2 a Q8 byte is taken as q - 128 (its magnitude times the input's sign-corrected byte: at most 2 x 128 x 127)
+ * maddubs adds pairs of products in int16: 6-bit and 4-bit weights' pairs from two quads add up there too before
+ * madd widens them (2 x 2 x 63 x 127 < 2^15); a byte q up to 255 could saturate a pair, so on AVX2 a Q8 byte is taken
+ * as q - 128 (its magnitude times the input's sign-corrected byte: at most 2 x 128 x 127), each quad widened alone,
  * and add_set adds 128 sum(xq) back (CENTRE). The sums are exact integers, so both give the same bits. */
-/* Independent sums a row's set is split among (quad g in chain g % CHAINS), enough across the R rows that a sum's
- * latency does not stall the next (vpdpbusd: 4 or 5 cycles, 2 a cycle). */
-#define CHAINS(R, SETS) ((R) <= 3 ? 4 : 2)
-#define DOT_AVX2(sum, w, x) _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(w, quad_inputs(x)), _mm256_set1_epi16(1)))
-#define DOT_AVX2_Q4 DOT_AVX2
-#define DOT_AVX2_Q6 DOT_AVX2
+/* Independent sums a row's set is split among (quads g and g + 1 in chain g / 2 % CHAINS), enough across the R rows
+ * that a sum's latency does not stall the next (vpdpbusd: 4 or 5 cycles, 2 a cycle). */
+#define CHAINS(R, SETS) ((R) <= 3 ? 4 / (SETS) : 2)
+#define MADD_ONES(pairs) _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
+#define DOT2_AVX2_Q4(sum, w0, w1, x)                                                                               \
+    _mm256_add_epi32(sum, MADD_ONES(_mm256_add_epi16(_mm256_maddubs_epi16(w0, quad_inputs(x)),                    \
+                                                     _mm256_maddubs_epi16(w1, quad_inputs((x) + 4)))))
+#define DOT2_AVX2_Q6 DOT2_AVX2_Q4
+#define CENTRED(w) _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80))
 #define DOT_AVX2_Q8(sum, w, x)                                                                                     \
-    _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(_mm256_xor_si256(w, _mm256_set1_epi8((char)0x80))), \
-                                                                _mm256_sign_epi8(quad_inputs(x), _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)))), \
-                                           _mm256_set1_epi16(1)))
-#define DOT_VNNI_Q4(sum, w, x) dpbusd_broadcast(sum, w, x)
-#define DOT_VNNI_Q6 DOT_VNNI_Q4
-#define DOT_VNNI_Q8 DOT_VNNI_Q4
+    _mm256_add_epi32(sum, MADD_ONES(_mm256_maddubs_epi16(_mm256_abs_epi8(CENTRED(w)),                            \
+                                                         _mm256_sign_epi8(quad_inputs(x), CENTRED(w)))))
+#define DOT2_AVX2_Q8(sum, w0, w1, x) DOT_AVX2_Q8(DOT_AVX2_Q8(sum, w0, x), w1, (x) + 4)
+#define DOT2_VNNI_Q4(sum, w0, w1, x) dpbusd_broadcast(dpbusd_broadcast(sum, w0, x), w1, (x) + 4)
+#define DOT2_VNNI_Q6 DOT2_VNNI_Q4
+#define DOT2_VNNI_Q8 DOT2_VNNI_Q4
 #define CENTRE_AVX2_Q8 128
 #define CENTRE_AVX2_Q4 0
 #define CENTRE_AVX2_Q6 0
@@ -584,11 +588,11 @@ dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
                 __m256i sum[R][CHAINS(R, SETS)];                                                                   \
                 for (int r = 0; r < R; r++)                                                                        \
                     for (int c = 0; c < CHAINS(R, SETS); c++) sum[r][c] = _mm256_setzero_si256();                  \
-                _Pragma("GCC unroll 8") for (int g = t * 8 / SETS; g < (t + 1) * 8 / SETS; g++) {                  \
-                    __m256i quad = QUAD_##KIND(b, g);                                                              \
+                _Pragma("GCC unroll 4") for (int g = t * 8 / SETS; g < (t + 1) * 8 / SETS; g += 2) {               \
+                    __m256i quad = QUAD_##KIND(b, g), next = QUAD_##KIND(b, g + 1);                                \
                     for (int r = 0; r < R; r++) {                                                                  \
-                        __m256i *chain = &sum[r][g % CHAINS(R, SETS)];                                             \
-                        *chain = DOT_##ISA##_##KIND(*chain, quad, xq[r] + k + 4 * g);                              \
+                        __m256i *chain = &sum[r][g / 2 % CHAINS(R, SETS)];                                         \
+                        *chain = DOT2_##ISA##_##KIND(*chain, quad, next, xq[r] + k + 4 * g);                       \
                     }                                                                                              \
                 }                                                                                                  \
                 for (int r = 0; r < R; r++) {                                                                      \
