@@ -63,8 +63,11 @@ for bits, group, name in ((4, 32, "int4"), (6, 16, "int6_group16")):  # 6 bits: 
     as_bytes, product = (native.MatrixProduct(m.struct("integer")) for m in (wide, narrow))
     if bits == 4:  # the same integers and the same float steps as its bytes'
         narrow_as_bytes &= torch.equal(product(x), as_bytes(x))
-    else:  # the same integers; the offset -32 d taken in them, exactly, where the bytes' add it in floats
-        narrow_as_bytes &= torch.allclose(product(x), as_bytes(x), rtol=1e-5, atol=1e-5)
+    else:  # the same integers; the offset -32 d taken in them, exactly, where the bytes' add it in floats: within
+        # float32's rounding of a few steps a set over the terms' sizes, sum |w| |x|
+        w = (q.float().view(45, -1, group) * scale[..., None] + offset[..., None]).view(45, 96)
+        rounding = 16 * torch.finfo(torch.float32).eps * (x.abs() @ w.abs().T)
+        narrow_as_bytes &= bool(((product(x) - as_bytes(x)).abs() <= rounding).all())
     products.append(product)
 for product in products:
     native.use_threads(1)

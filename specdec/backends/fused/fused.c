@@ -468,11 +468,13 @@ __attribute__((target("avx2,fma,f16c"))) static void quantise_row(const float *x
 /* acc + set t of block `block` of quantised row `row`, for 8 outputs: isum, their integer sums over the set (plus
  * `centre` sum(xq): where the tile summed q - centre, or where the offset is -centre times the scale), times the
  * set's scales d and the row's block scale e. */
+static inline int64_t block_of(const Quantised *x, int row, int block) { return (int64_t)row * (x->in / 32) + block; }
+
 __attribute__((target("avx2,fma,f16c"))) static inline __m256 add_scaled(__m256 acc, __m256i isum, int centre,
                                                                         __m256 d, const Quantised *x, int row,
                                                                         int block, int t) {
-    int64_t at = (int64_t)row * (x->in / 32) + block, set = at * x->sets + t;
-    isum = _mm256_add_epi32(isum, _mm256_set1_epi32(centre * x->sum[set]));
+    int64_t at = block_of(x, row, block);
+    isum = _mm256_add_epi32(isum, _mm256_set1_epi32(centre * x->sum[at * x->sets + t]));
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(x->scale[at])), acc);
 }
 
@@ -480,9 +482,8 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 add_scaled(__m256 
 __attribute__((target("avx2,fma,f16c"))) static inline __m256 add_set(__m256 acc, __m256i isum, int centre, __m256 d,
                                                                      __m256 m, const Quantised *x, int row,
                                                                      int block, int t) {
-    int64_t set = ((int64_t)row * (x->in / 32) + block) * x->sets + t;
     acc = add_scaled(acc, isum, centre, d, x, row, block, t);
-    return _mm256_fmadd_ps(m, _mm256_set1_ps(x->offset[set]), acc);
+    return _mm256_fmadd_ps(m, _mm256_set1_ps(x->offset[block_of(x, row, block) * x->sets + t]), acc);
 }
 
 /* A set's scales for the block's 8 outputs, and a set of a quad block added to acc (SET_*: a Q6 block's offsets
@@ -795,6 +796,14 @@ __attribute__((target("avx2,fma,f16c"))) static void rope_row(float *v, const fl
     }
 }
 
+/* The first n < 8 floats at p in lanes 0..n-1 (the rest 0), and lanes 0..n-1 of v stored there: a row's last part
+ * of fewer than 8 through the same lanes as the rest. */
+__attribute__((target("avx2,fma,f16c"))) static inline __m256i first_lanes(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+#define LOAD_PART(p, n) _mm256_maskload_ps(p, first_lanes(n))
+#define STORE_PART(p, n, v) _mm256_maskstore_ps(p, first_lanes(n), v)
+
 /* e^x in each lane, to about 2 ulp (Cody and Waite's reduction by ln 2 in two parts, then a degree-6 polynomial),
  * the same instructions on every CPU the pass runs on; x is clamped to [-87.3, 88.7]. */
 __attribute__((target("avx2,fma,f16c"))) static inline __m256 exp8(__m256 x) {
@@ -836,13 +845,7 @@ __attribute__((target("avx2,fma,f16c"))) static void gate_row(const float *gate,
     int j = b;
     for (; j + 8 <= e; j += 8)
         _mm256_storeu_ps(mid + j, gated8(_mm256_loadu_ps(gate + j), _mm256_loadu_ps(up + j), activation));
-    if (j < e) {
-        float g[8] = {0}, u[8] = {0}, out[8];
-        memcpy(g, gate + j, (e - j) * sizeof(float));
-        memcpy(u, up + j, (e - j) * sizeof(float));
-        _mm256_storeu_ps(out, gated8(_mm256_loadu_ps(g), _mm256_loadu_ps(u), activation));
-        memcpy(mid + j, out, (e - j) * sizeof(float));
-    }
+    if (j < e) STORE_PART(mid + j, e - j, gated8(LOAD_PART(gate + j, e - j), LOAD_PART(up + j, e - j), activation));
 }
 
 /* q's dot products with 8 keys of hd floats, in 8 lanes: each key's 8 lanes of products, then the 8 added across
@@ -889,12 +892,8 @@ __attribute__((target("avx2,fma,f16c"))) static void attend(const float *q, cons
     int t = first;
     for (; t + 8 <= count; t += 8)
         _mm256_storeu_ps(scores + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t), _mm256_set1_ps(top))));
-    if (t < count) {
-        float last[8] = {0};
-        memcpy(last, scores + t, (count - t) * sizeof(float));
-        _mm256_storeu_ps(last, exp8(_mm256_sub_ps(_mm256_loadu_ps(last), _mm256_set1_ps(top))));
-        memcpy(scores + t, last, (count - t) * sizeof(float));
-    }
+    if (t < count)
+        STORE_PART(scores + t, count - t, exp8(_mm256_sub_ps(LOAD_PART(scores + t, count - t), _mm256_set1_ps(top))));
     for (t = first; t < count; t++) total += scores[t];
     __m256 acc[MAX_HEAD_DIM / 8];
     for (int j = 0; j < hd / 8; j++) acc[j] = _mm256_setzero_ps();
@@ -918,7 +917,8 @@ static void attend_head(const Rows *rows, const float *keys, const float *values
 
 /* Rows' outputs y [n, hidden] of a block added to the residual stream x, each RMS-normed first where `norm` is
  * given (gemma's); the rows this member adds, as the others do theirs. */
-__attribute__((target("avx2,fma,f16c"))) static void add_normed(const float *norm, float *y, float *x, int hidden, float eps, int n, int thread, int threads) {
+__attribute__((target("avx2,fma,f16c"))) static void add_normed(const float *norm, float *y, float *x, int hidden,
+                                                               float eps, int n, int thread, int threads) {
     for (int r = thread; r < n; r += threads) {
         float *out = y + (int64_t)r * hidden, *row = x + (int64_t)r * hidden;
         rms_norm_row(out, norm, hidden, eps, out);
