@@ -30,7 +30,7 @@ def check_declarations(runtime: CausalLM) -> None:
     assert isinstance(runtime.name, str) and runtime.name
     assert isinstance(runtime.device, torch.device) and runtime.vocab_size > 0 and runtime.max_length > 16
     assert runtime.weight_bytes > 0 and runtime.tokens == []
-    assert runtime.precision_label and runtime.runtime_label
+    assert runtime.precision_label and runtime.runtime_label and isinstance(runtime.pass_invariant, bool)
     assert isinstance(runtime.remedy(Path("model.gguf")), str)
 
 
@@ -78,6 +78,7 @@ def check_runtime(runtime: CausalLM, tolerance: float = 1e-4) -> None:
     """Every check above, on a fresh runtime; bit for bit where its rows do not depend on the pass."""
     check_declarations(runtime)
     exact = rows_are_pass_invariant(runtime)
+    assert exact or not runtime.pass_invariant  # what it declares, the load probe (which it spares) would find
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, runtime.vocab_size, (12,), generator=generator).tolist()
     check_cache(runtime, ids, exact, tolerance)

@@ -35,6 +35,7 @@ class CausalLM(Protocol):
     weight_bytes: int  # the bytes of weights one decode pass (one position) reads: its weight-streaming cost
     precision_label: str  # the weights' precision, as a summary names it ("float16", "Q4_1 (GGUF, as stored)")
     runtime_label: str  # what computes its rows, as a notice names it ("specdec's runtime (float16)")
+    pass_invariant: bool  # whether each row is computed as it is alone by construction (else the load probe measures)
 
     def extend(self, token_ids: list[int], num_logits: int) -> torch.Tensor:  # [num_logits, vocab]
         """Append token_ids to the cache in one forward pass; logits at the last num_logits positions."""
@@ -250,8 +251,11 @@ def rows_are_pass_invariant(model: CausalLM) -> bool:
 
 def probe_pass_invariance(model: CausalLM, name: str, runtime: str, remedy: str) -> None:
     """One notice, naming ``remedy``, where ``model``'s rows are not pass-invariant (:func:`rows_are_pass_invariant`;
-    nothing where its context is too short to probe)."""
-    if model.max_length >= len(PROBE_PREFIX) + len(PROBE_TOKENS) and not rows_are_pass_invariant(model):
+    nothing where its context is too short to probe, and no probe where the runtime computes each row alone by
+    construction: its ``pass_invariant``, which the tests check on every CPU path)."""
+    if model.pass_invariant or model.max_length < len(PROBE_PREFIX) + len(PROBE_TOKENS):
+        return
+    if not rows_are_pass_invariant(model):
         notice(f"{name}: {runtime} computes a position's logits differently alone and in a pass of several, so "
                f"speculation can part from plain decoding where two tokens nearly tie; {remedy}")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import mmap
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,6 +117,30 @@ def read_gguf(path: str | Path) -> GGUFFile:
     return _read_once(path, stat.st_size, stat.st_mtime_ns)
 
 
+class Strings(Sequence):
+    """A metadata array of strings, as stored from ``start`` in ``buffer``: its length known, its strings decoded
+    (UTF-8) on first access."""
+
+    def __init__(self, buffer: mmap.mmap, start: int, count: int) -> None:
+        self._buffer, self._start, self._count, self._decoded = buffer, start, count, None
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):
+        if self._decoded is None:
+            self._decoded = self._decode()
+        return self._decoded[index]
+
+    def _decode(self) -> list[str]:
+        buffer, at, unpack, out = self._buffer, self._start, struct.unpack_from, []
+        for _ in range(self._count):
+            (length,) = unpack("<Q", buffer, at)
+            out.append(buffer[at + 8 : at + 8 + length].decode("utf-8", errors="replace"))
+            at += 8 + length
+        return out
+
+
 class _Reader:
     def __init__(self, buffer: mmap.mmap) -> None:
         self.buffer, self.at = buffer, 0
@@ -133,19 +158,18 @@ class _Reader:
     def string(self) -> str:
         return self.take(self.scalar("<Q")).decode("utf-8")
 
-    def strings(self, count: int) -> list[str]:
-        """``count`` strings in a row (a vocabulary's 150k tokens and merges: a tight loop)."""
-        buffer, at, end, unpack, out = self.buffer, self.at, len(self.buffer), struct.unpack_from, []
+    def strings(self, count: int) -> Strings:
+        """``count`` strings in a row (a vocabulary's 150k tokens and merges), stepped over here and decoded when
+        first read: a tokenizer reads them from the file itself, and the runtimes never do."""
+        buffer, start, at, end, unpack = self.buffer, self.at, self.at, len(self.buffer), struct.unpack_from
         for _ in range(count):
             if at + 8 > end:
                 raise ValueError("the header runs past the end of the file (truncated?)")
-            (length,) = unpack("<Q", buffer, at)
-            if at + 8 + length > end:
-                raise ValueError("the header runs past the end of the file (truncated?)")
-            out.append(buffer[at + 8 : at + 8 + length].decode("utf-8"))
-            at += 8 + length
+            at += 8 + unpack("<Q", buffer, at)[0]
+        if at > end:
+            raise ValueError("the header runs past the end of the file (truncated?)")
         self.at = at
-        return out
+        return Strings(buffer, start, count)
 
     def value(self, kind: int):
         if kind in _SCALARS:

@@ -12,6 +12,7 @@ class HFCausalLM:
     """A transformers causal LM with a KV cache over one sequence; rollback crops the cache."""
 
     name = "transformers"
+    pass_invariant = False  # torch's kernels decide: the load probe measures
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model.eval()

@@ -220,6 +220,7 @@ class LlamaCppLM(FeatureSource, Pooled):
 
     name = "llama.cpp"
     device = torch.device("cpu")
+    pass_invariant = False  # its BLAS and kernels decide, per weight type and build: the load probe measures
 
     @property
     def precision_label(self) -> str:
