@@ -357,6 +357,10 @@ def _add_figures_parser(commands) -> None:
     figures.add_argument("--max-new-tokens", type=int, default=48)
     figures.add_argument("--repeats", type=int, default=3, help="timing repeats per point (median)")
     figures.add_argument("--max-batch", type=int, default=64)
+    figures.add_argument("--only", default="1,2,3,4",
+                         help="the figures to draw, a comma list: 1 pass costs, 2 accept or resample, 3 the surplus "
+                              "at batch, 4 tokens per round (1 alone, of a GGUF file the fused runtime reads, runs "
+                              "from the file as stored, without converting it)")
     add_model_flags(figures, dtype=False, backend=False)
     figures.set_defaults(run=_runs("specdec.bench.figures", "run_figures", threads=True))
 

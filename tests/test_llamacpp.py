@@ -488,3 +488,26 @@ def test_figure_1_draws_llama_cpps_pass_costs_beside_the_torch_runtimes(tiny, tm
                  "--limit", "1", "--max-new-tokens", "4", "--repeats", "1", "--max-batch", "2",
                  "--threads", "2"]) == 0, capsys.readouterr().err
     assert (tmp_path / "figs" / "many_drafts_one_weight_streaming.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_figure_1_alone_runs_from_the_gguf_as_stored(tiny, tmp_path, capsys, monkeypatch):
+    from specdec.bench import figures
+
+    runtimes = dict(figures.stored_runtimes(str(tiny), threads=2))
+    assert set(runtimes) == {"llama.cpp (GGUF as stored)", "fused (as stored, integer products)",
+                             "fused (as stored, float products)"}
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("figure 1 of a file the fused runtime reads converted it")
+
+    monkeypatch.setattr("specdec.models.transformers_directory", no_conversion)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"turns": ["Write a haiku about the sea"]}\n')
+    args = ["figures", "--out", str(tmp_path / "figs"), "--model", str(tiny), "--prompts", str(prompts),
+            "--limit", "1", "--repeats", "1", "--threads", "2"]
+    assert main(args + ["--only", "1"]) == 0, capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "figs").iterdir()] == ["many_drafts_one_weight_streaming.png"]
+    capsys.readouterr()
+    assert main(args + ["--only", "1,5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--only takes figures among 1, 2, 3, 4" in err[0]

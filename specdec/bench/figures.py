@@ -25,6 +25,7 @@ from specdec.sampling import SamplingParams, logits_to_probs
 POSITIONS = [1, 2, 4, 8, 16, 32]
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
 DRAFT_LENGTHS = [1, 2, 3, 4, 6, 8]
+FIGURES = ("1", "2", "3", "4")  # pass costs, accept or resample, the surplus at batch, tokens per round
 
 
 def _ticked(value, tick):
@@ -133,30 +134,14 @@ def default_draft(model, layers: int):
     return draft
 
 
-def make_figures(target, draft_model, prompts: list[list[int]], out: Path, repeats: int = 3,
-                 new_tokens: int = 48, max_batch: int = 64, k: int = 4, gguf: Path | None = None,
-                 threads: int | None = None) -> list[Path]:
-    """Measure and draw the four figures into ``out``; returns the files written. Figure 1 adds llama.cpp's
-    line when ``gguf`` (the file the target came from) is given."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from tqdm import tqdm
-
-    out.mkdir(parents=True, exist_ok=True)
-    model = target.model
-    written = []
-    context = prompts[0]
-    batches = [b for b in BATCHES if b <= max_batch]
-    runtimes = figure_1_runtimes(model, gguf, threads)
-    points = len(runtimes) * len(POSITIONS) + 1 + len(DRAFT_LENGTHS) + len(batches)
-    bar = tqdm(total=points, unit="point", file=sys.stderr)
-
-    # 1. many drafts, one weight-streaming
+def draw_pass_costs(runtimes: list[tuple[str, object]], context: list[int], out: Path, repeats: int,
+                    tick=lambda: None) -> Path:
+    """Figure 1, many drafts for one weight-streaming: each runtime's pass over n positions after ``context``
+    against n single-position passes; ``runtimes`` as (label, a function that builds it), built one at a time."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for label, make_runtime in runtimes:
-        latency = [1000 * s for s in pass_latency(make_runtime(), context, POSITIONS, repeats, bar.update)]
+        latency = [1000 * s for s in pass_latency(make_runtime(), context, POSITIONS, repeats, tick)]
         line, = ax.plot(POSITIONS, latency, "o-", label=f"one pass scoring n positions, {label}")
         ax.plot(POSITIONS, [latency[0] * n for n in POSITIONS], ":", color=line.get_color(),
                 label=f"n single-position passes, {label}")
@@ -164,16 +149,61 @@ def make_figures(target, draft_model, prompts: list[list[int]], out: Path, repea
            title="Many drafts, one weight-streaming")
     ax.set_xticks(POSITIONS, [str(n) for n in POSITIONS])
     ax.legend(fontsize=8)
-    written.append(_save(fig, out / "many_drafts_one_weight_streaming.png"))
+    return _save(fig, out / "many_drafts_one_weight_streaming.png")
 
-    # 2. accept or resample, at the real position (along the target's greedy continuation) whose acceptance
-    # probability is nearest one half: the position that shows both accepting and resampling
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _progress(points: int):
+    from tqdm import tqdm
+
+    return tqdm(total=points, unit="point", file=sys.stderr)
+
+
+def make_figures(target, draft_model, prompts: list[list[int]], out: Path, repeats: int = 3,
+                 new_tokens: int = 48, max_batch: int = 64, k: int = 4, gguf: Path | None = None,
+                 threads: int | None = None, which: tuple[str, ...] = FIGURES) -> list[Path]:
+    """Measure and draw the figures ``which`` (all four by default) into ``out``; returns the files written.
+    Figure 1 adds llama.cpp's line when ``gguf`` (the file the target came from) is given. Figure 3 uses the
+    acceptance figure 4 measures."""
+    out.mkdir(parents=True, exist_ok=True)
+    model = target.model
+    written = []
+    context = prompts[0]
+    batches = [b for b in BATCHES if b <= max_batch]
+    runtimes = figure_1_runtimes(model, gguf, threads) if "1" in which else []
+    points = (len(runtimes) * len(POSITIONS) + ("2" in which) + len(DRAFT_LENGTHS) * bool({"3", "4"} & set(which))
+              + len(batches) * ("3" in which))
+    bar = _progress(points)
+
+    if "1" in which:
+        written.append(draw_pass_costs(runtimes, context, out, repeats, bar.update))
+    if "2" in which:
+        written.append(accept_or_resample(target, model, draft_model, context, out, bar.update))
+    if {"3", "4"} & set(which):
+        written.extend(acceptance_figures(model, draft_model, prompts, out, new_tokens, k, batches, repeats,
+                                          which, bar.update))
+    bar.close()
+    return written
+
+
+def accept_or_resample(target, model, draft_model, context: list[int], out: Path, tick=lambda: None) -> Path:
+    """Figure 2: accept or resample, at the real position (along the target's greedy continuation) whose acceptance
+    probability is nearest one half: the position that shows both accepting and resampling."""
+    plt = _pyplot()
     p, q = instructive_position(model, draft_model, context, SamplingParams(temperature=1.0), steps=24)
     top = torch.topk(p + q, 12).indices
     overlap = torch.minimum(p, q)
     residual = (p - q).clamp(min=0)
     residual = residual / residual.sum() if residual.sum() > 0 else residual
-    bar.update()
+    tick()
     labels = [repr(target.tokenizer.decode([int(t)]))[1:-1] or "·" for t in top]
     fig, ax = plt.subplots(figsize=(7.2, 4.2))
     x = list(range(len(top)))
@@ -184,34 +214,39 @@ def make_figures(target, draft_model, prompts: list[list[int]], out: Path, repea
     ax.set_xticks(x, labels, rotation=45, ha="right", fontsize=8)
     ax.set(ylabel="probability", title=f"Accept or resample: P(accept) = Σ min(p, q) = {float(overlap.sum()):.2f}")
     ax.legend(fontsize=8)
-    written.append(_save(fig, out / "accept_or_resample.png"))
+    return _save(fig, out / "accept_or_resample.png")
 
-    # 4 first: the measured acceptance feeds figure 3
+
+def acceptance_figures(model, draft_model, prompts: list[list[int]], out: Path, new_tokens: int, k: int,
+                       batches: list[int], repeats: int, which: tuple[str, ...], tick=lambda: None) -> list[Path]:
+    """Figure 4, tokens per round against k as measured and as (1 - a^(k+1)) / (1 - a) predicts, and figure 3,
+    the batched cost of k + 1 positions and the speedup it implies at the acceptance a measured for figure 4."""
+    plt = _pyplot()
+    written = []
     target_backend = make_backend(model)
     engine = Engine(target_backend, DraftModelProposer(make_backend(draft_model), target_backend.vocab_size))
-    measured = [_ticked(tokens_per_round(engine, prompts, kk, new_tokens), bar.update) for kk in DRAFT_LENGTHS]
+    measured = [_ticked(tokens_per_round(engine, prompts, kk, new_tokens), tick) for kk in DRAFT_LENGTHS]
     alpha = measured[0][1]  # acceptance measured at k = 1: no position effects
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    ax.plot(DRAFT_LENGTHS, [m[0] for m in measured], "o", label="measured")
-    ks = torch.linspace(1, max(DRAFT_LENGTHS), 50).tolist()
-    ax.plot(ks, [expected_tokens_per_round(alpha, kk) for kk in ks], "-",
-            label=f"(1 − α^(k+1)) / (1 − α), α = {alpha:.2f} (measured at k = 1)")
-    ax.set(xlabel="draft length k", ylabel="tokens per target pass", title="Expected tokens per round")
-    ax.legend(fontsize=8)
-    written.append(_save(fig, out / "tokens_per_round.png"))
-
-    # 3. the surplus is only free at small batch
-    ratios = batched_cost_ratio(model, k, batches, context_length=64, repeats=repeats, tick=bar.update)
-    implied = [expected_tokens_per_round(alpha, k) / r for r in ratios]
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    ax.plot(batches, ratios, "o-", label=f"cost of B×{k + 1} positions / B×1")
-    ax.plot(batches, implied, "s-", label=f"implied speedup at α = {alpha:.2f}, k = {k} (free drafting)")
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set(xscale="log", xlabel="batch size B", ylabel="ratio", title="The surplus is only free at small batch")
-    ax.set_xticks(batches, [str(b) for b in batches])
-    ax.legend(fontsize=8)
-    written.append(_save(fig, out / "surplus_only_free_at_small_batch.png"))
-    bar.close()
+    if "4" in which:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        ax.plot(DRAFT_LENGTHS, [m[0] for m in measured], "o", label="measured")
+        ks = torch.linspace(1, max(DRAFT_LENGTHS), 50).tolist()
+        ax.plot(ks, [expected_tokens_per_round(alpha, kk) for kk in ks], "-",
+                label=f"(1 − α^(k+1)) / (1 − α), α = {alpha:.2f} (measured at k = 1)")
+        ax.set(xlabel="draft length k", ylabel="tokens per target pass", title="Expected tokens per round")
+        ax.legend(fontsize=8)
+        written.append(_save(fig, out / "tokens_per_round.png"))
+    if "3" in which:
+        ratios = batched_cost_ratio(model, k, batches, context_length=64, repeats=repeats, tick=tick)
+        implied = [expected_tokens_per_round(alpha, k) / r for r in ratios]
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        ax.plot(batches, ratios, "o-", label=f"cost of B×{k + 1} positions / B×1")
+        ax.plot(batches, implied, "s-", label=f"implied speedup at α = {alpha:.2f}, k = {k} (free drafting)")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set(xscale="log", xlabel="batch size B", ylabel="ratio", title="The surplus is only free at small batch")
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.legend(fontsize=8)
+        written.append(_save(fig, out / "surplus_only_free_at_small_batch.png"))
     return written
 
 
@@ -224,6 +259,32 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def figures_asked(only: str) -> tuple[str, ...]:
+    """The figures a comma list names (``FIGURES``), in order; a name outside them is the user's error."""
+    from specdec.errors import UsageError
+
+    asked = {name.strip() for name in only.split(",") if name.strip()}
+    if not asked or asked - set(FIGURES):
+        raise UsageError(f"--only takes figures among {', '.join(FIGURES)} (a comma list), not {only!r}")
+    return tuple(name for name in FIGURES if name in asked)
+
+
+def stored_runtimes(model_name, threads: int | None) -> list[tuple[str, object]] | None:
+    """Figure 1's runtimes straight from a GGUF file that the fused runtime reads as stored (llama.cpp, and the
+    fused runtime with integer and with float products: ``python -m specdec.bench.passes``'s), with no conversion
+    to a transformers model; None where the model is not such a file."""
+    from specdec.backends.fused import gguf_unavailable
+    from specdec.backends.gguf_file import read_gguf
+    from specdec.bench.passes import runtimes
+    from specdec.models import model_path
+
+    source = model_path(model_name)
+    if source.suffix.lower() != ".gguf" or gguf_unavailable(read_gguf(source)) is not None:
+        return None
+    found = runtimes(model_name, threads or torch.get_num_threads())
+    return [(label, lambda runtime=runtime: runtime) for label, runtime in found.items()]
+
+
 def run_figures(args) -> int:
     from specdec.bench.prompts import read_prompts
     from specdec.errors import UsageError
@@ -231,18 +292,28 @@ def run_figures(args) -> int:
 
     if args.repeats < 1 or args.max_batch < 1:
         raise UsageError("--repeats and --max-batch must be >= 1")
-    loaded = load_target(args.model, dtype="float32", device=args.device, backend="torch",
-                         draft_model=args.draft_model)
+    which, out = figures_asked(args.only), Path(args.out)
+    stored = stored_runtimes(args.model, args.threads) if which == ("1",) else None
+    drafted = {"2", "3", "4"} & set(which)
+    loaded = load_target(args.model, dtype="float32" if stored is None else "auto", device=args.device,
+                         backend="torch" if stored is None else "fused",
+                         draft_model=args.draft_model if drafted else None)
     target = loaded.target
+    prompts = [encode_prompt(target.tokenizer, p.text, None if p.chat else False)
+               for p in read_prompts(args.prompts, limit=args.limit)]
+    if stored is not None:  # figure 1 alone, of the file as stored: a model of billions of weights in seconds
+        out.mkdir(parents=True, exist_ok=True)
+        bar = _progress(len(stored) * len(POSITIONS))
+        print(draw_pass_costs(stored, prompts[0], out, args.repeats, bar.update))
+        bar.close()
+        return 0
     if loaded.draft is not None:
         draft_model = loaded.draft.model
     else:
         draft_model = default_draft(target.model, layers=max(1, 3 * target.model.config.num_hidden_layers // 4))
-    prompts = [encode_prompt(target.tokenizer, p.text, None if p.chat else False)
-               for p in read_prompts(args.prompts, limit=args.limit)]
-    for path in make_figures(target, draft_model, prompts, Path(args.out), repeats=args.repeats,
+    for path in make_figures(target, draft_model, prompts, out, repeats=args.repeats,
                              new_tokens=args.max_new_tokens, max_batch=args.max_batch, gguf=target.gguf,
-                             threads=args.threads):
+                             threads=args.threads, which=which):
         print(path)
     return 0
 
