@@ -422,16 +422,19 @@ TILES_Q8_512(q8h, block_q8x16, 2)
  * llama.cpp quantises activations the same way (per 32 for its Q8_0 and Q8_1); here the error is bounded by the
  * tests against a float32 reference and against llama.cpp on the same file. */
 
+/* The quantised rows, block by block: block k of every row, then block k + 1, so that a tile's rows' bytes and
+ * scalars for a block lie together, each row's at a fixed distance from the first's (one pointer for all rows). */
 typedef struct {
-    const int8_t *q;      /* [n, in] */
-    const float *scale;   /* [n, in / 32]: e */
-    const float *offset;  /* [n, in / 32 * sets]: e float(sum xq) per set */
-    const int32_t *sum;   /* [n, in / 32 * sets]: sum xq per set */
-    int in, sets;
+    const int8_t *q;      /* [in / 32, n, 32] */
+    const float *scale;   /* [in / 32, n]: e */
+    const float *offset;  /* [in / 32, n, sets]: e float(sum xq) per set */
+    const int32_t *sum;   /* [in / 32, n, sets]: sum xq per set */
+    int in, sets, n;
 } Quantised;
 
-/* Row x [in] as bytes per block of 32 (above): q, and per block its scale and per set its sum and offset. */
-__attribute__((target("avx2,fma,f16c"))) static void quantise_row(const float *x, int in, int sets, int8_t *q,
+/* Row x [in] as bytes per block of 32 (above): q, and per block its scale and per set its sum and offset, block
+ * after block `n` rows apart (Quantised). */
+__attribute__((target("avx2,fma,f16c"))) static void quantise_row(const float *x, int in, int sets, int n, int8_t *q,
                                                                   float *scale, float *offset, int32_t *sum) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int k = 0, block = 0; k < in; k += 32, block++) {
@@ -450,8 +453,8 @@ __attribute__((target("avx2,fma,f16c"))) static void quantise_row(const float *x
         /* packs interleave the 128-bit lanes: 32-bit groups come out as 0 2 4 6 1 3 5 7 of the inputs' 8 */
         __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
         packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(q + k), packed);
-        scale[block] = e;
+        _mm256_storeu_si256((__m256i *)(q + (int64_t)block * n * 32), packed);
+        scale[(int64_t)block * n] = e;
         /* the bytes' sums in 8 lanes of 4 (inputs 4i..4i+3 in lane i), then per set its lanes' */
         __m256i fours = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), packed), _mm256_set1_epi16(1));
         int32_t lanes[8];
@@ -459,8 +462,8 @@ __attribute__((target("avx2,fma,f16c"))) static void quantise_row(const float *x
         for (int s = 0; s < sets; s++) {
             int32_t total = 0;
             for (int i = s * 8 / sets; i < (s + 1) * 8 / sets; i++) total += lanes[i];
-            sum[block * sets + s] = total;
-            offset[block * sets + s] = e * (float)total;
+            sum[((int64_t)block * n) * sets + s] = total;
+            offset[((int64_t)block * n) * sets + s] = e * (float)total;
         }
     }
 }
@@ -468,31 +471,32 @@ __attribute__((target("avx2,fma,f16c"))) static void quantise_row(const float *x
 /* acc + set t of block `block` of quantised row `row`, for 8 outputs: isum, their integer sums over the set (plus
  * `centre` sum(xq): where the tile summed q - centre, or where the offset is -centre times the scale), times the
  * set's scales d and the row's block scale e. */
-static inline int64_t block_of(const Quantised *x, int row, int block) { return (int64_t)row * (x->in / 32) + block; }
+static inline int64_t block_of(const Quantised *x, int row, int block) { return (int64_t)block * x->n + row; }
 
 __attribute__((target("avx2,fma,f16c"))) static inline __m256 add_scaled(__m256 acc, __m256i isum, int centre,
                                                                         __m256 d, const Quantised *x, int row,
-                                                                        int block, int t) {
+                                                                        int block, int sets, int t) {
     int64_t at = block_of(x, row, block);
-    isum = _mm256_add_epi32(isum, _mm256_set1_epi32(centre * x->sum[at * x->sets + t]));
+    isum = _mm256_add_epi32(isum, _mm256_set1_epi32(centre * x->sum[at * sets + t]));
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(x->scale[at])), acc);
 }
 
 /* add_scaled, then the set's offsets m (8) times the row's e sum(xq) over the set. */
 __attribute__((target("avx2,fma,f16c"))) static inline __m256 add_set(__m256 acc, __m256i isum, int centre, __m256 d,
                                                                      __m256 m, const Quantised *x, int row,
-                                                                     int block, int t) {
-    acc = add_scaled(acc, isum, centre, d, x, row, block, t);
-    return _mm256_fmadd_ps(m, _mm256_set1_ps(x->offset[block_of(x, row, block) * x->sets + t]), acc);
+                                                                     int block, int sets, int t) {
+    acc = add_scaled(acc, isum, centre, d, x, row, block, sets, t);
+    return _mm256_fmadd_ps(m, _mm256_set1_ps(x->offset[block_of(x, row, block) * sets + t]), acc);
 }
 
 /* A set's scales for the block's 8 outputs, and a set of a quad block added to acc (SET_*: a Q6 block's offsets
  * are -32 times its scales, so its sums take -32 sum(xq) in integers, exactly, and no float offset). */
 #define SET_D(b, t) _mm256_loadu_ps((const float *)(b)->d + 8 * (t))
-#define SET_Q8(acc, isum, centre, b, x, row, block, t)                                                             \
-    add_set(acc, isum, centre, SET_D(b, t), _mm256_loadu_ps((const float *)(b)->m + 8 * (t)), x, row, block, t)
+#define SET_Q8(acc, isum, centre, b, x, row, block, sets, t)                                                       \
+    add_set(acc, isum, centre, SET_D(b, t), _mm256_loadu_ps((const float *)(b)->m + 8 * (t)), x, row, block, sets, t)
 #define SET_Q4 SET_Q8
-#define SET_Q6(acc, isum, centre, b, x, row, block, t) add_scaled(acc, isum, (centre) - 32, SET_D(b, t), x, row, block, t)
+#define SET_Q6(acc, isum, centre, b, x, row, block, sets, t)                                                       \
+    add_scaled(acc, isum, (centre) - 32, SET_D(b, t), x, row, block, sets, t)
 
 /* Q4I and Q6I, the integer-only formats (a GGUF's 4-bit and 6-bit blocks), hold a block's 32 inputs as 8 quads:
  * quad g (inputs 4g..4g+3) of the 8 rows is 32 bytes, row j's 4 at 4j. One register then holds a quad with a row
@@ -578,12 +582,9 @@ dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
                                                            float out[GROUP512][8]) {                               \
         const BLOCK *b = (const BLOCK *)w;                                                                         \
         __m256 acc[R];                                                                                             \
-        const int8_t *xq[R];                                                                                       \
-        for (int r = 0; r < R; r++) {                                                                              \
-            acc[r] = _mm256_setzero_ps();                                                                          \
-            xq[r] = x->q + (int64_t)(r0 + r) * x->in;                                                              \
-        }                                                                                                          \
-        for (int k = 0, block = 0; k < x->in; k += 32, block++, b++) {                                             \
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                                  \
+        const int8_t *xq = x->q + (int64_t)r0 * 32; /* this block's first row's bytes: row r's 32 r further */      \
+        for (int block = 0; block < x->in / 32; block++, b++, xq += (int64_t)x->n * 32) {                          \
             PREFETCH_BLOCK(b)                                                                                      \
             _Pragma("GCC unroll 2") for (int t = 0; t < SETS; t++) {                                               \
                 __m256i sum[R][CHAINS(R, SETS)];                                                                   \
@@ -593,12 +594,12 @@ dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
                     __m256i quad = QUAD_##KIND(b, g), next = QUAD_##KIND(b, g + 1);                                \
                     for (int r = 0; r < R; r++) {                                                                  \
                         __m256i *chain = &sum[r][g / 2 % CHAINS(R, SETS)];                                         \
-                        *chain = DOT2_##ISA##_##KIND(*chain, quad, next, xq[r] + k + 4 * g);                       \
+                        *chain = DOT2_##ISA##_##KIND(*chain, quad, next, xq + 32 * r + 4 * g);                     \
                     }                                                                                              \
                 }                                                                                                  \
                 for (int r = 0; r < R; r++) {                                                                      \
                     for (int c = 1; c < CHAINS(R, SETS); c++) sum[r][0] = _mm256_add_epi32(sum[r][0], sum[r][c]);  \
-                    acc[r] = SET_##KIND(acc[r], sum[r][0], CENTRE_##ISA##_##KIND, b, x, r0 + r, block, t);         \
+                    acc[r] = SET_##KIND(acc[r], sum[r][0], CENTRE_##ISA##_##KIND, b, x, r0 + r, block, SETS, t);         \
                 }                                                                                                  \
             }                                                                                                      \
         }                                                                                                          \
@@ -702,9 +703,9 @@ static const Quantised *quantised_rows(const float *x, int64_t ldx, int n, int i
     int32_t *sum = (int32_t *)(offset + blocks * sets);
     int8_t *q = (int8_t *)(sum + blocks * sets);
     for (int r = 0; r < n; r++)
-        quantise_row(x + r * ldx, in, sets, q + (int64_t)r * in, scale + (int64_t)r * (in / 32),
-                     offset + (int64_t)r * (in / 32) * sets, sum + (int64_t)r * (in / 32) * sets);
-    held = (Quantised){q, scale, offset, sum, in, sets};
+        quantise_row(x + r * ldx, in, sets, n, q + (int64_t)r * 32, scale + r, offset + (int64_t)r * sets,
+                     sum + (int64_t)r * sets);
+    held = (Quantised){q, scale, offset, sum, in, sets, n};
     return &held;
 }
 
