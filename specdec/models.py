@@ -205,10 +205,18 @@ def load_gguf(path: Path, threads: int | None = None) -> LoadedModel:
 
 
 def load_tokenizer(path: str | os.PathLike | None) -> tuple[object, int]:
-    """A model's tokenizer and its vocabulary size (the width of its logits), without loading the weights."""
+    """A model's tokenizer and its vocabulary size (the width of its logits), without loading the weights: a GGUF
+    file's own (llama.cpp's, as the runtimes that read the file use; no conversion), else transformers'."""
+    source = model_path(path)
+    if source.is_file() and source.suffix.lower() == ".gguf":
+        from specdec.backends.llamacpp import GGUFModel
+        from specdec.backends.llamacpp.tokenizer import GGUFTokenizer
+
+        tokenizer = GGUFTokenizer(GGUFModel(source, vocab_only=True))
+        return tokenizer, tokenizer.vocab_size
     from transformers import AutoConfig, AutoTokenizer
 
-    directory = transformers_directory(model_path(path))
+    directory = transformers_directory(source)
     with _quiet_transformers():
         try:
             tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)

@@ -188,3 +188,24 @@ def test_datastore_command_builds_describes_and_drafts(tmp_path, capsys):
     assert code == 0 and result["stats"]["draft_tokens"] > 0  # the corpus's continuation was drafted
     assert main(["datastore", "info", str(tmp_path / "nowhere")]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_a_datastore_for_a_gguf_is_tokenized_as_its_runtimes_tokenize(tmp_path, capsys, monkeypatch):
+    from tiny_gguf import write_tiny_gguf
+
+    from specdec.models import load_model
+
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", seed=0)
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("the GGUF was converted to a transformers model for its tokenizer")
+
+    monkeypatch.setattr("specdec.models.transformers_directory", no_conversion)
+    text = "def add(a, b):\n    return a + b\n"
+    (tmp_path / "corpus.py").write_text(text)
+    assert main(["datastore", "build", "--from", str(tmp_path / "corpus.py"), "--out", str(tmp_path / "store"),
+                 "--model", str(gguf)]) == 0, capsys.readouterr().err
+    ids = load_model(str(gguf), backend="fused").tokenizer.encode(text, add_special_tokens=False)
+    store = datastores.load(tmp_path / "store")
+    assert store.header["num_tokens"] == len(ids)
+    assert store.best_next(ids[:3]) == (ids[3], 1)  # the file's own ids: the runtime's tokenizer's
