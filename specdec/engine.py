@@ -16,7 +16,7 @@ from specdec.backends.base import CausalLM, FeatureSource, TreeScorer, declares,
 from specdec.choices import MAX_TREE_WIDTH, check_max_new_tokens, check_num_draft_tokens, check_tree
 from specdec.errors import UsageError
 from specdec.policy import AUTO_MAX_K, AUTO_TREE_MAX_NODES, Policy, make_policy
-from specdec.proposers.base import EMPTY_DRAFT, Draft, FeatureProposer, Proposer, TreeProposer
+from specdec.proposers.base import EMPTY_DRAFT, CatchesUp, Draft, FeatureProposer, Proposer, TreeProposer
 from specdec.sampling import SamplingParams
 from specdec.step import (
     DraftTotals,
@@ -207,7 +207,7 @@ class Engine:
         self.target.reserve(min(len(context) + config.max_new_tokens + config.draft_positions(config.max_draft_tokens)
                                 + 1, max_length))
         sync(self.target, context[:-1], num_logits=0)  # prefill, reusing a prefix cached by an earlier request
-        produced = 0
+        produced, lagging = 0, True  # lagging: the drafter has not seen the last round (none has run yet)
         while produced < config.max_new_tokens:
             remaining = config.max_new_tokens - produced
             # 1. ask the policy how far to draft; a round emits at most k+1 tokens
@@ -215,7 +215,11 @@ class Engine:
             k = min(asked, remaining - 1)
             while config.draft_positions(k) > max_length - len(context) - 1:
                 k -= 1
-            # 2. draft
+            # 2. draft; a drafter that keeps state first takes in the rounds it missed, untimed: that backlog (the
+            # prompt, or the tokens of rounds that drafted nothing) is not what drafting k tokens costs
+            if k and lagging and declares(self.proposer, CatchesUp):
+                self.proposer.catch_up(context)
+            lagging = k == 0
             started = time.perf_counter()
             draft = self._propose(context, k, config.tree_widths(k, policy), config.sampling, generator)
             drafted = time.perf_counter()

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from specdec.backends import CausalLM, runtime_of, target_backend
 from specdec.errors import UsageError
-from specdec.models import LoadedModel, chat_prompt_ids, check_same_vocabulary, eos_token_ids, load_model
-from specdec.runtime_choice import resolve_backend
+from specdec.models import LoadedModel, chat_prompt_ids, check_same_vocabulary, eos_token_ids, load_model, model_path
+from specdec.runtime_choice import fused_reads, resolve_backend
 
 
 @dataclass
@@ -54,7 +54,7 @@ def load_target(model: str | os.PathLike | None = None, *, dtype: str = "auto", 
     target = load_model(model, dtype=dtype, device=device, backend=resolved, threads=threads)
     draft = None
     if draft_model is not None:
-        draft_resolved = resolve_backend(draft_backend(target), draft_model, dtype, device, threads)
+        draft_resolved = resolve_backend(draft_backend(target, draft_model), draft_model, dtype, device, threads)
         draft = load_model(draft_model, dtype=dtype, device=device, backend=draft_resolved, threads=threads)
     if draft is not None:
         check_same_vocabulary(target, draft)
@@ -105,7 +105,13 @@ def check_backend_serves(drafter: str, backend: str) -> None:
                          "--backend lean")
 
 
-def draft_backend(target: LoadedModel) -> str:
-    """Where a draft model runs: on llama.cpp too when it is a GGUF file and the target runs there (auto), else on
-    the lean runtime, as the target."""
-    return "auto" if target.backend_name == "llama.cpp" else "lean"
+def draft_backend(target: LoadedModel, draft_model: str | os.PathLike) -> str:
+    """Where a draft model runs: on llama.cpp too when it is a GGUF file and the target runs there (auto); on the
+    fused runtime when the target runs there and it reads the draft's GGUF from the file alone (no conversion: the
+    draft's passes cost what its weights' bytes do); else on the lean runtime."""
+    if target.backend_name == "llama.cpp":
+        return "auto"
+    source = model_path(draft_model)
+    if target.backend_name == "fused" and source.is_file() and source.suffix.lower() == ".gguf" and fused_reads(source):
+        return "fused"
+    return "lean"

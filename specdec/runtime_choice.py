@@ -80,12 +80,12 @@ def candidates(gguf: bool, source: Path | None = None) -> tuple[list[str], list[
 
     reason = unavailable()
     names = (["llama.cpp"] if gguf else []) + (["fused"] if reason is None else [])
-    if reason is not None or not (gguf and source is not None and _fused_reads(source)):
+    if reason is not None or not (gguf and source is not None and fused_reads(source)):
         names.append("lean")
     return names, [] if reason is None else [reason]
 
 
-def _fused_reads(source: Path) -> bool:
+def fused_reads(source: Path) -> bool:
     """Whether the fused runtime reads this GGUF from the file alone."""
     from specdec.backends.fused import gguf_unavailable
     from specdec.backends.gguf_file import read_gguf

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import time
 from collections import Counter
 from dataclasses import replace
 
@@ -423,3 +424,44 @@ def test_capabilities_are_declared_and_a_missing_one_is_refused_by_name():
     for drafter, capability in (("eagle", "FeatureSource"), ("mtp", "FeatureSource"), ("early-exit", "ShallowRunner")):
         with pytest.raises(UsageError, match=capability):
             make_proposer(drafter, plain, object())
+
+
+class _Scripted:
+    """A policy that drafts the lengths it is given, in turn, and keeps what each round cost the drafter."""
+
+    name = "scripted"
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths, self.draft_seconds = list(lengths), []
+
+    def next_k(self, max_k: int) -> int:
+        return min(self.lengths.pop(0) if self.lengths else 2, max_k)
+
+    def observe(self, verdict, draft_seconds: float, target_seconds: float) -> None:
+        self.draft_seconds.append(draft_seconds)
+
+    def tree_widths(self, depth: int) -> list[int]:
+        return [1] * depth
+
+
+def test_a_draft_models_backlog_is_taken_in_apart_from_what_drafting_costs(target_and_draft):
+    """The prompt, and the tokens of rounds that drafted nothing, reach the draft model before the timed proposal
+    (catch_up): the policy learns the cost of drafting k tokens, not of a backlog; the tokens stay plain greedy's."""
+    target, draft = target_and_draft
+    caught_up: list[int] = []
+
+    class Slow(DraftModelProposer):
+        def catch_up(self, context):
+            caught_up.append(len(context))
+            time.sleep(0.3)  # a backlog far dearer than any proposal of these tiny models
+            super().catch_up(context)
+
+    engine = Engine(LeanRuntime(target), Slow(LeanRuntime(draft), target.config.vocab_size))
+    policy = _Scripted([2, 0, 0, 0, 2, 2])
+    config = GenerationConfig(max_new_tokens=16, stop_at_eos=False)
+    rounds = list(engine.rounds(PROMPTS[0], config, policy))
+    tokens = [t for round_ in rounds for t in round_.tokens]
+    assert tokens == reference_greedy(target, PROMPTS[0], 16)
+    after_plain = len(PROMPTS[0]) + sum(len(r.tokens) for r in rounds[:4])
+    assert caught_up == [len(PROMPTS[0]), after_plain]  # the first round's and the one after the plain ones
+    assert max(policy.draft_seconds) < 0.3

@@ -511,3 +511,15 @@ def test_figure_1_alone_runs_from_the_gguf_as_stored(tiny, tmp_path, capsys, mon
     assert main(args + ["--only", "1,5"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--only takes figures among 1, 2, 3, 4" in err[0]
+
+
+def test_a_gguf_draft_model_runs_beside_a_fused_target_from_its_file(tiny, tiny_draft, monkeypatch):
+    from specdec.loading import load_target
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("the draft GGUF was converted to a transformers model")
+
+    monkeypatch.setattr("specdec.models.transformers_directory", no_conversion)
+    loaded = load_target(str(tiny), backend="fused", draft_model=str(tiny_draft))
+    assert loaded.target.backend == "fused" and loaded.draft.backend == "fused"
+    assert loaded.draft.runtime.name == "fused"

@@ -49,6 +49,15 @@ class Proposer(Protocol):
         ...
 
 
+class CatchesUp(Protocol):
+    """A proposer that keeps state per context (a draft model's KV cache), brought up to date before it drafts."""
+
+    def catch_up(self, context: list[int]) -> None:
+        """Bring the state up to ``context`` but its last token, which the proposal itself then feeds. The engine
+        times this apart: after rounds that drafted nothing it is a backlog of tokens, not the cost of drafting."""
+        ...
+
+
 class TreeProposer(Protocol):
     """A proposer that also drafts token trees."""
 

@@ -12,11 +12,11 @@ import torch.nn.functional as F
 
 from specdec.backends.base import CausalLM, sync
 from specdec.errors import UsageError
-from specdec.proposers.base import EMPTY_DRAFT, Draft, TreeProposer, draft_of, spine_tree
+from specdec.proposers.base import EMPTY_DRAFT, CatchesUp, Draft, TreeProposer, draft_of, spine_tree
 from specdec.sampling import SamplingParams, draft_token, ranked
 
 
-class DraftModelProposer(TreeProposer):
+class DraftModelProposer(TreeProposer, CatchesUp):
     name = "draft-model"
 
     def __init__(self, model: CausalLM, target_vocab_size: int) -> None:
@@ -57,6 +57,10 @@ class DraftModelProposer(TreeProposer):
             if i < len(widths) - 1:
                 logits = self.model.extend([token], num_logits=1)[0]
         return tokens, rows, alternatives
+
+    def catch_up(self, context: list[int]) -> None:
+        if len(context) > 1 and max(context) < self.model.vocab_size:
+            sync(self.model, context[:-1], num_logits=0)
 
     def clear_cache(self) -> None:
         self.model.rollback(0)
