@@ -10,6 +10,8 @@ from specdec.drafters.networks import DraftLM, prepare_for_drafting
 
 
 class DraftLMRuntime:
+    pass_invariant = False  # torch's kernels decide; a drafter's rows decide no token
+
     def __init__(self, network: DraftLM, max_length: int) -> None:
         self.network = prepare_for_drafting(network.eval())
         self.device = network.vocab.ids.device
@@ -22,6 +24,11 @@ class DraftLMRuntime:
     @torch.inference_mode()
     def extend(self, token_ids: list[int], num_logits: int) -> torch.Tensor:  # [num_logits, vocab]
         start = len(self.tokens)
+        if not token_ids or not num_logits:  # a catch-up: the cache only
+            if token_ids:
+                self.network(torch.tensor([token_ids], dtype=torch.long, device=self.device), self._cache, start)
+                self.tokens += token_ids
+            return torch.empty(0, self.network.vocab.vocab_size, device=self.device)
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, n]
         hidden = self.network(ids, self._cache, start)[0]  # [n, hidden]
         self.tokens += token_ids
