@@ -428,14 +428,15 @@ typedef struct {
     const int8_t *q;      /* [in / 32, n, 32] */
     const float *scale;   /* [in / 32, n]: e */
     const float *offset;  /* [in / 32, n, sets]: e float(sum xq) per set */
-    const int32_t *sum;   /* [in / 32, n, sets]: sum xq per set */
+    const int32_t *start; /* [in / 32, n, sets]: OFFSET sum xq per set, where a tile's integer sums start */
     int in, sets, n;
 } Quantised;
 
 /* Row x [in] as bytes per block of 32 (above): q, and per block its scale and per set its sum and offset, block
  * after block `n` rows apart (Quantised). */
-__attribute__((target("avx2,fma,f16c"))) static void quantise_row(const float *x, int in, int sets, int n, int8_t *q,
-                                                                  float *scale, float *offset, int32_t *sum) {
+__attribute__((target("avx2,fma,f16c"))) static void quantise_row(const float *x, int in, int sets, int n, int start_of,
+                                                                  int8_t *q, float *scale, float *offset,
+                                                                  int32_t *start) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int k = 0, block = 0; k < in; k += 32, block++) {
         __m256 v[4], most = _mm256_setzero_ps();
@@ -462,41 +463,38 @@ __attribute__((target("avx2,fma,f16c"))) static void quantise_row(const float *x
         for (int s = 0; s < sets; s++) {
             int32_t total = 0;
             for (int i = s * 8 / sets; i < (s + 1) * 8 / sets; i++) total += lanes[i];
-            sum[((int64_t)block * n) * sets + s] = total;
+            start[((int64_t)block * n) * sets + s] = start_of * total;
             offset[((int64_t)block * n) * sets + s] = e * (float)total;
         }
     }
 }
 
-/* acc + set t of block `block` of quantised row `row`, for 8 outputs: isum, their integer sums over the set (plus
- * `centre` sum(xq): where the tile summed q - centre, or where the offset is -centre times the scale), times the
- * set's scales d and the row's block scale e. */
+/* acc + set t of block `block` of quantised row `row`, for 8 outputs: isum, their integer sums over the set
+ * (started from the row's OFFSET sum(xq): where the tile summed q - centre, or where the offset is -centre times the
+ * scale), times the set's scales d and the row's block scale e. */
 static inline int64_t block_of(const Quantised *x, int row, int block) { return (int64_t)block * x->n + row; }
 
-__attribute__((target("avx2,fma,f16c"))) static inline __m256 add_scaled(__m256 acc, __m256i isum, int centre,
-                                                                        __m256 d, const Quantised *x, int row,
-                                                                        int block, int sets, int t) {
-    int64_t at = block_of(x, row, block);
-    isum = _mm256_add_epi32(isum, _mm256_set1_epi32(centre * x->sum[at * sets + t]));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(x->scale[at])), acc);
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 add_scaled(__m256 acc, __m256i isum, __m256 d,
+                                                                        const Quantised *x, int row, int block) {
+    __m256 de = _mm256_mul_ps(d, _mm256_set1_ps(x->scale[block_of(x, row, block)]));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), de, acc);
 }
 
 /* add_scaled, then the set's offsets m (8) times the row's e sum(xq) over the set. */
-__attribute__((target("avx2,fma,f16c"))) static inline __m256 add_set(__m256 acc, __m256i isum, int centre, __m256 d,
-                                                                     __m256 m, const Quantised *x, int row,
-                                                                     int block, int sets, int t) {
-    acc = add_scaled(acc, isum, centre, d, x, row, block, sets, t);
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 add_set(__m256 acc, __m256i isum, __m256 d, __m256 m,
+                                                                     const Quantised *x, int row, int block,
+                                                                     int sets, int t) {
+    acc = add_scaled(acc, isum, d, x, row, block);
     return _mm256_fmadd_ps(m, _mm256_set1_ps(x->offset[block_of(x, row, block) * sets + t]), acc);
 }
 
 /* A set's scales for the block's 8 outputs, and a set of a quad block added to acc (SET_*: a Q6 block's offsets
  * are -32 times its scales, so its sums take -32 sum(xq) in integers, exactly, and no float offset). */
 #define SET_D(b, t) _mm256_loadu_ps((const float *)(b)->d + 8 * (t))
-#define SET_Q8(acc, isum, centre, b, x, row, block, sets, t)                                                       \
-    add_set(acc, isum, centre, SET_D(b, t), _mm256_loadu_ps((const float *)(b)->m + 8 * (t)), x, row, block, sets, t)
+#define SET_Q8(acc, isum, b, x, row, block, sets, t)                                                               \
+    add_set(acc, isum, SET_D(b, t), _mm256_loadu_ps((const float *)(b)->m + 8 * (t)), x, row, block, sets, t)
 #define SET_Q4 SET_Q8
-#define SET_Q6(acc, isum, centre, b, x, row, block, sets, t)                                                       \
-    add_scaled(acc, isum, (centre) - 32, SET_D(b, t), x, row, block, sets, t)
+#define SET_Q6(acc, isum, b, x, row, block, sets, t) add_scaled(acc, isum, SET_D(b, t), x, row, block)
 
 /* Q4I and Q6I, the integer-only formats (a GGUF's 4-bit and 6-bit blocks), hold a block's 32 inputs as 8 quads:
  * quad g (inputs 4g..4g+3) of the 8 rows is 32 bytes, row j's 4 at 4j. One register then holds a quad with a row
@@ -554,7 +552,7 @@ dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
  * maddubs adds pairs of products in int16: 6-bit and 4-bit weights' pairs from two quads add up there too before
  * madd widens them (2 x 2 x 63 x 127 < 2^15); a byte q up to 255 could saturate a pair, so on AVX2 a Q8 byte is taken
  * as q - 128 (its magnitude times the input's sign-corrected byte: at most 2 x 128 x 127), each quad widened alone,
- * and add_set adds 128 sum(xq) back (CENTRE). The sums are exact integers, so both give the same bits. */
+ * and its sums start from 128 sum(xq) (OFFSET). The sums are exact integers, so both give the same bits. */
 /* Independent sums a row's set is split among (quads g and g + 1 in chain g / 2 % CHAINS), enough across the R rows
  * that a sum's latency does not stall the next (vpdpbusd: 4 or 5 cycles, 2 a cycle). */
 #define CHAINS(R, SETS) ((R) <= 3 ? 4 / (SETS) : 2)
@@ -571,12 +569,14 @@ dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
 #define DOT2_VNNI_Q4(sum, w0, w1, x) dpbusd_broadcast(dpbusd_broadcast(sum, w0, x), w1, (x) + 4)
 #define DOT2_VNNI_Q6 DOT2_VNNI_Q4
 #define DOT2_VNNI_Q8 DOT2_VNNI_Q4
-#define CENTRE_AVX2_Q8 128
-#define CENTRE_AVX2_Q4 0
-#define CENTRE_AVX2_Q6 0
-#define CENTRE_VNNI_Q8 0
-#define CENTRE_VNNI_Q4 0
-#define CENTRE_VNNI_Q6 0
+/* OFFSET: what a tile's integer sums start from, times sum(xq): 128 where AVX2 summed a Q8 byte as q - 128, -32 for
+ * Q6's offset (-32 times its scale), 0 elsewhere (integer_offset, below, says the same for the quantiser). */
+#define OFFSET_AVX2_Q8 128
+#define OFFSET_AVX2_Q4 0
+#define OFFSET_AVX2_Q6 (-32)
+#define OFFSET_VNNI_Q8 0
+#define OFFSET_VNNI_Q4 0
+#define OFFSET_VNNI_Q6 (-32)
 #define TILE_QUAD(NAME, TARGET, ISA, BLOCK, SETS, KIND, R)                                                         \
     __attribute__((target(TARGET))) static void NAME##_##R(const void *w, const Quantised *x, int r0,              \
                                                            float out[GROUP512][8]) {                               \
@@ -588,8 +588,11 @@ dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
             PREFETCH_BLOCK(b)                                                                                      \
             _Pragma("GCC unroll 2") for (int t = 0; t < SETS; t++) {                                               \
                 __m256i sum[R][CHAINS(R, SETS)];                                                                   \
-                for (int r = 0; r < R; r++)                                                                        \
+                for (int r = 0; r < R; r++) {                                                                      \
                     for (int c = 0; c < CHAINS(R, SETS); c++) sum[r][c] = _mm256_setzero_si256();                  \
+                    if (OFFSET_##ISA##_##KIND)                                                                     \
+                        sum[r][0] = _mm256_set1_epi32(x->start[block_of(x, r0 + r, block) * SETS + t]);            \
+                }                                                                                                  \
                 _Pragma("GCC unroll 4") for (int g = t * 8 / SETS; g < (t + 1) * 8 / SETS; g += 2) {               \
                     __m256i quad = QUAD_##KIND(b, g), next = QUAD_##KIND(b, g + 1);                                \
                     for (int r = 0; r < R; r++) {                                                                  \
@@ -599,7 +602,7 @@ dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
                 }                                                                                                  \
                 for (int r = 0; r < R; r++) {                                                                      \
                     for (int c = 1; c < CHAINS(R, SETS); c++) sum[r][0] = _mm256_add_epi32(sum[r][0], sum[r][c]);  \
-                    acc[r] = SET_##KIND(acc[r], sum[r][0], CENTRE_##ISA##_##KIND, b, x, r0 + r, block, SETS, t);         \
+                    acc[r] = SET_##KIND(acc[r], sum[r][0], b, x, r0 + r, block, SETS, t);         \
                 }                                                                                                  \
             }                                                                                                      \
         }                                                                                                          \
@@ -688,7 +691,7 @@ static atomic_int scratch_failed; /* a product could not have its quantised rows
 
 /* The rows x [n, ldx] quantised per block (Quantised) in the calling thread's scratch, kept and grown; 0 if it
  * could not be had. */
-static const Quantised *quantised_rows(const float *x, int64_t ldx, int n, int in, int sets) {
+static const Quantised *quantised_rows(const float *x, int64_t ldx, int n, int in, int sets, int start_of) {
     static _Thread_local Quantised held;
     static _Thread_local void *bytes;
     static _Thread_local size_t capacity;
@@ -700,20 +703,26 @@ static const Quantised *quantised_rows(const float *x, int64_t ldx, int n, int i
         capacity = need;
     }
     float *scale = (float *)bytes, *offset = scale + blocks;
-    int32_t *sum = (int32_t *)(offset + blocks * sets);
-    int8_t *q = (int8_t *)(sum + blocks * sets);
+    int32_t *start = (int32_t *)(offset + blocks * sets);
+    int8_t *q = (int8_t *)(start + blocks * sets);
     for (int r = 0; r < n; r++)
-        quantise_row(x + r * ldx, in, sets, n, q + (int64_t)r * 32, scale + r, offset + (int64_t)r * sets,
-                     sum + (int64_t)r * sets);
-    held = (Quantised){q, scale, offset, sum, in, sets, n};
+        quantise_row(x + r * ldx, in, sets, n, start_of, q + (int64_t)r * 32, scale + r, offset + (int64_t)r * sets,
+                     start + (int64_t)r * sets);
+    held = (Quantised){q, scale, offset, start, in, sets, n};
     return &held;
+}
+
+/* The OFFSET of the tiles that multiply an integer format here (the 8-bit formats' differs between AVX2 and VNNI). */
+static int integer_offset(int format) {
+    if (format == Q6I) return -32;
+    return (format == Q8I || format == Q8HI) && !has_vnni ? 128 : 0;
 }
 
 /* The rows x [n, ldx] as the matrix's integer tiles read them (quantised_rows), or NULL: for a float format, or
  * (scratch_failed then set) when they could not be had. */
 static const Quantised *inputs_for(const Matrix *m, const float *x, int64_t ldx, int n) {
     if (!INTEGER(m->format)) return NULL;
-    const Quantised *xq = quantised_rows(x, ldx, n, m->in, SETS(m->format));
+    const Quantised *xq = quantised_rows(x, ldx, n, m->in, SETS(m->format), integer_offset(m->format));
     if (!xq) atomic_store(&scratch_failed, 1);
     return xq;
 }
