@@ -111,7 +111,6 @@ def draft_backend(target: LoadedModel, draft_model: str | os.PathLike) -> str:
     draft's passes cost what its weights' bytes do); else on the lean runtime."""
     if target.backend_name == "llama.cpp":
         return "auto"
-    source = model_path(draft_model)
-    if target.backend_name == "fused" and source.is_file() and source.suffix.lower() == ".gguf" and fused_reads(source):
+    if target.backend_name == "fused" and fused_reads(model_path(draft_model)):
         return "fused"
     return "lean"

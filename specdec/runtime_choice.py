@@ -86,7 +86,9 @@ def candidates(gguf: bool, source: Path | None = None) -> tuple[list[str], list[
 
 
 def fused_reads(source: Path) -> bool:
-    """Whether the fused runtime reads this GGUF from the file alone."""
+    """Whether ``source`` is a GGUF file that the fused runtime reads from the file alone."""
+    if not (source.is_file() and source.suffix.lower() == ".gguf"):
+        return False
     from specdec.backends.fused import gguf_unavailable
     from specdec.backends.gguf_file import read_gguf
 

@@ -273,13 +273,11 @@ def stored_runtimes(model_name, threads: int | None) -> list[tuple[str, object]]
     """Figure 1's runtimes straight from a GGUF file that the fused runtime reads as stored (llama.cpp, and the
     fused runtime with integer and with float products: ``python -m specdec.bench.passes``'s), with no conversion
     to a transformers model; None where the model is not such a file."""
-    from specdec.backends.fused import gguf_unavailable
-    from specdec.backends.gguf_file import read_gguf
     from specdec.bench.passes import runtimes
     from specdec.models import model_path
+    from specdec.runtime_choice import fused_reads
 
-    source = model_path(model_name)
-    if source.suffix.lower() != ".gguf" or gguf_unavailable(read_gguf(source)) is not None:
+    if not fused_reads(model_path(model_name)):
         return None
     found = runtimes(model_name, threads or torch.get_num_threads())
     return [(label, lambda runtime=runtime: runtime) for label, runtime in found.items()]
@@ -289,27 +287,32 @@ def run_figures(args) -> int:
     from specdec.bench.prompts import read_prompts
     from specdec.errors import UsageError
     from specdec.loading import encode_prompt, load_target
+    from specdec.models import load_tokenizer
 
     if args.repeats < 1 or args.max_batch < 1:
         raise UsageError("--repeats and --max-batch must be >= 1")
     which, out = figures_asked(args.only), Path(args.out)
+
+    def prompt_ids(tokenizer) -> list[list[int]]:
+        return [encode_prompt(tokenizer, p.text, None if p.chat else False)
+                for p in read_prompts(args.prompts, limit=args.limit)]
+
     stored = stored_runtimes(args.model, args.threads) if which == ("1",) else None
-    drafted = {"2", "3", "4"} & set(which)
-    loaded = load_target(args.model, dtype="float32" if stored is None else "auto", device=args.device,
-                         backend="torch" if stored is None else "fused",
-                         draft_model=args.draft_model if drafted else None)
-    target = loaded.target
-    prompts = [encode_prompt(target.tokenizer, p.text, None if p.chat else False)
-               for p in read_prompts(args.prompts, limit=args.limit)]
     if stored is not None:  # figure 1 alone, of the file as stored: a model of billions of weights in seconds
         out.mkdir(parents=True, exist_ok=True)
         bar = _progress(len(stored) * len(POSITIONS))
-        print(draw_pass_costs(stored, prompts[0], out, args.repeats, bar.update))
+        print(draw_pass_costs(stored, prompt_ids(load_tokenizer(args.model)[0])[0], out, args.repeats, bar.update))
         bar.close()
         return 0
+    drafted = bool({"2", "3", "4"} & set(which))
+    loaded = load_target(args.model, dtype="float32", device=args.device, backend="torch",
+                         draft_model=args.draft_model if drafted else None)
+    target = loaded.target
+    prompts = prompt_ids(target.tokenizer)
+    draft_model = None  # figure 1 alone needs none
     if loaded.draft is not None:
         draft_model = loaded.draft.model
-    else:
+    elif drafted:
         draft_model = default_draft(target.model, layers=max(1, 3 * target.model.config.num_hidden_layers // 4))
     for path in make_figures(target, draft_model, prompts, out, repeats=args.repeats,
                              new_tokens=args.max_new_tokens, max_batch=args.max_batch, gguf=target.gguf,

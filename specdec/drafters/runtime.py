@@ -23,16 +23,13 @@ class DraftLMRuntime:
 
     @torch.inference_mode()
     def extend(self, token_ids: list[int], num_logits: int) -> torch.Tensor:  # [num_logits, vocab]
-        start = len(self.tokens)
-        if not token_ids or not num_logits:  # a catch-up: the cache only
-            if token_ids:
-                self.network(torch.tensor([token_ids], dtype=torch.long, device=self.device), self._cache, start)
-                self.tokens += token_ids
-            return torch.empty(0, self.network.vocab.vocab_size, device=self.device)
-        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, n]
-        hidden = self.network(ids, self._cache, start)[0]  # [n, hidden]
-        self.tokens += token_ids
         vocab = self.network.vocab
+        if token_ids:
+            ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, n]
+            hidden = self.network(ids, self._cache, len(self.tokens))[0]  # [n, hidden]
+            self.tokens += token_ids
+        if not num_logits:  # a catch-up: the cache only
+            return torch.empty(0, vocab.vocab_size, device=self.device)
         return vocab.widen(vocab.logits(hidden[len(token_ids) - num_logits :]))
 
     def rollback(self, length: int) -> None:

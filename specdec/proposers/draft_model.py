@@ -43,7 +43,7 @@ class DraftModelProposer(TreeProposer, CatchesUp):
                generator: torch.Generator | None) -> tuple[list[int], list, list[list[int]]]:
         """len(widths) tokens drafted autoregressively (and their distributions), with the ``widths[d] - 1`` tokens
         the draft model ranks next at each."""
-        if not widths or max(context) >= self.model.vocab_size:  # an id the draft model cannot embed
+        if not widths or not self._embeds(context):
             return [], [], []
         logits = sync(self.model, context, num_logits=1)[0]  # [vocab_d]: rejected draft tokens are dropped here
         tokens: list[int] = []
@@ -59,8 +59,12 @@ class DraftModelProposer(TreeProposer, CatchesUp):
         return tokens, rows, alternatives
 
     def catch_up(self, context: list[int]) -> None:
-        if len(context) > 1 and max(context) < self.model.vocab_size:
+        if self._embeds(context):
             sync(self.model, context[:-1], num_logits=0)
+
+    def _embeds(self, context: list[int]) -> bool:
+        """Whether the draft model can embed every id of ``context`` (a wider target's may lie past its own)."""
+        return max(context) < self.model.vocab_size
 
     def clear_cache(self) -> None:
         self.model.rollback(0)

@@ -570,13 +570,15 @@ dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
 #define DOT2_VNNI_Q6 DOT2_VNNI_Q4
 #define DOT2_VNNI_Q8 DOT2_VNNI_Q4
 /* OFFSET: what a tile's integer sums start from, times sum(xq): 128 where AVX2 summed a Q8 byte as q - 128, -32 for
- * Q6's offset (-32 times its scale), 0 elsewhere (integer_offset, below, says the same for the quantiser). */
+ * Q6's offset (-32 times its scale), 0 elsewhere; OFFSET_OF, a format's, for the quantiser (integer_offset). */
 #define OFFSET_AVX2_Q8 128
 #define OFFSET_AVX2_Q4 0
 #define OFFSET_AVX2_Q6 (-32)
 #define OFFSET_VNNI_Q8 0
 #define OFFSET_VNNI_Q4 0
 #define OFFSET_VNNI_Q6 (-32)
+#define OFFSET_OF(ISA, format)                                                                                     \
+    ((format) == Q6I ? OFFSET_##ISA##_Q6 : (format) == Q4I ? OFFSET_##ISA##_Q4 : OFFSET_##ISA##_Q8)
 #define TILE_QUAD(NAME, TARGET, ISA, BLOCK, SETS, KIND, R)                                                         \
     __attribute__((target(TARGET))) static void NAME##_##R(const void *w, const Quantised *x, int r0,              \
                                                            float out[GROUP512][8]) {                               \
@@ -602,7 +604,7 @@ dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
                 }                                                                                                  \
                 for (int r = 0; r < R; r++) {                                                                      \
                     for (int c = 1; c < CHAINS(R, SETS); c++) sum[r][0] = _mm256_add_epi32(sum[r][0], sum[r][c]);  \
-                    acc[r] = SET_##KIND(acc[r], sum[r][0], b, x, r0 + r, block, SETS, t);         \
+                    acc[r] = SET_##KIND(acc[r], sum[r][0], b, x, r0 + r, block, SETS, t);                      \
                 }                                                                                                  \
             }                                                                                                      \
         }                                                                                                          \
@@ -713,10 +715,7 @@ static const Quantised *quantised_rows(const float *x, int64_t ldx, int n, int i
 }
 
 /* The OFFSET of the tiles that multiply an integer format here (the 8-bit formats' differs between AVX2 and VNNI). */
-static int integer_offset(int format) {
-    if (format == Q6I) return -32;
-    return (format == Q8I || format == Q8HI) && !has_vnni ? 128 : 0;
-}
+static int integer_offset(int format) { return has_vnni ? OFFSET_OF(VNNI, format) : OFFSET_OF(AVX2, format); }
 
 /* The rows x [n, ldx] as the matrix's integer tiles read them (quantised_rows), or NULL: for a float format, or
  * (scratch_failed then set) when they could not be had. */
