@@ -10,7 +10,7 @@ from specdec.choices import DEFAULT_SAMPLING_METHOD, check_datastore_drafter
 from specdec.engine import Engine, GenerationConfig, GenerationStats
 from specdec.errors import UsageError
 from specdec.loading import Loaded, draft_source, encode_prompt, load_target
-from specdec.models import LoadedModel, check_same_vocabulary
+from specdec.models import LoadedModel
 from specdec.proposers import make_proposer
 from specdec.sampling import SamplingParams
 from specdec.step import Round
@@ -36,20 +36,22 @@ class SpecDecoder:
     """
 
     def __init__(self, target: LoadedModel, drafter: str = "prompt-lookup", draft: LoadedModel | None = None,
-                 precision: str | None = None, datastore=None, drafter_path: str | os.PathLike | None = None):
+                 precision: str | None = None, datastore=None, drafter_path: str | os.PathLike | None = None,
+                 cross_vocabulary: str = "auto"):
         """``precision``: None runs the models in the dtype they were loaded in; "auto" lets the lean runtime pick,
         per kind of pass, the fastest weight precision that keeps the target's outputs (see backends/lean/precision.py).
         ``datastore``: a loaded retrieval datastore (specdec.datastore.load), for the retrieval drafter.
         ``drafter_path``: a trained drafter's directory (``specdec train``) for draft-model, mtp, eagle or
         early-exit; without it, the one shipped for the target.
+        ``cross_vocabulary``: how a draft model with another tokenizer than the target's proposes: "text"
+        (string-level exact match), "intersection" (the tokens both vocabularies hold) or "auto" (text when greedy,
+        intersection when sampling).
         """
-        if draft is not None:
-            check_same_vocabulary(target, draft)
         self.target = target
         self.tokenizer = target.tokenizer
         self.drafter = drafter
         loaded = Loaded(target, draft, datastore, precision)
-        source = draft_source(drafter, target, loaded.runtime, draft, precision, drafter_path)
+        source = draft_source(drafter, target, loaded.runtime, draft, precision, drafter_path, cross_vocabulary)
         proposer = make_proposer(drafter, loaded.runtime, source, datastore)
         self.engine = Engine(loaded.runtime, proposer, eos_token_ids=loaded.stop_ids)
 
@@ -65,6 +67,7 @@ class SpecDecoder:
         drafter_path: str | os.PathLike | None = None,
         backend: str = "auto",
         threads: int | None = None,
+        cross_vocabulary: str = "auto",
     ) -> SpecDecoder:
         """Load from local paths (a transformers directory or a .gguf file); ``model=None`` is the default model.
 
@@ -73,7 +76,8 @@ class SpecDecoder:
         target here, else lean); ``threads``: llama.cpp's CPU threads.
 
         ``drafter`` defaults to ``draft-model`` when a draft model is given, ``retrieval`` when a datastore is,
-        the method of the drafter at ``drafter_path`` when one is given, else ``prompt-lookup``.
+        the method of the drafter at ``drafter_path`` when one is given, else ``prompt-lookup``. A draft model
+        may have any tokenizer (``cross_vocabulary``, as in the constructor).
         """
         from specdec.drafters.loading import parse_drafter_paths
 
@@ -88,7 +92,7 @@ class SpecDecoder:
         loaded = load_target(model, dtype=dtype, device=device, backend=backend, threads=threads, datastore=datastore,
                              draft_model=draft_model if drafter == "draft-model" else None, drafters=(drafter,))
         return cls(loaded.target, drafter=drafter, draft=loaded.draft, precision=loaded.precision,
-                   datastore=loaded.datastore, drafter_path=drafter_path)
+                   datastore=loaded.datastore, drafter_path=drafter_path, cross_vocabulary=cross_vocabulary)
 
     def encode(self, prompt: str, chat: bool | None = None) -> list[int]:
         """Token ids of the prompt; ``chat`` applies the chat template (None: when the model has one)."""

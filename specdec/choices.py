@@ -21,6 +21,8 @@ def _drafter_files() -> tuple[str, ...]:
 DRAFTERS = BUILT_IN_DRAFTERS + tuple(sorted(set(_drafter_files()) - set(BUILT_IN_DRAFTERS)))
 TRAINED_METHODS = ("draft-model", "mtp", "eagle", "early-exit")  # specdec train --method: drafters it makes
 SERVED_DRAFTERS = ("none", "prompt-lookup", "retrieval")  # drafters with per-request state and no model to batch
+# --cross-vocabulary: how a draft model with another tokenizer proposes (proposers/draft_model.py)
+CROSS_VOCABULARY_METHODS = ("auto", "text", "intersection")
 SPECULATION_MODES = ("auto", "always", "never")  # specdec serve --speculation
 BACKENDS = ("auto", "lean", "fused", "llama.cpp")  # --backend
 BACKEND_ALIASES = {"torch": "lean"}  # --backend values kept for scripts: the lean runtime's old name

@@ -12,6 +12,7 @@ from pathlib import Path
 from specdec import logs
 from specdec.choices import (
     BACKENDS,
+    CROSS_VOCABULARY_METHODS,
     DEFAULT_SAMPLING_METHOD,
     DRAFTERS,
     EXPORT_FORMATS,
@@ -39,6 +40,10 @@ SAMPLING_HELP = (f"how tokens are drawn at a temperature > 0 (default {DEFAULT_S
                  "Gumbel-max with noise keyed by the seed and each token's position, so a seed gives the same "
                  "tokens with any drafter or none; standard, the rejection rule min(1, p/q) with one random stream, "
                  "whose tokens depend on the drafts. Both draw exactly from the target's distribution")
+CROSS_HELP = ("how a draft model with another tokenizer than the target's proposes: text (its text re-encoded by the "
+              "target's tokenizer, string-level exact match), intersection (it drafts among the tokens both "
+              "vocabularies hold, with a proper distribution), or auto (default: text when greedy, intersection when "
+              "sampling). Both keep every emitted token the target's")
 BACKEND_HELP = ("what runs the target: lean (specdec's runtime in PyTorch; torch, its old name, is taken too), "
                 "fused (specdec's fused CPU runtime: int8 or float16 weights, every layer of a pass in one call), "
                 "llama.cpp (a .gguf file's weights as stored, on llama.cpp's CPU kernels), or auto (default: on the "
@@ -78,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     gen = commands.add_parser("generate", help="generate text from a prompt, with speculation")
     gen.add_argument("prompt", help="the prompt text ('-' reads it from standard input)")
-    gen.add_argument("--draft-model", default=None, help="draft model path (same vocabulary as the target)")
+    gen.add_argument("--draft-model", default=None,
+                     help="draft model path (a .gguf file or a transformers directory; any tokenizer)")
+    gen.add_argument("--cross-vocabulary", choices=CROSS_VOCABULARY_METHODS, default="auto", help=CROSS_HELP)
     gen.add_argument("--drafter", choices=list(DRAFTERS), default=None,
                      help="how to draft (default: draft-model if --draft-model is given, else prompt-lookup); "
                      "draft-model, mtp and eagle without a path use the drafter trained for the default model")
@@ -265,7 +272,8 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--out", default=None, help="also write the report as JSON here")
-    bench.add_argument("--draft-model", default=None)
+    bench.add_argument("--draft-model", default=None, help="a draft model (any tokenizer); with another tokenizer "
+                       "than the target's, draft-model/text and draft-model/intersection name one way each")
     bench.add_argument("--drafter-path", action="append", default=None, metavar="[METHOD=]DIR",
                        help="a trained drafter for draft-model, mtp, eagle or early-exit (repeatable; default: the "
                        "ones shipped for the target)")
@@ -443,7 +451,7 @@ def run_generate(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     decoder = SpecDecoder.load(args.model, args.draft_model, args.drafter, dtype=args.dtype, device=args.device,
                                datastore=args.datastore, drafter_path=args.drafter_path, backend=args.backend,
-                               threads=args.threads)
+                               threads=args.threads, cross_vocabulary=args.cross_vocabulary)
     prompt_ids = decoder.encode(prompt, args.chat)
     pieces: list[str] = []
 

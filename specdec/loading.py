@@ -1,7 +1,7 @@
 """Loading what a run needs, one recipe for the Python API, the server, the audit and the benchmarks: the datastore
-(checked before the slow load), the target, a draft model on the right backend, their vocabularies checked against
-each other, the target's runtime and stop ids (:class:`Loaded`); what each drafter drafts with; and prompts as token
-ids.
+(checked before the slow load), the target, a draft model on the right backend (its vocabulary the target's or its
+own, bridged by text), the target's runtime and stop ids (:class:`Loaded`); what each drafter drafts with; and prompts
+as token ids.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from specdec.backends import CausalLM, runtime_of, target_backend
 from specdec.errors import UsageError
-from specdec.models import LoadedModel, chat_prompt_ids, check_same_vocabulary, eos_token_ids, load_model, model_path
+from specdec.logs import notice
+from specdec.models import LoadedModel, chat_prompt_ids, eos_token_ids, load_model, model_path
 from specdec.runtime_choice import fused_reads, resolve_backend
 
 
@@ -44,7 +45,7 @@ def load_target(model: str | os.PathLike | None = None, *, dtype: str = "auto", 
                 backend: str = "auto", threads: int | None = None, datastore: str | os.PathLike | None = None,
                 draft_model: str | os.PathLike | None = None, drafters: tuple[str, ...] = ()) -> Loaded:
     """Check what can be checked first (the datastore, that the backend serves ``drafters``), then load the target
-    and the draft model, and check their vocabularies and the datastore's against the target."""
+    and the draft model, and check the datastore's vocabulary against the target's."""
     from specdec import datastore as datastores
 
     store = None if datastore is None else datastores.load(datastore)
@@ -56,8 +57,6 @@ def load_target(model: str | os.PathLike | None = None, *, dtype: str = "auto", 
     if draft_model is not None:
         draft_resolved = resolve_backend(draft_backend(target, draft_model), draft_model, dtype, device, threads)
         draft = load_model(draft_model, dtype=dtype, device=device, backend=draft_resolved, threads=threads)
-    if draft is not None:
-        check_same_vocabulary(target, draft)
     if store is not None:
         store.check_vocabulary(target.vocab_size)
     return Loaded(target, draft, store, "auto" if dtype == "auto" else None)
@@ -76,21 +75,45 @@ def encode_prompt(tokenizer, prompt: str, chat: bool | None = None) -> list[int]
 
 
 def draft_source(drafter: str, target: LoadedModel, backend, draft: LoadedModel | None, precision: str | None,
-                 drafter_path: str | os.PathLike | None = None):
+                 drafter_path: str | os.PathLike | None = None, cross_vocabulary: str = "auto"):
     """What --drafter ``drafter`` drafts with: a draft model's backend (a transformers model, or a trained draft
-    LM), a trained network (mtp, eagle, early-exit), or None (drafters that copy)."""
+    LM; a ``ForeignDraft`` where its tokenizer is not the target's, proposing by ``cross_vocabulary``), a trained
+    network (mtp, eagle, early-exit), or None (drafters that copy)."""
     from specdec.drafters.loading import TRAINED_METHODS, load_trained
     from specdec.drafters.runtime import DraftLMRuntime
 
     check_backend_serves(drafter, target.backend_name)
     if drafter == "draft-model" and draft is not None:
-        return runtime_of(draft, precision)
+        return draft_model_source(target, draft, runtime_of(draft, precision), cross_vocabulary)
     if drafter in TRAINED_METHODS:
         network = load_trained(drafter, target.transformers_model(), drafter_path)
         return DraftLMRuntime(network, backend.max_length) if drafter == "draft-model" else network
     if drafter_path is not None:
         raise UsageError(f"--drafter-path is for trained drafters (draft-model, mtp, eagle, early-exit), not {drafter}")
     return None
+
+
+def draft_model_source(target: LoadedModel, draft: LoadedModel, runtime: CausalLM, cross_vocabulary: str = "auto"):
+    """The draft model's runtime where it shares the target's vocabulary; else a ``ForeignDraft``: the runtime and
+    the bridge between the two tokenizers' texts. A pair that shares under half of the target's frequent tokens gets
+    one line saying so (it still drafts exactly; it is accepted less)."""
+    from specdec.choices import CROSS_VOCABULARY_METHODS
+    from specdec.proposers.draft_model import ForeignDraft
+    from specdec.vocabularies import LOW_OVERLAP, ChatFraming, ContextBridge, TokenText, frequent_overlap, same_vocabulary
+
+    if cross_vocabulary not in CROSS_VOCABULARY_METHODS:
+        raise UsageError(f"--cross-vocabulary must be one of {', '.join(CROSS_VOCABULARY_METHODS)}, "
+                         f"not {cross_vocabulary!r}")
+    if same_vocabulary(target.tokenizer, draft.tokenizer):
+        return runtime
+    target_text = TokenText(target.tokenizer, target.vocab_size)
+    draft_text = TokenText(draft.tokenizer, runtime.vocab_size)
+    overlap = frequent_overlap(target_text, draft_text)
+    if overlap < LOW_OVERLAP:
+        notice(f"the draft model's vocabulary holds {overlap:.0%} of the target's frequent tokens: it drafts across "
+               "tokenizers, exactly, but little of its text may be accepted")
+    bridge = ContextBridge(target_text, draft_text, ChatFraming.of(target.tokenizer), ChatFraming.of(draft.tokenizer))
+    return ForeignDraft(runtime, bridge, cross_vocabulary)
 
 
 def check_backend_serves(drafter: str, backend: str) -> None:

@@ -385,18 +385,6 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
 
 
-def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
-    """Refuse a draft model whose tokenizer maps text to other ids than the target's."""
-    target_vocab = target.tokenizer.get_vocab()
-    draft_vocab = draft.tokenizer.get_vocab()
-    if target_vocab != draft_vocab:
-        differing = sum(1 for token, i in draft_vocab.items() if target_vocab.get(token) != i)
-        raise UsageError(
-            f"the draft model's vocabulary differs from the target's ({len(draft_vocab)} vs {len(target_vocab)} "
-            f"tokens, {differing} mapped differently): a draft model must share the target's tokenizer"
-        )
-
-
 def eos_token_ids(loaded: LoadedModel) -> set[int]:
     """Token ids that end a generation: the tokenizer's EOS and the generation config's."""
     ids = set()

@@ -88,7 +88,8 @@ class MetadataField:
 def write_tiny_gguf(path: str | Path, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
                     ffn: int = 128, context: int = 512, seed: int = 0, tensor_type: str = "F32",
                     vocab_from: str | Path | None = None, architecture: str = "llama", head_dim: int = 0,
-                    window: int | None = None) -> Path:
+                    window: int | None = None, tokenizer: tuple[MetadataField, ...] | None = None,
+                    token_rows: tuple[tuple[int, ...], int] | None = None) -> Path:
     """Write a random-initialised llama model with ``vocab_from``'s tokenizer to ``path``; return the path.
 
     The weights depend only on the shape arguments and ``seed``; ``tensor_type`` (F32, F16, Q8_0, Q4_0 or Q4_1) is how
@@ -98,13 +99,18 @@ def write_tiny_gguf(path: str | Path, *, layers: int = 2, hidden: int = 64, head
     ``architecture``: one of ARCHITECTURES; ``head_dim``: a head's width, where not hidden / heads; ``window``: the
     sliding window (gemma's WINDOW by default; phi3's none, as llama.cpp applies none to phi3). A
     ``tensor_type`` of LLAMA_CPP_TYPES is written as F32, then quantised by llama.cpp's quantizer.
+    ``tokenizer``: the ``tokenizer.*`` fields themselves, instead of ``vocab_from``'s (tests/tiny_vocabularies.py
+    makes some). ``token_rows`` (rows, vocabulary): token i's embedding and output rows are row ``rows[i]`` of the
+    weights drawn for a model of that vocabulary and the same seed: a model over a sub-vocabulary of another that
+    computes what it does on the tokens they share.
     """
     if tensor_type in LLAMA_CPP_TYPES:
         from specdec.backends.llamacpp.quantize import quantize
 
         source = write_tiny_gguf(Path(path).with_suffix(".f32.gguf"), layers=layers, hidden=hidden, heads=heads,
                                  kv_heads=kv_heads, ffn=ffn, context=context, seed=seed, vocab_from=vocab_from,
-                                 architecture=architecture, head_dim=head_dim, window=window)
+                                 architecture=architecture, head_dim=head_dim, window=window, tokenizer=tokenizer,
+                                 token_rows=token_rows)
         quantize(source, Path(path), tensor_type, threads=2)
         source.unlink()
         return Path(path)
@@ -117,8 +123,8 @@ def write_tiny_gguf(path: str | Path, *, layers: int = 2, hidden: int = 64, head
     block = gguf.GGML_QUANT_SIZES[TENSOR_TYPES[tensor_type][1]][0]  # values per quantisation block; 1 for F32/F16
     if hidden % block or ffn % block:
         raise ValueError(f"{tensor_type} stores rows in blocks of {block} values: hidden and ffn must be multiples")
-    tokenizer = tokenizer_fields(str(vocab_from or _default_gguf()))
-    vocab = _vocab_size(tokenizer)
+    tokenizer = tokenizer or tokenizer_fields(str(vocab_from or _default_gguf()))
+    vocab = _vocab_size(tokenizer) if token_rows is None else token_rows[1]
     shape = TinyShape(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, context=context,
                       vocab=vocab, head_size=head_dim)
     file_type, weight_type = TENSOR_TYPES[tensor_type]
@@ -126,11 +132,16 @@ def write_tiny_gguf(path: str | Path, *, layers: int = 2, hidden: int = 64, head
     path = Path(path)
     arch = "llama" if architecture == "llama3" else architecture
     writer = gguf.GGUFWriter(path, arch)  # writes general.architecture itself
+    weights = architecture_weights(architecture, shape, seed)
+    if token_rows is not None:
+        rows = np.array(token_rows[0])
+        weights = {name: w[rows] if name in ("token_embd.weight", "output.weight") else w for name, w in weights.items()}
+        shape = TinyShape(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, context=context,
+                          vocab=len(rows), head_size=head_dim)
     _add_hyperparameters(writer, shape, file_type)
     _add_architecture(writer, architecture, WINDOW if window is None and architecture.startswith("gemma") else window)
     for field in tokenizer:
         writer.add_key_value(field.key, field.value, field.vtype, sub_type=field.sub_type)
-    weights = architecture_weights(architecture, shape, seed)
     for name, weight in weights.items():
         _add_tensor(writer, name, llama_cpp_layout(name, weight, shape) if arch == "llama" else weight, weight_type)
     writer.write_header_to_file()

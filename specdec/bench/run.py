@@ -16,7 +16,7 @@ from specdec.bench.contenders import Contender, LlamaCppContender, SpecdecConten
 from specdec.bench.prompts import read_prompts
 from specdec.bench.report import BASELINE, Run, build_report, markdown
 from specdec.bench.roofline import measure_roofline, roofline_markdown
-from specdec.choices import parse_num_draft_tokens, parse_tree
+from specdec.choices import CROSS_VOCABULARY_METHODS, parse_num_draft_tokens, parse_tree
 from specdec.drafters.loading import parse_drafter_paths
 from specdec.engine import Engine, GenerationConfig
 from specdec.errors import UsageError
@@ -63,12 +63,17 @@ def parse_contender(spec: str, default_k: int | str) -> tuple[str, int | str, tu
     as 3/2/1, or auto) -> (drafter name, k, tree widths, "auto" or None)."""
     name, _, rest = spec.partition(":")
     k, _, tree = rest.partition(":")
+    name, _, method = name.partition("/")
+    if method and (name != "draft-model" or method not in CROSS_VOCABULARY_METHODS):
+        raise UsageError(f"{spec}: only draft-model takes a cross-vocabulary method (draft-model/"
+                         f"{'|'.join(CROSS_VOCABULARY_METHODS)})")
     if name not in PROPOSERS and name not in REFERENCE_CONTENDERS:
         raise UsageError(f"unknown drafter {name!r}; choose from "
                          f"{', '.join(list(PROPOSERS) + list(REFERENCE_CONTENDERS))}")
     if tree and name in REFERENCE_CONTENDERS:
         raise UsageError(f"{name} drafts no trees")
-    return name, parse_num_draft_tokens(k) if k else default_k, parse_tree(tree or None)
+    return name + (f"/{method}" if method else ""), parse_num_draft_tokens(k) if k else default_k, \
+        parse_tree(tree or None)
 
 
 def build_contenders(specs: list[str], loaded: Loaded, num_draft_tokens: int | str,
@@ -93,10 +98,11 @@ def build_contenders(specs: list[str], loaded: Loaded, num_draft_tokens: int | s
             contenders.append(REFERENCE_CONTENDERS[name](spec, target, draft, k, eos))
         else:
             store = datastore if name == "retrieval" else None
+            drafter, _, method = name.partition("/")
             if name not in sources:
-                sources[name] = draft_source(name, target, backend, draft, precision,
-                                            (drafter_paths or {}).get(name))
-            engine = Engine(backend, make_proposer(name, backend, sources[name], store), eos_token_ids=eos)
+                sources[name] = draft_source(drafter, target, backend, draft, precision,
+                                             (drafter_paths or {}).get(drafter), method or "auto")
+            engine = Engine(backend, make_proposer(drafter, backend, sources[name], store), eos_token_ids=eos)
             engine.check_tree(tree)
             contenders.append(SpecdecContender(spec, engine, k, tree))
     return contenders, backend
@@ -134,7 +140,7 @@ def run_bench(args) -> int:
 
     loaded = load_target(args.model, dtype=args.dtype, device=args.device, backend=args.backend,
                          threads=args.threads, datastore=args.datastore, draft_model=args.draft_model,
-                         drafters=tuple(name.partition(":")[0] for name in names))
+                         drafters=tuple(name.partition(":")[0].partition("/")[0] for name in names))
     target = loaded.target
     contenders, backend = build_contenders(names, loaded, k, drafter_paths)
     prompts = [(p.id, p.category, encode_prompt(target.tokenizer, p.text, None if p.chat else False))

@@ -1,8 +1,14 @@
-"""The ``draft-model`` drafter: a smaller causal LM that shares the target's vocabulary drafts autoregressively.
+"""The ``draft-model`` drafter: a smaller causal LM drafts autoregressively, with the target's vocabulary or its own.
 
 It keeps its own KV cache. Before each proposal the cache is cut back to the longest prefix it shares with the
 context (:func:`sync`), so that rejected draft tokens are forgotten without the engine telling it what
 happened.
+
+A draft model with another tokenizer (:class:`ForeignDraftProposer`) reads the target's context as text in its own
+tokens (``vocabularies.ContextBridge``) and proposes target tokens in one of two ways (Timor et al., ICML 2025):
+``text``, string-level exact match (its text re-encoded by the target's tokenizer, the part whose tokens are
+settled), or ``intersection``, its distribution restricted to the tokens both vocabularies hold, so that it drafts
+target tokens with a proper q.
 """
 
 from __future__ import annotations
@@ -10,10 +16,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dataclasses import dataclass
+
 from specdec.backends.base import CausalLM, sync
+from specdec.choices import CROSS_VOCABULARY_METHODS
 from specdec.errors import UsageError
 from specdec.proposers.base import EMPTY_DRAFT, CatchesUp, Draft, TreeProposer, draft_of, spine_tree
 from specdec.sampling import SamplingParams, draft_token, ranked
+from specdec.vocabularies import ContextBridge, SharedTokens
 
 
 class DraftModelProposer(TreeProposer, CatchesUp):
@@ -74,9 +84,124 @@ class DraftModelProposer(TreeProposer, CatchesUp):
         return F.pad(probs, (0, self.target_vocab_size - probs.shape[-1]))
 
 
-def make(target: CausalLM, source: CausalLM | None, datastore) -> DraftModelProposer:
-    """A draft model's proposer: ``source`` is the draft model (loading.draft_source finds it)."""
+@dataclass(frozen=True)
+class ForeignDraft:
+    """A draft model with another tokenizer than the target's: the model, the bridge between the two texts, and how
+    it proposes (``CROSS_VOCABULARY_METHODS``)."""
+
+    model: CausalLM
+    bridge: ContextBridge
+    method: str = "auto"
+
+
+class ForeignDraftProposer(TreeProposer, CatchesUp):
+    """A draft model with its own vocabulary: ``text`` proposes the target's tokens of its text, ``intersection``
+    drafts among the tokens both vocabularies hold, ``auto`` the first when greedy (a point mass loses nothing
+    there, and the whole vocabulary drafts) and the second when sampling (a proper q, and under the invariant sampler
+    noise keyed by the target's ids and positions, as the target's is). Trees draft by intersection."""
+
+    name = "draft-model"
+
+    def __init__(self, source: ForeignDraft, target_vocab_size: int) -> None:
+        if source.method not in CROSS_VOCABULARY_METHODS:
+            raise UsageError(f"the cross-vocabulary method must be one of {', '.join(CROSS_VOCABULARY_METHODS)}, "
+                             f"not {source.method!r}")
+        self.model = source.model
+        self.bridge = source.bridge
+        self.method = source.method
+        self.target_vocab_size = target_vocab_size
+        self.shared = SharedTokens.of(source.bridge.target, source.bridge.draft)
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+                ) -> Draft:
+        if k == 0:
+            return EMPTY_DRAFT
+        if self.method == "text" or (self.method == "auto" and params.greedy):
+            return self._text_draft(context, k)
+        tokens, rows, _ = self._shared_chain(context, [1] * k, params, generator)
+        return draft_of(tokens, rows)
+
+    def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
+                     generator: torch.Generator | None) -> Draft:
+        tokens, rows, alternatives = self._shared_chain(context, widths, params, generator)
+        return spine_tree(tokens, rows, alternatives) if tokens else EMPTY_DRAFT
+
+    def catch_up(self, context: list[int]) -> None:
+        ids, _ = self.bridge.draft_context(context, self.model.tokens)
+        if len(ids) > 1:
+            sync(self.model, ids[:-1], num_logits=0)
+
+    def clear_cache(self) -> None:
+        self.model.rollback(0)
+
+    def _text_draft(self, context: list[int], k: int) -> Draft:
+        """String-level exact match: the draft model writes on greedily (its text is proposed as point masses,
+        each accepted with the target's probability of it: the draft's mode is its best guess at any temperature)
+        until its text holds k target tokens whose tokenisation is settled (all but the last, unless its text
+        ended), at most 2(k+1) of its own tokens; the target's tokenizer reads that text past what the target has
+        written."""
+        ids, pending = self.bridge.draft_context(context, self.model.tokens)
+        if not ids:
+            return EMPTY_DRAFT
+        logits = sync(self.model, ids, num_logits=1)[0]  # [vocab_d]
+        drafted: list[int] = []
+        proposal: list[int] = []
+        while True:
+            token = int(logits.argmax())  # a point mass is accepted with the target's probability of it: the mode
+            drafted.append(token)
+            ended = token in self.bridge.draft.control
+            proposal = self._settled(self.bridge.draft.text_of(drafted), pending, ended)
+            if ended or len(proposal) >= k or len(drafted) >= 2 * (k + 1):
+                break
+            logits = self.model.extend([token], num_logits=1)[0]
+        return Draft(tokens=proposal[:k])
+
+    def _settled(self, text: bytes, pending: bytes, ended: bool) -> list[int]:
+        """The target's tokens of the draft's ``text`` past ``pending`` (what the target wrote that the draft's
+        context did not hold): none if the text does not begin with it; the last left out unless the text ended,
+        since more text could merge into it."""
+        if not text.startswith(pending):
+            return []
+        new = text[len(pending):]
+        tokens, consumed = self.bridge.target.encode(new, final=ended)
+        if not (ended and consumed == len(new)):
+            tokens = tokens[:-1]
+        valid = 0
+        while valid < len(tokens) and 0 <= tokens[valid] < self.target_vocab_size:
+            valid += 1
+        return tokens[:valid]
+
+    def _shared_chain(self, context: list[int], widths: list[int], params: SamplingParams,
+                      generator: torch.Generator | None) -> tuple[list[int], list, list[list[int]]]:
+        """Token-level intersection: len(widths) target tokens drafted from the draft's distribution over the
+        shared tokens (renormalised, the target's sampling settings applied, at the target's positions), with the
+        ``widths[d] - 1`` shared tokens it ranks next at each depth."""
+        ids, pending = self.bridge.draft_context(context, self.model.tokens)
+        if not ids or pending:  # the draft's context must reach the target's last byte
+            return [], [], []
+        logits = sync(self.model, ids, num_logits=1)[0]  # [vocab_d]
+        tokens: list[int] = []
+        rows: list[torch.Tensor | None] = []
+        alternatives: list[list[int]] = []
+        for i, width in enumerate(widths):
+            over_target = self.shared.target_logits(logits, self.target_vocab_size)  # [target vocab]
+            token, probs = draft_token(over_target, params, generator, len(context) + i)
+            tokens.append(token)
+            rows.append(probs)
+            others = ranked(over_target, width - 1, exclude=token) if width > 1 else []
+            alternatives.append([t for t in others if over_target[t] > float("-inf")])
+            if i < len(widths) - 1:
+                logits = self.model.extend([self.shared.draft_of[token]], num_logits=1)[0]
+        return tokens, rows, alternatives
+
+
+def make(target: CausalLM, source: CausalLM | ForeignDraft | None, datastore
+         ) -> DraftModelProposer | ForeignDraftProposer:
+    """A draft model's proposer: ``source`` is the draft model (loading.draft_source finds it), or a
+    :class:`ForeignDraft` where its tokenizer is not the target's."""
     if source is None:
         raise UsageError("--drafter draft-model needs a draft model: --draft-model PATH, --drafter-path DIR, or the "
                          "default target (whose trained draft model ships with specdec)")
+    if isinstance(source, ForeignDraft):
+        return ForeignDraftProposer(source, target_vocab_size=target.vocab_size)
     return DraftModelProposer(source, target_vocab_size=target.vocab_size)

@@ -71,6 +71,15 @@ class GGUFTokenizer:
         return {self._lib.llama_vocab_get_text(self._vocab, i).decode("utf-8", errors="replace"): i
                 for i in range(self.vocab_size)}
 
+    def piece(self, token: int) -> bytes:
+        """The bytes ``token`` stands for (a control token's text as written)."""
+        return self._piece(token, True)
+
+    def is_control(self, token: int) -> bool:
+        """Whether ``token`` is a control token (BOS, EOS, a chat template's markers), not text."""
+        return bool(self._lib.llama_vocab_is_control(self._vocab, token)) or bool(
+            self._lib.llama_vocab_is_eog(self._vocab, token))
+
     def _special_text(self, token: int | None) -> str:
         return "" if token is None else self._piece(token, True).decode("utf-8", errors="replace")
 
