@@ -213,7 +213,15 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--served-model-name", default=None, help="the model id clients ask for")
     serve.add_argument("--drafter", choices=SERVED_DRAFTERS, default=None,
                        help="default: retrieval with --datastore, else prompt-lookup")
-    serve.add_argument("--datastore", default=None, metavar="DIR")
+    serve.add_argument("--datastore", default=None, metavar="DIR",
+                       help="retrieval: also draft from this datastore (specdec datastore build)")
+    serve.add_argument("--datastore-capacity", type=int, default=65536, metavar="TOKENS",
+                       help="retrieval: the shared suffix index that learns every finished answer, in every "
+                       "request's drafts, holds this many tokens, the oldest answers forgotten first (default 65536)")
+    serve.add_argument("--datastore-learn-prompts", action="store_true",
+                       help="retrieval: the shared suffix index learns each finished request's prompt too")
+    serve.add_argument("--datastore-save", action="store_true",
+                       help="keep the shared suffix index in --datastore DIR at shutdown, and read it back at start")
     serve.add_argument("--speculation", choices=SPECULATION_MODES, default="auto",
                        help="auto: per step, the draft lengths that maximise expected tokens per second at the "
                        "live batch size (none under load); always: every draft; never: plain batched decoding")

@@ -99,7 +99,14 @@ def draft_model_source(target: LoadedModel, draft: LoadedModel, runtime: CausalL
     one line saying so (it still drafts exactly; it is accepted less)."""
     from specdec.choices import CROSS_VOCABULARY_METHODS
     from specdec.proposers.draft_model import ForeignDraft
-    from specdec.vocabularies import LOW_OVERLAP, ChatFraming, ContextBridge, TokenText, frequent_overlap, same_vocabulary
+    from specdec.vocabularies import (
+        LOW_OVERLAP,
+        ChatFraming,
+        ContextBridge,
+        TokenText,
+        frequent_overlap,
+        same_vocabulary,
+    )
 
     if cross_vocabulary not in CROSS_VOCABULARY_METHODS:
         raise UsageError(f"--cross-vocabulary must be one of {', '.join(CROSS_VOCABULARY_METHODS)}, "

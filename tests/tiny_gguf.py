@@ -135,7 +135,8 @@ def write_tiny_gguf(path: str | Path, *, layers: int = 2, hidden: int = 64, head
     weights = architecture_weights(architecture, shape, seed)
     if token_rows is not None:
         rows = np.array(token_rows[0])
-        weights = {name: w[rows] if name in ("token_embd.weight", "output.weight") else w for name, w in weights.items()}
+        weights = {name: w[rows] if name in ("token_embd.weight", "output.weight") else w
+                   for name, w in weights.items()}
         shape = TinyShape(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, context=context,
                           vocab=len(rows), head_size=head_dim)
     _add_hyperparameters(writer, shape, file_type)

@@ -1,4 +1,4 @@
-"""Tokenizers unlike the default model's, as GGUF ``tokenizer.*`` fields, for tiny models that draft across vocabularies.
+"""Tokenizers unlike the default model's, as GGUF ``tokenizer.*`` fields, for tiny models drafting across vocabularies.
 
 ``sentencepiece_fields`` writes a small SentencePiece vocabulary (llama.cpp's ``llama`` tokenizer): ``<unk>``, ``<s>``
 and ``</s>`` for specials, 256 byte-fallback tokens (a newline or an accented letter is spelled in bytes), pieces

@@ -13,10 +13,10 @@ target tokens with a proper q.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
-
-from dataclasses import dataclass
 
 from specdec.backends.base import CausalLM, sync
 from specdec.choices import CROSS_VOCABULARY_METHODS

@@ -14,11 +14,16 @@ how good it is.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections import deque
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
+from specdec.errors import UsageError
 from specdec.proposers.base import EMPTY_DRAFT, Draft, TreeProposer, trie_draft
 from specdec.sampling import SamplingParams
 
@@ -80,6 +85,146 @@ class SessionIndex:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+
+class SharedIndex:
+    """Suffixes of every document added to it (the server's finished answers, across requests), with the counts of
+    what followed each, as vLLM's suffix decoding and llama.cpp's shared n-gram pool keep them. It holds at most
+    ``capacity`` tokens: the oldest documents are forgotten first, their counts taken back exactly. Documents are
+    added on one thread while drafts read on another: every access holds the index's lock.
+
+    A draft from it is a point mass like every retrieval draft, so what it learned changes how much is accepted,
+    never what is emitted.
+    """
+
+    FILE = "learned.npz"  # in a --datastore directory: the documents, kept across restarts
+
+    def __init__(self, capacity: int, max_order: int = MAX_ORDER) -> None:
+        if capacity < 1:
+            raise UsageError(f"the shared suffix index's capacity must be >= 1 token, got {capacity}")
+        self.capacity = capacity
+        self.max_order = max_order
+        self._counts: dict[tuple[int, ...], dict[int, int]] = {}
+        self._best: dict[tuple[int, ...], tuple[int, int]] = {}  # suffix -> (token, support)
+        self._documents: deque[list[int]] = deque()
+        self.tokens = 0  # held, over all documents
+        self._lock = threading.Lock()
+
+    def add(self, document: Sequence[int]) -> None:
+        """Index ``document`` (its last ``capacity`` tokens); forget the oldest documents past the capacity."""
+        document = list(document[-self.capacity:])
+        if len(document) < 2:
+            return
+        with self._lock:
+            self._count(document, +1)
+            self._documents.append(document)
+            self.tokens += len(document)
+            while self.tokens > self.capacity:
+                oldest = self._documents.popleft()
+                self._count(oldest, -1)
+                self.tokens -= len(oldest)
+
+    def best_next(self, suffix: Sequence[int]) -> tuple[int, int] | None:
+        with self._lock:
+            return self._best.get(tuple(suffix))
+
+    def top_next(self, suffix: Sequence[int], width: int) -> list[tuple[int, int]]:
+        with self._lock:
+            counts = dict(self._counts.get(tuple(suffix), {}))
+        return sorted(counts.items(), key=lambda item: -item[1])[:width]
+
+    @property
+    def documents(self) -> list[list[int]]:
+        with self._lock:
+            return [list(d) for d in self._documents]
+
+    def _count(self, document: list[int], sign: int) -> None:
+        """Add (+1) or take back (-1) the document's (suffix, successor) pairs, suffixes of MIN_ORDER and more."""
+        for i in range(MIN_ORDER, len(document)):
+            token = document[i]
+            for n in range(MIN_ORDER, min(self.max_order, i) + 1):
+                key = tuple(document[i - n:i])
+                counts = self._counts.setdefault(key, {})
+                support = counts.get(token, 0) + sign
+                if support > 0:
+                    counts[token] = support
+                else:
+                    counts.pop(token, None)
+                if not counts:
+                    del self._counts[key]
+                    self._best.pop(key, None)
+                elif sign > 0:
+                    best = self._best.get(key)
+                    if best is None or support >= best[1]:
+                        self._best[key] = (token, support)
+                elif self._best[key][0] == token:
+                    self._best[key] = max(counts.items(), key=lambda item: item[1])
+
+    def save(self, directory: Path, vocab_size: int) -> Path:
+        """Write the documents to ``directory`` (``FILE``), to be read back by :meth:`load`."""
+        directory.mkdir(parents=True, exist_ok=True)
+        documents = self.documents
+        stream = np.concatenate([np.r_[np.asarray(d, dtype=np.int64), -1] for d in documents]) if documents else \
+            np.zeros(0, dtype=np.int64)
+        path = directory / self.FILE
+        np.savez(path, tokens=stream, vocab_size=np.int64(vocab_size))
+        return path
+
+    def load(self, directory: Path, vocab_size: int) -> int:
+        """Add the documents saved in ``directory`` (none if it holds no ``FILE``); how many. A file for another
+        vocabulary, or a damaged one, is refused in one line."""
+        path = directory / self.FILE
+        if not path.is_file():
+            return 0
+        try:
+            with np.load(path) as saved:
+                stream, saved_vocab = saved["tokens"], int(saved["vocab_size"])
+        except Exception as error:
+            raise UsageError(f"corrupt learned suffix index at {path}: {str(error).splitlines()[0]}") from None
+        if saved_vocab != vocab_size:
+            raise UsageError(f"the learned suffix index at {path} is for a vocabulary of {saved_vocab} tokens; this "
+                             f"model has {vocab_size}")
+        documents = _split(stream.tolist())
+        for document in documents:
+            self.add(document)
+        return len(documents)
+
+
+def _split(stream: Iterable[int]) -> list[list[int]]:
+    """Documents separated by -1."""
+    documents, current = [], []
+    for token in stream:
+        if token < 0:
+            documents.append(current)
+            current = []
+        else:
+            current.append(token)
+    return documents + ([current] if current else [])
+
+
+class ChainedIndex:
+    """Several indexes read as one: a suffix's successor from the first that knows the suffix (a request's drafter
+    reads the server's shared index, then the datastore built offline)."""
+
+    def __init__(self, indexes: Sequence[ContinuationIndex]) -> None:
+        self.indexes = list(indexes)
+        self.max_order = max(index.max_order for index in self.indexes)
+
+    def best_next(self, suffix: Sequence[int]) -> tuple[int, int] | None:
+        for index in self.indexes:
+            if len(suffix) <= index.max_order:
+                hit = index.best_next(suffix)
+                if hit is not None:
+                    return hit
+        return None
+
+    def top_next(self, suffix: Sequence[int], width: int) -> list[tuple[int, int]]:
+        for index in self.indexes:
+            if len(suffix) <= index.max_order:
+                top = index.top_next(suffix, width)
+                if top:
+                    return top
+        return []
 
 
 def continuation(indexes: Sequence[ContinuationIndex], context: Sequence[int], k: int,

@@ -4,12 +4,15 @@ over the target runtime's weights, and the scheduler over that pool with its dra
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from specdec.backends import pool_of
 from specdec.choices import SERVED_DRAFTERS, SPECULATION_MODES, check_datastore_drafter
 from specdec.costs import MeasuredPassCosts
 from specdec.errors import UsageError
+from specdec.logs import notice
 from specdec.proposers import PROPOSERS
+from specdec.proposers.retrieval import ChainedIndex, SharedIndex
 from specdec.server.scheduler import Scheduler
 from specdec.server.speculation import SpeculationPlanner
 
@@ -22,6 +25,10 @@ class BatchSettings:
     max_batch_size: int = 64  # requests decoded together (KV-cache slots)
     max_model_len: int = 2048  # prompt + output tokens of one request
     max_waiting: int = 256  # requests queued beyond the batch; more are refused with 429
+    # retrieval: the shared suffix index every finished answer (and, if asked, its prompt) goes into, in tokens
+    datastore_capacity: int = 65536
+    learn_prompts: bool = False
+    save_learned: Path | None = None  # where the shared index is kept at shutdown and read back at start
 
     def __post_init__(self) -> None:
         if self.speculation not in SPECULATION_MODES:
@@ -29,7 +36,8 @@ class BatchSettings:
         if self.drafter not in SERVED_DRAFTERS:
             known = f"; {self.drafter} is not batched yet" if self.drafter in PROPOSERS else ""
             raise UsageError(f"the server drafts with {', '.join(SERVED_DRAFTERS)}{known}")
-        for name, low in (("num_draft_tokens", 1), ("max_batch_size", 1), ("max_model_len", 2), ("max_waiting", 0)):
+        for name, low in (("num_draft_tokens", 1), ("max_batch_size", 1), ("max_model_len", 2), ("max_waiting", 0),
+                          ("datastore_capacity", 1)):
             if getattr(self, name) < low:
                 raise UsageError(f"{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
 
@@ -44,9 +52,35 @@ def build_scheduler(runtime, settings: BatchSettings, eos_token_ids: set[int], d
     if settings.speculation == "auto":
         cost = MeasuredPassCosts.measure(pool, settings.max_batch_size * (settings.num_draft_tokens + 1))
     factory = PROPOSERS[settings.drafter]  # drafters of the served kinds read only the context
+    memory = None
+    if settings.drafter == "retrieval":
+        memory = LearnedAnswers(settings, runtime.vocab_size)
+        datastore = ChainedIndex([memory.index] + ([datastore] if datastore is not None else []))
     return Scheduler(pool, lambda: factory(runtime, None, datastore), SpeculationPlanner(settings.speculation, cost),
                      eos_token_ids, max_draft_tokens=settings.num_draft_tokens, max_waiting=settings.max_waiting,
-                     drafter=settings.drafter)
+                     drafter=settings.drafter, memory=memory)
+
+
+class LearnedAnswers:
+    """The server's memory of finished requests: one shared suffix index that every request's retrieval drafter
+    reads, fed each finished answer (with its prompt where ``learn_prompts``), bounded by ``datastore_capacity``
+    tokens; read back from ``save_learned`` at start and written there at shutdown, where asked."""
+
+    def __init__(self, settings: BatchSettings, vocab_size: int) -> None:
+        self.index = SharedIndex(settings.datastore_capacity)
+        self.learn_prompts = settings.learn_prompts
+        self.directory = settings.save_learned
+        self.vocab_size = vocab_size
+        if self.directory is not None:
+            self.index.load(self.directory, vocab_size)
+
+    def learn(self, context: list[int], prompt_length: int) -> None:
+        self.index.add(context if self.learn_prompts else context[prompt_length:])
+
+    def close(self) -> None:
+        if self.directory is not None:
+            path = self.index.save(self.directory, self.vocab_size)
+            notice(f"kept the shared suffix index ({self.index.tokens:,} tokens) in {path}")
 
 
 def make_pool(runtime, settings: BatchSettings):

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from specdec.datastore import HEADER
 from specdec.errors import UsageError
 from specdec.server.batching import BatchSettings
 from specdec.server.serving import ServerOptions, load_server, wait_for_signal
@@ -34,9 +35,14 @@ def api_key(given: str | None, path: str | None) -> str | None:
 
 def run_serve(args) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(message)s")
+    if args.datastore_save and not args.datastore:
+        raise UsageError("--datastore-save keeps the shared suffix index in --datastore DIR: give one")
+    built = args.datastore is not None and (Path(args.datastore) / HEADER).is_file()
     batch = BatchSettings(speculation=args.speculation, drafter=args.drafter or (
         "retrieval" if args.datastore else "prompt-lookup"), num_draft_tokens=args.num_draft_tokens,
-        max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, max_waiting=args.max_waiting)
+        max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
+        datastore_capacity=args.datastore_capacity, learn_prompts=args.datastore_learn_prompts,
+        save_learned=Path(args.datastore) if args.datastore_save else None)
     if not 0 <= args.port < 65536:
         raise UsageError(f"port must be in 0..65535, got {args.port}")
     if args.max_body_bytes < 1024:
@@ -53,7 +59,8 @@ def run_serve(args) -> int:
         raise UsageError("--ray-address goes with --replicas N")
     if args.request_timeout < 0:
         raise UsageError(f"request-timeout must be >= 0 seconds (0: no limit), got {args.request_timeout:g}")
-    options = ServerOptions(args.model, batch, settings, args.datastore, args.dtype, args.device,
+    datastore = args.datastore if built or not args.datastore_save else None  # a directory for the learned index only
+    options = ServerOptions(args.model, batch, settings, datastore, args.dtype, args.device,
                             args.served_model_name, args.backend, args.threads)
     if args.replicas:
         from specdec.server.replicas import run_replicas

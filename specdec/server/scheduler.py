@@ -160,6 +160,18 @@ class Handle:
         return tokens, event, drafted
 
 
+class AnswerMemory(Protocol):
+    """What a server learns from its finished requests (the shared suffix index of the retrieval drafter)."""
+
+    def learn(self, context: list[int], prompt_length: int) -> None:
+        """Take in a finished request: its prompt and answer (``context``), the prompt its first tokens."""
+        ...
+
+    def close(self) -> None:
+        """The server is stopping: keep what was learned, where asked to."""
+        ...
+
+
 class _Running:
     """A request in the batch: its slot, context, drafter, generator and measured acceptance."""
 
@@ -191,8 +203,9 @@ class Scheduler:
 
     def __init__(self, pool: Pool, new_proposer: Callable[[], Proposer], planner: SpeculationPlanner,
                  eos_token_ids: frozenset[int] | set[int], max_draft_tokens: int = 4, max_waiting: int = 256,
-                 metrics: Metrics | None = None, drafter: str = "") -> None:
+                 metrics: Metrics | None = None, drafter: str = "", memory: AnswerMemory | None = None) -> None:
         self.pool = pool
+        self.memory = memory  # learns every finished answer (the shared suffix index), kept at shutdown
         self.new_proposer = new_proposer
         self.drafter = drafter  # the drafter's name, as served
         self.planner = planner
@@ -269,6 +282,8 @@ class Scheduler:
         for running in self._running:
             self._retire(running, Finished("abort"))
         self._running.clear()
+        if self.memory is not None:
+            self.memory.close()
 
     @property
     def busy(self) -> bool:
@@ -502,10 +517,15 @@ class Scheduler:
             self._running.remove(r)
 
     def _retire(self, r: _Running, event: Finished) -> None:
-        """Free the request's slot and hand over its last event."""
+        """Free the request's slot, hand over its last event, and let the memory learn a finished answer."""
         if r.slot.index >= 0:
             self.pool.close(r.slot)
         self._end(r.handle, event)
+        if self.memory is not None and event.reason in ("stop", "length"):
+            try:
+                self.memory.learn(r.context, len(r.handle.request.prompt_ids))
+            except Exception as error:  # learning is a help to later drafts, never a fault of this request
+                log.warning("request %d: its answer was not learned (%r)", r.handle.id, error)
 
 
 
