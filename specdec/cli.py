@@ -212,7 +212,10 @@ def _add_serve_parser(commands) -> None:
                                 "and batching for many")
     serve.add_argument("--served-model-name", default=None, help="the model id clients ask for")
     serve.add_argument("--drafter", choices=SERVED_DRAFTERS, default=None,
-                       help="default: retrieval with --datastore, else prompt-lookup")
+                       help="default: draft-model with --draft-model, retrieval with --datastore, else prompt-lookup")
+    serve.add_argument("--draft-model", default=None, metavar="PATH",
+                       help="draft-model: a draft model (any tokenizer), a sequence of its own per request")
+    serve.add_argument("--cross-vocabulary", choices=CROSS_VOCABULARY_METHODS, default="auto", help=CROSS_HELP)
     serve.add_argument("--datastore", default=None, metavar="DIR",
                        help="retrieval: also draft from this datastore (specdec datastore build)")
     serve.add_argument("--datastore-capacity", type=int, default=65536, metavar="TOKENS",

@@ -131,6 +131,35 @@ def test_a_bad_method_and_an_unreadable_draft_are_refused_in_one_line(paths, tmp
         SpecDecoder.load(paths["spm"], draft_model=str(broken), backend="fused")
 
 
+@pytest.mark.parametrize("method", ["text", "intersection"])
+def test_the_server_drafts_across_vocabularies_each_request_in_a_slot_of_its_own(paths, method):
+    """Twelve requests, three at a time, through a server whose two draft slots must be given back as requests
+    end: every answer is plain decoding's, drafts were accepted, and no drafter ever failed (a slot kept by an
+    ended request would leave a later one none)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specdec.loading import draft_source, load_target
+    from specdec.server import BatchSettings, build_scheduler
+    from specdec.server.scheduler import GenerationRequest
+
+    loaded = load_target(paths["spm"], backend="fused", draft_model=paths["sub"], drafters=("draft-model",))
+    draft = draft_source("draft-model", loaded.target, loaded.runtime, loaded.draft, None, cross_vocabulary=method)
+    settings = BatchSettings(drafter="draft-model", speculation="always", max_batch_size=3, max_model_len=128)
+    scheduler = build_scheduler(loaded.runtime, settings, set(), None, draft)
+    plain = SpecDecoder.load(paths["spm"], backend="fused")
+    prompts = [plain.encode(p, chat=False) for p in PROMPTS] * 4
+    expected, _ = outputs(plain, 1, SamplingParams(), None)
+    scheduler.start()
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(lambda ids: scheduler.submit(GenerationRequest(
+                ids, max_tokens=32, sampling=SamplingParams(), stop_at_eos=False)).collect()[0], prompts))
+    finally:
+        scheduler.shutdown(timeout=5)
+    assert got == expected * 4
+    assert scheduler.metrics.accepted_tokens > 0 and scheduler.metrics.drafter_errors == 0
+
+
 SAMPLES = 20_000
 CHI_SAMPLING = SamplingParams(temperature=0.7, method="standard")
 
@@ -175,3 +204,34 @@ def test_standard_sampling_across_vocabularies_draws_the_targets_distribution(pa
     # drafts were accepted as well as rejected, so both outcomes are under test (a random target's mode has a few
     # percent of its mass at this temperature: text's point masses are accepted in a few runs in a thousand)
     assert accepted >= (0.02 * SAMPLES if method == "intersection" else 5)
+
+
+@pytest.mark.slow  # about 60 s on 2 cores
+def test_a_server_drafting_across_vocabularies_passes_the_audit(paths, tmp_path):
+    """``specdec serve --drafter draft-model --draft-model`` another vocabulary's model: each request drafts in a
+    pool slot of its own. ``specdec audit`` against the exact distribution (the first two tokens, 800 samples, both
+    sampling methods, alpha = 0.001 each: a correct server fails one with probability 0.2%) passes, greedy output
+    is identical, and drafts were accepted. On the lean runtime, whose float32 rows are the reference's: the fused
+    runtime's weights are its own int8 and float16, which an audit against float32 rightly tells apart whether it
+    drafts or not."""
+    import json
+
+    from specdec.cli import main
+    from specdec.server.batching import BatchSettings
+    from specdec.server.serving import ServerOptions, load_server
+    from specdec.server.settings import ServerSettings
+
+    options = ServerOptions(model=paths["spm"], backend="lean", draft_model=paths["sub"], settings=ServerSettings(port=0),
+                            batch=BatchSettings(drafter="draft-model", speculation="always", max_batch_size=8,
+                                                max_model_len=256))
+    server = load_server(options)
+    server.start()
+    try:
+        for extra in (["--temperature", "0"], ["--tokens", "2"], ["--tokens", "2", "--sampling", "standard"]):
+            out = tmp_path / f"{len(extra)}{extra[-1]}.json"
+            code = main(["audit", "--a", server.url, "--reference", "local", "--reference-model", paths["spm"],
+                         "--prompt", "the prime", "--samples", "800", "--no-progress", "--out", str(out), *extra])
+            assert code == 0, (extra, json.loads(out.read_text()))
+        assert server.scheduler.metrics.accepted_tokens > 0
+    finally:
+        server.shutdown(timeout=5)

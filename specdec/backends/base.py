@@ -170,6 +170,49 @@ class ShallowRunner(Protocol):
         ...
 
 
+class PooledSequence(CausalLM):
+    """One sequence in a pool's slot, seen as a CausalLM: what gives each of a server's requests a draft model of its
+    own over one set of draft weights. The slot is taken at the first pass and given back when the sequence is
+    rolled back to nothing (a drafter's ``clear_cache``, which the server calls when the request ends)."""
+
+    def __init__(self, pool: Pool, runtime: CausalLM) -> None:
+        self.pool = pool
+        self.name = runtime.name
+        self.device = pool.device
+        self.vocab_size = pool.vocab_size
+        self.max_length = pool.max_length
+        self.weight_bytes = runtime.weight_bytes
+        self.precision_label = runtime.precision_label
+        self.runtime_label = runtime.runtime_label
+        self.pass_invariant = runtime.pass_invariant
+        self.tokens: list[int] = []
+        self._slot: Slot | None = None
+
+    def extend(self, token_ids: list[int], num_logits: int) -> torch.Tensor:  # [num_logits, vocab]
+        if self._slot is None:
+            self._slot = self.pool.open()  # PoolFull when every slot is taken: the request decodes plainly
+        self._slot.length = len(self.tokens)
+        logits = self.pool.forward([Row(self._slot, list(token_ids), num_logits)])[0]
+        self.tokens += token_ids
+        return logits
+
+    def rollback(self, length: int) -> None:
+        self.tokens = self.tokens[:length]
+        if self._slot is None:
+            return
+        if length == 0:
+            self.pool.close(self._slot)
+            self._slot = None
+        else:
+            self._slot.length = length
+
+    def reserve(self, length: int) -> None:
+        pass
+
+    def remedy(self, path) -> str:
+        return ""
+
+
 def declares(thing: object, capability: type) -> bool:
     """Whether ``thing``'s class declares ``capability`` (names it among its bases): capabilities are declared, not
     guessed from the attributes an object happens to have."""

@@ -13,7 +13,7 @@ target tokens with a proper q.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +92,16 @@ class ForeignDraft:
     model: CausalLM
     bridge: ContextBridge
     method: str = "auto"
+    shared: SharedTokens | None = None  # the tokens both vocabularies hold (made once, when not given)
+
+    def __post_init__(self) -> None:
+        if self.shared is None:
+            object.__setattr__(self, "shared", SharedTokens.of(self.bridge.target, self.bridge.draft))
+
+    def on(self, model: CausalLM) -> ForeignDraft:
+        """The same draft for another sequence (a server's request): ``model`` over the same weights, a bridge of
+        its own (it remembers its sequence's prompt), the tokenizers and shared tokens read once."""
+        return replace(self, model=model, bridge=replace(self.bridge, _prompt=[], _draft_prompt=[]))
 
 
 class ForeignDraftProposer(TreeProposer, CatchesUp):
@@ -110,7 +120,7 @@ class ForeignDraftProposer(TreeProposer, CatchesUp):
         self.bridge = source.bridge
         self.method = source.method
         self.target_vocab_size = target_vocab_size
-        self.shared = SharedTokens.of(source.bridge.target, source.bridge.draft)
+        self.shared = source.shared
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
                 ) -> Draft:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.backends import pool_of
+from specdec.backends.base import PooledSequence
 from specdec.choices import SERVED_DRAFTERS, SPECULATION_MODES, check_datastore_drafter
 from specdec.costs import MeasuredPassCosts
 from specdec.errors import UsageError
@@ -42,23 +43,43 @@ class BatchSettings:
                 raise UsageError(f"{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
 
 
-def build_scheduler(runtime, settings: BatchSettings, eos_token_ids: set[int], datastore=None) -> Scheduler:
+def build_scheduler(runtime, settings: BatchSettings, eos_token_ids: set[int], datastore=None,
+                    draft=None) -> Scheduler:
     """A scheduler over a pool of ``max_batch_size`` KV-cache slots on the runtime's weights (specdec's runtime, or
     llama.cpp's with a ``seq_id`` per slot); ``auto`` first measures what passes over 1 to max_batch_size x (k+1)
-    positions cost here."""
+    positions cost here. ``draft``: the draft-model drafter's source (``loading.draft_source``: the draft model's
+    runtime, or a ``ForeignDraft`` where its tokenizer is another), whose pool gives each request a slot."""
     check_datastore_drafter(settings.drafter, datastore is not None)
+    if settings.drafter == "draft-model" and draft is None:
+        raise UsageError("the server's draft-model drafter needs a draft model: --draft-model PATH")
     pool = make_pool(runtime, settings)
     cost = None
     if settings.speculation == "auto":
         cost = MeasuredPassCosts.measure(pool, settings.max_batch_size * (settings.num_draft_tokens + 1))
-    factory = PROPOSERS[settings.drafter]  # drafters of the served kinds read only the context
+    factory = PROPOSERS[settings.drafter]
     memory = None
     if settings.drafter == "retrieval":
         memory = LearnedAnswers(settings, runtime.vocab_size)
         datastore = ChainedIndex([memory.index] + ([datastore] if datastore is not None else []))
-    return Scheduler(pool, lambda: factory(runtime, None, datastore), SpeculationPlanner(settings.speculation, cost),
-                     eos_token_ids, max_draft_tokens=settings.num_draft_tokens, max_waiting=settings.max_waiting,
+    source = (lambda: None) if draft is None or settings.drafter != "draft-model" else per_request(draft, settings)
+    return Scheduler(pool, lambda: factory(runtime, source(), datastore),
+                     SpeculationPlanner(settings.speculation, cost), eos_token_ids,
+                     max_draft_tokens=settings.num_draft_tokens, max_waiting=settings.max_waiting,
                      drafter=settings.drafter, memory=memory)
+
+
+def per_request(draft, settings: BatchSettings):
+    """What makes each request's draft model: a sequence in a slot of one pool over the draft's weights (a
+    ``ForeignDraft`` over it where the tokenizers differ)."""
+    from specdec.proposers.draft_model import ForeignDraft
+
+    runtime = draft.model if isinstance(draft, ForeignDraft) else draft
+    pool = pool_of(runtime, settings.max_batch_size, settings.max_model_len)
+
+    def make():
+        sequence = PooledSequence(pool, runtime)
+        return draft.on(sequence) if isinstance(draft, ForeignDraft) else sequence
+    return make
 
 
 class LearnedAnswers:

@@ -39,7 +39,8 @@ def run_serve(args) -> int:
         raise UsageError("--datastore-save keeps the shared suffix index in --datastore DIR: give one")
     built = args.datastore is not None and (Path(args.datastore) / HEADER).is_file()
     batch = BatchSettings(speculation=args.speculation, drafter=args.drafter or (
-        "retrieval" if args.datastore else "prompt-lookup"), num_draft_tokens=args.num_draft_tokens,
+        "draft-model" if args.draft_model else "retrieval" if args.datastore else "prompt-lookup"),
+        num_draft_tokens=args.num_draft_tokens,
         max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
         datastore_capacity=args.datastore_capacity, learn_prompts=args.datastore_learn_prompts,
         save_learned=Path(args.datastore) if args.datastore_save else None)
@@ -60,8 +61,11 @@ def run_serve(args) -> int:
     if args.request_timeout < 0:
         raise UsageError(f"request-timeout must be >= 0 seconds (0: no limit), got {args.request_timeout:g}")
     datastore = args.datastore if built or not args.datastore_save else None  # a directory for the learned index only
+    if args.draft_model and batch.drafter != "draft-model":
+        raise UsageError(f"--draft-model is for --drafter draft-model, not {batch.drafter}")
     options = ServerOptions(args.model, batch, settings, datastore, args.dtype, args.device,
-                            args.served_model_name, args.backend, args.threads)
+                            args.served_model_name, args.backend, args.threads, args.draft_model,
+                            args.cross_vocabulary)
     if args.replicas:
         from specdec.server.replicas import run_replicas
 

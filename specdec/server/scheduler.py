@@ -520,6 +520,10 @@ class Scheduler:
         """Free the request's slot, hand over its last event, and let the memory learn a finished answer."""
         if r.slot.index >= 0:
             self.pool.close(r.slot)
+        try:
+            r.proposer.clear_cache()  # a draft model's slot goes back to its pool
+        except Exception as error:
+            log.warning("request %d: its drafter did not let go (%r)", r.handle.id, error)
         self._end(r.handle, event)
         if self.memory is not None and event.reason in ("stop", "length"):
             try:

@@ -8,6 +8,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec.errors import UsageError
 from specdec.server.app import OpenAIServer, bind
 from specdec.server.batching import BatchSettings, build_scheduler
 from specdec.server.settings import ServerSettings
@@ -28,20 +29,28 @@ class ServerOptions:
     served_model_name: str | None = None
     backend: str = "auto"
     threads: int | None = None
+    draft_model: str | None = None  # the draft-model drafter's model (any tokenizer)
+    cross_vocabulary: str = "auto"  # how it proposes where its tokenizer is not the target's
 
 
 def load_server(options: ServerOptions, listen: bool = True) -> OpenAIServer:
     """Claim the port, then load the model (checks first, the slow load last); ``start()`` the server to serve
     (``listen=False``: the app alone, for Ray Serve to run, and no port). A busy port is refused in one line before
     anything slow."""
-    from specdec.loading import load_target
+    from specdec.loading import draft_source, load_target
 
     settings = options.settings
     sock = bind(settings) if listen else None
+    drafts = options.batch.drafter == "draft-model"
     try:
+        if drafts and options.draft_model is None:
+            raise UsageError("the server's draft-model drafter needs a draft model: --draft-model PATH")
         loaded = load_target(options.model, dtype=options.dtype, device=options.device, backend=options.backend,
-                             threads=options.threads, datastore=options.datastore, drafters=(options.batch.drafter,))
-        scheduler = build_scheduler(loaded.runtime, options.batch, loaded.stop_ids, loaded.datastore)
+                             threads=options.threads, datastore=options.datastore, drafters=(options.batch.drafter,),
+                             draft_model=options.draft_model if drafts else None)
+        draft = draft_source("draft-model", loaded.target, loaded.runtime, loaded.draft, loaded.precision,
+                             cross_vocabulary=options.cross_vocabulary) if drafts else None
+        scheduler = build_scheduler(loaded.runtime, options.batch, loaded.stop_ids, loaded.datastore, draft)
     except BaseException:
         if sock is not None:
             sock.close()
