@@ -222,7 +222,8 @@ def test_a_server_drafting_across_vocabularies_passes_the_audit(paths, tmp_path)
     from specdec.server.settings import ServerSettings
 
     options = ServerOptions(model=paths["spm"], backend="lean", draft_model=paths["sub"],
-                            settings=ServerSettings(port=0), batch=BatchSettings(drafter="draft-model", speculation="always", max_batch_size=8,
+                            settings=ServerSettings(port=0),
+                            batch=BatchSettings(drafter="draft-model", speculation="always", max_batch_size=8,
                                                 max_model_len=256))
     server = load_server(options)
     server.start()

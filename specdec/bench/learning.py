@@ -3,8 +3,9 @@ repeat each other, measured side by side in one run.
 
 The workload is one instruction over many inputs (HumanEval's functions: described as JSON, or given type
 hints), each asked ``--passes`` times (as retries and re-asks do), sent ``--concurrency`` at a time, greedy.
-Two schedulers over the same weights serve it in turns, wave by wave: ``shared`` (retrieval reading the index of every finished answer) and ``session`` (retrieval reading each request's
-own text only: a capacity of one token, so nothing is learned). Both emit the same tokens. It reports, per arm,
+Two schedulers over the same weights serve it in turns, wave by wave: ``shared`` (retrieval reading the index of
+every finished answer) and ``session`` (retrieval reading each request's own text only: a capacity of one token,
+so nothing is learned). Both emit the same tokens. It reports, per arm,
 tokens per second, accepted draft tokens per drafted one, mean accepted length, and shared over session.
 """
 
