@@ -183,10 +183,16 @@ def test_standard_input_that_cannot_be_read_is_one_line_and_exit_2(models, capsy
     assert code == 2 and err.count("\n") == 1 and message in err and "Traceback" not in err, err
 
 
-def test_draft_model_with_another_vocabulary_is_refused(models, capsys):
-    code, _, err = run_cli(capsys, "generate", PROMPT, "--model", str(models["target"]), "--draft-model",
-                           str(models["other_vocab"]))
-    assert code == 2 and "vocabulary" in err and err.count("\n") == 1
+@pytest.mark.parametrize("method", ["text", "intersection"])
+def test_a_draft_model_with_another_vocabulary_drafts_and_changes_no_token(models, capsys, method):
+    """Another vocabulary (transformers tokenizers of other words) is bridged, not refused: plain decoding's text."""
+    texts = []
+    for extra in ((), ("--draft-model", str(models["other_vocab"]), "--cross-vocabulary", method)):
+        code, out, _ = run_cli(capsys, "generate", PROMPT, "--model", str(models["target"]), "--max-new-tokens",
+                               "12", "--json", "--no-chat", "-k", "3", *extra)
+        assert code == 0
+        texts.append(json.loads(out)["token_ids"])
+    assert texts[0] == texts[1]
 
 
 def test_the_installed_command_exits_2_without_traceback(tmp_path):

@@ -62,6 +62,22 @@ def test_bytes_come_back_from_their_tokens(paths, name):
     assert consumed == 3 and text.text_of(ids) == b"ok "
 
 
+def test_transformers_tokens_are_the_same_bytes_as_llama_cpps(paths):
+    """A GGUF's tokenizer converted by transformers (the lean runtime's) gives every token the bytes llama.cpp's
+    gives it: the byte-level BPE through GPT-2's alphabet, SentencePiece's pieces, bytes and specials."""
+    from specdec.models import transformers_directory
+
+    for name in ("bpe", "spm"):
+        from pathlib import Path
+
+        from transformers import AutoTokenizer
+
+        converted = AutoTokenizer.from_pretrained(transformers_directory(Path(paths[name])), local_files_only=True)
+        ours, theirs = token_text(paths[name]), TokenText(converted, len(converted))
+        assert theirs.pieces[: len(ours.pieces)] == ours.pieces[: len(theirs.pieces)], name
+        assert ours.control <= theirs.control, name  # transformers counts <unk> among its specials too
+
+
 def test_the_draft_sees_the_conversation_in_its_own_template_and_keeps_its_agreeing_tokens(paths):
     """The target's [INST] prompt reaches the ChatML draft as ChatML with the same message; after it, the draft's
     cached tokens are kept as far as their bytes agree with the target's text, and the rest is re-encoded."""
@@ -83,8 +99,10 @@ def test_the_draft_sees_the_conversation_in_its_own_template_and_keeps_its_agree
     assert again[: len(ids)] == ids and pending == b"\xc3"
 
 
-def outputs(decoder: SpecDecoder, k: int | str, sampling: SamplingParams, seed: int | None) -> tuple[list, int]:
-    config = GenerationConfig(max_new_tokens=32, num_draft_tokens=k, sampling=sampling, seed=seed, stop_at_eos=False)
+def outputs(decoder: SpecDecoder, k: int | str, sampling: SamplingParams, seed: int | None, tree=None
+            ) -> tuple[list, int]:
+    config = GenerationConfig(max_new_tokens=32, num_draft_tokens=k, sampling=sampling, seed=seed, stop_at_eos=False,
+                              tree=tree)
     results = [decoder.generate_ids(decoder.encode(p, chat=False), config) for p in PROMPTS]
     return [r.token_ids for r in results], sum(r.stats.accepted_tokens for r in results)
 
@@ -109,6 +127,8 @@ def test_greedy_and_seeded_output_is_plain_decodings_across_vocabularies(paths, 
                 got, count = outputs(speculating, k, sampling, seed)
                 assert got == expected, (method, sampling, k)
                 accepted += count
+            if backend != "llama.cpp":  # trees draft by intersection, on the runtimes that score them
+                assert outputs(speculating, 3, sampling, seed, tree=(2, 1))[0] == expected, (method, sampling)
     assert accepted > 0 or pair[0] == "bpe"
 
 

@@ -23,7 +23,12 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--drafter", "draft-model"], "invalid choice"),
+    (["--drafter", "mtp"], "invalid choice"),
+    (["--drafter", "draft-model"], "needs a draft model"),
+    (["--draft-model", "/no/such/draft"], "not found"),
+    (["--datastore-capacity", "0", "--drafter", "retrieval"], "datastore-capacity"),
+    (["--datastore-capacity", "-3"], "datastore-capacity"),
+    (["--datastore-save"], "--datastore-save"),
     (["--speculation", "sometimes"], "invalid choice"),
     (["--port", "70000"], "port"),
     (["--max-batch-size", "0"], "max-batch-size"),
