@@ -42,8 +42,9 @@ SAMPLING_HELP = (f"how tokens are drawn at a temperature > 0 (default {DEFAULT_S
                  "whose tokens depend on the drafts. Both draw exactly from the target's distribution")
 CROSS_HELP = ("how a draft model with another tokenizer than the target's proposes: text (its text re-encoded by the "
               "target's tokenizer, string-level exact match), intersection (it drafts among the tokens both "
-              "vocabularies hold, with a proper distribution), or auto (default: text when greedy, intersection when "
-              "sampling). Both keep every emitted token the target's")
+              "vocabularies hold, with a proper distribution), or auto (default: intersection, but text when greedy "
+              "with a draft that holds under half of the target's frequent tokens). Both keep every emitted token "
+              "the target's")
 BACKEND_HELP = ("what runs the target: lean (specdec's runtime in PyTorch; torch, its old name, is taken too), "
                 "fused (specdec's fused CPU runtime: int8 or float16 weights, every layer of a pass in one call), "
                 "llama.cpp (a .gguf file's weights as stored, on llama.cpp's CPU kernels), or auto (default: on the "

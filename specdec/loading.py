@@ -120,7 +120,7 @@ def draft_model_source(target: LoadedModel, draft: LoadedModel, runtime: CausalL
         notice(f"the draft model's vocabulary holds {overlap:.0%} of the target's frequent tokens: it drafts across "
                "tokenizers, exactly, but little of its text may be accepted")
     bridge = ContextBridge(target_text, draft_text, ChatFraming.of(target.tokenizer), ChatFraming.of(draft.tokenizer))
-    return ForeignDraft(runtime, bridge, cross_vocabulary)
+    return ForeignDraft(runtime, bridge, cross_vocabulary, overlap=overlap)
 
 
 def check_backend_serves(drafter: str, backend: str) -> None:

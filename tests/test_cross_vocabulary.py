@@ -119,7 +119,7 @@ def test_greedy_and_seeded_output_is_plain_decodings_across_vocabularies(paths, 
     target, draft = paths[pair[0]], paths[pair[1]]
     plain = SpecDecoder.load(target, backend=backend)
     accepted = 0
-    for method in ("text", "intersection"):
+    for method in ("text", "intersection", "auto"):
         speculating = SpecDecoder.load(target, draft_model=draft, backend=backend, cross_vocabulary=method)
         for sampling, seed in ((SamplingParams(), None), (SamplingParams(temperature=0.8), 3)):
             expected, _ = outputs(plain, 1, sampling, seed)
@@ -200,15 +200,16 @@ def exact_first_two(decoder: SpecDecoder, prompt: list[int]) -> dict[tuple[int, 
 
 
 @pytest.mark.slow  # about 30 s a method on 2 cores
-@pytest.mark.parametrize("method", ["text", "intersection"])
+@pytest.mark.parametrize("method", ["text", "intersection", "auto"])
 def test_standard_sampling_across_vocabularies_draws_the_targets_distribution(paths, method):
     """--sampling standard with a draft model of another vocabulary (k = 3; text proposes point masses, intersection
-    a proper q over the shared tokens): the first two tokens of 20,000 seeded runs against their exact joint. Bins:
-    every outcome expected at least 5 times, and one for the rest; one chi-square test per method at alpha = 0.001,
-    so a correct engine fails this test with probability 0.1% (the seeds are fixed: the outcome repeats)."""
+    a proper q over the shared tokens, auto the draft's mode among them as point masses): the first two tokens of
+    20,000 seeded runs against their exact joint. Bins: every outcome expected at least 5 times, and one for the
+    rest; one chi-square test per method at alpha = 0.001, so a correct engine fails each with probability 0.1% (the
+    seeds are fixed: the outcome repeats)."""
     decoder = SpecDecoder.load(paths["spm"], draft_model=paths["sub"], backend="fused", cross_vocabulary=method)
-    prompt = decoder.encode("the prime", chat=False)
-    exact = exact_first_two(decoder, prompt)
+    prompt = decoder.encode("to be", chat=False)  # the same pieces in both vocabularies: the draft's distribution
+    exact = exact_first_two(decoder, prompt)  # over the shared tokens is the target's, so drafts are accepted
     bins = [outcome for outcome, p in exact.items() if p * SAMPLES >= 5]
     expected = np.array([exact[b] for b in bins] + [1 - sum(exact[b] for b in bins)]) * SAMPLES
     assert len(bins) > 100
@@ -221,9 +222,7 @@ def test_standard_sampling_across_vocabularies_draws_the_targets_distribution(pa
     counts = Counter(samples)
     observed = np.array([counts.get(b, 0) for b in bins] + [SAMPLES - sum(counts.get(b, 0) for b in bins)])
     assert chisquare(observed, expected).pvalue > 1e-3
-    # drafts were accepted as well as rejected, so both outcomes are under test (a random target's mode has a few
-    # percent of its mass at this temperature: text's point masses are accepted in a few runs in a thousand)
-    assert accepted >= (0.02 * SAMPLES if method == "intersection" else 5)
+    assert accepted > 0.02 * SAMPLES  # drafts were accepted as well as rejected: both outcomes are under test
 
 
 @pytest.mark.slow  # about 60 s on 2 cores

@@ -23,8 +23,9 @@ from specdec.choices import CROSS_VOCABULARY_METHODS
 from specdec.errors import UsageError
 from specdec.proposers.base import EMPTY_DRAFT, CatchesUp, Draft, TreeProposer, draft_of, spine_tree
 from specdec.sampling import SamplingParams, draft_token, ranked
-from specdec.vocabularies import ContextBridge, SharedTokens
+from specdec.vocabularies import LOW_OVERLAP, ContextBridge, SharedTokens
 
+GREEDY = SamplingParams()  # a draft's mode
 
 class DraftModelProposer(TreeProposer, CatchesUp):
     name = "draft-model"
@@ -93,6 +94,7 @@ class ForeignDraft:
     bridge: ContextBridge
     method: str = "auto"
     shared: SharedTokens | None = None  # the tokens both vocabularies hold (made once, when not given)
+    overlap: float = 1.0  # the share of the target's frequent tokens the draft holds (vocabularies.frequent_overlap)
 
     def __post_init__(self) -> None:
         if self.shared is None:
@@ -105,10 +107,14 @@ class ForeignDraft:
 
 
 class ForeignDraftProposer(TreeProposer, CatchesUp):
-    """A draft model with its own vocabulary: ``text`` proposes the target's tokens of its text, ``intersection``
-    drafts among the tokens both vocabularies hold, ``auto`` the first when greedy (a point mass loses nothing
-    there, and the whole vocabulary drafts) and the second when sampling (a proper q, and under the invariant sampler
-    noise keyed by the target's ids and positions, as the target's is). Trees draft by intersection."""
+    """A draft model with its own vocabulary: ``text`` proposes the target's tokens of its text (the draft's mode,
+    point masses); ``intersection`` drafts among the tokens both vocabularies hold, sampled as a same-vocabulary
+    draft is (a proper q; under the invariant sampler, noise keyed by the target's ids and positions). ``auto``, as
+    measured best (docs/benchmarks.md, issue 36): where the draft holds at least half of the target's frequent
+    tokens, the shared tokens, but the draft's mode among them at any temperature (point masses, as text proposes:
+    a small draft's flatter distribution agrees with the target's draw less often than its mode does), each
+    proposed token one draft pass where text needs one more a round to settle its last token; text otherwise.
+    Trees draft among the shared tokens."""
 
     name = "draft-model"
 
@@ -121,20 +127,26 @@ class ForeignDraftProposer(TreeProposer, CatchesUp):
         self.method = source.method
         self.target_vocab_size = target_vocab_size
         self.shared = source.shared
+        self.overlap = source.overlap
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
                 ) -> Draft:
         if k == 0:
             return EMPTY_DRAFT
-        if self.method == "text" or (self.method == "auto" and params.greedy):
+        if self.method == "text" or (self.method == "auto" and self.overlap < LOW_OVERLAP):
             return self._text_draft(context, k)
-        tokens, rows, _ = self._shared_chain(context, [1] * k, params, generator)
+        tokens, rows, _ = self._shared_chain(context, [1] * k, *self._drawn(params, generator))
         return draft_of(tokens, rows)
 
     def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
                      generator: torch.Generator | None) -> Draft:
-        tokens, rows, alternatives = self._shared_chain(context, widths, params, generator)
+        tokens, rows, alternatives = self._shared_chain(context, widths, *self._drawn(params, generator))
         return spine_tree(tokens, rows, alternatives) if tokens else EMPTY_DRAFT
+
+    def _drawn(self, params: SamplingParams, generator: torch.Generator | None
+               ) -> tuple[SamplingParams, torch.Generator | None]:
+        """How the shared tokens are drafted: as the request samples (intersection), or the mode (auto)."""
+        return (params, generator) if self.method == "intersection" else (GREEDY, None)
 
     def catch_up(self, context: list[int]) -> None:
         ids, _ = self.bridge.draft_context(context, self.model.tokens)
