@@ -44,8 +44,8 @@ class SpecDecoder:
         ``drafter_path``: a trained drafter's directory (``specdec train``) for draft-model, mtp, eagle or
         early-exit; without it, the one shipped for the target.
         ``cross_vocabulary``: how a draft model with another tokenizer than the target's proposes: "text"
-        (string-level exact match), "intersection" (the tokens both vocabularies hold) or "auto" (intersection, but
-        text when greedy with a draft that holds under half of the target's frequent tokens).
+        (string-level exact match), "intersection" (the tokens both vocabularies hold) or "auto" (intersection when
+        greedy with a draft that holds half of the target's frequent tokens or more, else text).
         """
         self.target = target
         self.tokenizer = target.tokenizer

@@ -42,8 +42,8 @@ SAMPLING_HELP = (f"how tokens are drawn at a temperature > 0 (default {DEFAULT_S
                  "whose tokens depend on the drafts. Both draw exactly from the target's distribution")
 CROSS_HELP = ("how a draft model with another tokenizer than the target's proposes: text (its text re-encoded by the "
               "target's tokenizer, string-level exact match), intersection (it drafts among the tokens both "
-              "vocabularies hold, with a proper distribution), or auto (default: intersection, but text when greedy "
-              "with a draft that holds under half of the target's frequent tokens). Both keep every emitted token "
+              "vocabularies hold, with a proper distribution), or auto (default: intersection when greedy with a draft "
+              "that holds half of the target's frequent tokens or more, else text). Both keep every emitted token "
               "the target's")
 BACKEND_HELP = ("what runs the target: lean (specdec's runtime in PyTorch; torch, its old name, is taken too), "
                 "fused (specdec's fused CPU runtime: int8 or float16 weights, every layer of a pass in one call), "

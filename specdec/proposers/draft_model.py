@@ -25,7 +25,6 @@ from specdec.proposers.base import EMPTY_DRAFT, CatchesUp, Draft, TreeProposer, 
 from specdec.sampling import SamplingParams, draft_token, ranked
 from specdec.vocabularies import LOW_OVERLAP, ContextBridge, SharedTokens
 
-GREEDY = SamplingParams()  # a draft's mode
 
 class DraftModelProposer(TreeProposer, CatchesUp):
     name = "draft-model"
@@ -110,11 +109,11 @@ class ForeignDraftProposer(TreeProposer, CatchesUp):
     """A draft model with its own vocabulary: ``text`` proposes the target's tokens of its text (the draft's mode,
     point masses); ``intersection`` drafts among the tokens both vocabularies hold, sampled as a same-vocabulary
     draft is (a proper q; under the invariant sampler, noise keyed by the target's ids and positions). ``auto``, as
-    measured best (docs/benchmarks.md, issue 36): where the draft holds at least half of the target's frequent
-    tokens, the shared tokens, but the draft's mode among them at any temperature (point masses, as text proposes:
-    a small draft's flatter distribution agrees with the target's draw less often than its mode does), each
-    proposed token one draft pass where text needs one more a round to settle its last token; text otherwise.
-    Trees draft among the shared tokens."""
+    measured on the 1.5B (docs/benchmarks.md, issue 36): greedy, the shared tokens, where the draft holds at least
+    half of the target's frequent tokens (each proposed token one draft pass, where text needs one more a round to
+    settle its last token); when sampling, text (a small draft's mode, re-encoded, is accepted more often than its
+    draw among the shared tokens, coupled noise or not); text too where the draft holds under half. Trees draft
+    among the shared tokens."""
 
     name = "draft-model"
 
@@ -133,20 +132,15 @@ class ForeignDraftProposer(TreeProposer, CatchesUp):
                 ) -> Draft:
         if k == 0:
             return EMPTY_DRAFT
-        if self.method == "text" or (self.method == "auto" and self.overlap < LOW_OVERLAP):
+        if self.method == "text" or (self.method == "auto" and (not params.greedy or self.overlap < LOW_OVERLAP)):
             return self._text_draft(context, k)
-        tokens, rows, _ = self._shared_chain(context, [1] * k, *self._drawn(params, generator))
+        tokens, rows, _ = self._shared_chain(context, [1] * k, params, generator)
         return draft_of(tokens, rows)
 
     def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
                      generator: torch.Generator | None) -> Draft:
-        tokens, rows, alternatives = self._shared_chain(context, widths, *self._drawn(params, generator))
+        tokens, rows, alternatives = self._shared_chain(context, widths, params, generator)
         return spine_tree(tokens, rows, alternatives) if tokens else EMPTY_DRAFT
-
-    def _drawn(self, params: SamplingParams, generator: torch.Generator | None
-               ) -> tuple[SamplingParams, torch.Generator | None]:
-        """How the shared tokens are drafted: as the request samples (intersection), or the mode (auto)."""
-        return (params, generator) if self.method == "intersection" else (GREEDY, None)
 
     def catch_up(self, context: list[int]) -> None:
         ids, _ = self.bridge.draft_context(context, self.model.tokens)
