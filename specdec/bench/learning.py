@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> dict:
     for arm, capacity in ARMS.items():
         settings = BatchSettings(drafter="retrieval", speculation=args.speculation, num_draft_tokens=args.k,
                                  max_batch_size=args.concurrency, max_model_len=args.max_model_len,
-                                 datastore_capacity=capacity)
+                                 datastore_capacity=capacity, learn_prompts=args.learn_prompts)
         schedulers[arm] = build_scheduler(loaded.runtime, settings, loaded.stop_ids)
         schedulers[arm].start()
     seconds = dict.fromkeys(ARMS, 0.0)
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> dict:
             seconds[arm] += time.perf_counter() - began
             tokens[arm] += sum(len(r) for r in results)
             outputs[arm] += results
-    report = {"task": args.task, "inputs": len(inputs), "passes": args.passes, "concurrency": args.concurrency,
+    report = {"task": args.task, "learn_prompts": args.learn_prompts, "inputs": len(inputs), "passes": args.passes, "concurrency": args.concurrency,
               "arms": {}}
     for arm, scheduler in schedulers.items():
         scheduler.shutdown(timeout=5)
@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("-k", type=int, default=8, help="the most draft tokens per request per step")
     parser.add_argument("--speculation", default="auto", choices=("auto", "always"))
+    parser.add_argument("--learn-prompts", action="store_true", help="the shared index learns prompts too")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
