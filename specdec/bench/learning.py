@@ -56,8 +56,8 @@ def run(args: argparse.Namespace) -> dict:
             seconds[arm] += time.perf_counter() - began
             tokens[arm] += sum(len(r) for r in results)
             outputs[arm] += results
-    report = {"task": args.task, "learn_prompts": args.learn_prompts, "inputs": len(inputs), "passes": args.passes, "concurrency": args.concurrency,
-              "arms": {}}
+    report = {"task": args.task, "learn_prompts": args.learn_prompts, "inputs": len(inputs), "passes": args.passes,
+              "concurrency": args.concurrency, "arms": {}}
     for arm, scheduler in schedulers.items():
         scheduler.shutdown(timeout=5)
         metrics = scheduler.metrics
