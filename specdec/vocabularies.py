@@ -19,7 +19,7 @@ is accepted.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -198,7 +198,6 @@ class ChatFraming:
         return cls(before, after)
 
 
-@dataclass
 class ContextBridge:
     """Keeps the draft model's context (its own tokens) in step with the target's, by bytes.
 
@@ -207,14 +206,26 @@ class ContextBridge:
     target's tokens are bytes; the draft tokens cached last time are kept as far as their bytes agree with them, and
     the rest is encoded. ``pending`` is what of the target's text the draft's context does not yet hold (a UTF-8
     character cut in two, or bytes it cannot represent): a draft must begin by writing it.
+
+    A round costs what it adds, not the length so far: a context only grows while one sequence is generated, so the
+    target's text and the draft tokens that agree with it are carried from round to round, and a context that does
+    not continue the last one starts them again.
     """
 
-    target: TokenText
-    draft: TokenText
-    target_framing: ChatFraming | None = None
-    draft_framing: ChatFraming | None = None
-    _prompt: list[int] = field(default_factory=list)  # the target's prompt ids
-    _draft_prompt: list[int] = field(default_factory=list)  # their translation
+    def __init__(self, target: TokenText, draft: TokenText, target_framing: ChatFraming | None = None,
+                 draft_framing: ChatFraming | None = None) -> None:
+        self.target, self.draft = target, draft
+        self.target_framing, self.draft_framing = target_framing, draft_framing
+        self._prompt: list[int] = []  # the target's prompt ids
+        self._draft_prompt: list[int] = []  # their translation
+        self._generated: list[int] = []  # the target's ids past the prompt, seen last round
+        self._text = b""  # their bytes
+        self._aligned: list[int] = []  # draft tokens past the prompt that stand for the first bytes of _text
+        self._aligned_bytes = 0
+
+    def fresh(self) -> ContextBridge:
+        """A bridge between the same tokenizers for another sequence (a server's request)."""
+        return ContextBridge(self.target, self.draft, self.target_framing, self.draft_framing)
 
     def draft_context(self, context: list[int], cached: list[int]) -> tuple[list[int], bytes]:
         """The draft's tokens for the target's ``context`` (reusing what of ``cached``, the draft model's cache,
@@ -222,18 +233,32 @@ class ContextBridge:
         if not self._prompt or context[: len(self._prompt)] != self._prompt:
             self._prompt = list(context)
             self._draft_prompt = self.draft.prompt_ids(self._prompt_text(context))
-        generated = self.target.text_of(context[len(self._prompt):])
+            self._generated, self._text, self._aligned, self._aligned_bytes = [], b"", [], 0
+        generated = self._generated_text(context[len(self._prompt):])
         n = len(self._draft_prompt)
-        kept = cached[n:] if cached[:n] == self._draft_prompt else []
-        end = 0
-        for i, token in enumerate(kept):
+        ours = cached[n:] if cached[:n] == self._draft_prompt else []
+        agrees = ours[: len(self._aligned)] == self._aligned
+        kept, end = (list(self._aligned), self._aligned_bytes) if agrees else ([], 0)
+        for token in ours[len(kept):]:  # the tokens the draft wrote past them last round, as far as they agree
             piece = self.draft.pieces[token] if 0 <= token < self.draft.vocab_size else b""
             if not piece or generated[end:end + len(piece)] != piece:
-                kept = kept[:i]
                 break
+            kept.append(token)
             end += len(piece)
         rest, consumed = self.draft.encode(generated[end:], final=False)
-        return self._draft_prompt + kept + rest, generated[end + consumed:]
+        self._aligned, self._aligned_bytes = kept + rest, end + consumed
+        return self._draft_prompt + self._aligned, generated[self._aligned_bytes:]
+
+    def _generated_text(self, generated: list[int]) -> bytes:
+        """The bytes of the target's ``generated`` ids, extending last round's where they continue them (else
+        starting again, and forgetting the draft tokens aligned with the old text)."""
+        seen = len(self._generated)
+        if generated[:seen] != self._generated:
+            self._generated, self._text, self._aligned, self._aligned_bytes = [], b"", [], 0
+            seen = 0
+        self._text += self.target.text_of(generated[seen:])
+        self._generated = generated
+        return self._text
 
     def _prompt_text(self, prompt: list[int]) -> str:
         ids = prompt[1:] if self.target.bos is not None and prompt[:1] == [self.target.bos] else prompt

@@ -23,7 +23,7 @@ def documents(seed: int, count: int) -> list[list[int]]:
 
 
 def tables(index: SharedIndex) -> tuple[dict, dict]:
-    return index._counts, index._best
+    return index._successors._counts, index._successors._best
 
 
 def test_forgetting_the_oldest_answers_leaves_what_indexing_the_rest_alone_gives():

@@ -102,7 +102,7 @@ class ForeignDraft:
     def on(self, model: CausalLM) -> ForeignDraft:
         """The same draft for another sequence (a server's request): ``model`` over the same weights, a bridge of
         its own (it remembers its sequence's prompt), the tokenizers and shared tokens read once."""
-        return replace(self, model=model, bridge=replace(self.bridge, _prompt=[], _draft_prompt=[]))
+        return replace(self, model=model, bridge=self.bridge.fresh())
 
 
 class ForeignDraftProposer(TreeProposer, CatchesUp):

@@ -46,6 +46,40 @@ class ContinuationIndex(Protocol):
         ...
 
 
+class SuccessorCounts:
+    """Per suffix, how often each token followed it, and the best-supported one (ties: the latest counted)."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[int, ...], dict[int, int]] = {}
+        self._best: dict[tuple[int, ...], tuple[int, int]] = {}  # suffix -> (token, support)
+
+    def add(self, key: tuple[int, ...], token: int) -> None:
+        counts = self._counts.setdefault(key, {})
+        support = counts.get(token, 0) + 1
+        counts[token] = support
+        best = self._best.get(key)
+        if best is None or support >= best[1]:
+            self._best[key] = (token, support)
+
+    def remove(self, key: tuple[int, ...], token: int) -> None:
+        """Take back one ``add(key, token)``."""
+        counts = self._counts[key]
+        support = counts.pop(token) - 1
+        if support:
+            counts[token] = support
+        if not counts:
+            del self._counts[key]
+            del self._best[key]
+        elif self._best[key][0] == token:
+            self._best[key] = max(counts.items(), key=lambda item: item[1])
+
+    def best(self, key: tuple[int, ...]) -> tuple[int, int] | None:
+        return self._best.get(key)
+
+    def top(self, key: tuple[int, ...], width: int) -> list[tuple[int, int]]:
+        return sorted(self._counts.get(key, {}).items(), key=lambda item: -item[1])[:width]
+
+
 class SessionIndex:
     """Suffixes of up to ``max_order`` tokens of one growing sequence, with the counts of what followed each.
 
@@ -56,20 +90,13 @@ class SessionIndex:
     def __init__(self, max_order: int = MAX_ORDER) -> None:
         self.max_order = max_order
         self.tokens: list[int] = []
-        self._counts: dict[tuple[int, ...], dict[int, int]] = {}
-        self._best: dict[tuple[int, ...], tuple[int, int]] = {}  # suffix -> (token, support)
+        self._successors = SuccessorCounts()
 
     def append(self, token: int) -> None:
         """Index ``token`` as the successor of every suffix (up to max_order long) that ends just before it."""
         tokens = self.tokens
         for n in range(1, min(self.max_order, len(tokens)) + 1):
-            key = tuple(tokens[-n:])
-            counts = self._counts.setdefault(key, {})
-            support = counts.get(token, 0) + 1
-            counts[token] = support
-            best = self._best.get(key)
-            if best is None or support >= best[1]:
-                self._best[key] = (token, support)
+            self._successors.add(tuple(tokens[-n:]), token)
         tokens.append(token)
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -77,11 +104,10 @@ class SessionIndex:
             self.append(token)
 
     def best_next(self, suffix: Sequence[int]) -> tuple[int, int] | None:
-        return self._best.get(tuple(suffix))
+        return self._successors.best(tuple(suffix))
 
     def top_next(self, suffix: Sequence[int], width: int) -> list[tuple[int, int]]:
-        counts = self._counts.get(tuple(suffix), {})
-        return sorted(counts.items(), key=lambda item: -item[1])[:width]
+        return self._successors.top(tuple(suffix), width)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -104,8 +130,7 @@ class SharedIndex:
             raise UsageError(f"the shared suffix index's capacity must be >= 1 token, got {capacity}")
         self.capacity = capacity
         self.max_order = max_order
-        self._counts: dict[tuple[int, ...], dict[int, int]] = {}
-        self._best: dict[tuple[int, ...], tuple[int, int]] = {}  # suffix -> (token, support)
+        self._successors = SuccessorCounts()
         self._documents: deque[list[int]] = deque()
         self.tokens = 0  # held, over all documents
         self._lock = threading.Lock()
@@ -116,49 +141,32 @@ class SharedIndex:
         if len(document) < 2:
             return
         with self._lock:
-            self._count(document, +1)
+            self._count(document, self._successors.add)
             self._documents.append(document)
             self.tokens += len(document)
             while self.tokens > self.capacity:
                 oldest = self._documents.popleft()
-                self._count(oldest, -1)
+                self._count(oldest, self._successors.remove)
                 self.tokens -= len(oldest)
 
     def best_next(self, suffix: Sequence[int]) -> tuple[int, int] | None:
         with self._lock:
-            return self._best.get(tuple(suffix))
+            return self._successors.best(tuple(suffix))
 
     def top_next(self, suffix: Sequence[int], width: int) -> list[tuple[int, int]]:
         with self._lock:
-            counts = dict(self._counts.get(tuple(suffix), {}))
-        return sorted(counts.items(), key=lambda item: -item[1])[:width]
+            return self._successors.top(tuple(suffix), width)
 
     @property
     def documents(self) -> list[list[int]]:
         with self._lock:
             return [list(d) for d in self._documents]
 
-    def _count(self, document: list[int], sign: int) -> None:
-        """Add (+1) or take back (-1) the document's (suffix, successor) pairs, suffixes of MIN_ORDER and more."""
+    def _count(self, document: list[int], count) -> None:
+        """``count(suffix, successor)`` for each of the document's suffixes of MIN_ORDER to max_order tokens."""
         for i in range(MIN_ORDER, len(document)):
-            token = document[i]
             for n in range(MIN_ORDER, min(self.max_order, i) + 1):
-                key = tuple(document[i - n:i])
-                counts = self._counts.setdefault(key, {})
-                support = counts.get(token, 0) + sign
-                if support > 0:
-                    counts[token] = support
-                else:
-                    counts.pop(token, None)
-                if not counts:
-                    del self._counts[key]
-                    self._best.pop(key, None)
-                elif sign > 0:
-                    best = self._best.get(key)
-                    if best is None or support >= best[1]:
-                        self._best[key] = (token, support)
-                elif self._best[key][0] == token:
-                    self._best[key] = max(counts.items(), key=lambda item: item[1])
+                count(tuple(document[i - n:i]), document[i])
 
     def save(self, directory: Path, vocab_size: int) -> Path:
         """Write the documents to ``directory`` (``FILE``), to be read back by :meth:`load`."""
