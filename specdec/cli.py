@@ -231,6 +231,9 @@ def _add_serve_parser(commands) -> None:
                        "live batch size (none under load); always: every draft; never: plain batched decoding")
     serve.add_argument("--num-draft-tokens", "-k", type=int, default=4, metavar="K",
                        help="the most draft tokens per request per step (default 4)")
+    serve.add_argument("--prefix-cache-mib", type=int, default=1024, metavar="MIB",
+                       help="keep finished prompts' keys and values, up to this many MiB, for later prompts that "
+                       "open with the same tokens (their prefill is skipped); 0: off (default 1024)")
     serve.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1: this machine only")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--replicas", type=int, default=0, metavar="N",

@@ -331,6 +331,7 @@ def test_metrics_parse_as_prometheus_text_and_equal_the_servers_counters(tiny):
             ("specdec_generation_tokens_by_speculation_total", (("speculation", "never"),)): 8,
             ("specdec_generation_tokens_by_speculation_total", (("speculation", "always"),)): m.generation_tokens - 8,
             **one("prompt_tokens_total", m.prompt_tokens), **one("generation_tokens_total", m.generation_tokens),
+            **one("cached_prompt_tokens_total", m.cached_prompt_tokens),
             **one("drafts_total", m.positions.drafted[0]), **one("draft_tokens_total", sum(m.positions.drafted)),
             **one("accepted_tokens_total", sum(m.positions.accepted)),
             **by_position("draft_tokens_at_position_total", m.positions.drafted),

@@ -100,6 +100,26 @@ class Pool(Protocol):
         ...
 
 
+class KeepsPrefixes(Protocol):
+    """A pool that copies a slot's first cached positions out and back in: what lets a server restore a prompt's
+    keys and values for a later request that opens with the same tokens, instead of prefilling them again (its
+    prefix cache, ``server/prefixes.py``). A restored position holds the bits a prefill of the new prompt would
+    write only where every row is computed as it is alone (``pass_invariant``) and the rest of the prompt still runs
+    as a prompt does: a row of at least ``prompt_positions`` new tokens (a runtime may run prompts, rounds and
+    single steps through different kernels)."""
+
+    pass_invariant: bool
+    prompt_positions: int
+
+    def copy_out(self, slot: Slot, length: int) -> torch.Tensor:
+        """The keys and values of the slot's first ``length`` positions, copied."""
+        ...
+
+    def copy_in(self, slot: Slot, kept: torch.Tensor, length: int) -> None:
+        """Make the slot hold the first ``length`` positions of what :meth:`copy_out` gave, and only them."""
+        ...
+
+
 class FeaturePool(Pool, Protocol):
     """A pool that hands back hidden states too (what training data for drafters reads)."""
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from specdec.backends import native
-from specdec.backends.base import FeaturePool, PoolFull, Row, Slot
+from specdec.backends.base import FeaturePool, KeepsPrefixes, PoolFull, Row, Slot
 from specdec.backends.family import (
     Layer,
     added,
@@ -31,10 +31,13 @@ from specdec.backends.linear import Linear
 from specdec.backends.sequence import LlamaSequence
 
 
-class SlotPool(FeaturePool):
+class SlotPool(FeaturePool, KeepsPrefixes):
     """KV caches for up to ``max_slots`` sequences of up to ``max_length`` tokens, all extended in one pass. The
-    runtime's wing declares how a pass's rows run (:meth:`run_rows`) and which LM head reads them
-    (:meth:`head_for`); :meth:`torch_rows` runs them in PyTorch."""
+    runtime's wing declares how a pass's rows run (:meth:`run_rows`), which LM head reads them (:meth:`head_for`)
+    and the fewest new tokens a row runs as a prompt's (``prompt_positions``); :meth:`torch_rows` runs them in
+    PyTorch."""
+
+    prompt_positions: int
 
     def __init__(self, runtime: LlamaSequence, max_slots: int, max_length: int) -> None:
         if max_slots < 1:
@@ -75,6 +78,19 @@ class SlotPool(FeaturePool):
             last.index = slot.index
             self.slots[slot.index] = last
         slot.index = -1
+
+    @property
+    def pass_invariant(self) -> bool:
+        return self.runtime.pass_invariant
+
+    def copy_out(self, slot: Slot, length: int) -> torch.Tensor:  # [2 * layers, kv_heads, length, head_dim]
+        return torch.stack([pool[slot.index, :, :length] for pool in (*self._keys, *self._values)])
+
+    def copy_in(self, slot: Slot, kept: torch.Tensor, length: int) -> None:
+        for pool, layer in zip((*self._keys, *self._values), kept):
+            pool[slot.index, :, :length] = layer[:, :length]
+        self._written[slot.index] = max(self._written[slot.index], length)
+        slot.length = length
 
     def forward(self, rows: list[Row]) -> list[torch.Tensor]:  # per row [num_logits, vocab]
         """Append every row's tokens to its slot in one pass; each row's logits at its last ``num_logits``."""

@@ -14,6 +14,7 @@ from specdec.errors import UsageError
 from specdec.logs import notice
 from specdec.proposers import PROPOSERS
 from specdec.proposers.retrieval import ChainedIndex, SharedIndex
+from specdec.server.prefixes import prefix_cache
 from specdec.server.scheduler import Scheduler
 from specdec.server.speculation import SpeculationPlanner
 
@@ -30,6 +31,7 @@ class BatchSettings:
     datastore_capacity: int = 65536
     learn_prompts: bool = False
     save_learned: Path | None = None  # where the shared index is kept at shutdown and read back at start
+    prefix_cache_mib: int = 1024  # finished prompts' keys and values kept for the prompts they open; 0: none
 
     def __post_init__(self) -> None:
         if self.speculation not in SPECULATION_MODES:
@@ -38,7 +40,7 @@ class BatchSettings:
             known = f"; {self.drafter} is not batched yet" if self.drafter in PROPOSERS else ""
             raise UsageError(f"the server drafts with {', '.join(SERVED_DRAFTERS)}{known}")
         for name, low in (("num_draft_tokens", 1), ("max_batch_size", 1), ("max_model_len", 2), ("max_waiting", 0),
-                          ("datastore_capacity", 1)):
+                          ("datastore_capacity", 1), ("prefix_cache_mib", 0)):
             if getattr(self, name) < low:
                 raise UsageError(f"{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
 
@@ -65,7 +67,8 @@ def build_scheduler(runtime, settings: BatchSettings, eos_token_ids: set[int], d
     return Scheduler(pool, lambda: factory(runtime, source(), datastore),
                      SpeculationPlanner(settings.speculation, cost), eos_token_ids,
                      max_draft_tokens=settings.num_draft_tokens, max_waiting=settings.max_waiting,
-                     drafter=settings.drafter, memory=memory)
+                     drafter=settings.drafter, memory=memory,
+                     prefixes=prefix_cache(pool, settings.prefix_cache_mib << 20))
 
 
 def per_request(draft, settings: BatchSettings):

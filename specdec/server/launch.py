@@ -43,7 +43,7 @@ def run_serve(args) -> int:
         num_draft_tokens=args.num_draft_tokens,
         max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
         datastore_capacity=args.datastore_capacity, learn_prompts=args.datastore_learn_prompts,
-        save_learned=Path(args.datastore) if args.datastore_save else None)
+        save_learned=Path(args.datastore) if args.datastore_save else None, prefix_cache_mib=args.prefix_cache_mib)
     if not 0 <= args.port < 65536:
         raise UsageError(f"port must be in 0..65535, got {args.port}")
     if args.max_body_bytes < 1024:

@@ -23,6 +23,7 @@ PREFIX = "specdec"
 @dataclass
 class Metrics(DraftTotals):
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of those, restored from the prefix cache
     generation_tokens: int = 0
     request_rounds: int = 0  # one per request per target pass
     positions: PositionCounts = field(default_factory=PositionCounts)  # draft and accepted tokens per position
@@ -61,10 +62,13 @@ class Metrics(DraftTotals):
             self.batch_size = batch_size
             self.speculating = speculating
 
-    def observe_prefill(self, prompt_tokens: int, seconds: float) -> None:
+    def observe_prefill(self, prompt_tokens: int, seconds: float, cached_tokens: int = 0) -> None:
+        """Prompts admitted: their tokens, the seconds their prefill took, and how many of their tokens the prefix
+        cache restored instead."""
         with self._lock:
             self.prompt_tokens += prompt_tokens
             self.prefill_seconds += seconds
+            self.cached_prompt_tokens += cached_tokens
 
     def observe_rejection(self, status: int) -> None:
         with self._lock:
@@ -98,7 +102,9 @@ class Metrics(DraftTotals):
                     ("speculation", sorted(self.tokens_by_mode.items())) if self.tokens_by_mode else 0),
             _family(counter, "requests_rejected", "Requests refused, by HTTP status.",
                     ("status", sorted(self.rejected.items())) if self.rejected else 0),
-            _family(counter, "prompt_tokens", "Prompt tokens prefilled.", self.prompt_tokens),
+            _family(counter, "prompt_tokens", "Prompt tokens admitted.", self.prompt_tokens),
+            _family(counter, "cached_prompt_tokens", "Prompt tokens restored from the prefix cache, not prefilled.",
+                    self.cached_prompt_tokens),
             _family(counter, "generation_tokens", "Tokens generated.", self.generation_tokens),
             _family(counter, "drafts", "Drafts scored (one per request per speculative step).", self.drafts),
             _family(counter, "draft_tokens", "Draft tokens scored.", self.draft_tokens),

@@ -27,7 +27,7 @@ def echo_text(job: Job, tokenizer, prompt_ids: list[int]) -> str:
 
 def usage_of(answers: list[Answer], prompt_tokens: int) -> dict:
     return usage(prompt_tokens, sum(a.completion_tokens for a in answers), sum(a.draft_tokens for a in answers),
-                 sum(a.accepted_tokens for a in answers))
+                 sum(a.accepted_tokens for a in answers), answers[0].handle.cached_tokens)
 
 
 async def events_of(answers: list[Answer]) -> AsyncIterator[tuple[Answer, Tokens | Finished]]:

@@ -390,10 +390,13 @@ class Response:
         return envelope
 
 
-def usage(prompt_tokens: int, completion_tokens: int, draft_tokens: int, accepted_tokens: int) -> dict:
-    """OpenAI's usage, and what speculation did for this request."""
+def usage(prompt_tokens: int, completion_tokens: int, draft_tokens: int, accepted_tokens: int,
+          cached_tokens: int = 0) -> dict:
+    """OpenAI's usage (with the prompt tokens restored from the prefix cache), and what speculation did for this
+    request."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
             "speculation": {"draft_tokens": draft_tokens, "accepted_tokens": accepted_tokens}}
 
 

@@ -36,6 +36,7 @@ from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from specdec.proposers.none import NoProposer
 from specdec.sampling import LogitsAdjustment, SamplingParams
 from specdec.server.metrics import Metrics
+from specdec.server.prefixes import PrefixCache
 from specdec.server.speculation import SpeculationPlanner
 from specdec.step import Round, emitted_round, make_generator, verify_draft
 
@@ -127,6 +128,7 @@ class Handle:
         self.id = next(self._ids)
         self.events: queue.Queue[Tokens | Finished] = queue.Queue()
         self.cancelled = threading.Event()
+        self.cached_tokens = 0  # prompt tokens the prefix cache restored for it, set at its prefill
         self._listener: Callable[[Tokens | Finished], None] | None = None
         self._lock = threading.Lock()
 
@@ -203,8 +205,10 @@ class Scheduler:
 
     def __init__(self, pool: Pool, new_proposer: Callable[[], Proposer], planner: SpeculationPlanner,
                  eos_token_ids: frozenset[int] | set[int], max_draft_tokens: int = 4, max_waiting: int = 256,
-                 metrics: Metrics | None = None, drafter: str = "", memory: AnswerMemory | None = None) -> None:
+                 metrics: Metrics | None = None, drafter: str = "", memory: AnswerMemory | None = None,
+                 prefixes: PrefixCache | None = None) -> None:
         self.pool = pool
+        self.prefixes = prefixes  # finished requests' prompts' keys and values, restored for prompts they open
         self.memory = memory  # learns every finished answer (the shared suffix index), kept at shutdown
         self.new_proposer = new_proposer
         self.drafter = drafter  # the drafter's name, as served
@@ -400,12 +404,17 @@ class Scheduler:
         self._end(handle, Finished("cancelled"))
 
     def _prefill(self, batch: list[_Running]) -> None:
-        """Cache every context token but the last, which the first step scores."""
+        """Cache every context token but the last, which the first step scores: those a kept prompt opens with
+        restored from the prefix cache, the rest in one pass."""
         started = time.perf_counter()
+        if self.prefixes is not None:
+            for r in batch:
+                r.handle.cached_tokens = self.prefixes.restore(r.slot, r.context)
         owners = [r for r in batch if len(r.context) > 1]
         if owners:
-            self._forward([Row(r.slot, r.context[:-1], 0) for r in owners], owners)
-        self.metrics.observe_prefill(sum(len(r.context) for r in batch), time.perf_counter() - started)
+            self._forward([Row(r.slot, r.context[r.slot.length:-1], 0) for r in owners], owners)
+        self.metrics.observe_prefill(sum(len(r.context) for r in batch), time.perf_counter() - started,
+                                     sum(r.handle.cached_tokens for r in batch))
 
     def _forward(self, rows: list[Row], owners: list[_Running]) -> list[torch.Tensor | None]:
         """One pass over every row (row i is owners[i]'s); should it fail, each row again alone, so that a row
@@ -517,20 +526,30 @@ class Scheduler:
             self._running.remove(r)
 
     def _retire(self, r: _Running, event: Finished) -> None:
-        """Free the request's slot, hand over its last event, and let the memory learn a finished answer."""
+        """Keep a finished request's prompt in the prefix cache, free its slot, hand over its last event, and let
+        the memory learn its answer."""
+        finished = event.reason in ("stop", "length")
         if r.slot.index >= 0:
+            if finished and self.prefixes is not None:
+                self._keep_prompt(r)
             self.pool.close(r.slot)
         try:
             r.proposer.clear_cache()  # a draft model's slot goes back to its pool
         except Exception as error:
             log.warning("request %d: its drafter did not let go (%r)", r.handle.id, error)
         self._end(r.handle, event)
-        if self.memory is not None and event.reason in ("stop", "length"):
+        if self.memory is not None and finished:
             try:
                 self.memory.learn(r.context, len(r.handle.request.prompt_ids))
             except Exception as error:  # learning is a help to later drafts, never a fault of this request
                 log.warning("request %d: its answer was not learned (%r)", r.handle.id, error)
 
+
+    def _keep_prompt(self, r: _Running) -> None:
+        try:
+            self.prefixes.keep(r.slot, r.handle.request.prompt_ids)
+        except Exception as error:  # a help to later prompts, never a fault of this request
+            log.warning("request %d: its prompt was not kept (%r)", r.handle.id, error)
 
 
 def _until_stopped(round_: Round, stop: StopCondition) -> Round:

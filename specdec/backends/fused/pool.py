@@ -27,6 +27,10 @@ class FusedPool(SlotPool):
         self._cache = PassCache(self._keys, self._values, self.slot_floats // runtime.kv_heads, self._cos, self._sin,
                                 self._local_cos, self._local_sin)
 
+    @property
+    def prompt_positions(self) -> int:
+        return self.runtime.prompt_positions  # a row of this many runs the bulk kernel
+
     @torch.inference_mode()
     def forward_hidden(self, rows: list[Row], hidden: bool = True
                        ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:

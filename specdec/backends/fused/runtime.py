@@ -290,6 +290,7 @@ class FusedRuntime(LlamaSequence, Pooled):
 
     name = "fused"
     pass_invariant = True  # fused.c computes each row alone; a prompt's bulk pass runs the same row kernels
+    prompt_positions = PROMPT_POSITIONS  # a chain of this many runs the bulk kernel: a prompt
 
     def __init__(self, model, weights: str = "auto", gguf: str | Path | None = None,
                  products: str = "integer") -> None:

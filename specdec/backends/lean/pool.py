@@ -6,12 +6,14 @@ from __future__ import annotations
 import torch
 
 from specdec.backends.base import Row
-from specdec.backends.linear import Linear
+from specdec.backends.linear import BULK_POSITIONS, Linear
 from specdec.backends.slots import Layout, SlotPool
 
 
 class LeanPool(SlotPool):
     """:class:`SlotPool` over a :class:`~specdec.backends.lean.runtime.LeanRuntime`'s weights."""
+
+    prompt_positions = BULK_POSITIONS  # a pass over this many runs in the bulk pass's precision
 
     def run_rows(self, rows: list[Row], layout: Layout, layers: int) -> torch.Tensor:  # [T, hidden]
         return self.torch_rows(self.runtime.weights_for(layout.total)[0], layout, layers)

@@ -1,0 +1,95 @@
+"""The server's prefix cache: the keys and values of finished requests' prompts, kept so that a later request that
+opens with the same tokens (the same system prompt and instruction, a re-asked question, the next turn of a chat)
+restores them instead of prefilling them again.
+
+It keeps the positions a prefill wrote, never those that decoding wrote: a runtime may compute prompts and rounds
+with different kernels, and a restored position must hold the bits that a prefill of the new prompt would write.
+For the same reason the rest of a prompt is left long enough to run as a prompt does (the pool's
+``prompt_positions``), and the cache is made only over a pool whose rows are computed as they are alone
+(``pass_invariant``): there a restored prefix changes no token (tests/test_prefix_cache.py).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from specdec.backends.base import KeepsPrefixes, Pool, Slot, declares
+
+MIN_REUSED = 16  # fewer shared tokens than this are prefilled: a copy is not worth its bookkeeping
+
+
+class PrefixCache:
+    """Prompts' cached positions, up to ``capacity_bytes`` of keys and values, the least recently used forgotten
+    first. Used from the scheduler's thread only."""
+
+    def __init__(self, pool: KeepsPrefixes, capacity_bytes: int) -> None:
+        self.pool = pool
+        self.capacity_bytes = capacity_bytes
+        self.bytes = 0
+        self._kept: OrderedDict[int, tuple[np.ndarray, torch.Tensor]] = OrderedDict()  # id -> (tokens, cache)
+        self._ids = 0
+        self.reused_tokens = 0  # prompt tokens restored instead of prefilled
+
+    def keep(self, slot: Slot, prompt: list[int]) -> None:
+        """Keep the prompt's cached positions (all but its last token, which a step scored) from the slot of a
+        request that ends; a prompt that a kept one already opens supersedes it."""
+        length = len(prompt) - 1
+        if length < MIN_REUSED or slot.length < length:
+            return
+        tokens = np.asarray(prompt[:length], dtype=np.int64)
+        for key, (kept, _) in list(self._kept.items()):
+            if len(kept) >= length and np.array_equal(kept[:length], tokens):  # already held
+                self._kept.move_to_end(key)
+                return
+            if np.array_equal(tokens[: len(kept)], kept):  # holds all that one held, and more
+                self._forget(key)
+        cache = self.pool.copy_out(slot, length)
+        size = cache.numel() * cache.element_size()
+        if size > self.capacity_bytes:
+            return
+        while self.bytes + size > self.capacity_bytes:
+            self._forget(next(iter(self._kept)))
+        self._ids += 1
+        self._kept[self._ids] = (tokens, cache)
+        self.bytes += size
+
+    def restore(self, slot: Slot, context: list[int]) -> int:
+        """Restore into the (empty) slot the longest kept prefix of ``context`` that leaves a prompt's worth of it
+        to prefill: how many positions it now holds (0 where none is worth restoring)."""
+        most = len(context) - 1 - self.pool.prompt_positions
+        if most < MIN_REUSED or not self._kept:
+            return 0
+        tokens = np.asarray(context[:most], dtype=np.int64)
+        best, shared = None, 0
+        for key, (kept, _) in self._kept.items():
+            n = _shared_length(kept, tokens)
+            if n > shared:
+                best, shared = key, n
+        if shared < MIN_REUSED:
+            return 0
+        self._kept.move_to_end(best)
+        self.pool.copy_in(slot, self._kept[best][1], shared)
+        self.reused_tokens += shared
+        return shared
+
+    def _forget(self, key: int) -> None:
+        _, cache = self._kept.pop(key)
+        self.bytes -= cache.numel() * cache.element_size()
+
+
+def _shared_length(a: np.ndarray, b: np.ndarray) -> int:
+    """How many tokens ``a`` and ``b`` share from their start."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+def prefix_cache(pool: Pool, capacity_bytes: int) -> PrefixCache | None:
+    """A prefix cache over the pool, or None where it is off (a capacity of 0), the pool cannot copy its slots, or
+    its rows depend on the pass (a restored prefix could then change a token)."""
+    if capacity_bytes <= 0 or not declares(pool, KeepsPrefixes) or not pool.pass_invariant:
+        return None
+    return PrefixCache(pool, capacity_bytes)
