@@ -66,14 +66,14 @@ def served(runtime, prompts: list[list[int]], sampling: SamplingParams, seed: in
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_restored_prompts_change_no_token(model, runtime, temperature):
     """Each answer equals its prompt's plain decoding alone on an empty cache, while most prompts restored a
-    prefix a finished one kept: the instruction, a re-asked prompt whole (less a prompt's worth), and the half
-    of a prompt another opens with."""
+    prefix a finished one kept: the instruction, a re-asked prompt whole, and the half of a prompt another opens
+    with."""
     make = RUNTIMES[runtime]
     prompts = workload()
     sampling = SamplingParams(temperature=temperature)
     answers, cached, scheduler = served(make(model), prompts, sampling, seed=5)
     assert cached[0] == 0 and all(n >= MIN_REUSED for n in cached[1:]), cached
-    assert cached[5] == len(prompts[5]) - 1 - scheduler.pool.prompt_positions  # re-asked: all it may restore
+    assert cached[5] == len(prompts[5]) - 1  # re-asked: all but the last token, which the first step scores
     assert scheduler.metrics.cached_prompt_tokens == sum(cached)
     plain = Engine(make(model), NoProposer(), eos_token_ids={EOS})
     for prompt, answer in zip(prompts, answers):
@@ -132,8 +132,7 @@ def test_what_is_kept_is_bounded_superseded_and_restored_bit_for_bit(model):
     pool.close(second)
     assert cache.bytes == 2 * size
     slot = pool.open()
-    assert cache.restore(slot, prompts[0] + [5]) == 100 - pool.prompt_positions  # leaves a prompt's worth
-    assert slot.length == 100 - pool.prompt_positions
+    assert cache.restore(slot, prompts[0] + [5]) == 99 == slot.length  # what it shares
     assert torch.equal(pool.copy_out(slot, slot.length), kept[:, :, : slot.length])
     pool.close(slot)
     third = filled(pool, words(12, 100))
@@ -171,18 +170,25 @@ def test_the_server_reports_the_cached_tokens_and_answers_alike(model, tmp_path)
 
 
 @pytest.mark.parametrize("runtime", list(RUNTIMES))
-def test_a_prompt_prefilled_after_a_restored_prefix_scores_as_one_prefilled_whole(model, runtime):
+@pytest.mark.parametrize("rest", [1, 5, 80])
+def test_a_prompt_prefilled_after_a_restored_prefix_scores_as_one_prefilled_whole(model, runtime, rest):
     """The logits after a prompt prefilled in one pass equal, bit for bit, those after its first tokens restored
-    from another slot's copy and the rest (a prompt's worth) prefilled: what makes a restored prefix exact."""
+    from another slot's copy and the rest prefilled as the whole prompt's prefill would run (the fused runtime
+    runs a prompt through another kernel than a round, whatever is left of it): what makes a restored prefix
+    exact. Beside it, a slot whose rest of five ran as a round does not hold those bits."""
     from specdec.backends.base import Row
 
-    pool = RUNTIMES[runtime](model).pool(2, 256)
+    pool = RUNTIMES[runtime](model).pool(3, 256)
     prompt = words(7, 160)
     whole = filled(pool, prompt)
     expected = pool.forward([Row(whole, prompt[-1:], 1)])[0]
-    restored = len(prompt) - 1 - pool.prompt_positions
+    restored = len(prompt) - 1 - rest
     kept = pool.copy_out(whole, restored)
-    slot = pool.open()
-    pool.copy_in(slot, kept, restored)
-    pool.forward([Row(slot, prompt[restored:-1], 0)])
-    assert torch.equal(pool.forward([Row(slot, prompt[-1:], 1)])[0], expected)
+    slots = [pool.open(), pool.open()]
+    for slot in slots:
+        pool.copy_in(slot, kept, restored)
+    pool.forward([Row(slots[0], prompt[restored:-1], 0, restored)])
+    assert torch.equal(pool.forward([Row(slots[0], prompt[-1:], 1)])[0], expected)
+    if runtime == "fused" and rest == 5:  # a row of several, run as a round
+        pool.forward([Row(slots[1], prompt[restored:-1], 0)])
+        assert not torch.equal(pool.forward([Row(slots[1], prompt[-1:], 1)])[0], expected)

@@ -69,11 +69,14 @@ class Slot:
 
 @dataclass(frozen=True)
 class Row:
-    """One sequence's share of a pass: tokens appended to its slot, logits wanted at the last ``num_logits``."""
+    """One sequence's share of a pass: tokens appended to its slot, logits wanted at the last ``num_logits``.
+    ``restored``: the slot's positions just restored from a prefix cache, of the same prompt as these tokens; the
+    row then runs as the prefill of that whole prompt would."""
 
     slot: Slot
     token_ids: list[int]
     num_logits: int
+    restored: int = 0
 
 
 class Pool(Protocol):
@@ -104,12 +107,12 @@ class KeepsPrefixes(Protocol):
     """A pool that copies a slot's first cached positions out and back in: what lets a server restore a prompt's
     keys and values for a later request that opens with the same tokens, instead of prefilling them again (its
     prefix cache, ``server/prefixes.py``). A restored position holds the bits a prefill of the new prompt would
-    write only where every row is computed as it is alone (``pass_invariant``) and the rest of the prompt still runs
-    as a prompt does: a row of at least ``prompt_positions`` new tokens (a runtime may run prompts, rounds and
-    single steps through different kernels)."""
+    write only where every row is computed as it is alone (``pass_invariant``), where both prompts were long enough
+    to run as prompts (``prompt_positions``: a runtime may run prompts, rounds and single steps through different
+    kernels), and where the rest of the prompt runs as its whole prefill would (its row's ``restored``)."""
 
     pass_invariant: bool
-    prompt_positions: int
+    prompt_positions: int  # the fewest positions a prefill runs as a prompt's
 
     def copy_out(self, slot: Slot, length: int) -> torch.Tensor:
         """The keys and values of the slot's first ``length`` positions, copied."""

@@ -7,7 +7,7 @@ Two schedulers over the same weights serve it in turns, wave by wave: ``shared``
 every finished answer) and ``session`` (retrieval reading each request's own text only: a capacity of one token,
 so nothing is learned). Both emit the same tokens. It reports, per arm, tokens per second (end to end, and
 decoding alone: without the prompts' prefill, which no drafter shortens), accepted draft tokens per drafted one,
-mean accepted length, and shared over session.
+mean accepted length, the prompts' tokens restored from the server's prefix cache, and shared over session.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> dict:
     for arm, capacity in ARMS.items():
         settings = BatchSettings(drafter="retrieval", speculation=args.speculation, num_draft_tokens=args.k,
                                  max_batch_size=args.concurrency, max_model_len=args.max_model_len,
-                                 datastore_capacity=capacity, learn_prompts=args.learn_prompts)
+                                 datastore_capacity=capacity, learn_prompts=args.learn_prompts,
+                                 prefix_cache_mib=args.prefix_cache_mib)
         schedulers[arm] = build_scheduler(loaded.runtime, settings, loaded.stop_ids)
         schedulers[arm].start()
     seconds = dict.fromkeys(ARMS, 0.0)
@@ -67,7 +68,9 @@ def run(args: argparse.Namespace) -> dict:
             "decode_tokens_per_second": metrics.generation_tokens / max(metrics.step_seconds, 1e-9),
             "acceptance_rate": metrics.accepted_tokens / max(metrics.draft_tokens, 1),
             "draft_tokens": metrics.draft_tokens, "accepted_tokens": metrics.accepted_tokens,
-            "mean_accepted_length": metrics.generation_tokens / max(metrics.request_rounds, 1)}
+            "mean_accepted_length": metrics.generation_tokens / max(metrics.request_rounds, 1),
+            "prefill_seconds": metrics.prefill_seconds, "step_seconds": metrics.step_seconds,
+            "prompt_tokens": metrics.prompt_tokens, "cached_prompt_tokens": metrics.cached_prompt_tokens}
     shared, session = report["arms"]["shared"], report["arms"]["session"]
     report["shared_over_session"] = shared["tokens_per_second"] / session["tokens_per_second"]
     report["decode_shared_over_session"] = shared["decode_tokens_per_second"] / session["decode_tokens_per_second"]
@@ -88,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-k", type=int, default=8, help="the most draft tokens per request per step")
     parser.add_argument("--speculation", default="auto", choices=("auto", "always"))
     parser.add_argument("--learn-prompts", action="store_true", help="the shared index learns prompts too")
+    parser.add_argument("--prefix-cache-mib", type=int, default=1024, help="each arm's prefix cache (0: off)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)

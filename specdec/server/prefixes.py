@@ -4,9 +4,10 @@ restores them instead of prefilling them again.
 
 It keeps the positions a prefill wrote, never those that decoding wrote: a runtime may compute prompts and rounds
 with different kernels, and a restored position must hold the bits that a prefill of the new prompt would write.
-For the same reason the rest of a prompt is left long enough to run as a prompt does (the pool's
-``prompt_positions``), and the cache is made only over a pool whose rows are computed as they are alone
-(``pass_invariant``): there a restored prefix changes no token (tests/test_prefix_cache.py).
+For the same reason both prompts must be long enough to run as prompts (the pool's ``prompt_positions``), the rest
+of the new one runs as its whole prefill would (its row's ``restored``), and the cache is made only over a pool
+whose rows are computed as they are alone (``pass_invariant``): there a restored prefix changes no token
+(tests/test_prefix_cache.py).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class PrefixCache:
         """Keep the prompt's cached positions (all but its last token, which a step scored) from the slot of a
         request that ends; a prompt that a kept one already opens supersedes it."""
         length = len(prompt) - 1
-        if length < MIN_REUSED or slot.length < length:
+        if length < max(MIN_REUSED, self.pool.prompt_positions) or slot.length < length:
             return
         tokens = np.asarray(prompt[:length], dtype=np.int64)
         for key, (kept, _) in list(self._kept.items()):
@@ -57,10 +58,10 @@ class PrefixCache:
         self.bytes += size
 
     def restore(self, slot: Slot, context: list[int]) -> int:
-        """Restore into the (empty) slot the longest kept prefix of ``context`` that leaves a prompt's worth of it
-        to prefill: how many positions it now holds (0 where none is worth restoring)."""
-        most = len(context) - 1 - self.pool.prompt_positions
-        if most < MIN_REUSED or not self._kept:
+        """Restore into the (empty) slot the longest kept prefix of ``context`` less its last token (which a step
+        scores): how many positions it now holds (0 where none is worth restoring)."""
+        most = len(context) - 1
+        if most < max(MIN_REUSED, self.pool.prompt_positions) or not self._kept:
             return 0
         tokens = np.asarray(context[:most], dtype=np.int64)
         best, shared = None, 0

@@ -410,9 +410,9 @@ class Scheduler:
         if self.prefixes is not None:
             for r in batch:
                 r.handle.cached_tokens = self.prefixes.restore(r.slot, r.context)
-        owners = [r for r in batch if len(r.context) > 1]
+        owners = [r for r in batch if len(r.context) - 1 > r.slot.length]
         if owners:
-            self._forward([Row(r.slot, r.context[r.slot.length:-1], 0) for r in owners], owners)
+            self._forward([Row(r.slot, r.context[r.slot.length:-1], 0, r.slot.length) for r in owners], owners)
         self.metrics.observe_prefill(sum(len(r.context) for r in batch), time.perf_counter() - started,
                                      sum(r.handle.cached_tokens for r in batch))
 

@@ -38,7 +38,7 @@ class FusedPool(SlotPool):
         bulk = self._bulk_rows(rows)
         if not bulk or len(bulk) == len(rows):
             return super().forward_hidden(rows, hidden)
-        others = [row for row in rows if not self.runtime.runs_bulk(len(row.token_ids))]
+        others = [row for row in rows if not self._runs_bulk(row)]
         answers = {}
         for part in (bulk, others):
             logits, states = super().forward_hidden(part, hidden)
@@ -59,4 +59,8 @@ class FusedPool(SlotPool):
 
     def _bulk_rows(self, rows: list[Row]) -> list[Row]:
         """The rows the fused runtime runs on its bulk kernel (prompts)."""
-        return [row for row in rows if self.runtime.runs_bulk(len(row.token_ids))]
+        return [row for row in rows if self._runs_bulk(row)]
+
+    def _runs_bulk(self, row: Row) -> bool:
+        """Whether the row holds a prompt (with what was restored of it just before)."""
+        return self.runtime.runs_bulk(row.restored + len(row.token_ids))
