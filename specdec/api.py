@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -9,12 +10,14 @@ from dataclasses import dataclass
 from specdec.choices import DEFAULT_SAMPLING_METHOD, check_datastore_drafter
 from specdec.engine import Engine, GenerationConfig, GenerationStats
 from specdec.errors import UsageError
+from specdec.grammars import Grammar, GrammarSpec, grammar_for
 from specdec.loading import Loaded, draft_source, encode_prompt, load_target
 from specdec.models import LoadedModel
 from specdec.proposers import make_proposer
 from specdec.sampling import SamplingParams
 from specdec.step import Round
 from specdec.view import Detokenizer
+from specdec.vocabularies import TokenText
 
 
 @dataclass
@@ -54,6 +57,7 @@ class SpecDecoder:
         source = draft_source(drafter, target, loaded.runtime, draft, precision, drafter_path, cross_vocabulary)
         proposer = make_proposer(drafter, loaded.runtime, source, datastore)
         self.engine = Engine(loaded.runtime, proposer, eos_token_ids=loaded.stop_ids)
+        self.stop_ids = loaded.stop_ids
 
     @classmethod
     def load(
@@ -112,12 +116,16 @@ class SpecDecoder:
         tree: tuple[int, ...] | str | None = None,
         chat: bool | None = None,
         on_text: Callable[[str], None] | None = None,
+        grammar: GrammarSpec | None = None,
+        json_schema: dict | type | None = None,
+        regex: str | None = None,
     ) -> Completion:
         """Generate a completion; ``on_text`` receives the text as it is produced. ``num_draft_tokens``: "auto"
         (the default: each round's draft length maximises expected tokens per second, from acceptance and costs
         measured as it runs, and is 0 where speculation does not pay), a fixed k, or "heuristic". ``tree``: draft
         token trees, the candidates at each depth, or "auto" (as ``--tree``). ``sampling``: "invariant" or
-        "standard" (as ``--sampling``)."""
+        "standard" (as ``--sampling``). Structured output, one of: ``json_schema`` (a JSON Schema, or a pydantic
+        model class), ``regex``, or any ``grammar`` (``GrammarSpec``: a Lark or GBNF grammar too)."""
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
             num_draft_tokens=num_draft_tokens,
@@ -125,7 +133,17 @@ class SpecDecoder:
             seed=seed,
             tree=tree,
         )
-        return self.generate_ids(self.encode(prompt, chat), config, on_text)
+        spec = structured_output(grammar, json_schema, regex)
+        return self.generate_ids(self.encode(prompt, chat), config, on_text, grammar=spec)
+
+    @functools.cached_property
+    def token_text(self) -> TokenText:
+        """The tokenizer as bytes per token, over the target's logits' width (what a grammar reads)."""
+        return TokenText(self.tokenizer, self.engine.target.vocab_size)
+
+    def grammar(self, spec: GrammarSpec) -> Grammar:
+        """A fresh matcher for ``spec`` over the target's vocabulary; GrammarError where it does not compile."""
+        return grammar_for(spec, self.token_text, self.stop_ids)
 
     def generate_ids(
         self,
@@ -133,9 +151,11 @@ class SpecDecoder:
         config: GenerationConfig,
         on_text: Callable[[str], None] | None = None,
         on_token: Callable[[str, str], None] | None = None,
+        grammar: GrammarSpec | None = None,
     ) -> Completion:
         """Generate from token ids. ``on_text`` receives text as it is produced; ``on_token`` receives each
-        token's piece of text and its kind ("accepted", "recovered", "bonus" or "plain")."""
+        token's piece of text and its kind ("accepted", "recovered", "bonus" or "plain"); ``grammar`` constrains
+        the tokens."""
         if on_text is not None:
             on_token = lambda piece, kind, on_text=on_text: piece and on_text(piece)  # noqa: E731
         detokenizer = Detokenizer(self.tokenizer)
@@ -144,8 +164,21 @@ class SpecDecoder:
             for token, kind in zip(round_.tokens, round_.kinds):
                 on_token(detokenizer.push(token), kind)
 
-        result = self.engine.generate(prompt_ids, config, on_round=on_round if on_token is not None else None)
+        result = self.engine.generate(prompt_ids, config, on_round=on_round if on_token is not None else None,
+                                      grammar=None if grammar is None else self.grammar(grammar))
         if on_token is not None and result.kinds:
             on_token(detokenizer.flush(), result.kinds[-1])
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return Completion(text=text, token_ids=result.token_ids, stats=result.stats, kinds=result.kinds)
+
+
+def structured_output(grammar: GrammarSpec | None, json_schema: dict | type | None, regex: str | None
+                      ) -> GrammarSpec | None:
+    """The one grammar given (a pydantic model class stands for its JSON Schema); None for none."""
+    given = [g for g in (grammar, json_schema, regex) if g is not None]
+    if len(given) > 1:
+        raise UsageError("give one of grammar, json_schema and regex")
+    if json_schema is not None:
+        schema = json_schema.model_json_schema() if isinstance(json_schema, type) else json_schema
+        return GrammarSpec.json_schema(schema)
+    return GrammarSpec("regex", regex) if regex is not None else grammar

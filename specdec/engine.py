@@ -6,9 +6,11 @@ the verifier owns exactness, the policy owns the draft length.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,12 +24,17 @@ from specdec.step import (
     DraftTotals,
     PositionCounts,
     Round,
+    constrained_draft,
+    constrained_round,
     emitted_round,
     make_generator,
     verify_draft,
     verify_draft_tree,
 )
 from specdec.verify import TreeVerdict, Verdict
+
+if TYPE_CHECKING:
+    from specdec.grammars import Grammar
 
 
 @dataclass(frozen=True)
@@ -175,14 +182,16 @@ class Engine:
         prompt_ids: list[int],
         config: GenerationConfig,
         on_round: Callable[[Round], None] | None = None,
+        grammar: Grammar | None = None,
     ) -> GenerationResult:
-        """Generate up to config.max_new_tokens tokens; ``on_round`` sees each round as it is emitted."""
+        """Generate up to config.max_new_tokens tokens; ``on_round`` sees each round as it is emitted. A
+        ``grammar`` (a fresh matcher: ``grammars.grammar_for``) constrains them."""
         policy = self.policy(config.num_draft_tokens, config.tree)
         stats = GenerationStats(policy=policy.name)
         token_ids: list[int] = []
         kinds: list[str] = []
         start = time.perf_counter()
-        for round_ in self.rounds(prompt_ids, config, policy):
+        for round_ in self.rounds(prompt_ids, config, policy, grammar):
             stats.record(round_)
             token_ids += round_.tokens
             kinds += round_.kinds
@@ -191,15 +200,19 @@ class Engine:
         stats.seconds = time.perf_counter() - start
         return GenerationResult(token_ids=token_ids, stats=stats, kinds=kinds)
 
-    def rounds(self, prompt_ids: list[int], config: GenerationConfig, policy: Policy) -> Iterator[Round]:
+    def rounds(self, prompt_ids: list[int], config: GenerationConfig, policy: Policy,
+               grammar: Grammar | None = None) -> Iterator[Round]:
         """The step loop, with ``policy`` choosing each round's draft length. The target's cache holds every
-        context token but the last, which is scored next."""
+        context token but the last, which is scored next. Under a ``grammar``, an end token ends it whatever
+        ``stop_at_eos`` says, and so does a grammar that admits nothing more."""
         if not prompt_ids:
             raise UsageError("the prompt is empty")
         self.check_tree(config.tree)
+        if grammar is not None and config.tree is not None:
+            raise UsageError("a grammar constrains a chain of draft tokens, not a tree: drop --tree")
         params = config.sampling
         generator = make_generator(config.seed, self.target.device)
-        stop_ids = self.eos_token_ids if config.stop_at_eos else frozenset()
+        stop_ids = self.eos_token_ids if config.stop_at_eos or grammar is not None else frozenset()
         max_length = self.target.max_length
         context = list(prompt_ids)
         if len(context) >= max_length:
@@ -221,18 +234,24 @@ class Engine:
                 self.proposer.catch_up(context)
             lagging = k == 0
             started = time.perf_counter()
-            draft = self._propose(context, k, config.tree_widths(k, policy), config.sampling, generator)
+            if grammar is None:
+                draft = self._propose(context, k, config.tree_widths(k, policy), config.sampling, generator)
+            else:
+                propose = functools.partial(self._propose, context, widths=None, params=params, generator=generator)
+                draft = constrained_draft(grammar, k, propose)
             drafted = time.perf_counter()
             # 3-5. score the pending token and the draft in one target pass, verify, keep the accepted tokens
-            verdict = self._score_and_verify(context[-1], draft, params, generator)
+            verdict = self._score_and_verify(context[-1], draft, params, generator, grammar)
             verified = time.perf_counter()  # verify_* read results on the host: the device has finished
             policy.observe(verdict, drafted - started, verified - drafted)
             # 6. emit, cut at EOS and at the token limit
             round_ = emitted_round(draft, verdict, remaining, stop_ids, drafted - started, verified - drafted, asked)
+            if grammar is not None:
+                round_ = constrained_round(grammar, round_)
             context += round_.tokens
             produced += len(round_.tokens)
             yield round_
-            if round_.tokens[-1] in stop_ids or len(context) >= max_length:
+            if round_.tokens[-1] in stop_ids or len(context) >= max_length or grammar is not None and grammar.stopped:
                 return
 
     def _propose(self, context: list[int], k: int, widths: list[int] | None, params: SamplingParams,
@@ -244,14 +263,17 @@ class Engine:
             return self.proposer.propose(context, k, params, generator, **features)
         return self.proposer.propose_tree(context, widths, params, generator, **features)
 
-    def _score_and_verify(self, pending: int, draft: Draft, params: SamplingParams, generator: torch.Generator
-                          ) -> Verdict | TreeVerdict:
+    def _score_and_verify(self, pending: int, draft: Draft, params: SamplingParams, generator: torch.Generator,
+                          grammar: Grammar | None = None) -> Verdict | TreeVerdict:
         """One target pass over the pending token and the draft (a chain, or a tree with its attention mask), the
-        verdict, and the target's cache cut to the accepted tokens (a tree's accepted branch moved into place)."""
+        verdict (on logits the grammar masks), and the target's cache cut to the accepted tokens (a tree's accepted
+        branch moved into place)."""
         cached = len(self.target.tokens)
         position = cached + 1  # of the token that follows the pending one
         if draft.parents is None:
             logits = self.target.extend([pending] + draft.tokens, num_logits=len(draft) + 1)  # [k+1, V]
+            if grammar is not None:
+                logits = grammar.masked(logits, draft.tokens)
             verdict = verify_draft(draft, logits, params, generator, position)
             self.target.rollback(cached + 1 + verdict.accepted)
             return verdict

@@ -1,17 +1,22 @@
 """One round's verification, shared by the engine (one sequence) and the server's scheduler (a batch): a draft
 and the target's logits in, a verdict out; the verdict as the round's emitted tokens; the seeded generator each
-sequence samples with."""
+sequence samples with; a round's draft under a grammar."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.choices import check_seed
-from specdec.proposers.base import Draft
+from specdec.proposers.base import EMPTY_DRAFT, Draft
 from specdec.sampling import SamplingParams, TargetChoices, logits_to_probs
 from specdec.verify import TreeVerdict, Verdict, node_depths, verify, verify_choices, verify_tree, verify_tree_choices
+
+if TYPE_CHECKING:
+    from specdec.grammars import Grammar
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,39 @@ def emitted_round(draft: Draft, verdict: Verdict, limit: int, stop_ids: frozense
             break
     return Round(draft_tokens=verdict.num_draft, accepted=verdict.accepted, tokens=tokens[:cut], kinds=kinds[:cut],
                  draft_seconds=draft_seconds, target_seconds=target_seconds, asked=asked, draft_nodes=len(draft))
+
+
+def first_tokens(draft: Draft, n: int) -> Draft:
+    """The draft's first n tokens (and their distributions)."""
+    if n == len(draft):
+        return draft
+    return Draft(tokens=draft.tokens[:n], probs=None if draft.probs is None else draft.probs[:n])
+
+
+def constrained_draft(grammar: Grammar, k: int, propose: Callable[[int], Draft]) -> Draft:
+    """A round's draft of up to k tokens under a grammar: its forced tokens where it has any (no drafter call),
+    else the drafter's draft (``propose(k)``) up to its first token the grammar forbids. A draft drawn from a
+    distribution keeps that token, to be rejected for sure: under the standard rule the residual there takes the
+    draft's mass on forbidden tokens, which cutting the draft would move."""
+    if k <= 0:
+        return EMPTY_DRAFT
+    forced = grammar.forced(k)
+    if forced:
+        grammar.forced_tokens += len(forced)
+        return Draft(tokens=forced)
+    draft = propose(k)
+    admitted = grammar.admitted(draft.tokens)
+    return first_tokens(draft, admitted + (draft.probs is not None and admitted < len(draft)))
+
+
+def constrained_round(grammar: Grammar, round_: Round) -> Round:
+    """The round's tokens taken in by the grammar, cut after the one that completes it (nothing but an end token
+    could follow): plain decoding stops there too, so an end token a verifying pass chose after it is dropped."""
+    for i, token in enumerate(round_.tokens):
+        grammar.advance([token])
+        if grammar.stopped:
+            return replace(round_, tokens=round_.tokens[: i + 1], kinds=round_.kinds[: i + 1])
+    return round_
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:

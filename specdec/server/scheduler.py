@@ -25,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -38,7 +38,18 @@ from specdec.sampling import LogitsAdjustment, SamplingParams
 from specdec.server.metrics import Metrics
 from specdec.server.prefixes import PrefixCache
 from specdec.server.speculation import SpeculationPlanner
-from specdec.step import Round, emitted_round, make_generator, verify_draft
+from specdec.step import (
+    Round,
+    constrained_draft,
+    constrained_round,
+    emitted_round,
+    first_tokens,
+    make_generator,
+    verify_draft,
+)
+
+if TYPE_CHECKING:
+    from specdec.grammars import Grammar
 
 log = logging.getLogger("specdec.server")
 PREFILL_TOKENS_PER_PASS = 4096  # prompts prefilled together, up to this many tokens in one pass
@@ -76,6 +87,7 @@ class GenerationRequest:
     speculation: str | None = None  # "auto", "always" or "never" (one the planner offers); None: the server's
     max_draft_tokens: int | None = None  # the most draft tokens per round, up to the server's; None: the server's
     stop: Callable[[], StopCondition] | None = None  # makes the request's stop condition (its stop strings)
+    grammar: Callable[[], Grammar] | None = None  # makes the request's matcher (its structured output)
 
 
 @dataclass(frozen=True)
@@ -181,7 +193,8 @@ class _Running:
                  stop_ids: frozenset[int]) -> None:
         request = handle.request
         self.mode = handle.mode  # "auto", "always" or "never"
-        self.stop_ids = stop_ids if request.stop_at_eos else frozenset()
+        self.grammar = request.grammar() if request.grammar is not None else None
+        self.stop_ids = stop_ids if request.stop_at_eos or self.grammar is not None else frozenset()
         self.stop = request.stop() if request.stop is not None else None
         self.handle = handle
         self.slot = slot
@@ -444,7 +457,7 @@ class Scheduler:
         prior = self.planner.prior()
         rates = [r.acceptance.rate(prior) for r in running]
         lengths = self.planner.draft_lengths([len(r.draft) for r in running], rates, [r.mode for r in running])
-        drafts = [_first(r.draft, n) for r, n in zip(running, lengths)]
+        drafts = [first_tokens(r.draft, n) for r, n in zip(running, lengths)]
         # 3. one target pass over every request's pending token and draft tokens
         rows = [Row(r.slot, [r.context[-1]] + d.tokens, len(d) + 1) for r, d in zip(running, drafts)]
         started = time.perf_counter()
@@ -471,7 +484,7 @@ class Scheduler:
             if not (r.mode != "never" and r.speculates and k > 0):
                 continue
             try:
-                r.draft = r.proposer.propose(r.context, k, r.handle.request.sampling, r.generator)
+                r.draft = self._drafted(r, k)
             except Exception as error:
                 log.warning("request %d: drafter %s raised %r; decoding it plainly from here",
                             r.handle.id, r.proposer.name, error)
@@ -481,16 +494,29 @@ class Scheduler:
             drafted += len(r.draft)
         self.planner.observe_drafting(drafted, time.perf_counter() - started)
 
+    @staticmethod
+    def _drafted(r: _Running, k: int) -> Draft:
+        """The request's draft: its drafter's, or under a grammar, the grammar's forced tokens or the drafter's
+        up to a forbidden token."""
+        def propose(n: int) -> Draft:
+            return r.proposer.propose(r.context, n, r.handle.request.sampling, r.generator)
+
+        return propose(k) if r.grammar is None else constrained_draft(r.grammar, k, propose)
+
     def _advance(self, r: _Running, draft: Draft, logits: torch.Tensor) -> None:
         request = r.handle.request
         if request.adjustment is not None:  # row j follows the tokens generated so far and draft[:j]
             if request.adjustment.penalises and r.counts is None:
                 r.counts = torch.zeros(logits.shape[-1], device=logits.device)
             logits = request.adjustment.apply(logits, r.counts, draft.tokens)
+        if r.grammar is not None:
+            logits = r.grammar.masked(logits, draft.tokens)
         verdict = verify_draft(draft, logits, request.sampling, r.generator, len(r.context))
         r.slot.length = len(r.context) + verdict.accepted  # the context, less its last token, was cached
         self._learn_acceptance(r, draft, verdict)
         round_ = emitted_round(draft, verdict, r.remaining, r.stop_ids, 0.0, 0.0, len(draft))
+        if r.grammar is not None:
+            round_ = constrained_round(r.grammar, round_)
         if r.stop is not None:
             round_ = _until_stopped(round_, r.stop)
         self.metrics.observe_round(round_, r.mode)
@@ -501,7 +527,8 @@ class Scheduler:
                                 torch.ones(len(round_.tokens), device=r.counts.device))
         logprobs = None if request.logprobs is None else token_logprobs(logits, round_.tokens, request.logprobs)
         r.handle.put(Tokens(round_.tokens, round_.kinds, round_.draft_tokens, logprobs))
-        if round_.tokens[-1] in r.stop_ids or r.stop is not None and r.stop.stopped:
+        if round_.tokens[-1] in r.stop_ids or r.stop is not None and r.stop.stopped or \
+                r.grammar is not None and r.grammar.stopped:
             r.finished = Finished("stop")
         elif r.remaining == 0 or len(r.context) >= self.max_length:
             r.finished = Finished("length")
@@ -560,9 +587,3 @@ def _until_stopped(round_: Round, stop: StopCondition) -> Round:
             return replace(round_, tokens=round_.tokens[: i + 1], kinds=round_.kinds[: i + 1])
     return round_
 
-
-def _first(draft: Draft, n: int) -> Draft:
-    """The draft's first n tokens (and their distributions)."""
-    if n == len(draft):
-        return draft
-    return Draft(tokens=draft.tokens[:n], probs=None if draft.probs is None else draft.probs[:n])

@@ -1,0 +1,168 @@
+"""Constrained decoding: a grammar (a JSON Schema, any JSON object, a regex, or a Lark or GBNF grammar) over a
+model's vocabulary, through llguidance (chosen by measurement: ``python -m specdec.bench.grammars``,
+docs/serving.md).
+
+A :class:`Grammar` is one request's matcher, in the state after the tokens generated so far. Each round it
+- puts its forced tokens (what the grammar admits alone from here) in the draft, with no drafter call;
+- cuts a drafter's draft at its first token the grammar forbids;
+- gives the tokens it allows at every scored position (after each prefix of the draft), which mask the target's
+  logits before any choice: greedy, the invariant sampler's or the standard rule's. Every token is then an exact
+  draw from the constrained distribution, with speculation or without;
+- takes in the round's emitted tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specdec.errors import UsageError
+from specdec.vocabularies import TokenText
+
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "grammar")  # grammar: Lark or GBNF
+# JSON is written on one line, as json.dumps writes it: no free whitespace, which a model could spin out (and
+# which would leave less of an answer forced)
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(UsageError):
+    """A grammar that does not compile, or a schema feature the engine does not support: the compiler's message."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What constrains a request: ``kind`` (one of GRAMMAR_KINDS) and its text (a schema as JSON, a regex, a Lark
+    or GBNF grammar; nothing for json_object)."""
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise GrammarError(f"a grammar is one of {', '.join(GRAMMAR_KINDS)}, not {self.kind!r}")
+
+    @staticmethod
+    def json_schema(schema: dict | str) -> GrammarSpec:
+        return GrammarSpec("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+    def compiled(self) -> str:
+        """llguidance's grammar for it; GrammarError where its text is not one."""
+        import llguidance
+
+        try:
+            if self.kind == "json_object":
+                return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
+            if self.kind == "json_schema":
+                schema = json.loads(self.source)
+                if not isinstance(schema, dict):
+                    raise GrammarError("a JSON Schema is a JSON object")
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+            return llguidance.grammar_from("regex" if self.kind == "regex" else "grammar", self.source)
+        except (ValueError, TypeError) as error:
+            raise GrammarError(f"the {self.kind.replace('_', ' ')} does not compile: {_first_line(error)}") from None
+
+
+class _Tokens:
+    """A tokenizer as llguidance reads one: each token's bytes, the special ones, and encoding bytes."""
+
+    def __init__(self, text: TokenText, eos_token_ids: list[int]) -> None:
+        self.eos_token_id = eos_token_ids[0]
+        self.bos_token_id = text.bos
+        self.tokens = list(text.pieces)
+        self.special_token_ids = sorted(text.control)
+        self._text = text
+
+    def __call__(self, data: bytes) -> list[int]:
+        return self._text.encode(data)[0]
+
+
+@functools.lru_cache(maxsize=4)
+def llg_tokenizer(text: TokenText, eos_token_ids: tuple[int, ...]):
+    """llguidance's tokenizer over ``text`` (built once per vocabulary: about a second for 150k tokens); any of
+    ``eos_token_ids`` ends a grammar that is complete."""
+    import llguidance
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Tokens(text, list(eos_token_ids))),
+                                  n_vocab=text.vocab_size, eos_token=list(eos_token_ids))
+
+
+class Grammar:
+    """One request's matcher over a vocabulary of ``vocab_size`` (the logits' width)."""
+
+    def __init__(self, spec: GrammarSpec, tokenizer) -> None:
+        import llguidance
+
+        self.spec = spec
+        self.vocab_size = tokenizer.vocab_size
+        self.matcher = llguidance.LLMatcher(tokenizer, spec.compiled(), log_level=0)
+        if self.matcher.is_error():
+            raise GrammarError(f"the {spec.kind.replace('_', ' ')} does not compile: "
+                               f"{_first_line(self.matcher.get_error())}")
+        self.forced_tokens = 0  # draft tokens it put in a draft (accepted by construction where the only choice)
+
+    def allowed(self) -> np.ndarray:  # [vocab] bool
+        """The tokens the grammar allows next."""
+        words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        return np.unpackbits(words, bitorder="little")[: self.vocab_size].astype(bool)
+
+    def forced(self, most: int) -> list[int]:
+        """Up to ``most`` tokens that follow from here whatever is sampled: the grammar admits only their text."""
+        return self.matcher.compute_ff_tokens()[:most] if most > 0 else []
+
+    def admitted(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, in turn, the grammar admits from here."""
+        return self.matcher.validate_tokens(tokens) if tokens else 0
+
+    def masks(self, draft: list[int]) -> torch.Tensor:  # [len(draft) + 1, vocab] bool
+        """The tokens allowed after each prefix of ``draft``; the state is left as it was. Rows after a token the
+        grammar forbids allow everything: that token is rejected for sure, and they are never read."""
+        admitted = self.admitted(draft)
+        rows = [self.allowed()]
+        for token in draft[:admitted]:
+            self._take([token])
+            rows.append(self.allowed())
+        if admitted:
+            self.matcher.rollback(admitted)
+        rows += [np.ones(self.vocab_size, dtype=bool)] * (len(draft) - admitted)
+        return torch.from_numpy(np.stack(rows))
+
+    def masked(self, logits: torch.Tensor, draft: list[int]) -> torch.Tensor:
+        """logits [k+1, vocab] (row j after draft[:j]) with every token the grammar forbids there at -inf."""
+        allowed = self.masks(draft).to(logits.device)
+        return logits.masked_fill(~allowed[: logits.shape[0], : logits.shape[1]], float("-inf"))
+
+    def advance(self, tokens: list[int]) -> bool:
+        """Take in emitted tokens; False where the grammar refused one (it is then in error)."""
+        return self.matcher.consume_tokens(tokens)
+
+    def _take(self, tokens: list[int]) -> None:
+        if not self.matcher.consume_tokens(tokens):
+            raise RuntimeError(f"the grammar refused tokens it had admitted: {self.matcher.get_error()}")
+
+    def reset(self) -> None:
+        """Back to the start, for another generation under the same grammar."""
+        self.matcher.reset()
+        self.forced_tokens = 0
+
+    @property
+    def accepting(self) -> bool:
+        """Whether what was generated is complete under the grammar."""
+        return self.matcher.is_accepting()
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the grammar admits nothing more (but an end token)."""
+        return self.matcher.is_stopped()
+
+
+def grammar_for(spec: GrammarSpec, text: TokenText, eos_token_ids: set[int] | frozenset[int]) -> Grammar:
+    """A fresh matcher for ``spec`` over ``text``'s vocabulary, ended by any of ``eos_token_ids``."""
+    return Grammar(spec, llg_tokenizer(text, tuple(sorted(eos_token_ids))))
+
+
+def _first_line(error: object) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

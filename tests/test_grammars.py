@@ -1,0 +1,188 @@
+"""Structured output (issue 37): a grammar masks the target's logits at every verified position, puts its forced
+tokens in the draft and cuts a draft at a forbidden token, so constrained output is the same with speculation and
+without, greedy and seeded, and every token is a draw from the masked, renormalised distribution."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from tiny_gguf import write_tiny_gguf
+
+from specdec.api import SpecDecoder
+from specdec.engine import GenerationConfig
+from specdec.errors import UsageError
+from specdec.grammars import GrammarError, GrammarSpec
+from specdec.sampling import SamplingParams, logits_to_probs
+
+SCHEMA = {  # enums, a nested object, an array with bounds, an optional field and a $ref
+    "$defs": {"tag": {"type": "string", "enum": ["red", "green", "blue"]}},
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "size": {"type": "integer", "minimum": 0, "maximum": 999},
+        "tags": {"type": "array", "items": {"$ref": "#/$defs/tag"}, "minItems": 1, "maxItems": 3},
+        "owner": {"type": "object", "properties": {"id": {"type": "integer"}, "active": {"type": "boolean"}},
+                  "required": ["id", "active"], "additionalProperties": False},
+        "note": {"type": "string", "maxLength": 8},
+    },
+    "required": ["name", "size", "tags", "owner"],
+    "additionalProperties": False,
+}
+PROMPTS = ["Describe the item as JSON.", "{\"name\": \"lamp\", \"size\": 3, \"tags\": [\"red\"]}"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    """A random model over the default model's vocabulary (49152 byte-level BPE tokens)."""
+    return str(write_tiny_gguf(tmp_path_factory.mktemp("grammar") / "tiny.gguf"))
+
+
+def outputs(decoder: SpecDecoder, spec: GrammarSpec, k: int | str, sampling: SamplingParams, seed: int | None
+            ) -> tuple[list[list[int]], int]:
+    config = GenerationConfig(max_new_tokens=160, num_draft_tokens=k, sampling=sampling, seed=seed)
+    results = [decoder.generate_ids(decoder.encode(p, chat=False), config, grammar=spec) for p in PROMPTS]
+    return [r.token_ids for r in results], sum(r.stats.accepted_tokens for r in results)
+
+
+@pytest.mark.parametrize("backend", ["fused", "lean"])
+def test_constrained_output_is_the_same_with_speculation_and_without(model, backend):
+    """A JSON Schema with enums, nesting, bounded arrays, an optional field and a $ref: greedy and seeded (the
+    invariant sampler), with prompt lookup at k = 3 and k auto, the tokens of decoding without a drafter, bit for
+    bit; each answer validates, and draft tokens (the grammar's forced ones among them) were accepted."""
+    spec = GrammarSpec.json_schema(SCHEMA)
+    plain = SpecDecoder.load(model, drafter="none", backend=backend)
+    speculating = SpecDecoder.load(model, drafter="prompt-lookup", backend=backend)
+    accepted = 0
+    for sampling, seed in ((SamplingParams(), None), (SamplingParams(temperature=0.8), 7)):
+        expected, _ = outputs(plain, spec, 1, sampling, seed)
+        for ids in expected:
+            jsonschema.validate(json.loads(plain.tokenizer.decode(ids, skip_special_tokens=True)), SCHEMA)
+        for k in (3, "auto"):
+            got, count = outputs(speculating, spec, k, sampling, seed)
+            assert got == expected, (sampling, k)
+            accepted += count
+    assert accepted > 0
+
+
+def test_a_regex_and_a_lark_grammar_constrain_the_text(model):
+    decoder = SpecDecoder.load(model, drafter="prompt-lookup", backend="fused")
+    dated = decoder.generate("Today is", max_new_tokens=32, chat=False, regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+    assert len(dated.text) == 10 and dated.text[4] == dated.text[7] == "-" and dated.text.replace("-", "").isdigit()
+    lark = 'start: "yes" | "no" | "maybe " NUMBER\nNUMBER: /[0-9]{1,3}/'
+    answer = decoder.generate("Well?", max_new_tokens=16, chat=False, grammar=GrammarSpec("grammar", lark)).text
+    assert answer in ("yes", "no") or answer.startswith("maybe ") and answer[6:].isdigit()
+    gbnf = 'root ::= "[" [a-c]+ "]"'
+    bracketed = decoder.generate("List:", max_new_tokens=16, chat=False, grammar=GrammarSpec("grammar", gbnf)).text
+    assert bracketed[0] == "[" and (bracketed[-1] == "]" or len(decoder.tokenizer.encode(bracketed)) >= 15)
+
+
+def test_a_pydantic_model_stands_for_its_schema(model):
+    from pydantic import BaseModel, Field
+
+    class Point(BaseModel):
+        x: int = Field(ge=0, le=9)
+        y: int = Field(ge=0, le=9)
+
+    decoder = SpecDecoder.load(model, backend="fused")
+    point = Point.model_validate_json(decoder.generate("A point:", max_new_tokens=40, chat=False,
+                                                       json_schema=Point).text)
+    assert 0 <= point.x <= 9 and 0 <= point.y <= 9
+
+
+@pytest.mark.parametrize("spec, field", [
+    (GrammarSpec("json_schema", '{"type": "strin"}'), "json schema"),
+    (GrammarSpec("json_schema", "[1, 2]"), "JSON Schema is a JSON object"),
+    (GrammarSpec("json_schema", "{not json"), "json schema"),
+    (GrammarSpec("regex", "a(b"), "regex"),
+    (GrammarSpec("grammar", "start: undefined_rule"), "grammar"),
+])
+def test_what_does_not_compile_is_refused_with_the_compilers_message(model, spec, field):
+    decoder = SpecDecoder.load(model, backend="fused")
+    with pytest.raises(GrammarError, match=field):
+        decoder.grammar(spec)
+    with pytest.raises(UsageError, match="a grammar is one of"):
+        GrammarSpec("yaml", "x")
+
+
+def test_a_tree_under_a_grammar_is_refused(model):
+    decoder = SpecDecoder.load(model, backend="fused")
+    with pytest.raises(UsageError, match="not a tree"):
+        decoder.generate("x", max_new_tokens=4, chat=False, tree=(2, 1), regex="[a-z]+")
+
+
+def test_a_draft_is_cut_at_its_first_forbidden_token_and_forced_tokens_need_no_drafter(model):
+    """The grammar's forced text goes into the draft without asking the drafter; otherwise the drafter's draft is
+    kept up to the first token the grammar forbids (a point mass), or through it (a drawn draft: it is then
+    rejected for sure, and the residual keeps the draft's mass on forbidden tokens where it belongs)."""
+    from specdec.proposers.base import Draft
+    from specdec.step import constrained_draft
+
+    decoder = SpecDecoder.load(model, backend="fused")
+    encode = decoder.token_text.encode
+    grammar = decoder.grammar(GrammarSpec("regex", 'The answer is: (d|e)+'))
+    asked = []
+    forced = constrained_draft(grammar, 8, lambda n: asked.append(n) or Draft([]))
+    assert not asked and forced.tokens and b"The answer is: ".startswith(decoder.token_text.text_of(forced.tokens))
+    assert grammar.forced_tokens == len(forced)
+    grammar.advance(encode(b"The answer is: ")[0])
+    d, x = encode(b"d")[0][0], encode(b"x")[0][0]
+    assert constrained_draft(grammar, 4, lambda n: Draft([d, d, x, d])).tokens == [d, d]
+    probs = torch.zeros(4, decoder.token_text.vocab_size)
+    assert constrained_draft(grammar, 4, lambda n: Draft([d, d, x, d], probs)).tokens == [d, d, x]
+
+
+CHI_SAMPLING = SamplingParams(temperature=1.0, top_k=8, method="standard")
+SAMPLES = 3000
+
+
+@pytest.mark.slow  # about 40 s on 2 cores
+def test_constrained_standard_sampling_draws_the_masked_renormalised_distribution(model):
+    """--sampling standard under a regex, with a draft model (the target itself, so its q is a proper distribution
+    over tokens the regex often forbids: such a draft keeps its first forbidden token, which is then rejected) at
+    k = 3, top-k 8 after the mask: the first two tokens of 3,000 seeded runs against their exact joint under the
+    masked, renormalised distributions (one token where it completes the text). Bins: every outcome expected at
+    least 5 times, and one for the rest (joined to the last where expected under 5 times); one
+    chi-square test at alpha = 0.001, so a correct engine fails it with probability 0.1% (the seeds are fixed: the
+    outcome repeats)."""
+    decoder = SpecDecoder.load(model, draft_model=model, backend="fused")
+    grammar = decoder.grammar(GrammarSpec("regex", "[a-z ]{2,6}"))
+    prompt = decoder.encode("the cat sat on the", chat=False)
+    runtime = decoder.engine.target
+    runtime.rollback(0)
+    p1 = logits_to_probs(grammar.masked(runtime.extend(prompt, 1), [])[0].double(), CHI_SAMPLING)
+    exact = {}
+    for y1 in torch.nonzero(p1 > 0).flatten().tolist():
+        grammar.advance([y1])
+        p2 = logits_to_probs(grammar.masked(runtime.extend([y1], 1), [])[0].double(), CHI_SAMPLING)
+        stopped = grammar.stopped  # the text is as long as the regex allows: the answer ends at its first token
+        grammar.reset()
+        runtime.rollback(len(prompt))
+        if stopped:
+            exact[(y1,)] = float(p1[y1])
+            continue
+        for y2 in torch.nonzero(p2 > 0).flatten().tolist():
+            exact[(y1, y2)] = float(p1[y1] * p2[y2])
+    runtime.rollback(0)
+    bins = [outcome for outcome, p in exact.items() if p * SAMPLES >= 5]
+    assert len(bins) > 20
+    samples, accepted, rejected = [], 0, 0
+    for seed in range(SAMPLES):
+        grammar.reset()
+        result = decoder.engine.generate(prompt, GenerationConfig(max_new_tokens=2, num_draft_tokens=3,
+                                                                  sampling=CHI_SAMPLING, seed=seed), grammar=grammar)
+        samples.append(tuple(result.token_ids))
+        accepted += result.stats.accepted_tokens
+        rejected += result.stats.draft_tokens - result.stats.accepted_tokens
+    counts = Counter(samples)
+    observed = [counts.get(b, 0) for b in bins] + [SAMPLES - sum(counts.get(b, 0) for b in bins)]
+    expected = [exact[b] * SAMPLES for b in bins] + [SAMPLES * (1 - sum(exact[b] for b in bins))]
+    if expected[-1] < 5:  # the rest is too rare for a bin of its own: it joins the last
+        observed[-2:], expected[-2:] = [sum(observed[-2:])], [sum(expected[-2:])]
+    assert chisquare(np.array(observed), np.array(expected)).pvalue > 1e-3
+    assert accepted > 0.02 * SAMPLES and rejected > 0.02 * SAMPLES  # both outcomes are under test
