@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(gen)
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="apply the chat template (default: when the model has one)")
+    structured = gen.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", metavar="FILE", default=None,
+                            help="the output is JSON valid under the JSON Schema in FILE")
+    structured.add_argument("--regex", default=None, help="the output matches this regular expression")
+    structured.add_argument("--grammar", metavar="FILE", default=None,
+                            help="the output is in the language of the Lark or GBNF grammar in FILE")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--show-acceptance", action="store_true",
                      help="colour each token by how it came: accepted, recovered, bonus or plain")
@@ -451,6 +457,7 @@ def run_generate(args: argparse.Namespace) -> int:
     check_sampling(args.temperature, args.top_k, args.top_p)
     check_seed(args.seed)
     num_draft_tokens, tree = parse_num_draft_tokens(args.num_draft_tokens), parse_tree(args.tree)
+    grammar = grammar_spec(args)
 
     from specdec.api import SpecDecoder
     from specdec.engine import GenerationConfig
@@ -468,6 +475,8 @@ def run_generate(args: argparse.Namespace) -> int:
                                datastore=args.datastore, drafter_path=args.drafter_path, backend=args.backend,
                                threads=args.threads, cross_vocabulary=args.cross_vocabulary)
     prompt_ids = decoder.encode(prompt, args.chat)
+    if grammar is not None:
+        decoder.grammar(grammar)  # a grammar that does not compile is refused before anything is generated
     pieces: list[str] = []
 
     def on_token(piece: str, kind: str) -> None:
@@ -475,7 +484,7 @@ def run_generate(args: argparse.Namespace) -> int:
         if not args.json:
             _print_now(ansi(piece, kind) if args.show_acceptance else piece)
 
-    completion = decoder.generate_ids(prompt_ids, config, on_token=on_token)
+    completion = decoder.generate_ids(prompt_ids, config, on_token=on_token, grammar=grammar)
     summary = summary_line(decoder.drafter, completion.stats, decoder.engine.target.name)
     if args.html:
         _write_html(args.html, pieces, completion.kinds, prompt, summary)
@@ -487,6 +496,22 @@ def run_generate(args: argparse.Namespace) -> int:
         print(ansi_legend(), file=sys.stderr)
     print(summary, file=sys.stderr)
     return 0
+
+
+def grammar_spec(args: argparse.Namespace):
+    """What --json-schema FILE, --regex or --grammar FILE asks the output to keep to; None for nothing."""
+    from specdec.grammars import GrammarSpec
+
+    if args.regex is not None:
+        return GrammarSpec("regex", args.regex)
+    files = (("--json-schema", args.json_schema, "json_schema"), ("--grammar", args.grammar, "grammar"))
+    for flag, path, kind in files:
+        if path is not None:
+            try:
+                return GrammarSpec(kind, Path(path).read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError) as error:
+                raise UsageError(f"{flag}: cannot read {path}: {getattr(error, 'strerror', None) or error}") from None
+    return None
 
 
 def _write_html(path: str, pieces: list[str], kinds: list[str], prompt: str, summary: str) -> None:

@@ -16,12 +16,16 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from specdec.errors import UsageError
-from specdec.vocabularies import TokenText
+
+if TYPE_CHECKING:
+    import torch
+
+    from specdec.vocabularies import TokenText
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "grammar")  # grammar: Lark or GBNF
 # JSON is written on one line, as json.dumps writes it: no free whitespace, which a model could spin out (and
@@ -128,6 +132,8 @@ class Grammar:
         if admitted:
             self.matcher.rollback(admitted)
         rows += [np.ones(self.vocab_size, dtype=bool)] * (len(draft) - admitted)
+        import torch
+
         return torch.from_numpy(np.stack(rows))
 
     def masked(self, logits: torch.Tensor, draft: list[int]) -> torch.Tensor:
@@ -165,4 +171,6 @@ def grammar_for(spec: GrammarSpec, text: TokenText, eos_token_ids: set[int] | fr
 
 
 def _first_line(error: object) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    """The compiler's message on one line, shortened."""
+    text = " ".join(line.strip() for line in str(error).strip().splitlines() if line.strip())
+    return (text[:300] + "...") if len(text) > 300 else text or type(error).__name__

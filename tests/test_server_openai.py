@@ -134,7 +134,10 @@ def test_logit_bias_bans_the_greedy_token_and_echo_repeats_the_prompt(client, ti
     ({"best_of": 2}, "best_of"),
     ({"suffix": "w3"}, "suffix"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+     "response_format"),
+    ({"guided_regex": "a(b"}, "guided_regex"),
+    ({"guided_regex": "a", "guided_grammar": "start: \"a\""}, "guided_grammar"),
     ({"min_p": 0.1}, "min_p"),
     ({"logit_bias": {"99999": 1}}, "logit_bias"),
     ({"presence_penalty": 3}, "presence_penalty"),
@@ -147,10 +150,11 @@ def test_parameters_not_implemented_or_out_of_range_are_refused_by_name(client, 
     assert refused.value.body["param"] == param
 
 
-def test_chat_parameters_not_implemented_are_refused(client):
+def test_chat_parameters_not_implemented_or_malformed_are_refused(client):
     for params, param in (({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-                          ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-                           "response_format")):
+                          ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
+                           "response_format.json_schema.schema"),
+                          ({"response_format": {"type": "json_schema"}}, "response_format.json_schema")):
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w3"}], **params)
         assert refused.value.body["param"] == param

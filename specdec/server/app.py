@@ -16,6 +16,7 @@ down or when the scheduler has stopped serving, 505 for an HTTP version other th
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import os
@@ -31,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, gener
 from starlette.exceptions import HTTPException
 
 from specdec.errors import UsageError
+from specdec.grammars import GrammarError, grammar_for
 from specdec.server.framing import JSON, ClientGone, Framing, InstanceHeader, http_protocol, read_body
 from specdec.server.metrics import MetricsCollector
 from specdec.server.output import POLL_SECONDS, Answer, collect, echo_text, stream, usage_of
@@ -49,6 +51,7 @@ from specdec.server.scheduler import Handle, NotOffered, QueueFull, Scheduler, S
 from specdec.server.settings import ServerSettings
 from specdec.server.stops import StopText
 from specdec.view import KIND_STYLES
+from specdec.vocabularies import TokenText
 
 log = logging.getLogger("specdec.server")
 RETRY_AFTER_SECONDS = 1
@@ -163,10 +166,29 @@ class OpenAIServer:
             raise BadRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
         return list(job.prompt)
 
+    @functools.cached_property
+    def token_text(self) -> TokenText:
+        """The tokenizer as bytes per token, over the logits' width (what a grammar reads)."""
+        return TokenText(self.tokenizer, self.scheduler.pool.vocab_size)
+
+    def grammar(self, job: Job):
+        """What makes each choice's matcher for the job's structured output (None without one); a 400 naming the
+        field where it does not compile."""
+        if job.grammar is None:
+            return None
+        make = partial(grammar_for, job.grammar, self.token_text, self.scheduler.eos_token_ids)
+        try:
+            make()
+        except GrammarError as error:
+            raise BadRequest(str(error), job.grammar_param, "invalid_grammar") from None
+        return make
+
     def submit(self, job: Job, prompt_ids: list[int]) -> list[Handle]:
         """One handle per choice; all or none (a refusal cancels those already queued)."""
         stop = partial(StopText, self.tokenizer, job.stop) if job.stop else None  # the scheduler's, per choice
-        requests = [job.generation_request(prompt_ids, self.scheduler.max_length, i, stop) for i in range(job.n)]
+        grammar = self.grammar(job)
+        requests = [job.generation_request(prompt_ids, self.scheduler.max_length, i, stop, grammar)
+                    for i in range(job.n)]
         handles: list[Handle] = []
         try:
             for request in requests:

@@ -18,6 +18,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from specdec.choices import DEFAULT_SAMPLING_METHOD, SAMPLING_METHODS, SEED_RANGE, SPECULATION_MODES
+from specdec.grammars import Grammar, GrammarSpec
 from specdec.sampling import LogitsAdjustment, SamplingParams
 from specdec.server.scheduler import GenerationRequest, StopCondition
 
@@ -114,6 +115,21 @@ class StreamOptions(_Body):
     include_speculation: bool = False  # specdec's: each chunk says how its tokens came (docs/serving.md)
 
 
+class JsonSchemaFormat(BaseModel):
+    """response_format's json_schema: OpenAI's fields (the schema itself may hold anything JSON Schema does)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    json_schema: dict = Field(default_factory=dict, alias="schema")  # OpenAI's "schema"; absent: any JSON
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Sampling(_Body):
     """What chat and plain completions share."""
 
@@ -135,6 +151,10 @@ class _Sampling(_Body):
     presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
     user: str | None = None  # an end-user id: changes nothing
+    response_format: ResponseFormat | None = None  # structured output: a JSON object, or one a schema describes
+    guided_json: dict | None = None  # vLLM's extensions: a JSON Schema, a regex, or a Lark or GBNF grammar
+    guided_regex: Text | None = None
+    guided_grammar: Text | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -161,7 +181,6 @@ REFUSED = {  # parameters OpenAI defines that change the output and are not impl
     "functions": "functions (function calling) are not supported",
     "function_call": "function_call (function calling) is not supported",
     "parallel_tool_calls": "parallel_tool_calls (function calling) is not supported",
-    "response_format": "response_format (structured output) is not supported",
 }
 
 
@@ -224,8 +243,6 @@ def _refused(name: str, value) -> bool:
         return False
     if name == "best_of":
         return value != 1
-    if name == "response_format":
-        return value != {"type": "text"}
     return True
 
 
@@ -264,11 +281,14 @@ class Job:
     speculation: str | None = None  # "auto", "always" or "never"; None: the server's mode
     num_draft_tokens: int | None = None  # the most draft tokens per round; None: the server's
     include_speculation: bool = False  # stream chunks carry how each token came (a "specdec" key)
+    grammar: GrammarSpec | None = None  # structured output
+    grammar_param: str | None = None  # the field that asked for it (named in a 400)
 
     def generation_request(self, prompt_ids: list[int], max_length: int, choice: int = 0,
-                           stop: Callable[[], StopCondition] | None = None) -> GenerationRequest:
+                           stop: Callable[[], StopCondition] | None = None,
+                           grammar: Callable[[], Grammar] | None = None) -> GenerationRequest:
         """The scheduler's request for choice ``choice`` of n (each its own seed, when seeded); ``stop`` makes its
-        stop condition (the job's stop strings over the server's tokenizer)."""
+        stop condition (the job's stop strings over the server's tokenizer), ``grammar`` its matcher."""
         room = max_length - len(prompt_ids)
         if room < 1:
             raise BadRequest(f"the prompt has {len(prompt_ids)} tokens; this model's context is {max_length} "
@@ -281,7 +301,7 @@ class Job:
         return GenerationRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=self.sampling,
                                  seed=choice_seed(self.seed, choice), stop_at_eos=not self.ignore_eos,
                                  adjustment=self.adjustment, logprobs=self.logprobs, speculation=self.speculation,
-                                 max_draft_tokens=self.num_draft_tokens, stop=stop)
+                                 max_draft_tokens=self.num_draft_tokens, stop=stop, grammar=grammar)
 
 
 def choice_seed(seed: int | None, choice: int) -> int | None:
@@ -331,7 +351,34 @@ def parse_job(body: dict, chat: bool, model_name: str, vocab_size: int) -> Job:
         adjustment=_adjustment(request, vocab_size),
         speculation=request.speculation,
         num_draft_tokens=request.num_draft_tokens,
+        **_structured_output(request),
     )
+
+
+def _structured_output(request: _Sampling) -> dict:
+    """The job's grammar and the field that asked for it: response_format (json_object or json_schema), or one of
+    vLLM's guided_json, guided_regex and guided_grammar; at most one."""
+    asked = {}
+    if request.response_format is not None and request.response_format.type != "text":
+        form = request.response_format
+        if form.type == "json_object":
+            asked["response_format"] = GrammarSpec("json_object")
+        elif form.json_schema is None:
+            raise BadRequest("response_format json_schema needs its json_schema: {\"name\", \"schema\"}",
+                             "response_format.json_schema")
+        else:
+            asked["response_format"] = GrammarSpec.json_schema(form.json_schema.json_schema or {})
+    elif request.response_format is not None and request.response_format.json_schema is not None:
+        raise BadRequest("response_format text takes no json_schema", "response_format.json_schema")
+    if request.guided_json is not None:
+        asked["guided_json"] = GrammarSpec.json_schema(request.guided_json)
+    if request.guided_regex is not None:
+        asked["guided_regex"] = GrammarSpec("regex", request.guided_regex)
+    if request.guided_grammar is not None:
+        asked["guided_grammar"] = GrammarSpec("grammar", request.guided_grammar)
+    if len(asked) > 1:
+        raise BadRequest(f"ask for one structured output, not {' and '.join(asked)}", list(asked)[1])
+    return {"grammar": next(iter(asked.values())), "grammar_param": next(iter(asked))} if asked else {}
 
 
 def _adjustment(request: _Sampling, vocab_size: int) -> LogitsAdjustment | None:
