@@ -345,6 +345,7 @@ def test_metrics_parse_as_prometheus_text_and_equal_the_servers_counters(tiny):
             **one("speculative_steps_total", m.speculative_steps), **one("batch_size", m.batch_size),
             **one("speculation_enabled", int(m.speculating)), **one("running_requests", 0),
             **one("waiting_requests", 0), **one("drafter_errors_total", m.drafter_errors),
+            **one("constrained_requests_total", m.constrained_requests), **one("forced_tokens_total", m.forced_tokens),
         }
         assert m.draft_tokens > 0 and samples == expected
         assert {name for name, kind in types.items() if kind == "counter"} == {

@@ -105,3 +105,11 @@ def test_a_bad_grammar_fails_alone_and_the_server_goes_on(client):
         client.completions.create(model="tiny", prompt="x", max_tokens=3, extra_body={"guided_grammar": "start: ?"})
     assert refused.value.body["param"] == "guided_grammar" and "grammar" in refused.value.body["message"]
     assert client.completions.create(model="tiny", prompt="x", max_tokens=3, temperature=0).choices[0].text
+
+
+def test_metrics_count_constrained_requests_and_forced_tokens(client, server):
+    before = server.scheduler.metrics.constrained_requests
+    client.completions.create(model="tiny", prompt="x", max_tokens=40, temperature=0,
+                              extra_body={"guided_regex": "The answer is: [0-9]{2}"})
+    assert server.scheduler.metrics.constrained_requests == before + 1
+    assert server.scheduler.metrics.forced_tokens > 0

@@ -34,6 +34,8 @@ class Metrics(DraftTotals):
     batch_size: int = 0  # requests in the last step
     speculating: bool = False  # whether the last step scored any draft token
     drafter_errors: int = 0
+    constrained_requests: int = 0  # finished under a grammar (structured output)
+    forced_tokens: int = 0  # draft tokens their grammars forced (no drafter call)
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
     rejected: dict[int, int] = field(default_factory=dict)  # HTTP status -> requests refused
     finished_by_mode: dict[str, int] = field(default_factory=dict)  # speculation mode -> requests finished
@@ -78,6 +80,12 @@ class Metrics(DraftTotals):
         with self._lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
             self.finished_by_mode[mode] = self.finished_by_mode.get(mode, 0) + 1
+
+    def observe_constrained(self, forced_tokens: int) -> None:
+        """A request under a grammar has finished; its grammar forced this many draft tokens."""
+        with self._lock:
+            self.constrained_requests += 1
+            self.forced_tokens += forced_tokens
 
     def observe_drafter_error(self) -> None:
         with self._lock:
@@ -133,6 +141,10 @@ class Metrics(DraftTotals):
             _family(gauge, "waiting_requests", "Requests queued for a slot.", waiting),
             _family(counter, "drafter_errors", "Drafter failures (the request then decodes plainly).",
                     self.drafter_errors),
+            _family(counter, "constrained_requests", "Requests finished under a grammar (structured output).",
+                    self.constrained_requests),
+            _family(counter, "forced_tokens", "Draft tokens a request's grammar forced, with no drafter call.",
+                    self.forced_tokens),
         ]
 
 

@@ -565,6 +565,8 @@ class Scheduler:
         except Exception as error:
             log.warning("request %d: its drafter did not let go (%r)", r.handle.id, error)
         self._end(r.handle, event)
+        if r.grammar is not None:
+            self.metrics.observe_constrained(r.grammar.forced_tokens)
         if self.memory is not None and finished:
             try:
                 self.memory.learn(r.context, len(r.handle.request.prompt_ids))
