@@ -113,3 +113,107 @@ def test_metrics_count_constrained_requests_and_forced_tokens(client, server):
                               extra_body={"guided_regex": "The answer is: [0-9]{2}"})
     assert server.scheduler.metrics.constrained_requests == before + 1
     assert server.scheduler.metrics.forced_tokens > 0
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                           "unit": {"enum": ["C", "F"]}},
+                          "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+    "required": ["zone"], "additionalProperties": False}}}
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (WEATHER, CLOCK)}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def valid_calls(calls) -> list[str]:
+    """The calls' names, each call's arguments checked against its function's schema."""
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    return [call.function.name for call in calls]
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_tool_calls_validate_whole_and_streamed(client, parallel):
+    for temperature, seed in ((0.0, None), (0.9, 5)):
+        answer = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, CLOCK],
+                                                tool_choice="required", parallel_tool_calls=parallel,
+                                                max_tokens=200, temperature=temperature, seed=seed)
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        names = valid_calls(choice.message.tool_calls)
+        assert names and (parallel or len(names) == 1)
+        streamed = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, CLOCK],
+                                                  tool_choice="required", parallel_tool_calls=parallel,
+                                                  max_tokens=200, temperature=temperature, seed=seed, stream=True)
+        deltas, finish = [], None
+        for chunk in streamed:
+            deltas += chunk.choices[0].delta.tool_calls or []
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "tool_calls"
+        assert [(d.function.name, d.function.arguments) for d in deltas] == \
+            [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+
+
+def test_a_named_function_is_called_with_valid_arguments_and_the_conversation_goes_on(client):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    answer = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, CLOCK], tool_choice=named,
+                                            max_tokens=60, temperature=0)
+    call = answer.choices[0].message.tool_calls[0]
+    assert valid_calls([call]) == ["get_time"] and answer.choices[0].finish_reason == "tool_calls"
+    follow = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                    {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
+    assert client.chat.completions.create(model="tiny", messages=follow, max_tokens=4).choices[0].message.content
+
+
+@pytest.mark.parametrize("params, param", [
+    ({"tools": [WEATHER]}, "tool_choice"),  # auto, on a template without a tool-call format
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"functions": [WEATHER["function"]]}, "functions"),
+])
+def test_tool_requests_that_cannot_be_served_are_refused_by_name(client, params, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, **params)
+    assert refused.value.body["param"] == param
+
+
+def test_tool_choice_none_answers_in_text(client):
+    answer = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="none",
+                                            max_tokens=4)
+    assert answer.choices[0].message.tool_calls is None and answer.choices[0].message.content is not None
+
+
+@pytest.mark.slow  # the 0.5B's vocabulary and template: about 20 s
+def test_auto_on_a_template_with_tool_calls_is_text_or_calls_under_their_schemas(tmp_path):
+    """tool_choice auto on Qwen2.5's template (a random model over its vocabulary): the answer is text, or, once
+    it opens ``<tool_call>`` (a bias makes it), calls under their functions' schemas, returned as tool_calls."""
+    from specdec.models import model_path
+
+    try:
+        qwen = model_path("qwen2.5-coder-0.5b")
+    except Exception as error:
+        pytest.skip(f"the 0.5B's parts are not installed: {error}")
+    path = write_tiny_gguf(tmp_path / "qwen-vocab.gguf", vocab_from=qwen)
+    loaded = load_target(str(path), drafters=("prompt-lookup",), backend="fused")
+    settings = BatchSettings(drafter="prompt-lookup", speculation="always", max_batch_size=2, max_model_len=1024)
+    server = OpenAIServer(build_scheduler(loaded.runtime, settings, loaded.stop_ids), loaded.target.tokenizer,
+                          "qwen", ServerSettings(port=0))
+    server.start()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        text = client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER, CLOCK], max_tokens=8,
+                                              temperature=0, logit_bias={"27": -100})  # 27: "<"
+        assert text.choices[0].message.tool_calls is None and text.choices[0].message.content
+        opening = server.tokenizer.encode("<tool_call>", add_special_tokens=False)
+        assert len(opening) == 1
+        called = client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER, CLOCK], max_tokens=200,
+                                                temperature=0, logit_bias={str(opening[0]): 100},
+                                                parallel_tool_calls=False)  # the bias would open call after call
+    finally:
+        server.shutdown(timeout=5)
+    assert called.choices[0].finish_reason == "tool_calls"
+    assert valid_calls(called.choices[0].message.tool_calls)

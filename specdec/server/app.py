@@ -50,6 +50,7 @@ from specdec.server.protocol import (
 from specdec.server.scheduler import Handle, NotOffered, QueueFull, Scheduler, ShuttingDown
 from specdec.server.settings import ServerSettings
 from specdec.server.stops import StopText
+from specdec.server.tools import template_tools
 from specdec.view import KIND_STYLES
 from specdec.vocabularies import TokenText
 
@@ -156,7 +157,7 @@ class OpenAIServer:
             from specdec.models import chat_prompt_ids
 
             try:
-                return chat_prompt_ids(self.tokenizer, job.prompt)
+                return chat_prompt_ids(self.tokenizer, job.prompt, template_tools(job.tool_calling))
             except Exception as error:  # the template's own checks (roles, order) raise their own errors
                 raise BadRequest(f"the chat template refused these messages: {error}", "messages") from None
         if isinstance(job.prompt, str):
@@ -300,7 +301,8 @@ def build_app(server: OpenAIServer) -> FastAPI:
 
     async def generate(request: Request, chat: bool):
         raw = await read_body(request, server.settings)
-        job = parse_job(parse_body(raw), chat, server.model_name, server.scheduler.pool.vocab_size)
+        job = parse_job(parse_body(raw), chat, server.model_name, server.scheduler.pool.vocab_size,
+                        getattr(server.tokenizer, "chat_template", None))
         prompt_ids = server.prompt_ids(job)
         handles = server.submit(job, prompt_ids)
         answers = [Answer(job, handle, server.tokenizer, i) for i, handle in enumerate(handles)]
@@ -318,8 +320,8 @@ def build_app(server: OpenAIServer) -> FastAPI:
         failed = next((a for a in answers if a.error), None)
         if failed is not None:
             raise ApiError(failed.error, status=failed.error_status)
-        choices = [response.choice(a.index, echoed + a.text, a.finish_reason, a.logprobs(chat, len(echoed)))
-                   for a in answers]
+        choices = [response.choice(a.index, echoed + a.text, a.finish_reason, a.logprobs(chat, len(echoed)),
+                                   a.tool_calls()) for a in answers]
         return response.whole(choices, usage_of(answers, len(prompt_ids)))
 
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))

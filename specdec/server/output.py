@@ -13,6 +13,7 @@ from specdec.server.framing import ClientGone
 from specdec.server.protocol import ApiError, Job, Response, TokenLogprob, logprobs_payload, usage
 from specdec.server.scheduler import Finished, Handle, Tokens
 from specdec.server.stops import StopText
+from specdec.server.tools import ToolError
 
 POLL_SECONDS = 0.25  # how often a waiting request checks that its client is still there
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop", "abort": "abort"}
@@ -89,6 +90,14 @@ async def stream(answers: list[Answer], response: Response, prompt_tokens: int, 
             piece = answer.take(event)
             if answer.error:
                 yield sse_event(ApiError(answer.error, status=answer.error_status).body())
+            elif answer.job.tool_calling is not None:  # text or calls: known once the answer ends
+                if isinstance(event, Finished):
+                    calls = answer.tool_calls()
+                    yield sse_event(response.tool_calls_chunk(calls, answer.index) if calls else
+                                    response.chunk(answer.text, index=answer.index))
+                    yield sse_event(response.chunk(None, "tool_calls" if calls else answer.finish_reason,
+                                                   index=answer.index))
+                continue
             elif piece or answer.logprobs_sent < len(answer.token_logprobs) or answer.unsent_rounds:
                 chunk = response.chunk(piece, index=answer.index, logprobs=answer.chunk_logprobs(response.chat))
                 yield sse_event(answer.with_speculation(chunk, piece))
@@ -170,6 +179,17 @@ class Answer:
                        for t, (lp, top) in zip(event.token_ids, event.logprobs)]
             self.token_logprobs += entries
         return self._release()
+
+    def tool_calls(self) -> list[dict] | None:
+        """The calls the answer made (None where it answered in text, or asked for no tools); an answer whose calls
+        max_tokens cut short is its text."""
+        calling = self.job.tool_calling
+        if calling is None or self.error:
+            return None
+        try:
+            return calling.calls(self.text)
+        except ToolError:
+            return None
 
     def with_speculation(self, chunk: dict, piece: str, final: bool = False) -> dict:
         """The chunk, and, when the request asked for ``stream_options.include_speculation``, how its text came

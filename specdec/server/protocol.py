@@ -21,6 +21,7 @@ from specdec.choices import DEFAULT_SAMPLING_METHOD, SAMPLING_METHODS, SEED_RANG
 from specdec.grammars import Grammar, GrammarSpec
 from specdec.sampling import LogitsAdjustment, SamplingParams
 from specdec.server.scheduler import GenerationRequest, StopCondition
+from specdec.server.tools import ToolCalling, ToolError, tool_calling
 
 MAX_STOP_SEQUENCES = 4
 MAX_CHOICES = 16  # n
@@ -101,13 +102,73 @@ class TextPart(_Body):
     text: Text
 
 
+class FunctionCall(_Body):
+    name: Annotated[str, Field(min_length=1)]
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None  # None: an assistant's turn that only called tools
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+
+    @model_validator(mode="after")
+    def _has_content(self):
+        if self.content is None and not self.tool_calls:
+            raise ValueError("a message needs content (or, from the assistant, tool_calls)")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it (transformers' convention: a call's arguments as an object)."""
+        message = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+                for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(_Body):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict | None = None  # a JSON Schema; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: Annotated[str, Field(min_length=1)]
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Body):
@@ -171,16 +232,16 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 REFUSED = {  # parameters OpenAI defines that change the output and are not implemented: why, for the 400
     "best_of": "best_of (more candidates than returned) is not supported",
     "suffix": "suffix (insertion) is not supported",
-    "tools": "tools (function calling) are not supported",
-    "tool_choice": "tool_choice (function calling) is not supported",
-    "functions": "functions (function calling) are not supported",
-    "function_call": "function_call (function calling) is not supported",
-    "parallel_tool_calls": "parallel_tool_calls (function calling) is not supported",
+    "functions": "functions (the deprecated function calling) are not supported: send tools",
+    "function_call": "function_call (the deprecated function calling) is not supported: send tool_choice",
 }
 
 
@@ -283,6 +344,7 @@ class Job:
     include_speculation: bool = False  # stream chunks carry how each token came (a "specdec" key)
     grammar: GrammarSpec | None = None  # structured output
     grammar_param: str | None = None  # the field that asked for it (named in a 400)
+    tool_calling: ToolCalling | None = None  # the tools, and how the answer calls them
 
     def generation_request(self, prompt_ids: list[int], max_length: int, choice: int = 0,
                            stop: Callable[[], StopCondition] | None = None,
@@ -312,7 +374,8 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
     return (seed * 0x9E3779B97F4A7C15 + choice) % SEED_RANGE[1]
 
 
-def parse_job(body: dict, chat: bool, model_name: str, vocab_size: int) -> Job:
+def parse_job(body: dict, chat: bool, model_name: str, vocab_size: int, template: str | None = None) -> Job:
+    """The checked request; ``template``: the model's chat template (whether it can write tool calls)."""
     request = validated(ChatCompletionRequest if chat else CompletionRequest, body)
     if request.model is not None and request.model != model_name:
         raise BadRequest(f"the model {request.model!r} does not exist; this server serves {model_name!r}", "model",
@@ -322,7 +385,7 @@ def parse_job(body: dict, chat: bool, model_name: str, vocab_size: int) -> Job:
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         if request.top_logprobs is not None and not request.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
-        prompt = [{"role": m.role, "content": m.text()} for m in request.messages]
+        prompt = [m.for_template() for m in request.messages]
     else:
         max_tokens = 16 if request.max_tokens is None else request.max_tokens
         logprobs = request.logprobs
@@ -351,14 +414,23 @@ def parse_job(body: dict, chat: bool, model_name: str, vocab_size: int) -> Job:
         adjustment=_adjustment(request, vocab_size),
         speculation=request.speculation,
         num_draft_tokens=request.num_draft_tokens,
-        **_structured_output(request),
+        **_structured_output(request, _tool_calling(request, template) if chat else None),
     )
 
 
-def _structured_output(request: _Sampling) -> dict:
-    """The job's grammar and the field that asked for it: response_format (json_object or json_schema), or one of
-    vLLM's guided_json, guided_regex and guided_grammar; at most one."""
-    asked = {}
+def _tool_calling(request: ChatCompletionRequest, template: str | None) -> ToolCalling | None:
+    choice = request.tool_choice.model_dump() if isinstance(request.tool_choice, BaseModel) else request.tool_choice
+    tools = None if request.tools is None else [tool.model_dump() for tool in request.tools]
+    try:
+        return tool_calling(tools, choice, request.parallel_tool_calls, template)
+    except ToolError as error:
+        raise BadRequest(str(error), error.param) from None
+
+
+def _structured_output(request: _Sampling, calling: ToolCalling | None) -> dict:
+    """The job's grammar and the field that asked for it: the tool calls, response_format (json_object or
+    json_schema), or one of vLLM's guided_json, guided_regex and guided_grammar; at most one."""
+    asked = {} if calling is None else {"tool_choice" if calling.named else "tools": calling.grammar()}
     if request.response_format is not None and request.response_format.type != "text":
         form = request.response_format
         if form.type == "json_object":
@@ -378,7 +450,8 @@ def _structured_output(request: _Sampling) -> dict:
         asked["guided_grammar"] = GrammarSpec("grammar", request.guided_grammar)
     if len(asked) > 1:
         raise BadRequest(f"ask for one structured output, not {' and '.join(asked)}", list(asked)[1])
-    return {"grammar": next(iter(asked.values())), "grammar_param": next(iter(asked))} if asked else {}
+    return {"grammar": next(iter(asked.values())), "grammar_param": next(iter(asked)),
+            "tool_calling": calling} if asked else {}
 
 
 def _adjustment(request: _Sampling, vocab_size: int) -> LogitsAdjustment | None:
@@ -404,13 +477,25 @@ class Response:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
-    def choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
-        choice = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs}
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None,
+               tool_calls: list[dict] | None = None) -> dict:
+        """A whole answer's choice; with ``tool_calls``, a chat message that calls them (finish reason
+        "tool_calls")."""
+        choice = {"index": index, "finish_reason": "tool_calls" if tool_calls else finish_reason,
+                  "logprobs": logprobs}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {"role": "assistant", "content": None if tool_calls else text}
+            if tool_calls:
+                choice["message"]["tool_calls"] = tool_calls
         else:
             choice["text"] = text
         return choice
+
+    def tool_calls_chunk(self, tool_calls: list[dict], index: int = 0) -> dict:
+        """A stream's delta with the calls whole (each with its index among them, as OpenAI streams them)."""
+        delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(tool_calls)]}
+        return self._envelope("chat.completion.chunk", [{"index": index, "finish_reason": None, "logprobs": None,
+                                                         "delta": delta}])
 
     def whole(self, choices: list[dict], usage: dict) -> dict:
         return self._envelope("chat.completion" if self.chat else "text_completion", choices, usage=usage)

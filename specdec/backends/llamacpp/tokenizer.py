@@ -44,13 +44,14 @@ class GGUFTokenizer:
         return b"".join(self._piece(int(t), not skip_special_tokens) for t in token_ids).decode("utf-8",
                                                                                                  errors="replace")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = True
-                            ) -> list[int] | str:
-        """The chat messages rendered through the GGUF's template (Jinja, sandboxed), ready for the answer."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = True,
+                            tools: list[dict] | None = None) -> list[int] | str:
+        """The chat messages (and the tools the answer may call) rendered through the GGUF's template (Jinja,
+        sandboxed), ready for the answer."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template")
         text = self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
             bos_token=self._special_text(self.bos_token_id), eos_token=self._special_text(self.eos_token_id))
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
