@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -107,6 +108,8 @@ class Grammar:
             raise GrammarError(f"the {spec.kind.replace('_', ' ')} does not compile: "
                                f"{_first_line(self.matcher.get_error())}")
         self.forced_tokens = 0  # draft tokens it put in a draft (accepted by construction where the only choice)
+        self.forcing = True  # whether it drafts its forced tokens (off: plain decoding under the grammar)
+        self.seconds = 0.0  # spent in the matcher: masks, forced tokens, checking drafts, taking in tokens
 
     def allowed(self) -> np.ndarray:  # [vocab] bool
         """The tokens the grammar allows next."""
@@ -115,16 +118,27 @@ class Grammar:
 
     def forced(self, most: int) -> list[int]:
         """Up to ``most`` tokens that follow from here whatever is sampled: the grammar admits only their text."""
-        return self.matcher.compute_ff_tokens()[:most] if most > 0 else []
+        if most <= 0 or not self.forcing:
+            return []
+        started = time.perf_counter()
+        tokens = self.matcher.compute_ff_tokens()[:most]
+        self.seconds += time.perf_counter() - started
+        return tokens
 
     def admitted(self, tokens: list[int]) -> int:
         """How many of ``tokens``, in turn, the grammar admits from here."""
-        return self.matcher.validate_tokens(tokens) if tokens else 0
+        if not tokens:
+            return 0
+        started = time.perf_counter()
+        count = self.matcher.validate_tokens(tokens)
+        self.seconds += time.perf_counter() - started
+        return count
 
     def masks(self, draft: list[int]) -> torch.Tensor:  # [len(draft) + 1, vocab] bool
         """The tokens allowed after each prefix of ``draft``; the state is left as it was. Rows after a token the
         grammar forbids allow everything: that token is rejected for sure, and they are never read."""
         admitted = self.admitted(draft)
+        started = time.perf_counter()
         rows = [self.allowed()]
         for token in draft[:admitted]:
             self._take([token])
@@ -132,6 +146,7 @@ class Grammar:
         if admitted:
             self.matcher.rollback(admitted)
         rows += [np.ones(self.vocab_size, dtype=bool)] * (len(draft) - admitted)
+        self.seconds += time.perf_counter() - started
         import torch
 
         return torch.from_numpy(np.stack(rows))
@@ -143,7 +158,10 @@ class Grammar:
 
     def advance(self, tokens: list[int]) -> bool:
         """Take in emitted tokens; False where the grammar refused one (it is then in error)."""
-        return self.matcher.consume_tokens(tokens)
+        started = time.perf_counter()
+        taken = self.matcher.consume_tokens(tokens)
+        self.seconds += time.perf_counter() - started
+        return taken
 
     def _take(self, tokens: list[int]) -> None:
         if not self.matcher.consume_tokens(tokens):
@@ -153,6 +171,7 @@ class Grammar:
         """Back to the start, for another generation under the same grammar."""
         self.matcher.reset()
         self.forced_tokens = 0
+        self.seconds = 0.0
 
     @property
     def accepting(self) -> bool:

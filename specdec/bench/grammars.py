@@ -99,15 +99,12 @@ class Engine:
     def consume(self, state, token: int) -> bool:
         raise NotImplementedError
 
-    def finished(self, state) -> bool:
-        raise NotImplementedError
-
 
 class LLGuidance(Engine):
     name = "llguidance"
 
     def __init__(self, text: TokenText, eos: int) -> None:
-        self.tokenizer = llg_tokenizer(text, eos)
+        self.tokenizer = llg_tokenizer(text, (eos,))
         self.eos = eos
 
     def compile(self, schema: dict) -> Grammar:
@@ -118,9 +115,6 @@ class LLGuidance(Engine):
 
     def consume(self, state: Grammar, token: int) -> bool:
         return state.advance([token])
-
-    def finished(self, state: Grammar) -> bool:
-        return state.accepting
 
 
 class XGrammar(Engine):
@@ -145,9 +139,6 @@ class XGrammar(Engine):
 
     def consume(self, state, token: int) -> bool:
         return state.accept_token(token)
-
-    def finished(self, state) -> bool:
-        return state.is_terminated() or state.accept_token.__self__ is None
 
 
 class OutlinesCore(Engine):
@@ -177,9 +168,6 @@ class OutlinesCore(Engine):
         state.advance(token)
         return True
 
-    def finished(self, state) -> bool:
-        return state.is_finished()
-
 
 def _bits(words: np.ndarray, vocab_size: int) -> np.ndarray:
     return np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab_size].astype(bool)
@@ -204,7 +192,8 @@ def mask_times(engine: Engine, schema: dict, tokens: list[int]) -> tuple[float, 
 
 
 def keeps(engine: Engine, schema: dict, text: TokenText, eos: int, walks: int, rng: random.Random) -> str:
-    """"kept", or why not: the engine does not compile the schema, or a walk ended in text that does not validate."""
+    """The word "kept", or why not: the engine does not compile the schema, or a walk ended in text that does not
+    validate."""
     import jsonschema
 
     for _ in range(walks):
