@@ -67,7 +67,9 @@ class GrammarSpec:
                     raise GrammarError("a JSON Schema is a JSON object")
                 return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
             return llguidance.grammar_from("regex" if self.kind == "regex" else "grammar", self.source)
-        except (ValueError, TypeError) as error:
+        except GrammarError:
+            raise
+        except Exception as error:  # whatever the compiler raises, the text it was given is at fault
             raise GrammarError(f"the {self.kind.replace('_', ' ')} does not compile: {_first_line(error)}") from None
 
 

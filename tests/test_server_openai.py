@@ -151,7 +151,7 @@ def test_parameters_not_implemented_or_out_of_range_are_refused_by_name(client, 
 
 
 def test_chat_parameters_not_implemented_or_malformed_are_refused(client):
-    for params, param in (({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    for params, param in (({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto
                           ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
                            "response_format.json_schema.schema"),
                           ({"response_format": {"type": "json_schema"}}, "response_format.json_schema")):

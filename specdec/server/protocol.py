@@ -115,10 +115,18 @@ class ToolCall(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None  # None: an assistant's turn that only called tools
+    content: Text | list[TextPart] | None  # None: an assistant's turn that only called tools
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's answer: to which call
+
+    @model_validator(mode="before")
+    @classmethod
+    def _calls_need_no_content(cls, data):
+        """An assistant's turn that called tools may leave its content out, as OpenAI's API lets it."""
+        if isinstance(data, dict) and data.get("tool_calls") and "content" not in data:
+            return {**data, "content": None}
+        return data
 
     @model_validator(mode="after")
     def _has_content(self):
