@@ -6,7 +6,6 @@ the verifier owns exactness, the policy owns the draft length.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -237,7 +236,9 @@ class Engine:
             if grammar is None:
                 draft = self._propose(context, k, config.tree_widths(k, policy), config.sampling, generator)
             else:
-                propose = functools.partial(self._propose, context, widths=None, params=params, generator=generator)
+                def propose(forced: list[int], n: int, context=context) -> Draft:
+                    return self._propose(context + forced, n, None, params, generator)
+
                 draft = constrained_draft(grammar, k, propose)
             drafted = time.perf_counter()
             # 3-5. score the pending token and the draft in one target pass, verify, keep the accepted tokens

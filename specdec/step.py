@@ -134,20 +134,25 @@ def first_tokens(draft: Draft, n: int) -> Draft:
     return Draft(tokens=draft.tokens[:n], probs=None if draft.probs is None else draft.probs[:n])
 
 
-def constrained_draft(grammar: Grammar, k: int, propose: Callable[[int], Draft]) -> Draft:
-    """A round's draft of up to k tokens under a grammar: its forced tokens where it has any (no drafter call),
-    else the drafter's draft (``propose(k)``) up to its first token the grammar forbids. A draft drawn from a
-    distribution keeps that token, to be rejected for sure: under the standard rule the residual there takes the
-    draft's mass on forbidden tokens, which cutting the draft would move."""
+def constrained_draft(grammar: Grammar, k: int, propose: Callable[[list[int], int], Draft]) -> Draft:
+    """A round's draft of up to k tokens under a grammar: the tokens it forces from here (with no drafter call),
+    then the drafter's continuation after them (``propose(forced, n)``), up to its first token the grammar forbids.
+    A draft drawn from a distribution keeps that token, to be rejected for sure: under the standard rule the
+    residual there takes the draft's mass on forbidden tokens, which cutting the draft would move. Forced tokens
+    are point masses."""
     if k <= 0:
         return EMPTY_DRAFT
     forced = grammar.forced(k)
-    if forced:
-        grammar.forced_tokens += len(forced)
-        return Draft(tokens=forced)
-    draft = propose(k)
+    grammar.forced_tokens += len(forced)
+    drafted = propose(forced, k - len(forced)) if k > len(forced) else EMPTY_DRAFT
+    probs = drafted.probs
+    if probs is not None and forced:
+        points = torch.zeros(len(forced), probs.shape[-1], dtype=probs.dtype, device=probs.device)
+        points[torch.arange(len(forced)), torch.tensor(forced, device=probs.device)] = 1
+        probs = torch.cat([points, probs])
+    draft = Draft(tokens=forced + drafted.tokens, probs=probs)
     admitted = grammar.admitted(draft.tokens)
-    return first_tokens(draft, admitted + (draft.probs is not None and admitted < len(draft)))
+    return first_tokens(draft, admitted + (probs is not None and admitted < len(draft)))
 
 
 def constrained_round(grammar: Grammar, round_: Round) -> Round:

@@ -117,8 +117,8 @@ def test_a_tree_under_a_grammar_is_refused(model):
 
 
 def test_a_draft_is_cut_at_its_first_forbidden_token_and_forced_tokens_need_no_drafter(model):
-    """The grammar's forced text goes into the draft without asking the drafter; otherwise the drafter's draft is
-    kept up to the first token the grammar forbids (a point mass), or through it (a drawn draft: it is then
+    """The grammar's forced text opens the draft without asking the drafter, which continues after it; the draft
+    is kept up to the first token the grammar forbids (a point mass), or through it (a drawn draft: it is then
     rejected for sure, and the residual keeps the draft's mass on forbidden tokens where it belongs)."""
     from specdec.proposers.base import Draft
     from specdec.step import constrained_draft
@@ -126,15 +126,18 @@ def test_a_draft_is_cut_at_its_first_forbidden_token_and_forced_tokens_need_no_d
     decoder = SpecDecoder.load(model, backend="fused")
     encode = decoder.token_text.encode
     grammar = decoder.grammar(GrammarSpec("regex", 'The answer is: (d|e)+'))
-    asked = []
-    forced = constrained_draft(grammar, 8, lambda n: asked.append(n) or Draft([]))
-    assert not asked and forced.tokens and b"The answer is: ".startswith(decoder.token_text.text_of(forced.tokens))
-    assert grammar.forced_tokens == len(forced)
-    grammar.advance(encode(b"The answer is: ")[0])
     d, x = encode(b"d")[0][0], encode(b"x")[0][0]
-    assert constrained_draft(grammar, 4, lambda n: Draft([d, d, x, d])).tokens == [d, d]
+    asked = []
+    draft = constrained_draft(grammar, 12, lambda forced, n: asked.append((forced, n)) or Draft([d, x][:n]))
+    forced, rest = asked[0]
+    assert forced and b"The answer is: ".startswith(decoder.token_text.text_of(forced)) and rest == 12 - len(forced)
+    assert grammar.forced_tokens == len(forced)
+    if decoder.token_text.text_of(forced) == b"The answer is: ":  # the drafter's d follows; its x is forbidden
+        assert draft.tokens == forced + [d]
+    grammar.advance(encode(b"The answer is: ")[0])
+    assert constrained_draft(grammar, 4, lambda forced, n: Draft([d, d, x, d])).tokens == [d, d]
     probs = torch.zeros(4, decoder.token_text.vocab_size)
-    assert constrained_draft(grammar, 4, lambda n: Draft([d, d, x, d], probs)).tokens == [d, d, x]
+    assert constrained_draft(grammar, 4, lambda forced, n: Draft([d, d, x, d], probs)).tokens == [d, d, x]
 
 
 CHI_SAMPLING = SamplingParams(temperature=1.0, top_k=8, method="standard")

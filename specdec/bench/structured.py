@@ -9,7 +9,8 @@ prompt, each from a cold cache:
 - ``prompt-lookup`` and ``retrieval`` (k auto), the forced tokens drafted too;
 - ``llama.cpp``: llama-cpp-python's completion with the schema's GBNF grammar (``LlamaGrammar.from_json_schema``),
   over the same file and prompt tokens.
-Per arm: output tokens per second (end to end, prefill included), mean accepted length, the share of output tokens
+Per arm: output tokens per second, end to end and decoding alone (each prompt's prefill timed apart: no drafter
+shortens it), mean accepted length, the share of output tokens
 the grammar drafted as forced, and the share of the time spent in the grammar (masks, forced tokens, checks).
 specdec's arms emit the same tokens (checked); llama.cpp's grammar and arithmetic are its own.
 """
@@ -20,6 +21,7 @@ import argparse
 import json
 import time
 
+from specdec.backends.base import sync
 from specdec.bench.prompts import read_prompts
 from specdec.engine import Engine, GenerationConfig
 from specdec.grammars import GrammarSpec, grammar_for
@@ -58,13 +60,16 @@ def run(args: argparse.Namespace) -> dict:
     prompts = [encode_prompt(tokenizer, INSTRUCTION.format(p.text.removeprefix("Summarize: ")[:args.max_chars]))
                for p in read_prompts(args.prompts, category=args.category, limit=args.limit)]
     llama = _llama(loaded.target.gguf or loaded.target.path, args) if args.llamacpp else None
-    totals = {arm: {"tokens": 0, "seconds": 0.0, "rounds": 0, "forced": 0, "grammar_seconds": 0.0, "valid": 0}
-              for arm in [*ARMS, *(["llama.cpp"] if llama else [])]}
+    totals = {arm: {"tokens": 0, "seconds": 0.0, "prefill_seconds": 0.0, "rounds": 0, "forced": 0,
+                    "grammar_seconds": 0.0, "valid": 0} for arm in [*ARMS, *(["llama.cpp"] if llama else [])]}
     outputs: dict[str, list] = {arm: [] for arm in ARMS}
     for prompt in prompts:
         for arm, (_, k) in ARMS.items():
             engine = engines[arm]
             engine.clear_cache()
+            started = time.perf_counter()  # the prompt's prefill, timed apart: generate finds it cached
+            sync(runtime, prompt[:-1], num_logits=0)
+            prefill = time.perf_counter() - started
             grammar = grammar_for(spec, text, loaded.stop_ids)
             grammar.forcing = arm != "plain"
             result = engine.generate(prompt, GenerationConfig(max_new_tokens=args.max_new_tokens,
@@ -72,6 +77,7 @@ def run(args: argparse.Namespace) -> dict:
             row = totals[arm]
             row["tokens"] += len(result.token_ids)
             row["seconds"] += result.stats.seconds
+            row["prefill_seconds"] += prefill
             row["rounds"] += result.stats.rounds
             row["forced"] += grammar.forced_tokens
             row["grammar_seconds"] += grammar.seconds
@@ -79,22 +85,25 @@ def run(args: argparse.Namespace) -> dict:
             outputs[arm].append(result.token_ids)
         if llama is not None:
             row = totals["llama.cpp"]
-            tokens, seconds, answer = _llama_run(llama, prompt, args.max_new_tokens)
+            tokens, prefill, seconds, answer = _llama_run(llama, prompt, args.max_new_tokens)
             row["tokens"] += tokens
             row["seconds"] += seconds
+            row["prefill_seconds"] += prefill
             row["valid"] += _valid(answer)
     report = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "arms": {},
               "same_tokens": all(outputs[arm] == outputs["plain"] for arm in ARMS)}
     for arm, row in totals.items():
         report["arms"][arm] = {
-            "tokens_per_second": row["tokens"] / row["seconds"], "tokens": row["tokens"],
+            "tokens_per_second": row["tokens"] / (row["seconds"] + row["prefill_seconds"]),
+            "decode_tokens_per_second": row["tokens"] / row["seconds"], "tokens": row["tokens"],
             "mean_accepted_length": row["tokens"] / row["rounds"] if row["rounds"] else None,
             "forced_share": row["forced"] / row["tokens"] if row["rounds"] else None,
             "grammar_time_share": row["grammar_seconds"] / row["seconds"] if row["rounds"] else None,
             "valid_json": f"{row['valid']}/{len(prompts)}"}
-    plain = report["arms"]["plain"]["tokens_per_second"]
-    for arm in report["arms"]:
-        report["arms"][arm]["over_plain"] = report["arms"][arm]["tokens_per_second"] / plain
+    plain = report["arms"]["plain"]
+    for arm in report["arms"].values():
+        arm["over_plain"] = arm["tokens_per_second"] / plain["tokens_per_second"]
+        arm["decode_over_plain"] = arm["decode_tokens_per_second"] / plain["decode_tokens_per_second"]
     return report
 
 
@@ -115,12 +124,16 @@ def _llama(path, args: argparse.Namespace):
     return model, LlamaGrammar.from_json_schema(json.dumps(SCHEMA), verbose=False)
 
 
-def _llama_run(llama, prompt: list[int], max_new_tokens: int) -> tuple[int, float, str]:
+def _llama_run(llama, prompt: list[int], max_new_tokens: int) -> tuple[int, float, float, str]:
+    """Output tokens, prefill and decode seconds (the prompt evaluated first: the completion finds it cached)."""
     model, grammar = llama
     model.reset()
     started = time.perf_counter()
+    model.eval(prompt[:-1])
+    prefilled = time.perf_counter()
     out = model.create_completion(prompt, max_tokens=max_new_tokens, temperature=0.0, grammar=grammar)
-    return out["usage"]["completion_tokens"], time.perf_counter() - started, out["choices"][0]["text"]
+    done = time.perf_counter()
+    return out["usage"]["completion_tokens"], prefilled - started, done - prefilled, out["choices"][0]["text"]
 
 
 def main(argv: list[str] | None = None) -> int:

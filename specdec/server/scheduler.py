@@ -498,10 +498,10 @@ class Scheduler:
     def _drafted(r: _Running, k: int) -> Draft:
         """The request's draft: its drafter's, or under a grammar, the grammar's forced tokens or the drafter's
         up to a forbidden token."""
-        def propose(n: int) -> Draft:
-            return r.proposer.propose(r.context, n, r.handle.request.sampling, r.generator)
+        def propose(forced: list[int], n: int) -> Draft:  # after the grammar's forced tokens
+            return r.proposer.propose(r.context + forced, n, r.handle.request.sampling, r.generator)
 
-        return propose(k) if r.grammar is None else constrained_draft(r.grammar, k, propose)
+        return propose([], k) if r.grammar is None else constrained_draft(r.grammar, k, propose)
 
     def _advance(self, r: _Running, draft: Draft, logits: torch.Tensor) -> None:
         request = r.handle.request
