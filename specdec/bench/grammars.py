@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from specdec.bench.report import print_json
 from specdec.grammars import Grammar, GrammarSpec, llg_tokenizer
 from specdec.models import load_tokenizer
 from specdec.vocabularies import TokenText
@@ -257,13 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--walks", type=int, default=3, help="random walks per schema")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    report = run(args)
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    return 0
+    return print_json(run(args), args.out)
 
 
 if __name__ == "__main__":

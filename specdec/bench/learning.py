@@ -13,11 +13,11 @@ mean accepted length, the prompts' tokens restored from the server's prefix cach
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from specdec.bench.prompts import read_prompts
+from specdec.bench.report import print_json
 from specdec.loading import encode_prompt, load_target
 from specdec.sampling import SamplingParams
 from specdec.server import BatchSettings, build_scheduler
@@ -95,13 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    report = run(args)
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    return 0
+    return print_json(run(args), args.out)
 
 
 if __name__ == "__main__":

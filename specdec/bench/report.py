@@ -155,3 +155,15 @@ def markdown(report: dict) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def print_json(report: dict, out: str | None) -> int:
+    """A side-by-side benchmark's report as JSON on standard output, and in ``out`` where given; exit status 0."""
+    import json
+
+    text = json.dumps(report, indent=1)
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
+    return 0

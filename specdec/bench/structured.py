@@ -23,6 +23,7 @@ import time
 
 from specdec.backends.base import sync
 from specdec.bench.prompts import read_prompts
+from specdec.bench.report import print_json
 from specdec.engine import Engine, GenerationConfig
 from specdec.grammars import GrammarSpec, grammar_for
 from specdec.loading import encode_prompt, load_target
@@ -149,13 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-llamacpp", dest="llamacpp", action="store_false")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    report = run(args)
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    return 0
+    return print_json(run(args), args.out)
 
 
 if __name__ == "__main__":
