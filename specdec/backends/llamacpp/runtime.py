@@ -89,8 +89,9 @@ class GGUFModel:
         return buffer.value.decode("utf-8", errors="replace") if n >= 0 else None
 
     def __del__(self) -> None:
-        if getattr(self, "pointer", None):
-            self._lib.llama_model_free(self.pointer)
+        free = getattr(getattr(self, "_lib", None), "llama_model_free", None)
+        if getattr(self, "pointer", None) and callable(free):  # at interpreter exit the library may be gone
+            free(self.pointer)
             self.pointer = None
 
 
