@@ -109,7 +109,7 @@ class Grammar:
         if self.matcher.is_error():
             raise GrammarError(f"the {spec.kind.replace('_', ' ')} does not compile: "
                                f"{_first_line(self.matcher.get_error())}")
-        self.forced_tokens = 0  # draft tokens it put in a draft (accepted by construction where the only choice)
+        self.forced_tokens = 0  # forced tokens it put in drafts
         self.forcing = True  # whether it drafts its forced tokens (off: plain decoding under the grammar)
         self.seconds = 0.0  # spent in the matcher: masks, forced tokens, checking drafts, taking in tokens
 
@@ -125,6 +125,7 @@ class Grammar:
         started = time.perf_counter()
         tokens = self.matcher.compute_ff_tokens()[:most]
         self.seconds += time.perf_counter() - started
+        self.forced_tokens += len(tokens)
         return tokens
 
     def admitted(self, tokens: list[int]) -> int:
@@ -137,17 +138,22 @@ class Grammar:
         return count
 
     def masks(self, draft: list[int]) -> torch.Tensor:  # [len(draft) + 1, vocab] bool
-        """The tokens allowed after each prefix of ``draft``; the state is left as it was. Rows after a token the
-        grammar forbids allow everything: that token is rejected for sure, and they are never read."""
+        """The tokens allowed after each prefix of ``draft``; the state is left as it was. Rows the round can never
+        read allow everything: those after a token the grammar forbids (it is rejected for sure), and those after
+        the grammar completes (its row allows only an end token, which ends the answer)."""
         admitted = self.admitted(draft)
         started = time.perf_counter()
         rows = [self.allowed()]
+        taken = 0
         for token in draft[:admitted]:
+            if self.matcher.is_stopped():  # complete: the matcher takes no token more, an end token included
+                break
             self._take([token])
+            taken += 1
             rows.append(self.allowed())
-        if admitted:
-            self.matcher.rollback(admitted)
-        rows += [np.ones(self.vocab_size, dtype=bool)] * (len(draft) - admitted)
+        if taken:
+            self.matcher.rollback(taken)
+        rows += [np.ones(self.vocab_size, dtype=bool)] * (len(draft) - taken)
         self.seconds += time.perf_counter() - started
         import torch
 

@@ -143,7 +143,6 @@ def constrained_draft(grammar: Grammar, k: int, propose: Callable[[list[int], in
     if k <= 0:
         return EMPTY_DRAFT
     forced = grammar.forced(k)
-    grammar.forced_tokens += len(forced)
     drafted = propose(forced, k - len(forced)) if k > len(forced) else EMPTY_DRAFT
     probs = drafted.probs
     if probs is not None and forced:

@@ -132,8 +132,8 @@ def test_a_draft_is_cut_at_its_first_forbidden_token_and_forced_tokens_need_no_d
     forced, rest = asked[0]
     assert forced and b"The answer is: ".startswith(decoder.token_text.text_of(forced)) and rest == 12 - len(forced)
     assert grammar.forced_tokens == len(forced)
-    if decoder.token_text.text_of(forced) == b"The answer is: ":  # the drafter's d follows; its x is forbidden
-        assert draft.tokens == forced + [d]
+    # the drafter's d follows the whole forced text, its x never: d is kept where the forced text was all of it
+    assert draft.tokens == forced + ([d] if decoder.token_text.text_of(forced) == b"The answer is: " else [])
     grammar.advance(encode(b"The answer is: ")[0])
     assert constrained_draft(grammar, 4, lambda forced, n: Draft([d, d, x, d])).tokens == [d, d]
     probs = torch.zeros(4, decoder.token_text.vocab_size)
@@ -189,3 +189,20 @@ def test_constrained_standard_sampling_draws_the_masked_renormalised_distributio
         observed[-2:], expected[-2:] = [sum(observed[-2:])], [sum(expected[-2:])]
     assert chisquare(np.array(observed), np.array(expected)).pvalue > 1e-3
     assert accepted > 0.02 * SAMPLES and rejected > 0.02 * SAMPLES  # both outcomes are under test
+
+
+def test_a_draft_that_runs_past_the_grammars_end_is_masked_without_a_fault(model):
+    """A draft that completes the text and goes on with an end token (which the grammar admits): each row's mask
+    is computed, the row after the completing token allows only the end token, the rows the round cannot reach
+    allow everything, and the matcher is left where it was."""
+    decoder = SpecDecoder.load(model, backend="fused")
+    grammar = decoder.grammar(GrammarSpec("regex", "The answer is: (yes|no)"))
+    answer = decoder.token_text.encode(b"The answer is: yes")[0]
+    end = sorted(decoder.stop_ids)
+    draft = answer + end[:1] + end[:1]
+    assert grammar.admitted(draft) > len(answer)  # the end token is admitted after the answer
+    masks = grammar.masks(draft)
+    assert masks.shape[0] == len(draft) + 1
+    assert set(torch.nonzero(masks[len(answer)]).flatten().tolist()) <= set(end)
+    assert masks[len(answer) + 1:].all()
+    assert not grammar.accepting and grammar.admitted(answer) == len(answer)

@@ -188,8 +188,6 @@ def test_tool_choice_none_answers_in_text(client):
 
 
 @pytest.mark.slow  # the 0.5B's vocabulary and template: about 20 s
-@pytest.mark.xfail(strict=False, reason="open: in CI the matcher refused, after a completed call, a token it had "
-                   "admitted in the draft (consume_token after the grammar stopped); see issue 37's closing note")
 def test_auto_on_a_template_with_tool_calls_is_text_or_calls_under_their_schemas(tmp_path):
     """tool_choice auto on Qwen2.5's template (a random model over its vocabulary): the answer is text, or, once
     it opens ``<tool_call>`` (a bias makes it), calls under their functions' schemas, returned as tool_calls."""
