@@ -13,6 +13,7 @@ A :class:`Grammar` is one request's matcher, in the state after the tokens gener
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import time
@@ -174,6 +175,13 @@ class Grammar:
     def _take(self, tokens: list[int]) -> None:
         if not self.matcher.consume_tokens(tokens):
             raise RuntimeError(f"the grammar refused tokens it had admitted: {self.matcher.get_error()}")
+
+    def copy(self) -> Grammar:
+        """Another matcher in this one's state, for another sequence (the grammar is not compiled again)."""
+        other = copy.copy(self)
+        other.matcher = self.matcher.deep_copy()
+        other.forced_tokens, other.seconds = 0, 0.0
+        return other
 
     def reset(self) -> None:
         """Back to the start, for another generation under the same grammar."""

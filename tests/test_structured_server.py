@@ -217,3 +217,13 @@ def test_auto_on_a_template_with_tool_calls_is_text_or_calls_under_their_schemas
         server.shutdown(timeout=5)
     assert called.choices[0].finish_reason == "tool_calls"
     assert valid_calls(called.choices[0].message.tool_calls)
+
+
+def test_each_of_n_choices_has_a_matcher_of_its_own(client):
+    """n = 3 seeded samples under one schema, compiled once: each choice keeps to it on its own (a matcher shared
+    between them would take the other choices' tokens and refuse, or let through, what it should not)."""
+    answer = client.completions.create(model="tiny", prompt="An item:", n=3, seed=4, temperature=0.9, max_tokens=160,
+                                       extra_body={"guided_json": SCHEMA})
+    assert len(answer.choices) == 3 and len({c.text for c in answer.choices}) > 1
+    for choice in answer.choices:
+        jsonschema.validate(json.loads(choice.text), SCHEMA)

@@ -173,16 +173,16 @@ class OpenAIServer:
         return TokenText(self.tokenizer, self.scheduler.pool.vocab_size)
 
     def grammar(self, job: Job):
-        """What makes each choice's matcher for the job's structured output (None without one); a 400 naming the
-        field where it does not compile."""
+        """What makes each choice's matcher for the job's structured output (None without one): the grammar is
+        compiled once, here, and each choice takes a copy of its matcher; a 400 naming the field where it does not
+        compile."""
         if job.grammar is None:
             return None
-        make = partial(grammar_for, job.grammar, self.token_text, self.scheduler.eos_token_ids)
         try:
-            make()
+            compiled = grammar_for(job.grammar, self.token_text, self.scheduler.eos_token_ids)
         except GrammarError as error:
             raise BadRequest(str(error), job.grammar_param, "invalid_grammar") from None
-        return make
+        return compiled.copy
 
     def submit(self, job: Job, prompt_ids: list[int]) -> list[Handle]:
         """One handle per choice; all or none (a refusal cancels those already queued)."""
