@@ -116,8 +116,7 @@ class Grammar:
 
     def allowed(self) -> np.ndarray:  # [vocab] bool
         """The tokens the grammar allows next."""
-        words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        return np.unpackbits(words, bitorder="little")[: self.vocab_size].astype(bool)
+        return unpacked(self.matcher.compute_bitmask(), self.vocab_size)
 
     def forced(self, most: int) -> list[int]:
         """Up to ``most`` tokens that follow from here whatever is sampled: the grammar admits only their text."""
@@ -198,6 +197,12 @@ class Grammar:
     def stopped(self) -> bool:
         """Whether the grammar admits nothing more (but an end token)."""
         return self.matcher.is_stopped()
+
+
+def unpacked(bitmask: bytes | np.ndarray, vocab_size: int) -> np.ndarray:  # [vocab] bool
+    """A token bitmask (bit i of the little-endian words: token i allowed), one bool per token."""
+    words = np.frombuffer(bitmask, dtype=np.uint8) if isinstance(bitmask, bytes) else bitmask.view(np.uint8)
+    return np.unpackbits(words, bitorder="little")[:vocab_size].astype(bool)
 
 
 def grammar_for(spec: GrammarSpec, text: TokenText, eos_token_ids: set[int] | frozenset[int]) -> Grammar:

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from specdec.bench.report import print_json
-from specdec.grammars import Grammar, GrammarSpec, llg_tokenizer
+from specdec.grammars import Grammar, GrammarSpec, llg_tokenizer, unpacked
 from specdec.models import load_tokenizer
 from specdec.vocabularies import TokenText
 
@@ -137,7 +137,7 @@ class XGrammar(Engine):
 
     def mask(self, state) -> np.ndarray:
         state.fill_next_token_bitmask(self.bitmask)
-        return _bits(self.bitmask[0].numpy(), self.vocab_size)
+        return unpacked(self.bitmask[0].numpy(), self.vocab_size)
 
     def consume(self, state, token: int) -> bool:
         return state.accept_token(token)
@@ -169,10 +169,6 @@ class OutlinesCore(Engine):
     def consume(self, state, token: int) -> bool:
         state.advance(token)
         return True
-
-
-def _bits(words: np.ndarray, vocab_size: int) -> np.ndarray:
-    return np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab_size].astype(bool)
 
 
 WALK_STEPS, WANDER = 600, 48  # a walk's most tokens; after WANDER of them it heads for an end

@@ -573,7 +573,6 @@ class Scheduler:
             except Exception as error:  # learning is a help to later drafts, never a fault of this request
                 log.warning("request %d: its answer was not learned (%r)", r.handle.id, error)
 
-
     def _keep_prompt(self, r: _Running) -> None:
         try:
             self.prefixes.keep(r.slot, r.handle.request.prompt_ids)
