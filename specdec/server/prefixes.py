@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-import numpy as np
 import torch
 
-from specdec.backends.base import KeepsPrefixes, Pool, Slot, declares
+from specdec.backends.base import KeepsPrefixes, Pool, Slot, common_prefix_length, declares
 
 MIN_REUSED = 16  # fewer shared tokens than this are prefilled: a copy is not worth its bookkeeping
 
@@ -30,9 +29,8 @@ class PrefixCache:
         self.pool = pool
         self.capacity_bytes = capacity_bytes
         self.bytes = 0
-        self._kept: OrderedDict[int, tuple[np.ndarray, torch.Tensor]] = OrderedDict()  # id -> (tokens, cache)
+        self._kept: OrderedDict[int, tuple[list[int], torch.Tensor]] = OrderedDict()  # id -> (tokens, cache)
         self._ids = 0
-        self.reused_tokens = 0  # prompt tokens restored instead of prefilled
 
     def keep(self, slot: Slot, prompt: list[int]) -> None:
         """Keep the prompt's cached positions (all but its last token, which a step scored) from the slot of a
@@ -40,12 +38,13 @@ class PrefixCache:
         length = len(prompt) - 1
         if length < max(MIN_REUSED, self.pool.prompt_positions) or slot.length < length:
             return
-        tokens = np.asarray(prompt[:length], dtype=np.int64)
+        tokens = prompt[:length]
         for key, (kept, _) in list(self._kept.items()):
-            if len(kept) >= length and np.array_equal(kept[:length], tokens):  # already held
+            shared = common_prefix_length(kept, tokens)
+            if shared == length:  # already held
                 self._kept.move_to_end(key)
                 return
-            if np.array_equal(tokens[: len(kept)], kept):  # holds all that one held, and more
+            if shared == len(kept):  # holds all that one held, and more
                 self._forget(key)
         cache = self.pool.copy_out(slot, length)
         size = cache.numel() * cache.element_size()
@@ -63,29 +62,18 @@ class PrefixCache:
         most = len(context) - 1
         if most < max(MIN_REUSED, self.pool.prompt_positions) or not self._kept:
             return 0
-        tokens = np.asarray(context[:most], dtype=np.int64)
-        best, shared = None, 0
-        for key, (kept, _) in self._kept.items():
-            n = _shared_length(kept, tokens)
-            if n > shared:
-                best, shared = key, n
+        tokens = context[:most]
+        best, shared = max(((key, common_prefix_length(kept, tokens)) for key, (kept, _) in self._kept.items()),
+                           key=lambda pair: pair[1])
         if shared < MIN_REUSED:
             return 0
         self._kept.move_to_end(best)
         self.pool.copy_in(slot, self._kept[best][1], shared)
-        self.reused_tokens += shared
         return shared
 
     def _forget(self, key: int) -> None:
         _, cache = self._kept.pop(key)
         self.bytes -= cache.numel() * cache.element_size()
-
-
-def _shared_length(a: np.ndarray, b: np.ndarray) -> int:
-    """How many tokens ``a`` and ``b`` share from their start."""
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if len(differ) else n
 
 
 def prefix_cache(pool: Pool, capacity_bytes: int) -> PrefixCache | None:
