@@ -224,8 +224,9 @@ class Engine:
             remaining = config.max_new_tokens - produced
             # 1. ask the policy how far to draft; a round emits at most k+1 tokens
             asked = policy.next_k(config.max_draft_tokens)
-            k = min(asked, remaining - 1)
-            while config.draft_positions(k) > max_length - len(context) - 1:
+            room = min(remaining - 1, max_length - len(context) - 1)  # the draft positions this round may score
+            k = min(asked, room)
+            while config.draft_positions(k) > room:
                 k -= 1
             # 2. draft; a drafter that keeps state first takes in the rounds it missed, untimed: that backlog (the
             # prompt, or the tokens of rounds that drafted nothing) is not what drafting k tokens costs
@@ -239,7 +240,7 @@ class Engine:
                 def propose(forced: list[int], n: int, context=context) -> Draft:
                     return self._propose(context + forced, n, None, params, generator)
 
-                draft = constrained_draft(grammar, k, propose)
+                draft = constrained_draft(grammar, k, room, propose)
             drafted = time.perf_counter()
             # 3-5. score the pending token and the draft in one target pass, verify, keep the accepted tokens
             verdict = self._score_and_verify(context[-1], draft, params, generator, grammar)

@@ -74,9 +74,10 @@ class HeuristicDraftLength(ChainShape):
         return min(self.k, max_k)
 
     def observe(self, verdict: Verdict, draft_seconds: float, target_seconds: float) -> None:
-        if verdict.num_draft == 0:
+        proposed, accepted, _ = verdict.proposed
+        if proposed == 0:
             return  # nothing was drafted: nothing learned about the draft length
-        if verdict.accepted == verdict.num_draft:
+        if accepted == proposed:
             self.k = min(self.k + 2, self.max_k)
         else:
             self.k = max(self.k - 1, 1)
@@ -132,10 +133,11 @@ class CostModelPolicy(ChainShape):
         return max(range(1, limit + 1), key=lambda i: rates[i])  # exploring: the best draft length
 
     def observe(self, verdict: Verdict, draft_seconds: float, target_seconds: float) -> None:
-        if verdict.num_draft:  # old evidence fades per drafting round, so sparse exploration keeps its memory
+        proposed, accepted, reached = verdict.proposed  # a grammar's forced tokens are not the drafter's
+        if proposed:  # old evidence fades per drafting round, so sparse exploration keeps its memory
             for i, position in enumerate(self.positions, start=1):  # positions after the first rejection: untested
-                position.observe(float(i <= verdict.accepted), float(i <= verdict.reached), self.decay)
-        self.costs.observe(verdict.num_draft + 1, target_seconds, verdict.num_draft, draft_seconds)
+                position.observe(float(i <= accepted), float(i <= reached), self.decay)
+        self.costs.observe(verdict.num_draft + 1, target_seconds, proposed, draft_seconds)
 
     def acceptances(self) -> list[float]:
         """[i-1]: estimated probability that draft position i is accepted, given that position i-1 was (each

@@ -94,9 +94,11 @@ def verify_draft(
     tests them with min(1, p/q)."""
     if params.greedy or params.invariant:
         positions = [position + j for j in range(len(draft) + 1)]
-        return verify_choices(draft.tokens, TargetChoices(logits, params, generator, positions))
-    draft_tokens = torch.tensor(draft.tokens, dtype=torch.long, device=logits.device)  # [k]
-    return verify(draft_tokens, draft.probs, logits_to_probs(logits, params), generator)
+        verdict = verify_choices(draft.tokens, TargetChoices(logits, params, generator, positions))
+    else:
+        draft_tokens = torch.tensor(draft.tokens, dtype=torch.long, device=logits.device)  # [k]
+        verdict = verify(draft_tokens, draft.probs, logits_to_probs(logits, params), generator)
+    return replace(verdict, forced=draft.forced) if draft.forced else verdict
 
 
 def verify_draft_tree(
@@ -131,25 +133,28 @@ def first_tokens(draft: Draft, n: int) -> Draft:
     """The draft's first n tokens (and their distributions)."""
     if n == len(draft):
         return draft
-    return Draft(tokens=draft.tokens[:n], probs=None if draft.probs is None else draft.probs[:n])
+    return Draft(tokens=draft.tokens[:n], probs=None if draft.probs is None else draft.probs[:n],
+                 forced=min(draft.forced, n))
 
 
-def constrained_draft(grammar: Grammar, k: int, propose: Callable[[list[int], int], Draft]) -> Draft:
-    """A round's draft of up to k tokens under a grammar: the tokens it forces from here (with no drafter call),
-    then the drafter's continuation after them (``propose(forced, n)``), up to its first token the grammar forbids.
-    A draft drawn from a distribution keeps that token, to be rejected for sure: under the standard rule the
-    residual there takes the draft's mass on forbidden tokens, which cutting the draft would move. Forced tokens
-    are point masses."""
-    if k <= 0:
+def constrained_draft(grammar: Grammar, k: int, room: int, propose: Callable[[list[int], int], Draft]) -> Draft:
+    """A round's draft under a grammar, of at most ``room`` tokens: the tokens it forces from here (with no drafter
+    call), then up to k of the drafter's continuation after them (``propose(forced, n)``), up to its first token the
+    grammar forbids. Forced tokens are point masses, accepted by construction, so they ride outside the drafter's
+    k: they cost only their share of the pass. A draft drawn from a distribution keeps the forbidden token, to be
+    rejected for sure: under the standard rule the residual there takes the draft's mass on forbidden tokens,
+    which cutting the draft would move."""
+    if room <= 0:
         return EMPTY_DRAFT
-    forced = grammar.forced(k)
-    drafted = propose(forced, k - len(forced)) if k > len(forced) else EMPTY_DRAFT
+    forced = grammar.forced(room)
+    n = min(k, room - len(forced))
+    drafted = propose(forced, n) if n > 0 else EMPTY_DRAFT
     probs = drafted.probs
     if probs is not None and forced:
         points = torch.zeros(len(forced), probs.shape[-1], dtype=probs.dtype, device=probs.device)
         points[torch.arange(len(forced)), torch.tensor(forced, device=probs.device)] = 1
         probs = torch.cat([points, probs])
-    draft = Draft(tokens=forced + drafted.tokens, probs=probs)
+    draft = Draft(tokens=forced + drafted.tokens, probs=probs, forced=len(forced))
     admitted = grammar.admitted(draft.tokens)
     return first_tokens(draft, admitted + (probs is not None and admitted < len(draft)))
 

@@ -33,6 +33,7 @@ class Verdict:
     num_draft: int  # k, the number of draft tokens verified
     accepted: int  # length of the accepted prefix, 0..k
     token: int  # recovered token (accepted < k) or bonus token (accepted == k)
+    forced: int = 0  # the draft's leading tokens a grammar forced (accepted by construction: not the drafter's)
 
     @property
     def bonus(self) -> bool:
@@ -42,6 +43,13 @@ class Verdict:
     def reached(self) -> int:
         """Draft tokens that were tested: the accepted ones and the first rejected one (none after it)."""
         return min(self.num_draft, self.accepted + 1)
+
+    @property
+    def proposed(self) -> tuple[int, int, int]:
+        """The drafter's share of the verdict, the forced tokens left out: its draft tokens, those accepted and
+        those reached."""
+        return (self.num_draft - self.forced, max(self.accepted - self.forced, 0),
+                max(self.reached - self.forced, 0))
 
     @property
     def nodes(self) -> int:
@@ -145,6 +153,11 @@ class TreeVerdict:
     def reached(self) -> int:
         """Depths that were tested: the accepted path's and the one after it, where the tree goes deeper."""
         return min(self.num_draft, self.accepted + 1)
+
+    @property
+    def proposed(self) -> tuple[int, int, int]:
+        """As Verdict.proposed: a tree is all the drafter's (no grammar constrains a tree)."""
+        return self.num_draft, self.accepted, self.reached
 
     def emitted(self, draft_tokens: list[int]) -> list[int]:
         return [draft_tokens[node] for node in self.path] + [self.token]

@@ -77,13 +77,24 @@ for product in products:
         together = product(x[:n])
         alone_everywhere &= torch.equal(together, alone[:n])
         digest.update(together.numpy().tobytes())
+def attention_alone_and_together(q, keys, values, n_keys, scoring=None, cols=None):
+    rows = lambda i, j: native.RowKeys(np.zeros(j - i), n_keys[i:j], None if cols is None else cols[i:j])
+    alone = torch.cat([native.attention(q[i : i + 1], keys, values, rows(i, i + 1), scoring) for i in range(len(q))])
+    return alone, native.attention(q, keys, values, rows(0, len(q)), scoring)
+# a kv head's queries and a sequence's rows are scored together, each as it is alone: GQA 4/2 and 6/2; a window and
+# a soft cap; listed key columns (a tree's); 40,000 keys, where the scratch holds one query's scores at a time
 keys, values = torch.randn(2, 40, 16), torch.randn(2, 40, 16)
-q = torch.randn(9, 4, 16)
-alone = torch.cat([native.attention(q[i : i + 1], keys, values, native.RowKeys(np.zeros(1), np.array([30 + i])))
-                   for i in range(9)])
-together = native.attention(q, keys, values, native.RowKeys(np.zeros(9), np.arange(30, 39)))
-alone_everywhere &= torch.equal(together, alone)
-digest.update(together.numpy().tobytes())
+long_keys, long_values = torch.randn(2, 40000, 16), torch.randn(2, 40000, 16)
+cols = np.array([[(7 * c + r) % 40 for c in range(40)] for r in range(9)])
+for q, k, v, n_keys, scoring, listed in (
+        (torch.randn(9, 4, 16), keys, values, np.arange(30, 39), None, None),
+        (torch.randn(21, 6, 16), keys, values, np.arange(19, 40), None, None),
+        (torch.randn(9, 6, 16), keys, values, np.arange(30, 39), native.Scoring(window=13, softcap=5.0), None),
+        (torch.randn(9, 4, 16), keys, values, np.arange(20, 38, 2), None, cols),
+        (torch.randn(3, 6, 16), long_keys, long_values, np.array([39998, 39999, 40000]), None, None)):
+    alone, together = attention_alone_and_together(q, k, v, n_keys, scoring, listed)
+    alone_everywhere &= torch.equal(together, alone)
+    digest.update(together.numpy().tobytes())
 print(digest.hexdigest(), alone_everywhere, narrow_as_bytes)
 """
 
@@ -97,7 +108,9 @@ def run_here(arguments: list[str], extra_env: dict[str, str], timeout: int) -> s
 def test_row_kernels_compute_each_row_alone():
     """Every weight format's product and the attention give each row the same bits alone and in passes of 2 to 17
     (the tiles' groups of 4 and 6 rows, and their remainders), and on a team of one thread or two (each output is
-    reduced by one thread); 4-bit weights give the bits their bytes give, and 6-bit weights their values."""
+    reduced by one thread); the attention scores a kv head's queries of a sequence's rows together, each as it is
+    alone (with a window and a soft cap, listed key columns, and keys too many for scratch to hold more than one
+    query's scores); 4-bit weights give the bits their bytes give, and 6-bit weights their values."""
     if native.unavailable():
         pytest.skip(native.unavailable())
     run = run_here(["-c", KERNEL_DIGEST], {}, 120)

@@ -128,16 +128,21 @@ def test_a_draft_is_cut_at_its_first_forbidden_token_and_forced_tokens_need_no_d
     grammar = decoder.grammar(GrammarSpec("regex", 'The answer is: (d|e)+'))
     d, x = encode(b"d")[0][0], encode(b"x")[0][0]
     asked = []
-    draft = constrained_draft(grammar, 12, lambda forced, n: asked.append((forced, n)) or Draft([d, x][:n]))
+    draft = constrained_draft(grammar, 4, 12, lambda forced, n: asked.append((forced, n)) or Draft([d, x][:n]))
     forced, rest = asked[0]
-    assert forced and b"The answer is: ".startswith(decoder.token_text.text_of(forced)) and rest == 12 - len(forced)
-    assert grammar.forced_tokens == len(forced)
+    assert forced and b"The answer is: ".startswith(decoder.token_text.text_of(forced))
+    assert rest == min(4, 12 - len(forced))  # forced tokens ride outside the drafter's k, within the room
+    assert grammar.forced_tokens == len(forced) and draft.forced == len(forced)
     # the drafter's d follows the whole forced text, its x never: d is kept where the forced text was all of it
     assert draft.tokens == forced + ([d] if decoder.token_text.text_of(forced) == b"The answer is: " else [])
+    # a room of 2 holds forced tokens only: the drafter is not asked; none at all with no room
+    assert constrained_draft(grammar, 4, 2, lambda forced, n: asked.append(n) or Draft([d] * n)).tokens == forced[:2]
+    assert constrained_draft(grammar, 4, 0, lambda forced, n: asked.append(n) or Draft([d] * n)).tokens == []
+    assert len(asked) == 1
     grammar.advance(encode(b"The answer is: ")[0])
-    assert constrained_draft(grammar, 4, lambda forced, n: Draft([d, d, x, d])).tokens == [d, d]
+    assert constrained_draft(grammar, 4, 4, lambda forced, n: Draft([d, d, x, d])).tokens == [d, d]
     probs = torch.zeros(4, decoder.token_text.vocab_size)
-    assert constrained_draft(grammar, 4, lambda forced, n: Draft([d, d, x, d], probs)).tokens == [d, d, x]
+    assert constrained_draft(grammar, 4, 4, lambda forced, n: Draft([d, d, x, d], probs)).tokens == [d, d, x]
 
 
 CHI_SAMPLING = SamplingParams(temperature=1.0, top_k=8, method="standard")

@@ -79,6 +79,29 @@ def test_measured_acceptance_gives_the_expected_tokens_of_independent_acceptance
     assert policy.expected_tokens_by_k()[4] == pytest.approx(expected, rel=0.05)
 
 
+def test_a_grammars_forced_tokens_teach_the_policies_nothing_about_the_drafter():
+    """Forced tokens lead a constrained draft and are accepted by construction: the policies learn the drafter's
+    acceptance from its own tokens only. A drafter whose tokens are always rejected, behind 3 forced tokens each
+    round, turns speculation off as it would with none; the same rounds read as 4 drafter tokens, 3 accepted, would
+    not."""
+    policy, unaware, chosen = CostModelPolicy(), CostModelPolicy(), []
+    for _ in range(400):
+        k = policy.next_k(16)
+        chosen.append(k)
+        policy.observe(Verdict(num_draft=3 + k, accepted=3, token=0, forced=3), 0.0, 1 + 0.2 * (3 + k))
+        unaware.observe(Verdict(num_draft=4, accepted=3, token=0), 0.0, 1.8)
+    late = chosen[200:]
+    assert late.count(0) >= 0.9 * len(late) and policy.acceptances()[0] < 0.1  # plain, but for exploring rounds
+    assert unaware.acceptances()[0] > 0.9
+    heuristic = HeuristicDraftLength(initial=4)
+    heuristic.observe(Verdict(num_draft=7, accepted=3, token=0, forced=3), 0.0, 0.0)
+    assert heuristic.next_k(16) == 3  # a rejection: one fewer (read as 3 of 7 accepted would be the same)
+    heuristic.observe(Verdict(num_draft=6, accepted=6, token=0, forced=3), 0.0, 0.0)
+    assert heuristic.next_k(16) == 5  # the drafter's 3 all accepted: two more
+    heuristic.observe(Verdict(num_draft=3, accepted=3, token=0, forced=3), 0.0, 0.0)
+    assert heuristic.next_k(16) == 5  # forced tokens only: nothing drafted, nothing learned
+
+
 def test_drafting_cost_shortens_the_draft():
     cheap = run_trace(CostModelPolicy(), 600, acceptance=0.8, score_seconds=lambda n: 1 + 0.05 * (n - 1))
     costly = run_trace(CostModelPolicy(), 600, acceptance=0.8, score_seconds=lambda n: 1 + 0.05 * (n - 1),

@@ -19,12 +19,19 @@ class Draft:
     """Draft tokens and the distributions they were drawn from.
 
     ``probs`` is None for a proposer with no distribution (a copy from the context): each draft token is then a
-    point mass. Greedy drafting is a point mass too.
+    point mass. Greedy drafting is a point mass too. Under a grammar, the first ``forced`` tokens are the ones it
+    forces (point masses, accepted by construction; no drafter proposed them).
     """
 
     tokens: list[int]  # [k]
     probs: torch.Tensor | None = None  # [k, target vocab] or None
     parents: list[int] | None = None  # a tree: each token's parent (-1: it follows the context); None: a chain
+    forced: int = 0  # the leading tokens a grammar forces
+
+    @property
+    def proposed(self) -> int:
+        """The tokens a drafter proposed (those after the forced ones)."""
+        return len(self.tokens) - self.forced
 
     def __len__(self) -> int:
         return len(self.tokens)

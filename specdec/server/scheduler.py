@@ -456,8 +456,8 @@ class Scheduler:
         # 2. the planner chooses how many of each draft's tokens to score
         prior = self.planner.prior()
         rates = [r.acceptance.rate(prior) for r in running]
-        lengths = self.planner.draft_lengths([len(r.draft) for r in running], rates, [r.mode for r in running])
-        drafts = [first_tokens(r.draft, n) for r, n in zip(running, lengths)]
+        lengths = self.planner.draft_lengths([r.draft.proposed for r in running], rates, [r.mode for r in running])
+        drafts = [first_tokens(r.draft, r.draft.forced + n) for r, n in zip(running, lengths)]  # forced: all
         # 3. one target pass over every request's pending token and draft tokens
         rows = [Row(r.slot, [r.context[-1]] + d.tokens, len(d) + 1) for r, d in zip(running, drafts)]
         started = time.perf_counter()
@@ -480,11 +480,12 @@ class Scheduler:
         for r in running:
             r.draft = EMPTY_DRAFT
             most = r.handle.request.max_draft_tokens or self.max_draft_tokens
-            k = min(most, r.remaining - 1, self.max_length - len(r.context) - 1)
-            if not (r.mode != "never" and r.speculates and k > 0):
+            room = min(r.remaining - 1, self.max_length - len(r.context) - 1)
+            k = min(most, room) if r.mode != "never" and r.speculates else 0
+            if k <= 0 and (r.grammar is None or room <= 0):  # a grammar's forced tokens are drafted in any mode
                 continue
             try:
-                r.draft = self._drafted(r, k)
+                r.draft = self._drafted(r, k, room)
             except Exception as error:
                 log.warning("request %d: drafter %s raised %r; decoding it plainly from here",
                             r.handle.id, r.proposer.name, error)
@@ -495,13 +496,13 @@ class Scheduler:
         self.planner.observe_drafting(drafted, time.perf_counter() - started)
 
     @staticmethod
-    def _drafted(r: _Running, k: int) -> Draft:
-        """The request's draft: its drafter's, or under a grammar, the grammar's forced tokens or the drafter's
-        up to a forbidden token."""
+    def _drafted(r: _Running, k: int, room: int) -> Draft:
+        """The request's draft: its drafter's k, or under a grammar, the grammar's forced tokens and then up to k
+        of the drafter's, up to a forbidden token (``room`` tokens at most)."""
         def propose(forced: list[int], n: int) -> Draft:  # after the grammar's forced tokens
             return r.proposer.propose(r.context + forced, n, r.handle.request.sampling, r.generator)
 
-        return propose([], k) if r.grammar is None else constrained_draft(r.grammar, k, propose)
+        return propose([], k) if r.grammar is None else constrained_draft(r.grammar, k, room, propose)
 
     def _advance(self, r: _Running, draft: Draft, logits: torch.Tensor) -> None:
         request = r.handle.request
@@ -537,12 +538,11 @@ class Scheduler:
         """Count accepted draft tokens over those reached. A draft offered but not scored teaches too: its first
         token would have been accepted with the probability that the target's own token equals it (exactly so
         for a point-mass draft), so a request that decodes plainly keeps measuring what speculation would gain."""
-        if len(scored):
-            accepted, reached = verdict.accepted, verdict.reached
-        elif len(r.draft):
-            accepted, reached = int(verdict.token == r.draft.tokens[0]), 1
-        else:
-            return
+        proposed, accepted, reached = verdict.proposed  # a grammar's forced tokens are not the drafter's
+        if not proposed:
+            if not r.draft.proposed:
+                return
+            accepted, reached = int(verdict.token == r.draft.tokens[scored.forced]), 1
         r.acceptance.observe(accepted, reached)
         self.planner.observe_verdict(accepted, reached)
 
