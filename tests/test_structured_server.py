@@ -190,7 +190,8 @@ def test_tool_choice_none_answers_in_text(client):
 @pytest.mark.slow  # the 0.5B's vocabulary and template: about 20 s
 def test_auto_on_a_template_with_tool_calls_is_text_or_calls_under_their_schemas(tmp_path):
     """tool_choice auto on Qwen2.5's template (a random model over its vocabulary): the answer is text, or, once
-    it opens ``<tool_call>`` (a bias makes it), calls under their functions' schemas, returned as tool_calls."""
+    it opens ``<tool_call>`` (a bias makes it), calls under their functions' schemas, returned as tool_calls.
+    Streamed, text comes as it is generated (its first characters show it is no call), a call whole."""
     from specdec.models import model_path
 
     try:
@@ -210,13 +211,24 @@ def test_auto_on_a_template_with_tool_calls_is_text_or_calls_under_their_schemas
         assert text.choices[0].message.tool_calls is None and text.choices[0].message.content
         opening = server.tokenizer.encode("<tool_call>", add_special_tokens=False)
         assert len(opening) == 1
-        called = client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER, CLOCK], max_tokens=200,
-                                                temperature=0, logit_bias={str(opening[0]): 100},
-                                                parallel_tool_calls=False)  # the bias would open call after call
+        streamed = list(client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER, CLOCK],
+                                                       max_tokens=8, temperature=0, logit_bias={"27": -100},
+                                                       stream=True))
+        ask_call = dict(model="qwen", messages=ASK, tools=[WEATHER, CLOCK], max_tokens=200, temperature=0,
+                        logit_bias={str(opening[0]): 100}, parallel_tool_calls=False)  # else call after call
+        called = client.chat.completions.create(**ask_call)
+        streamed_call = list(client.chat.completions.create(**ask_call, stream=True))
     finally:
         server.shutdown(timeout=5)
     assert called.choices[0].finish_reason == "tool_calls"
     assert valid_calls(called.choices[0].message.tool_calls)
+    # text streams as it comes once its first characters show it is no call; a call comes whole, with no text
+    pieces = [c.choices[0].delta.content for c in streamed if c.choices and c.choices[0].delta.content]
+    assert len(pieces) > 1 and "".join(pieces) == text.choices[0].message.content
+    assert not any(c.choices[0].delta.content for c in streamed_call if c.choices)
+    deltas = [c.choices[0].delta.tool_calls for c in streamed_call if c.choices and c.choices[0].delta.tool_calls]
+    assert [d[0].function.name for d in deltas] == [called.choices[0].message.tool_calls[0].function.name]
+    assert streamed_call[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_each_of_n_choices_has_a_matcher_of_its_own(client):

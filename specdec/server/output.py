@@ -90,7 +90,7 @@ async def stream(answers: list[Answer], response: Response, prompt_tokens: int, 
             piece = answer.take(event)
             if answer.error:
                 yield sse_event(ApiError(answer.error, status=answer.error_status).body())
-            elif answer.job.tool_calling is not None:  # text or calls: known once the answer ends
+            elif answer.holds_text:  # calls, or what may yet open one: sent whole once the answer ends
                 if isinstance(event, Finished):
                     calls = answer.tool_calls()
                     yield sse_event(response.tool_calls_chunk(calls, answer.index) if calls else
@@ -139,6 +139,7 @@ class Answer:
     rounds: int = 0  # target passes that emitted its tokens
     unsent_tokens: list[tuple[str, str]] = field(default_factory=list)  # (text, kind) per token, not yet streamed
     unsent_rounds: list[dict] = field(default_factory=list)  # its rounds not yet streamed
+    held: str = ""  # final text held back while the answer may yet be tool calls
 
     def __post_init__(self) -> None:
         self.stop_text = StopText(self.tokenizer, self.job.stop)
@@ -147,8 +148,23 @@ class Answer:
     def text(self) -> str:
         return self.stop_text.text
 
+    @property
+    def holds_text(self) -> bool:
+        """Whether its text is held back: an answer under tools that calls them, or may yet (``auto``'s first
+        characters decide)."""
+        return self.job.tool_calling is not None and not self.job.tool_calling.in_text(self.text)
+
     def take(self, event: Tokens | Finished) -> str:
-        """Take one event; the text that became final with it (never part of a stop string, never past one)."""
+        """Take one event; the text that became final with it (never part of a stop string, never past one), or
+        with the text held back before it (:attr:`holds_text`)."""
+        piece = self._take(event)
+        if self.holds_text:
+            self.held += piece
+            return ""
+        piece, self.held = self.held + piece, ""
+        return piece
+
+    def _take(self, event: Tokens | Finished) -> str:
         if self.done:
             return ""
         if isinstance(event, Finished):

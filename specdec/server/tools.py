@@ -65,6 +65,13 @@ class ToolCalling:
         lark = f'start: TEXT | calls\ncalls: {calls}\ncall: {call}\nTEXT: /([^<]|<[^t])(.|\\n)*/\n'
         return GrammarSpec("grammar", lark)
 
+    def in_text(self, answer: str) -> bool:
+        """Whether an answer that begins with ``answer`` is text, not calls: under ``auto``, known from its first
+        characters (a call opens with "<t"; the grammar lets text open with anything else); never otherwise."""
+        if self.choice != "auto":
+            return False
+        return bool(answer) and answer[0] != "<" or len(answer) > 1 and answer[1] != "t"
+
     def calls(self, text: str) -> list[dict] | None:
         """The answer's calls, as OpenAI's ``message.tool_calls``; None where it answered in text."""
         if self.named:
