@@ -231,6 +231,67 @@ def test_auto_on_a_template_with_tool_calls_is_text_or_calls_under_their_schemas
     assert streamed_call[-1].choices[0].finish_reason == "tool_calls"
 
 
+# A chat template that asks for calls as Llama 3.1-3.3's do: one bare JSON object with "parameters" (its marker
+# sentence is theirs; the rest is this test's own, over the default model's vocabulary and markers)
+LLAMA3_STYLE_TEMPLATE = """{% for message in messages %}<|im_start|>{{ message['role'] }}
+{% if message.get('tool_calls') %}{% for call in message['tool_calls'] %}{"name": "{{ call['function']['name'] }}", \
+"parameters": {{ call['function']['arguments'] | tojson }}}{% endfor %}{% else %}{{ message['content'] }}{% endif %}\
+<|im_end|>
+{% endfor %}{% if tools %}<|im_start|>system
+To call a function, respond with JSON for a function call. Respond in the format {"name": function name, \
+"parameters": dictionary of argument name and its value}.
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}<|im_end|>
+{% endif %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_auto_on_a_template_with_llama3_json_calls_is_text_or_one_call(tmp_path):
+    """tool_choice auto where the template asks for Llama 3's bare JSON calls: text (streamed as it comes), or,
+    once the answer opens with "{" (a bias makes it), one call with "parameters" under its function's schema,
+    returned as tool_calls, whole and streamed; the conversation goes on with the call in its history."""
+    from dataclasses import replace
+
+    from tiny_gguf import tokenizer_fields
+
+    from specdec.models import default_model_path
+
+    fields = tuple(replace(f, value=LLAMA3_STYLE_TEMPLATE) if f.key == "tokenizer.chat_template" else f
+                   for f in tokenizer_fields(str(default_model_path())))
+    loaded = load_target(str(write_tiny_gguf(tmp_path / "llama3-calls.gguf", tokenizer=fields)),
+                         drafters=("prompt-lookup",), backend="fused")
+    settings = BatchSettings(drafter="prompt-lookup", speculation="always", max_batch_size=2, max_model_len=1024)
+    server = OpenAIServer(build_scheduler(loaded.runtime, settings, loaded.stop_ids), loaded.target.tokenizer,
+                          "llama3", ServerSettings(port=0))
+    server.start()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        brace = server.tokenizer.encode("{", add_special_tokens=False)
+        assert len(brace) == 1
+        ask = dict(model="llama3", messages=ASK, tools=[WEATHER, CLOCK], temperature=0)
+        text = client.chat.completions.create(**ask, max_tokens=8, logit_bias={str(brace[0]): -100})
+        streamed = list(client.chat.completions.create(**ask, max_tokens=8, logit_bias={str(brace[0]): -100},
+                                                       stream=True))
+        called = client.chat.completions.create(**ask, max_tokens=200, logit_bias={str(brace[0]): 100})
+        streamed_call = list(client.chat.completions.create(**ask, max_tokens=200, logit_bias={str(brace[0]): 100},
+                                                            stream=True))
+        message = called.choices[0].message
+        after = client.chat.completions.create(model="llama3", max_tokens=4, tools=[WEATHER, CLOCK], messages=[
+            *ASK, {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in message.tool_calls]},
+            {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "12 C"}])
+    finally:
+        server.shutdown(timeout=5)
+    assert text.choices[0].message.tool_calls is None and text.choices[0].message.content
+    pieces = [c.choices[0].delta.content for c in streamed if c.choices and c.choices[0].delta.content]
+    assert len(pieces) > 1 and "".join(pieces) == text.choices[0].message.content
+    assert called.choices[0].finish_reason == "tool_calls" and message.content is None
+    assert len(valid_calls(message.tool_calls)) == 1  # this format writes one call
+    deltas = [c.choices[0].delta.tool_calls for c in streamed_call if c.choices and c.choices[0].delta.tool_calls]
+    assert [(d[0].function.name, d[0].function.arguments) for d in deltas] == \
+        [(c.function.name, c.function.arguments) for c in message.tool_calls]
+    assert after.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
 def test_each_of_n_choices_has_a_matcher_of_its_own(client):
     """n = 3 seeded samples under one schema, compiled once: each choice keeps to it on its own (a matcher shared
     between them would take the other choices' tokens and refuse, or let through, what it should not)."""
