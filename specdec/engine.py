@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.backends.base import CausalLM, FeatureSource, TreeScorer, declares, require, sync
+from specdec.backends.base import CausalLM, FeatureSource, TreeScorer, declares, prefill, require
 from specdec.choices import MAX_TREE_WIDTH, check_max_new_tokens, check_num_draft_tokens, check_tree
 from specdec.errors import UsageError
 from specdec.policy import AUTO_MAX_K, AUTO_TREE_MAX_NODES, Policy, make_policy
@@ -218,7 +218,7 @@ class Engine:
             raise UsageError(f"the prompt has {len(context)} tokens; the model takes at most {max_length - 1}")
         self.target.reserve(min(len(context) + config.max_new_tokens + config.draft_positions(config.max_draft_tokens)
                                 + 1, max_length))
-        sync(self.target, context[:-1], num_logits=0)  # prefill, reusing a prefix cached by an earlier request
+        prefill(self.target, context[:-1])  # reusing a prefix an earlier request left where its bits are a prefill's
         produced, lagging = 0, True  # lagging: the drafter has not seen the last round (none has run yet)
         while produced < config.max_new_tokens:
             remaining = config.max_new_tokens - produced

@@ -159,6 +159,15 @@ class TreeScorer(Protocol):
         ...
 
 
+class PromptPasses(Protocol):
+    """A runtime whose chain passes of ``prompt_positions`` or more positions (a prompt's) run another kernel than
+    shorter ones (rounds, steps), and which counts the first positions of its cache such passes wrote, one after
+    another from the start (``prefilled``): the positions whose bits a prefill of them alone would write."""
+
+    prompt_positions: int
+    prefilled: int
+
+
 class FeatureSource(Protocol):
     """Keeps each cached position's final hidden state, normed as the LM head reads it (what eagle and mtp read).
     A backend that declares it keeps them in ``_hidden`` ([capacity, hidden], None until asked) beside ``tokens``."""
@@ -266,6 +275,24 @@ def sync(model: CausalLM, context: list[int], num_logits: int) -> torch.Tensor: 
     shared = min(common_prefix_length(model.tokens, context), len(context) - num_logits)
     model.rollback(shared)
     return model.extend(context[shared:], num_logits)
+
+
+def prefill(model: CausalLM, prompt: list[int]) -> None:
+    """Make the model's cache hold exactly ``prompt``, prefilled: as a prefill of the prompt alone writes it, bit for
+    bit, where the model runs prompts through their own kernel (``PromptPasses``). A cached prefix is kept only
+    where that holds: a long prompt keeps what prompt passes wrote and runs a rest long enough to be one (or
+    nothing); a short prompt keeps what rounds wrote, never what a prompt pass did. Elsewhere, the longest shared
+    prefix (``sync``)."""
+    keep = common_prefix_length(model.tokens, prompt)
+    if declares(model, PromptPasses):
+        if len(prompt) >= model.prompt_positions:
+            keep = min(keep, model.prefilled)
+            if keep < len(prompt):
+                keep = max(0, min(keep, len(prompt) - model.prompt_positions))
+        elif model.prefilled:
+            keep = 0
+    model.rollback(keep)
+    model.extend(prompt[keep:], 0)
 
 
 def pass_seconds(model: CausalLM, positions: int) -> float:

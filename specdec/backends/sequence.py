@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from specdec.backends import native
-from specdec.backends.base import FeatureSource, ShallowRunner, TreeScorer
+from specdec.backends.base import FeatureSource, PromptPasses, ShallowRunner, TreeScorer
 from specdec.backends.family import (
     KeysRead,
     Layer,
@@ -37,9 +37,12 @@ from specdec.backends.linear import Linear
 INITIAL_CAPACITY = 256  # cache positions allocated when nothing was reserved; doubled when a request needs more
 
 
-class LlamaSequence(TreeScorer, FeatureSource, ShallowRunner):
+class LlamaSequence(TreeScorer, FeatureSource, ShallowRunner, PromptPasses):
     """The CausalLM protocol's cache for llama-family models, extended and rolled back; the runtime built on it
-    computes the rows (:meth:`run_layers`, :meth:`head_for`)."""
+    computes the rows (:meth:`run_layers`, :meth:`head_for`) and says how many positions a chain pass needs to run
+    as a prompt's (``prompt_positions``)."""
+
+    prompt_positions: int
 
     def __init__(self, spec: LlamaSpec, dtype: torch.dtype) -> None:
         """The cache's and the embeddings' bookkeeping for the model ``spec`` describes, activations in ``dtype``;
@@ -65,6 +68,7 @@ class LlamaSequence(TreeScorer, FeatureSource, ShallowRunner):
         self.local_inv_freq = None if spec.local_rope_theta is None else \
             1.0 / (spec.local_rope_theta ** (arange / self.head_dim))
         self.tokens: list[int] = []
+        self.prefilled = 0  # the cache's first positions that prompt passes wrote (PromptPasses)
         self._hidden: torch.Tensor | None = None  # [capacity, hidden] once keep_hidden_states() was called
         self._keys: list[torch.Tensor] = []  # per layer [kv_heads, capacity, head_dim]
         self._values: list[torch.Tensor] = []
@@ -123,6 +127,7 @@ class LlamaSequence(TreeScorer, FeatureSource, ShallowRunner):
 
     def rollback(self, length: int) -> None:
         del self.tokens[length:]  # positions past the length are overwritten by the next extend
+        self.prefilled = min(self.prefilled, length)
         self._shallow = _Shallow()
 
     def keep_hidden_states(self) -> None:
@@ -228,6 +233,8 @@ class LlamaSequence(TreeScorer, FeatureSource, ShallowRunner):
             x = self._embedded(token_ids)  # [n, hidden]
         x = self.run_layers(x, shallow.layers if reused else 0, self.num_layers, start, positions, mask)
         self.tokens += token_ids
+        if start == self.prefilled and not reused and isinstance(positions, slice) and n >= self.prompt_positions:
+            self.prefilled = start + n  # a prompt's pass, right after the positions prompt passes wrote
         if self._hidden is not None:  # every position normed, kept; else only where logits are wanted
             self._hidden[start : start + n] = rms_norm(x, self.final_norm, self.eps)
         if num_logits == 0:

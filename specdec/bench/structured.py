@@ -21,7 +21,7 @@ import argparse
 import json
 import time
 
-from specdec.backends.base import sync
+from specdec.backends.base import prefill
 from specdec.bench.prompts import read_prompts
 from specdec.bench.report import print_json
 from specdec.engine import Engine, GenerationConfig
@@ -69,8 +69,8 @@ def run(args: argparse.Namespace) -> dict:
             engine = engines[arm]
             engine.clear_cache()
             started = time.perf_counter()  # the prompt's prefill, timed apart: generate finds it cached
-            sync(runtime, prompt[:-1], num_logits=0)
-            prefill = time.perf_counter() - started
+            prefill(runtime, prompt[:-1])
+            prefilled = time.perf_counter() - started
             grammar = grammar_for(spec, text, loaded.stop_ids)
             grammar.forcing = arm != "plain"
             result = engine.generate(prompt, GenerationConfig(max_new_tokens=args.max_new_tokens,
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> dict:
             row = totals[arm]
             row["tokens"] += len(result.token_ids)
             row["seconds"] += result.stats.seconds
-            row["prefill_seconds"] += prefill
+            row["prefill_seconds"] += prefilled
             row["rounds"] += result.stats.rounds
             row["forced"] += grammar.forced_tokens
             row["grammar_seconds"] += grammar.seconds
@@ -86,10 +86,10 @@ def run(args: argparse.Namespace) -> dict:
             outputs[arm].append(result.token_ids)
         if llama is not None:
             row = totals["llama.cpp"]
-            tokens, prefill, seconds, answer = _llama_run(llama, prompt, args.max_new_tokens)
+            tokens, prefilled, seconds, answer = _llama_run(llama, prompt, args.max_new_tokens)
             row["tokens"] += tokens
             row["seconds"] += seconds
-            row["prefill_seconds"] += prefill
+            row["prefill_seconds"] += prefilled
             row["valid"] += _valid(answer)
     report = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "arms": {},
               "same_tokens": all(outputs[arm] == outputs["plain"] for arm in ARMS)}

@@ -16,7 +16,7 @@ import torch
 from specdec.backends import native
 from specdec.backends.base import Pooled, streamed_parameters
 from specdec.backends.family import LINEARS, Layer, build_layers, spec_of_module, supports
-from specdec.backends.linear import DTYPE_OF, Linear, PassPrecisions, activation_dtype, precision_name
+from specdec.backends.linear import BULK_POSITIONS, DTYPE_OF, Linear, PassPrecisions, activation_dtype, precision_name
 from specdec.backends.sequence import LlamaSequence
 
 
@@ -25,6 +25,7 @@ class LeanRuntime(LlamaSequence, Pooled):
     in the precision of its kind of pass."""
 
     name = "lean"
+    prompt_positions = BULK_POSITIONS  # a pass over this many runs in the bulk pass's precision
 
     def __init__(self, model, precisions: PassPrecisions | str | None = None) -> None:
         device = next(model.parameters()).device
