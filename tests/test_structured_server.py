@@ -4,6 +4,7 @@ request's plain constrained decoding alone."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 
@@ -187,6 +188,20 @@ def test_tool_choice_none_answers_in_text(client):
     assert answer.choices[0].message.tool_calls is None and answer.choices[0].message.content is not None
 
 
+@contextlib.contextmanager
+def serving(path, name: str):
+    """A server over the GGUF at ``path`` (prompt lookup, always speculating) and an openai client of it."""
+    loaded = load_target(str(path), drafters=("prompt-lookup",), backend="fused")
+    settings = BatchSettings(drafter="prompt-lookup", speculation="always", max_batch_size=2, max_model_len=1024)
+    server = OpenAIServer(build_scheduler(loaded.runtime, settings, loaded.stop_ids), loaded.target.tokenizer,
+                          name, ServerSettings(port=0))
+    server.start()
+    try:
+        yield server, openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    finally:
+        server.shutdown(timeout=5)
+
+
 @pytest.mark.slow  # the 0.5B's vocabulary and template: about 20 s
 def test_auto_on_a_template_with_tool_calls_is_text_or_calls_under_their_schemas(tmp_path):
     """tool_choice auto on Qwen2.5's template (a random model over its vocabulary): the answer is text, or, once
@@ -198,14 +213,7 @@ def test_auto_on_a_template_with_tool_calls_is_text_or_calls_under_their_schemas
         qwen = model_path("qwen2.5-coder-0.5b")
     except Exception as error:
         pytest.skip(f"the 0.5B's parts are not installed: {error}")
-    path = write_tiny_gguf(tmp_path / "qwen-vocab.gguf", vocab_from=qwen)
-    loaded = load_target(str(path), drafters=("prompt-lookup",), backend="fused")
-    settings = BatchSettings(drafter="prompt-lookup", speculation="always", max_batch_size=2, max_model_len=1024)
-    server = OpenAIServer(build_scheduler(loaded.runtime, settings, loaded.stop_ids), loaded.target.tokenizer,
-                          "qwen", ServerSettings(port=0))
-    server.start()
-    try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    with serving(write_tiny_gguf(tmp_path / "qwen-vocab.gguf", vocab_from=qwen), "qwen") as (server, client):
         text = client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER, CLOCK], max_tokens=8,
                                               temperature=0, logit_bias={"27": -100})  # 27: "<"
         assert text.choices[0].message.tool_calls is None and text.choices[0].message.content
@@ -218,8 +226,6 @@ def test_auto_on_a_template_with_tool_calls_is_text_or_calls_under_their_schemas
                         logit_bias={str(opening[0]): 100}, parallel_tool_calls=False)  # else call after call
         called = client.chat.completions.create(**ask_call)
         streamed_call = list(client.chat.completions.create(**ask_call, stream=True))
-    finally:
-        server.shutdown(timeout=5)
     assert called.choices[0].finish_reason == "tool_calls"
     assert valid_calls(called.choices[0].message.tool_calls)
     # text streams as it comes once its first characters show it is no call; a call comes whole, with no text
@@ -258,14 +264,7 @@ def test_auto_on_a_template_with_llama3_json_calls_is_text_or_one_call(tmp_path)
 
     fields = tuple(replace(f, value=LLAMA3_STYLE_TEMPLATE) if f.key == "tokenizer.chat_template" else f
                    for f in tokenizer_fields(str(default_model_path())))
-    loaded = load_target(str(write_tiny_gguf(tmp_path / "llama3-calls.gguf", tokenizer=fields)),
-                         drafters=("prompt-lookup",), backend="fused")
-    settings = BatchSettings(drafter="prompt-lookup", speculation="always", max_batch_size=2, max_model_len=1024)
-    server = OpenAIServer(build_scheduler(loaded.runtime, settings, loaded.stop_ids), loaded.target.tokenizer,
-                          "llama3", ServerSettings(port=0))
-    server.start()
-    try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    with serving(write_tiny_gguf(tmp_path / "llama3-calls.gguf", tokenizer=fields), "llama3") as (server, client):
         brace = server.tokenizer.encode("{", add_special_tokens=False)
         assert len(brace) == 1
         ask = dict(model="llama3", messages=ASK, tools=[WEATHER, CLOCK], temperature=0)
@@ -279,8 +278,6 @@ def test_auto_on_a_template_with_llama3_json_calls_is_text_or_one_call(tmp_path)
         after = client.chat.completions.create(model="llama3", max_tokens=4, tools=[WEATHER, CLOCK], messages=[
             *ASK, {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in message.tool_calls]},
             {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "12 C"}])
-    finally:
-        server.shutdown(timeout=5)
     assert text.choices[0].message.tool_calls is None and text.choices[0].message.content
     pieces = [c.choices[0].delta.content for c in streamed if c.choices and c.choices[0].delta.content]
     assert len(pieces) > 1 and "".join(pieces) == text.choices[0].message.content
