@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.choices import check_seed
+from specdec.choices import MAX_DRAFT_TOKENS, check_seed
 from specdec.proposers.base import EMPTY_DRAFT, Draft
 from specdec.sampling import SamplingParams, TargetChoices, logits_to_probs
 from specdec.verify import TreeVerdict, Verdict, node_depths, verify, verify_choices, verify_tree, verify_tree_choices
@@ -138,12 +138,13 @@ def first_tokens(draft: Draft, n: int) -> Draft:
 
 
 def constrained_draft(grammar: Grammar, k: int, room: int, propose: Callable[[list[int], int], Draft]) -> Draft:
-    """A round's draft under a grammar, of at most ``room`` tokens: the tokens it forces from here (with no drafter
-    call), then up to k of the drafter's continuation after them (``propose(forced, n)``), up to its first token the
-    grammar forbids. Forced tokens are point masses, accepted by construction, so they ride outside the drafter's
-    k: they cost only their share of the pass. A draft drawn from a distribution keeps the forbidden token, to be
-    rejected for sure: under the standard rule the residual there takes the draft's mass on forbidden tokens,
-    which cutting the draft would move."""
+    """A round's draft under a grammar, of at most ``room`` tokens (and MAX_DRAFT_TOKENS): the tokens it forces
+    from here (with no drafter call), then up to k of the drafter's continuation after them (``propose(forced,
+    n)``), up to its first token the grammar forbids. Forced tokens are point masses, accepted by construction, so
+    they ride outside the drafter's k: they cost only their share of the pass. A draft drawn from a distribution
+    keeps the forbidden token, to be rejected for sure: under the standard rule the residual there takes the
+    draft's mass on forbidden tokens, which cutting the draft would move."""
+    room = min(room, MAX_DRAFT_TOKENS)  # a round's pass stays a round's (a longer one would run as a prompt's)
     if room <= 0:
         return EMPTY_DRAFT
     forced = grammar.forced(room)

@@ -120,6 +120,7 @@ def test_a_draft_is_cut_at_its_first_forbidden_token_and_forced_tokens_need_no_d
     """The grammar's forced text opens the draft without asking the drafter, which continues after it; the draft
     is kept up to the first token the grammar forbids (a point mass), or through it (a drawn draft: it is then
     rejected for sure, and the residual keeps the draft's mass on forbidden tokens where it belongs)."""
+    from specdec.choices import MAX_DRAFT_TOKENS
     from specdec.proposers.base import Draft
     from specdec.step import constrained_draft
 
@@ -141,6 +142,9 @@ def test_a_draft_is_cut_at_its_first_forbidden_token_and_forced_tokens_need_no_d
     assert len(asked) == 1
     grammar.advance(encode(b"The answer is: ")[0])
     assert constrained_draft(grammar, 4, 4, lambda forced, n: Draft([d, d, x, d])).tokens == [d, d]
+    # a round scores at most MAX_DRAFT_TOKENS draft tokens, forced ones too (a longer pass runs as a prompt's)
+    long = decoder.grammar(GrammarSpec("regex", " ".join(["cat dog"] * 60)))
+    assert len(constrained_draft(long, 4, 1000, lambda forced, n: Draft([])).tokens) == MAX_DRAFT_TOKENS
     probs = torch.zeros(4, decoder.token_text.vocab_size)
     assert constrained_draft(grammar, 4, 4, lambda forced, n: Draft([d, d, x, d], probs)).tokens == [d, d, x]
 
