@@ -278,7 +278,10 @@ def test_models_health_and_metrics(server):
     status, text = get(server, "/v1/models")
     assert status == 200 and json.loads(text)["data"][0]["id"] == MODEL
     assert get(server, "/health") == (200, '{"status": "ok"}')
-    post(server, "/v1/completions", {"prompt": "w3 w3 w3 w3", "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    # the bias makes every token w3 (id 3), which prompt lookup drafts from the prompt: drafts are accepted whatever
+    # ran on this server before (alone, the random model's own tokens were rejected, and the counter stayed at 0)
+    post(server, "/v1/completions", {"prompt": "w3 w3 w3 w3", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                                     "logit_bias": {"3": 100}})
     status, text = get(server, "/metrics")
     assert status == 200
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
