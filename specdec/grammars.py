@@ -116,7 +116,7 @@ class Grammar:
 
     def allowed(self) -> np.ndarray:  # [vocab] bool
         """The tokens the grammar allows next."""
-        return unpacked(self.matcher.compute_bitmask(), self.vocab_size)
+        return unpacked(self.matcher.compute_bitmask(), self.vocab_size)[0]
 
     def forced(self, most: int) -> list[int]:
         """Up to ``most`` tokens that follow from here whatever is sampled: the grammar admits only their text."""
@@ -137,16 +137,10 @@ class Grammar:
         self.seconds += time.perf_counter() - started
         return count
 
-    def masks(self, draft: list[int]) -> torch.Tensor:  # [len(draft) + 1, vocab] bool
-        """The tokens allowed after each prefix of ``draft``; the state is left as it was. Rows the round can never
-        read allow everything: those after a token the grammar forbids (it is rejected for sure), and those after
-        the grammar completes (its row allows only an end token, which ends the answer)."""
-        import torch
-
-        return torch.from_numpy(~self.forbidden(draft))
-
     def forbidden(self, draft: list[int]) -> np.ndarray:  # [len(draft) + 1, vocab] bool
-        """The tokens forbidden after each prefix of ``draft`` (:meth:`masks`, negated)."""
+        """The tokens forbidden after each prefix of ``draft``; the state is left as it was. Rows the round can
+        never read forbid nothing: those after a token the grammar forbids (it is rejected for sure), and those
+        after the grammar completes (its row allows only an end token, which ends the answer)."""
         admitted = self.admitted(draft)
         started = time.perf_counter()
         words = [self.matcher.compute_bitmask()]
@@ -160,7 +154,7 @@ class Grammar:
         if taken:
             self.matcher.rollback(taken)
         forbidden = np.zeros((len(draft) + 1, self.vocab_size), dtype=bool)
-        forbidden[: len(words)] = unpacked(b"".join(words), self.vocab_size, rows=len(words), negated=True)
+        forbidden[: len(words)] = unpacked(b"".join(words), self.vocab_size, negated=True)
         self.seconds += time.perf_counter() - started
         return forbidden
 
@@ -210,13 +204,12 @@ class Grammar:
         return self.matcher.is_stopped()
 
 
-def unpacked(bitmask: bytes | np.ndarray, vocab_size: int, rows: int = 1, negated: bool = False) -> np.ndarray:
-    """A token bitmask (bit i of the little-endian words: token i allowed), one bool per token ([vocab]); of
-    ``rows`` bitmasks one after another, [rows, vocab]. ``negated``: True where a token is forbidden."""
+def unpacked(bitmask: bytes | np.ndarray, vocab_size: int, negated: bool = False) -> np.ndarray:  # [rows, vocab]
+    """Token bitmasks, one after another (bit i of a row's little-endian 32-bit words: token i allowed), one bool
+    per token; ``negated``: True where a token is forbidden."""
     words = np.frombuffer(bitmask, dtype=np.uint8) if isinstance(bitmask, bytes) else bitmask.view(np.uint8)
-    words = words.reshape(rows, -1)
-    bits = np.unpackbits(~words if negated else words, axis=1, bitorder="little")[:, :vocab_size].view(bool)
-    return bits[0] if rows == 1 else bits
+    words = words.reshape(-1, (vocab_size + 31) // 32 * 4)
+    return np.unpackbits(~words if negated else words, axis=1, bitorder="little")[:, :vocab_size].view(bool)
 
 
 def grammar_for(spec: GrammarSpec, text: TokenText, eos_token_ids: set[int] | frozenset[int]) -> Grammar:

@@ -78,8 +78,12 @@ for product in products:
         alone_everywhere &= torch.equal(together, alone[:n])
         digest.update(together.numpy().tobytes())
 def attention_alone_and_together(q, keys, values, n_keys, scoring=None, cols=None):
+    # each query alone (one row's one head, over its kv head's cache only), and all the rows' heads in one call
     rows = lambda i, j: native.RowKeys(np.zeros(j - i), n_keys[i:j], None if cols is None else cols[i:j])
-    alone = torch.cat([native.attention(q[i : i + 1], keys, values, rows(i, i + 1), scoring) for i in range(len(q))])
+    ratio = q.shape[1] // keys.shape[0]
+    alone = torch.cat([torch.cat([native.attention(q[i : i + 1, h : h + 1], keys[h // ratio : h // ratio + 1],
+                                                   values[h // ratio : h // ratio + 1], rows(i, i + 1), scoring)
+                                  for h in range(q.shape[1])], dim=1) for i in range(len(q))])
     return alone, native.attention(q, keys, values, rows(0, len(q)), scoring)
 # a kv head's queries and a sequence's rows are scored together, each as it is alone: GQA 4/2 and 6/2; a window and
 # a soft cap; listed key columns (a tree's); 40,000 keys, where the scratch holds one query's scores at a time

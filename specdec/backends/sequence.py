@@ -125,6 +125,11 @@ class LlamaSequence(TreeScorer, FeatureSource, ShallowRunner, PromptPasses):
         """Hold at least ``length`` positions (capped at max_length), so that no pass reallocates the cache."""
         self._resize(min(max(length, self._capacity), self.max_length))
 
+    def runs_as_prompt(self, positions: int, chain: bool = True) -> bool:
+        """Whether a pass (or a pool row) over ``positions`` new tokens runs as a prompt's: a chain of
+        ``prompt_positions`` or more."""
+        return chain and positions >= self.prompt_positions
+
     def rollback(self, length: int) -> None:
         del self.tokens[length:]  # positions past the length are overwritten by the next extend
         self.prefilled = min(self.prefilled, length)
@@ -233,7 +238,7 @@ class LlamaSequence(TreeScorer, FeatureSource, ShallowRunner, PromptPasses):
             x = self._embedded(token_ids)  # [n, hidden]
         x = self.run_layers(x, shallow.layers if reused else 0, self.num_layers, start, positions, mask)
         self.tokens += token_ids
-        if start == self.prefilled and not reused and isinstance(positions, slice) and n >= self.prompt_positions:
+        if start == self.prefilled and not reused and self.runs_as_prompt(n, isinstance(positions, slice)):
             self.prefilled = start + n  # a prompt's pass, right after the positions prompt passes wrote
         if self._hidden is not None:  # every position normed, kept; else only where logits are wanted
             self._hidden[start : start + n] = rms_norm(x, self.final_norm, self.eps)

@@ -987,10 +987,22 @@ __attribute__((target("avx2,fma,f16c"))) static void attend(const Queries *qs, c
                              _mm256_div_ps(_mm256_loadu_ps(sums + (int64_t)i * hd + 8 * j), _mm256_set1_ps(total[i])));
 }
 
-/* The floats of scratch a member needs for attend over at most `max_keys` keys a query. */
-static int64_t attention_scratch(int max_keys) {
-    int64_t stride = (max_keys + 15) / 16 * 16;
-    return (stride > QUERY_SCORES ? stride : QUERY_SCORES) + (int64_t)MAX_QUERIES * MAX_HEAD_DIM;
+/* A query's scores in scratch, for at most `max_keys` keys: their floats, rounded up to 16. */
+static int64_t scores_stride(int max_keys) { return (max_keys + 15) / 16 * 16; }
+
+/* The floats a member holds for its queries' scores: QUERY_SCORES, or one query's where its keys are more. */
+static int64_t scores_room(int max_keys) {
+    return scores_stride(max_keys) > QUERY_SCORES ? scores_stride(max_keys) : QUERY_SCORES;
+}
+
+/* The floats of scratch a member needs for attend over at most `max_keys` keys a query: scores, then sums. */
+static int64_t attention_scratch(int max_keys) { return scores_room(max_keys) + (int64_t)MAX_QUERIES * MAX_HEAD_DIM; }
+
+/* The row after the last of the group from row r0: up to `most` rows of one sequence, one after another. */
+static int group_end(const Rows *rows, int r0, int most) {
+    int r1 = r0 + 1;
+    while (r1 < rows->n && r1 - r0 < most && rows->base[r1] == rows->base[r0]) r1++;
+    return r1;
 }
 
 /* This member's share of the rows' attention in one layer's cache (keys, values: its base; head_stride floats from
@@ -1002,18 +1014,17 @@ static void attend_rows(const Rows *rows, const float *q, int64_t q_stride, floa
                         const float *keys, const float *values, int64_t head_stride, int heads, int kv_heads, int hd,
                         const Scoring *how, float *scratch, int max_keys, int thread, int threads) {
     int n = rows->n, ratio = heads / kv_heads;
-    int64_t stride = (max_keys + 15) / 16 * 16, room = attention_scratch(max_keys) - (int64_t)MAX_QUERIES * MAX_HEAD_DIM;
+    int64_t stride = scores_stride(max_keys), room = scores_room(max_keys);
     int per_item = room / stride < MAX_QUERIES ? (int)(room / stride) : MAX_QUERIES; /* at least 1 */
     int group_rows = rows->key_cols ? 1 : per_item / ratio > 0 ? per_item / ratio : 1;
     int parts = (ratio + per_item - 1) / per_item;
     int groups = 0;
-    for (int r0 = 0, r1; r0 < n; r0 = r1, groups++)
-        for (r1 = r0 + 1; r1 < n && r1 - r0 < group_rows && rows->base[r1] == rows->base[r0]; r1++) {}
+    for (int r0 = 0; r0 < n; r0 = group_end(rows, r0, group_rows)) groups++;
     while (parts < ratio && groups * kv_heads * parts < 2 * threads) parts++;
     float *sums = scratch + room;
     int item = 0;
     for (int r0 = 0, r1; r0 < n; r0 = r1) {
-        for (r1 = r0 + 1; r1 < n && r1 - r0 < group_rows && rows->base[r1] == rows->base[r0]; r1++) {}
+        r1 = group_end(rows, r0, group_rows);
         for (int kv = 0; kv < kv_heads; kv++)
             for (int part = 0; part < parts; part++, item++) {
                 if (item % threads != thread) continue;

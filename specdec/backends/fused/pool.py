@@ -63,4 +63,4 @@ class FusedPool(SlotPool):
 
     def _runs_bulk(self, row: Row) -> bool:
         """Whether the row holds a prompt (with what was restored of it just before)."""
-        return self.runtime.runs_bulk(row.restored + len(row.token_ids))
+        return self.runtime.runs_as_prompt(row.restored + len(row.token_ids))

@@ -290,7 +290,7 @@ class FusedRuntime(LlamaSequence, Pooled):
 
     name = "fused"
     pass_invariant = True  # fused.c computes each row alone; a prompt's bulk pass runs the same row kernels
-    prompt_positions = PROMPT_POSITIONS  # a chain of this many runs the bulk kernel: a prompt
+    prompt_positions = PROMPT_POSITIONS  # a chain of this many runs the bulk kernel (trees and rounds never do)
 
     def __init__(self, model, weights: str = "auto", gguf: str | Path | None = None,
                  products: str = "integer") -> None:
@@ -348,12 +348,6 @@ class FusedRuntime(LlamaSequence, Pooled):
     def remedy(self, path) -> str:
         return "none is needed: it computes each row alone"
 
-    @staticmethod
-    def runs_bulk(positions: int, chain: bool = True) -> bool:
-        """Whether a pass (or a pool row) over ``positions`` new tokens runs the bulk kernel: a chain of
-        PROMPT_POSITIONS or more, a prompt. Trees and rounds never do."""
-        return chain and positions >= PROMPT_POSITIONS
-
     def bulk_weights(self) -> tuple[list[TorchLayer], Linear]:
         """The bulk kernel's layers and LM head: fused.c's products over the same matrices, one operation at a
         time (no copy of the weights)."""
@@ -373,7 +367,7 @@ class FusedRuntime(LlamaSequence, Pooled):
     def run_layers(self, x: torch.Tensor, first: int, end: int, start: int, positions: slice | torch.Tensor,
                    mask: torch.Tensor | None) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
         n = x.shape[0]
-        if self.runs_bulk(n, isinstance(positions, slice)):  # a prompt: the bulk kernel, into the same cache
+        if self.runs_as_prompt(n, isinstance(positions, slice)):  # the bulk kernel, into the same cache
             return self.torch_layers(self.bulk_weights()[0], x, first, end, start, positions, mask)
         columns = np.arange(start, start + n, dtype=np.int32)
         tree = isinstance(positions, torch.Tensor)  # a tree: each node reads the cache, then its ancestors
