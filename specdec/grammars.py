@@ -116,7 +116,7 @@ class Grammar:
 
     def allowed(self) -> np.ndarray:  # [vocab] bool
         """The tokens the grammar allows next."""
-        return unpacked(self.matcher.compute_bitmask(), self.vocab_size)[0]
+        return unpacked([self.matcher.compute_bitmask()], self.vocab_size)[0]
 
     def forced(self, most: int) -> list[int]:
         """Up to ``most`` tokens that follow from here whatever is sampled: the grammar admits only their text."""
@@ -154,7 +154,7 @@ class Grammar:
         if taken:
             self.matcher.rollback(taken)
         forbidden = np.zeros((len(draft) + 1, self.vocab_size), dtype=bool)
-        forbidden[: len(words)] = unpacked(b"".join(words), self.vocab_size, negated=True)
+        forbidden[: len(words)] = unpacked(words, self.vocab_size, negated=True)
         self.seconds += time.perf_counter() - started
         return forbidden
 
@@ -204,11 +204,11 @@ class Grammar:
         return self.matcher.is_stopped()
 
 
-def unpacked(bitmask: bytes | np.ndarray, vocab_size: int, negated: bool = False) -> np.ndarray:  # [rows, vocab]
-    """Token bitmasks, one after another (bit i of a row's little-endian 32-bit words: token i allowed), one bool
-    per token; ``negated``: True where a token is forbidden."""
-    words = np.frombuffer(bitmask, dtype=np.uint8) if isinstance(bitmask, bytes) else bitmask.view(np.uint8)
-    words = words.reshape(-1, (vocab_size + 31) // 32 * 4)
+def unpacked(bitmasks: list[bytes] | list[np.ndarray], vocab_size: int, negated: bool = False) -> np.ndarray:
+    """Token bitmasks, each a row (bit i of its little-endian words: token i allowed; an engine may pad a row), one
+    bool per token: [rows, vocab]. ``negated``: True where a token is forbidden."""
+    words = np.stack([np.frombuffer(row, dtype=np.uint8) if isinstance(row, bytes) else row.view(np.uint8)
+                      for row in bitmasks])
     return np.unpackbits(~words if negated else words, axis=1, bitorder="little")[:, :vocab_size].view(bool)
 
 

@@ -137,7 +137,7 @@ class XGrammar(Engine):
 
     def mask(self, state) -> np.ndarray:
         state.fill_next_token_bitmask(self.bitmask)
-        return unpacked(self.bitmask[0].numpy(), self.vocab_size)[0]
+        return unpacked([self.bitmask[0].numpy()], self.vocab_size)[0]
 
     def consume(self, state, token: int) -> bool:
         return state.accept_token(token)
