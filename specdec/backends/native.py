@@ -126,6 +126,42 @@ def unavailable() -> str | None:
     return loaded if isinstance(loaded, str) else None
 
 
+class IntegerPeak(NamedTuple):
+    """This CPU's integer arithmetic at its peak: multiply-adds of bytes a second on ``threads`` threads at once, by
+    ``instruction`` (the integer tiles' widest here)."""
+
+    per_second: float
+    threads: int
+    instruction: str
+
+
+def integer_peak(threads: int, seconds: float = 0.3) -> IntegerPeak:
+    """Time the integer tiles' widest instruction in a loop of independent sums on ``threads`` threads at once (each
+    about ``seconds``): the arithmetic a pass of many rows can reach, as the bandwidth probe is the floor of one."""
+    import threading
+    import time
+
+    loaded, vnni, rounds = library(), ctypes.c_int(0), 2_000_000
+    start = time.perf_counter()  # a first run sizes the timed ones
+    loaded.sd_integer_peak(rounds, ctypes.byref(vnni))
+    rounds = max(1000, int(rounds * seconds / max(time.perf_counter() - start, 1e-6)))
+    done: list[float] = []
+    barrier = threading.Barrier(threads)
+
+    def one() -> None:
+        barrier.wait()
+        done.append(loaded.sd_integer_peak(rounds, ctypes.byref(ctypes.c_int(0))))
+
+    workers = [threading.Thread(target=one) for _ in range(threads)]
+    start = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    elapsed = time.perf_counter() - start
+    return IntegerPeak(sum(done) / elapsed, threads, "vpdpbusd (AVX512-VNNI)" if vnni.value else "maddubs (AVX2)")
+
+
 def use_threads(threads: int | None = None) -> int:
     """Size the kernels' thread team (PyTorch's own threads by default); the size it has."""
     return library().sd_set_threads(torch.get_num_threads() if threads is None else threads)
@@ -142,6 +178,8 @@ def _declare(loaded: ctypes.CDLL) -> None:
     loaded.sd_struct_sizes.restype = ctypes.c_int
     loaded.sd_struct_sizes.argtypes = [_p, ctypes.c_int]
     loaded.sd_set_threads.restype = ctypes.c_int
+    loaded.sd_integer_peak.restype = ctypes.c_double
+    loaded.sd_integer_peak.argtypes = [ctypes.c_long, ctypes.POINTER(ctypes.c_int)]
     loaded.sd_set_threads.argtypes = [ctypes.c_int]
     loaded.sd_use_openmp.argtypes = [_p, _p, _p]
     openmp = _torch_openmp()

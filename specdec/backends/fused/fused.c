@@ -96,6 +96,11 @@ typedef void (*JobFn)(void *arg, int thread, int threads);
 static int team_size = 1, team_started = 1;
 static int has_avx512 = -1; /* set with the team: the tiles for 8 outputs then take AVX-512 */
 static int has_vnni = -1;   /* and the integer tiles AVX512-VNNI */
+/* The fewest rows the GEMM tiles take (integer formats, AVX512-VNNI). Fewer rows stream the weights from memory,
+ * where the row tiles' one stream and their more chains per row were measured faster (a pass over 2 rows cost 1.5x
+ * one through the GEMM tiles, 1.04x through the row tiles, on the default model); from 6 rows on, arithmetic
+ * paces a pass, and the GEMM tiles do it 1.2-1.5x faster. Both give the same bits. */
+#define GEMM_FROM 6
 static pthread_t team[MAX_THREADS];
 static JobFn job_fn;
 static void *job_arg;
@@ -141,11 +146,16 @@ static void *team_member(void *index_ptr) {
     return NULL;
 }
 
-int sd_set_threads(int threads) {
+/* Which tiles this CPU takes (SPECDEC_FUSED_AVX2 holds any CPU to the AVX2 tiles); read once. */
+static void read_features(void) {
     if (has_avx512 < 0) has_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") && !getenv("SPECDEC_FUSED_AVX2");
     if (has_vnni < 0)
         has_vnni = has_avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                    __builtin_cpu_supports("avx512vnni");
+}
+
+int sd_set_threads(int threads) {
+    read_features();
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     pthread_mutex_lock(&pass_lock);
@@ -628,6 +638,96 @@ TILES_QUAD(q8hi, block_q8x16, 2, Q8)
 TILES_QUAD(q4i, block_q4x8, 1, Q4)
 TILES_QUAD(q6i, block_q6x8, 2, Q6)
 
+/* The GEMM tile for many rows on AVX512-VNNI: GEMM_ROWS rows by 16 outputs, two blocks of 8 weight rows side by
+ * side in each zmm (the block at w in the low half, the block `next` bytes further in the high), so one quad's
+ * unpacking and one row's broadcast bytes feed 16 outputs, and a weight block, once in L1, feeds every row of the
+ * group. Lane for lane it does the 8-output tiles' work: each lane's integer sums are exact whatever adds them, and
+ * its epilogue (add_set's mul and FMAs) is the same float operations in the same order, so a row's bits are the
+ * same in this tile, in an 8-output tile, alone or in a pass of any width. */
+#define GEMM_ROWS 12 /* rows a GEMM tile computes at most: 12 sums and 12 accumulators of 16 lanes in 24 of 32
+                     * registers (GEMM_MOST: fewer for formats with two sets a block, whose tiles spill past 8) */
+#define HALVES_I(lo, hi) _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)
+#define HALVES_F(lo, hi) _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1)
+#define LOAD_PAIR(b, next, field) HALVES_I(_mm256_loadu_si256((const __m256i *)(b)->field),                        \
+                                           _mm256_loadu_si256((const __m256i *)((const char *)((b)->field) + (next))))
+#define QUAD16_Q8(b, next, g) LOAD_PAIR(b, next, q[g])
+#define QUAD16_Q4(b, next, g)                                                                                      \
+    _mm512_and_si512(_mm512_srli_epi16(LOAD_PAIR(b, next, q[(g) / 2]), 4 * ((g) % 2)), _mm512_set1_epi8(0x0F))
+#define QUAD16_Q6(b, next, g) _mm512_or_si512(QUAD16_Q4(b, next, g), top_bits16(LOAD_PAIR(b, next, hi[(g) / 4]), (g) % 4))
+#define SET16(b, next, field, t)                                                                                   \
+    HALVES_F(_mm256_loadu_ps((const float *)(b)->field + 8 * (t)),                                                 \
+             _mm256_loadu_ps((const float *)((const char *)((const float *)(b)->field + 8 * (t)) + (next))))
+
+/* top_bits for 16 outputs. */
+__attribute__((target(VNNI_TARGET))) static inline __m512i top_bits16(__m512i hi, int k) {
+    __m512i moved = k < 3 ? _mm512_slli_epi16(hi, 4 - 2 * k) : _mm512_srli_epi16(hi, 2);
+    return _mm512_and_si512(moved, _mm512_set1_epi8(0x30));
+}
+
+/* sum + the products of w's bytes (u8) and the 4 bytes at x (s8) in every lane (dpbusd_broadcast's, 16 lanes). */
+__attribute__((target(VNNI_TARGET))) static inline __m512i dpbusd16(__m512i sum, __m512i w, const int8_t *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(sum) : "v"(w), "m"(*(const int32_t *)x));
+    return sum;
+}
+
+/* add_set (add_scaled) on 16 lanes: the same operations, lane for lane. */
+__attribute__((target(VNNI_TARGET))) static inline __m512i set16_start(const Quantised *x, int row, int block, int sets,
+                                                                       int t) {
+    return _mm512_set1_epi32(x->start[block_of(x, row, block) * sets + t]);
+}
+__attribute__((target(VNNI_TARGET))) static inline __m512 add_scaled16(__m512 acc, __m512i isum, __m512 d,
+                                                                       const Quantised *x, int row, int block) {
+    __m512 de = _mm512_mul_ps(d, _mm512_set1_ps(x->scale[block_of(x, row, block)]));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), de, acc);
+}
+#define SET16_Q8(acc, isum, b, next, x, row, block, sets, t)                                                       \
+    _mm512_fmadd_ps(SET16(b, next, m, t), _mm512_set1_ps(x->offset[block_of(x, row, block) * (sets) + (t)]),     \
+                    add_scaled16(acc, isum, SET16(b, next, d, t), x, row, block))
+#define SET16_Q4 SET16_Q8
+#define SET16_Q6(acc, isum, b, next, x, row, block, sets, t) add_scaled16(acc, isum, SET16(b, next, d, t), x, row, block)
+
+/* Independent sums a row's set is split among: enough across the R rows to cover vpdpbusd's latency. */
+#define CHAINS16(R) ((R) <= 2 ? 4 : (R) <= 5 ? 2 : 1)
+#define TILE_GEMM(NAME, BLOCK, SETS, KIND, R)                                                                      \
+    __attribute__((target(VNNI_TARGET))) static void NAME##_##R(const void *w, int64_t next, const Quantised *x,  \
+                                                                int r0, float out[GEMM_ROWS][16]) {                \
+        const BLOCK *b = (const BLOCK *)w;                                                                         \
+        __m512 acc[R];                                                                                             \
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                                  \
+        const int8_t *xq = x->q + (int64_t)r0 * 32;                                                                \
+        for (int block = 0; block < x->in / 32; block++, b++, xq += (int64_t)x->n * 32) {                          \
+            PREFETCH_BLOCK(b)                                                                                      \
+            PREFETCH_BLOCK((const BLOCK *)((const char *)b + next))                                                \
+            _Pragma("GCC unroll 2") for (int t = 0; t < SETS; t++) {                                               \
+                __m512i sum[R][CHAINS16(R)];                                                                       \
+                for (int r = 0; r < R; r++) {                                                                      \
+                    for (int c = 0; c < CHAINS16(R); c++) sum[r][c] = _mm512_setzero_si512();                      \
+                    if (OFFSET_VNNI_##KIND) sum[r][0] = set16_start(x, r0 + r, block, SETS, t);                    \
+                }                                                                                                  \
+                _Pragma("GCC unroll 8") for (int g = t * 8 / SETS; g < (t + 1) * 8 / SETS; g++) {                  \
+                    __m512i quad = QUAD16_##KIND(b, next, g);                                                      \
+                    for (int r = 0; r < R; r++)                                                                    \
+                        sum[r][g % CHAINS16(R)] = dpbusd16(sum[r][g % CHAINS16(R)], quad, xq + 32 * r + 4 * g);    \
+                }                                                                                                  \
+                for (int r = 0; r < R; r++) {                                                                      \
+                    for (int c = 1; c < CHAINS16(R); c++) sum[r][0] = _mm512_add_epi32(sum[r][0], sum[r][c]);      \
+                    acc[r] = SET16_##KIND(acc[r], sum[r][0], b, next, x, r0 + r, block, SETS, t);                  \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);                                              \
+    }
+#define TILES_GEMM(NAME, BLOCK, SETS, KIND)                                                                        \
+    TILE_GEMM(NAME, BLOCK, SETS, KIND, 1) TILE_GEMM(NAME, BLOCK, SETS, KIND, 2) TILE_GEMM(NAME, BLOCK, SETS, KIND, 3) \
+    TILE_GEMM(NAME, BLOCK, SETS, KIND, 4) TILE_GEMM(NAME, BLOCK, SETS, KIND, 5) TILE_GEMM(NAME, BLOCK, SETS, KIND, 6) \
+    TILE_GEMM(NAME, BLOCK, SETS, KIND, 7) TILE_GEMM(NAME, BLOCK, SETS, KIND, 8) TILE_GEMM(NAME, BLOCK, SETS, KIND, 9) \
+    TILE_GEMM(NAME, BLOCK, SETS, KIND, 10) TILE_GEMM(NAME, BLOCK, SETS, KIND, 11) TILE_GEMM(NAME, BLOCK, SETS, KIND, 12)
+TILES_GEMM(q8g, block_q8x8, 1, Q8)
+TILES_GEMM(q8hg, block_q8x16, 2, Q8)
+TILES_GEMM(q4g, block_q4x8, 1, Q4)
+TILES_GEMM(q6g, block_q6x8, 2, Q6)
+#define GEMM_TILES(NAME) {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, NAME##_7, NAME##_8, NAME##_9, NAME##_10, NAME##_11, NAME##_12}
+
 typedef void (*Q8Fn)(const void *, int, const float *, int64_t, int, float[GROUP512][8]);
 /* how a weight matrix is stored (Matrix.format); Q8I and Q8HI: Q8 and Q8H's bytes, multiplied in integers; Q4I:
  * nibbles, in integers only */
@@ -652,6 +752,11 @@ static const IntegerFn INTEGER_VNNI[][GROUP512 + 1] = {[Q8I] = {0, q8iv_1, q8iv_
                                                        [Q8HI] = {0, q8hiv_1, q8hiv_2, q8hiv_3, q8hiv_4, q8hiv_5, q8hiv_6},
                                                        [Q4I] = {0, q4iv_1, q4iv_2, q4iv_3, q4iv_4, q4iv_5, q4iv_6},
                                                        [Q6I] = {0, q6iv_1, q6iv_2, q6iv_3, q6iv_4, q6iv_5, q6iv_6}};
+
+typedef void (*GemmFn)(const void *, int64_t, const Quantised *, int, float[GEMM_ROWS][16]);
+static const int GEMM_MOST[] = {[Q8I] = 12, [Q8HI] = 8, [Q4I] = 12, [Q6I] = 8};
+static const GemmFn INTEGER_GEMM[][GEMM_ROWS + 1] = {[Q8I] = GEMM_TILES(q8g), [Q8HI] = GEMM_TILES(q8hg),
+                                                    [Q4I] = GEMM_TILES(q4g), [Q6I] = GEMM_TILES(q6g)};
 
 typedef void (*TileFn)(const void *, const float *, int64_t, int, float[GROUP512][8]);
 static const TileFn WIDE[][GROUP + 1] = {[F16] = {0, f16_1x8, f16_2x4, f16_3x2, f16_4x2},
@@ -726,16 +831,62 @@ static const Quantised *inputs_for(const Matrix *m, const float *x, int64_t ldx,
     return xq;
 }
 
+/* y rows r0..r0+rows-1, outputs o..o+count-1, from a tile's out (stride floats a row), with the bias, stored or
+ * added (mode). */
+static void put_tile(const float *out, int stride, int r0, int rows, int o, int count, const float *bias, float *y,
+                     int64_t ldy, int mode) {
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < count; j++) {
+            float *target = y + (int64_t)(r0 + r) * ldy + o + j;
+            float value = out[r * stride + j] + (bias ? bias[o + j] : 0.0f);
+            *target = mode == ADD ? *target + value : value;
+        }
+}
+
+#define GEMM_CHUNK 64 /* rows whose quantised bytes a GEMM's tiles share before the next rows' (they stay in L2) */
+
+/* product_of on AVX512-VNNI for an integer format: pairs of weight blocks (16 outputs) by GEMM tiles of up to
+ * GEMM_ROWS rows, a last block alone by the 8-output tiles; rows GEMM_CHUNK at a time. */
+static void integer_gemm(const Matrix *m, const Quantised *xq, int n, int o0, int o1, float *y, int64_t ldy,
+                         int mode) {
+    int format = m->format, in = m->in;
+    int64_t next = (int64_t)(in / 32) * BLOCK_BYTES[format]; /* from one block of 8 weight rows to the next */
+    float wide[GEMM_ROWS][16], out[GROUP512][8];
+    for (int c0 = 0; c0 < n; c0 += GEMM_CHUNK) {
+        int c1 = n - c0 < GEMM_CHUNK ? n : c0 + GEMM_CHUNK;
+        for (int o = o0; o < o1; o += 16) {
+            const void *w = block_at(format, m->weight, o, in);
+            if (o + 8 >= o1) { /* one block left: 8 outputs */
+                for (int r0 = c0; r0 < c1; r0 += GROUP512) {
+                    int rows = c1 - r0 < GROUP512 ? c1 - r0 : GROUP512;
+                    INTEGER_VNNI[format][rows](w, xq, r0, out);
+                    put_tile(&out[0][0], 8, r0, rows, o, o1 - o < 8 ? o1 - o : 8, m->bias, y, ldy, mode);
+                }
+                break;
+            }
+            for (int r0 = c0, rows; r0 < c1; r0 += rows) { /* groups of as even a size as the most allows */
+                int left = c1 - r0, groups = (left + GEMM_MOST[format] - 1) / GEMM_MOST[format];
+                rows = (left + groups - 1) / groups;
+                INTEGER_GEMM[format][rows](w, next, xq, r0, wide);
+                put_tile(&wide[0][0], 16, r0, rows, o, o1 - o < 16 ? o1 - o : 16, m->bias, y, ldy, mode);
+            }
+        }
+    }
+}
+
 /* y[r, o] = x[r] . W[o] (+ bias) for every row r < n and o in [o0, o1) (o0 a multiple of 8): x [n, ldx], or for an
- * integer format xq, inputs_for's rows of x; y [n, ldy]. A block of 8 weight rows is read from memory once, and
+ * integer format xq, inputs_for's rows of x; y [n, ldy]. A block of weight rows is read from memory once, and
  * stays in L1 while every group of rows reads it. */
 static void product_of(const Matrix *m, const float *x, const Quantised *xq, int64_t ldx, int n, int o0, int o1,
                        float *y, int64_t ldy, int mode) {
     int format = m->format, in = m->in;
     const void *w = m->weight;
-    const float *bias = m->bias;
     float out[GROUP512][8];
     if (INTEGER(format) && !xq) return; /* its rows could not be quantised: the pass fails */
+    if (xq && has_vnni && n >= GEMM_FROM) {
+        integer_gemm(m, xq, n, o0, o1, y, ldy, mode);
+        return;
+    }
     int group = (INTEGER(format) ? has_vnni : has_avx512) ? GROUP512 : GROUP;
     for (int o = o0; o < o1; o += 8) {
         int count = o1 - o < 8 ? o1 - o : 8; /* a block past the matrix's last row is zero padding */
@@ -745,12 +896,7 @@ static void product_of(const Matrix *m, const float *x, const Quantised *xq, int
                 (has_vnni ? INTEGER_VNNI[format] : INTEGER_WIDE[format])[rows](block_at(format, w, o, in), xq, r0, out);
             else
                 tile(format, block_at(format, w, o, in), in, x + r0 * ldx, ldx, rows, out);
-            for (int r = 0; r < rows; r++)
-                for (int j = 0; j < count; j++) {
-                    float *target = y + (int64_t)(r0 + r) * ldy + o + j;
-                    float value = out[r][j] + (bias ? bias[o + j] : 0.0f);
-                    *target = mode == ADD ? *target + value : value;
-                }
+            put_tile(&out[0][0], 8, r0, rows, o, count, m->bias, y, ldy, mode);
         }
     }
 }
@@ -1254,4 +1400,44 @@ int sd_pass(const Model *m, const Cache *cache, const Rows *rows, float *x, int 
     int failed = atomic_load(&scratch_failed);
     pthread_mutex_unlock(&pass_lock);
     return failed ? -1 : 0;
+}
+
+/* This CPU's integer peak for one thread: multiply-adds of bytes a second, from `rounds` rounds of 12 independent
+ * sums in the widest instruction the integer tiles use here (vpdpbusd on 16 lanes with AVX512-VNNI; maddubs, madd
+ * and add on 8 lanes with AVX2: 32 products a round of 3). What a pass's arithmetic can reach, beside the
+ * bandwidth's floor (specdec.bench.passes). */
+__attribute__((target(VNNI_TARGET))) static double vnni_peak(long rounds) {
+    __m512i sum[12], w = _mm512_set1_epi8(3), x = _mm512_set1_epi8(5);
+    for (int i = 0; i < 12; i++) sum[i] = _mm512_setzero_si512();
+    for (long k = 0; k < rounds; k++) {
+        for (int i = 0; i < 12; i++) sum[i] = _mm512_dpbusd_epi32(sum[i], w, x);
+        __asm__ volatile("" : "+v"(w), "+v"(x));
+    }
+    int32_t total = 0;
+    for (int i = 0; i < 12; i++) total += _mm512_reduce_add_epi32(sum[i]);
+    __asm__ volatile("" ::"r"(total));
+    return (double)rounds * 12 * 64;
+}
+
+__attribute__((target(AVX2_TARGET))) static double avx2_peak(long rounds) {
+    __m256i sum[12], w = _mm256_set1_epi8(3), x = _mm256_set1_epi8(5), ones = _mm256_set1_epi16(1);
+    for (int i = 0; i < 12; i++) sum[i] = _mm256_setzero_si256();
+    for (long k = 0; k < rounds; k++) {
+        for (int i = 0; i < 12; i++)
+            sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+        __asm__ volatile("" : "+v"(w), "+v"(x));
+    }
+    int32_t lanes[8] = {0};
+    for (int i = 1; i < 12; i++) sum[0] = _mm256_add_epi32(sum[0], sum[i]);
+    _mm256_storeu_si256((__m256i *)lanes, sum[0]);
+    __asm__ volatile("" ::"r"(lanes[0]));
+    return (double)rounds * 12 * 32;
+}
+
+/* The multiply-adds the integer tiles' widest instruction does in `rounds` rounds on this thread (time it around
+ * the call); which instruction: 1 vpdpbusd (AVX512-VNNI), 0 maddubs (AVX2). */
+double sd_integer_peak(long rounds, int *vnni) {
+    read_features();
+    *vnni = has_vnni;
+    return has_vnni ? vnni_peak(rounds) : avx2_peak(rounds);
 }

@@ -1,6 +1,5 @@
-"""The fused runtime's pool: many sequences' rows in one call into fused.c, each row computed as it is alone; rows
-that hold a prompt run the bulk kernel (PyTorch's float32 layers) in a pass of their own, so that a row's kernel
-depends on the row alone."""
+"""The fused runtime's pool: many sequences' rows in one call into fused.c (a prompt's many rows in several), each
+row computed as it is alone: a prompt's rows, a round's and a step's are the same bits in any company."""
 
 from __future__ import annotations
 
@@ -29,38 +28,18 @@ class FusedPool(SlotPool):
 
     @property
     def prompt_positions(self) -> int:
-        return self.runtime.prompt_positions  # a row of this many runs the bulk kernel
-
-    @torch.inference_mode()
-    def forward_hidden(self, rows: list[Row], hidden: bool = True
-                       ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """Prompts' rows through the bulk kernel, then the others through fused.c: two passes, one answer."""
-        bulk = self._bulk_rows(rows)
-        if not bulk or len(bulk) == len(rows):
-            return super().forward_hidden(rows, hidden)
-        others = [row for row in rows if not self._runs_bulk(row)]
-        answers = {}
-        for part in (bulk, others):
-            logits, states = super().forward_hidden(part, hidden)
-            for i, row in enumerate(part):
-                answers[id(row)] = (logits[i], states[i] if hidden else None)
-        return [answers[id(row)][0] for row in rows], [answers[id(row)][1] for row in rows] if hidden else None
+        return self.runtime.prompt_positions  # a row of this many counts as a prompt's (the runtime's count)
 
     def run_rows(self, rows: list[Row], layout: Layout, layers: int) -> torch.Tensor:  # [T, hidden]
-        if self._bulk_rows(rows):
-            return self.torch_rows(self.runtime.bulk_weights()[0], layout, layers)
-        # one call: each packed token at its position in its slot, attending its slot's keys up to itself
-        positions = layout.positions.numpy()
-        return self.runtime.fused_pass(self.runtime.embedded(layout.token_ids), 0, layers, self._cache, positions,
-                                       layout.slot_of_token.numpy() * self.slot_floats, positions, positions + 1)
+        """Each packed token at its position in its slot, attending its slot's keys up to itself, through fused.c:
+        one call, or a prompt's many tokens the runtime's prompt_chunk a call (each row computed alone: the same
+        bits)."""
+        x, positions = self.runtime.embedded(layout.token_ids), layout.positions.numpy()
+        bases = layout.slot_of_token.numpy() * self.slot_floats
+        step = self.runtime.prompt_chunk
+        chunks = [slice(at, at + step) for at in range(0, len(positions), step)]
+        return torch.cat([self.runtime.fused_pass(x[c], 0, layers, self._cache, positions[c], bases[c], positions[c],
+                                                  positions[c] + 1) for c in chunks])
 
     def head_for(self, rows: list[Row], layout: Layout) -> Linear:
-        return self.runtime.head_for(layout.total if self._bulk_rows(rows) else 1)
-
-    def _bulk_rows(self, rows: list[Row]) -> list[Row]:
-        """The rows the fused runtime runs on its bulk kernel (prompts)."""
-        return [row for row in rows if self._runs_bulk(row)]
-
-    def _runs_bulk(self, row: Row) -> bool:
-        """Whether the row holds a prompt (with what was restored of it just before)."""
-        return self.runtime.runs_as_prompt(row.restored + len(row.token_ids))
+        return self.runtime.head_for(layout.total)

@@ -5,8 +5,8 @@ install as ``specdec.backends._fused``).
 states, as the lean runtime does) and computes every layer, and the LM head, in the C pass: int8 or float16
 weights read once per pass whatever the row count, one thread team (PyTorch's OpenMP threads), norms, RoPE and
 attention written around the products, and each row computed as it is alone (batch-invariant by construction, see
-``fused.c``); a prompt longer than any round runs the bulk kernel (PyTorch's float32 layers, ``family.py``) into
-the same cache. Its pool (``pool.py``) runs its rows through the same call.
+``fused.c``); a prompt runs through the same call, PROMPT_CHUNK rows at a time, its products in the GEMM tiles, so
+its positions hold the bits plain decoding would write. Its pool (``pool.py``) runs its rows through the same call.
 
 Where it cannot run (not built, a CPU without AVX2/FMA/F16C, a model it does not cover), :func:`unavailable` says
 why in one line, and ``--backend auto`` passes it by.
@@ -25,7 +25,6 @@ import torch
 
 from specdec.backends import native
 from specdec.backends.base import Pooled
-from specdec.backends.family import Layer as TorchLayer
 from specdec.backends.family import (
     LlamaSpec,
     gguf_head_dim,
@@ -64,10 +63,11 @@ WEIGHTS = ("float16", "int8")  # how fused.c holds the weights; activations, nor
 PRODUCTS = ("integer", "float")
 Q8_GROUP = 32  # inputs that share an int8 weight's scale and offset
 # A chain pass over more positions than a round can score (k <= MAX_DRAFT_TOKENS drafts and the pending token) holds
-# a prompt: it runs the bulk kernel, fused.c's products over the same weights one operation at a time and batched
-# attention, which arithmetic rather than weight streaming paces. Rounds, trees and plain decoding never reach it,
-# so a prompt's prefill is the same for speculation and plain decoding, and every token after it comes from fused.c.
+# a prompt: it runs PROMPT_CHUNK rows a C pass (a pass's scratch grows with its rows), each row computed as it is
+# alone, so a prompt's positions hold the bits rounds and steps would write; the count stays the runtime's
+# PromptPasses count (what a prefix cache keeps is still decided by it).
 PROMPT_POSITIONS = MAX_DRAFT_TOKENS + 2
+PROMPT_CHUNK = 64  # a prompt's rows per C pass: any count gives each row the same bits (its pass computes it alone)
 
 
 class FusedUnavailable(RuntimeError):
@@ -289,8 +289,9 @@ class FusedRuntime(LlamaSequence, Pooled):
     """The CausalLM protocol for llama-family models, every pass one call into fused.c."""
 
     name = "fused"
-    pass_invariant = True  # fused.c computes each row alone; a prompt's bulk pass runs the same row kernels
-    prompt_positions = PROMPT_POSITIONS  # a chain of this many runs the bulk kernel (trees and rounds never do)
+    pass_invariant = True  # fused.c computes each row alone, a prompt's rows too
+    prompt_positions = PROMPT_POSITIONS  # a chain of this many is a prompt's (trees and rounds never are)
+    prompt_chunk = PROMPT_CHUNK  # a prompt's rows a C pass
 
     def __init__(self, model, weights: str = "auto", gguf: str | Path | None = None,
                  products: str = "integer") -> None:
@@ -333,8 +334,9 @@ class FusedRuntime(LlamaSequence, Pooled):
         self._model = self._c_model(source)
         norms = sum(norm.numel() for norm in source.input_norms + source.post_norms) + source.spec.hidden
         self.weight_bytes = sum(matrix.nbytes for matrix in self._matrices) + 4 * norms
+        self.multiply_adds = sum(matrix.outputs * matrix.inputs for matrix in self._matrices)  # a row's, per pass
         self._pass_cache: tuple[int, PassCache] | None = None  # (the cache's generation, what fused.c reads of it)
-        self._bulk = self._bulk_layers(source)
+        self._head = native.MatrixProduct(self._model.lm_head)
 
     @property
     def precision_label(self) -> str:
@@ -348,33 +350,29 @@ class FusedRuntime(LlamaSequence, Pooled):
     def remedy(self, path) -> str:
         return "none is needed: it computes each row alone"
 
-    def bulk_weights(self) -> tuple[list[TorchLayer], Linear]:
-        """The bulk kernel's layers and LM head: fused.c's products over the same matrices, one operation at a
-        time (no copy of the weights)."""
-        return self._bulk
-
-    def _bulk_layers(self, source: FusedWeights) -> tuple[list[TorchLayer], Linear]:
-        layers = [TorchLayer(input_norm.float(), post_norm.float(),
-                             *(native.MatrixProduct(getattr(struct, name)) for name in MATRIX_NAMES),
-                             **{name: norm.float() for name, norm in norms.items()})
-                  for struct, input_norm, post_norm, norms in zip(self._layer_structs, source.input_norms,
-                                                                  source.post_norms, source.layer_norms)]
-        return layers, native.MatrixProduct(self._model.lm_head)
-
     def head_for(self, positions: int, chain: bool = True) -> Linear:
-        return self._bulk[1]  # one LM head: fused.c's product over the held matrix, whatever the pass
+        return self._head  # one LM head: fused.c's product over the held matrix, whatever the pass
 
     def run_layers(self, x: torch.Tensor, first: int, end: int, start: int, positions: slice | torch.Tensor,
                    mask: torch.Tensor | None) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
         n = x.shape[0]
-        if self.runs_as_prompt(n, isinstance(positions, slice)):  # the bulk kernel, into the same cache
-            return self.torch_layers(self.bulk_weights()[0], x, first, end, start, positions, mask)
+        if self.runs_as_prompt(n, isinstance(positions, slice)):  # a prompt: its rows in chunks, each a C pass
+            return torch.cat([self._chain_pass(x[at : at + PROMPT_CHUNK], first, end, start + at)
+                              for at in range(0, n, PROMPT_CHUNK)])
         columns = np.arange(start, start + n, dtype=np.int32)
         tree = isinstance(positions, torch.Tensor)  # a tree: each node reads the cache, then its ancestors
         reading = self._keys_read(mask, start, n, tree)
         rope = positions.numpy() if tree else columns
         return self.fused_pass(x, first, end, self._cache(), rope, np.zeros(n, dtype=np.int64), columns,
                                reading.n_keys, reading.key_cols)
+
+    def _chain_pass(self, x: torch.Tensor, first: int, end: int, start: int) -> torch.Tensor:  # [n, hidden]
+        """Rows x after the cache's ``start`` positions, each reading the cache and the rows before it, in one C
+        pass."""
+        n = x.shape[0]
+        columns = np.arange(start, start + n, dtype=np.int32)
+        return self.fused_pass(x, first, end, self._cache(), columns, np.zeros(n, dtype=np.int64), columns,
+                               columns + 1)
 
     def pool(self, max_slots: int, max_length: int):
         from specdec.backends.fused.pool import FusedPool
