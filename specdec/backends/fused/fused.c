@@ -96,11 +96,6 @@ typedef void (*JobFn)(void *arg, int thread, int threads);
 static int team_size = 1, team_started = 1;
 static int has_avx512 = -1; /* set with the team: the tiles for 8 outputs then take AVX-512 */
 static int has_vnni = -1;   /* and the integer tiles AVX512-VNNI */
-/* The fewest rows the GEMM tiles take (integer formats, AVX512-VNNI). Fewer rows stream the weights from memory,
- * where the row tiles' one stream and their more chains per row were measured faster (a pass over 2 rows cost 1.5x
- * one through the GEMM tiles, 1.04x through the row tiles, on the default model); from 6 rows on, arithmetic
- * paces a pass, and the GEMM tiles do it 1.2-1.5x faster. Both give the same bits. */
-#define GEMM_FROM 6
 static pthread_t team[MAX_THREADS];
 static JobFn job_fn;
 static void *job_arg;
@@ -644,6 +639,7 @@ TILES_QUAD(q6i, block_q6x8, 2, Q6)
  * group. Lane for lane it does the 8-output tiles' work: each lane's integer sums are exact whatever adds them, and
  * its epilogue (add_set's mul and FMAs) is the same float operations in the same order, so a row's bits are the
  * same in this tile, in an 8-output tile, alone or in a pass of any width. */
+#define GEMM_PREFETCH 8192 /* bytes ahead a GEMM tile asks for each of its two streams (4096 left them short) */
 #define GEMM_ROWS 12 /* rows a GEMM tile computes at most: 12 sums and 12 accumulators of 16 lanes in 24 of 32
                      * registers (GEMM_MOST: fewer for formats with two sets a block, whose tiles spill past 8) */
 #define HALVES_I(lo, hi) _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)
@@ -696,8 +692,10 @@ __attribute__((target(VNNI_TARGET))) static inline __m512 add_scaled16(__m512 ac
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                                  \
         const int8_t *xq = x->q + (int64_t)r0 * 32;                                                                \
         for (int block = 0; block < x->in / 32; block++, b++, xq += (int64_t)x->n * 32) {                          \
-            PREFETCH_BLOCK(b)                                                                                      \
-            PREFETCH_BLOCK((const BLOCK *)((const char *)b + next))                                                \
+            for (int line = 0; line < (int)sizeof(*b); line += 64) { /* both streams, GEMM_PREFETCH ahead */         \
+                _mm_prefetch((const char *)b + GEMM_PREFETCH + line, _MM_HINT_T0);                                 \
+                _mm_prefetch((const char *)b + next + GEMM_PREFETCH + line, _MM_HINT_T0);                          \
+            }                                                                                                      \
             _Pragma("GCC unroll 2") for (int t = 0; t < SETS; t++) {                                               \
                 __m512i sum[R][CHAINS16(R)];                                                                       \
                 for (int r = 0; r < R; r++) {                                                                      \
@@ -755,6 +753,13 @@ static const IntegerFn INTEGER_VNNI[][GROUP512 + 1] = {[Q8I] = {0, q8iv_1, q8iv_
 
 typedef void (*GemmFn)(const void *, int64_t, const Quantised *, int, float[GEMM_ROWS][16]);
 static const int GEMM_MOST[] = {[Q8I] = 12, [Q8HI] = 8, [Q4I] = 12, [Q6I] = 8};
+/* The fewest rows the GEMM tiles take, per format: fewer stream the weights from memory, where the row tiles' one
+ * stream and their more chains per row were measured faster (a pass over 2 rows of the default model cost 1.5x one
+ * through the GEMM tiles, 1.04x through the row tiles; 4 and 5 rows of the 1.5B's nibbles 1.16x and 1.25x one
+ * through the row tiles, 1.37x and 1.44x through the GEMM tiles); from these counts on (the bytes' measured on a
+ * matrix of the default model's LM head's shape, streamed) the GEMM tiles were as fast or faster, by 1.2-1.5x where
+ * arithmetic paces a pass. Both give the same bits. */
+static const int GEMM_FROM[] = {[Q8I] = 8, [Q8HI] = 6, [Q4I] = 6, [Q6I] = 6};
 static const GemmFn INTEGER_GEMM[][GEMM_ROWS + 1] = {[Q8I] = GEMM_TILES(q8g), [Q8HI] = GEMM_TILES(q8hg),
                                                     [Q4I] = GEMM_TILES(q4g), [Q6I] = GEMM_TILES(q6g)};
 
@@ -883,7 +888,7 @@ static void product_of(const Matrix *m, const float *x, const Quantised *xq, int
     const void *w = m->weight;
     float out[GROUP512][8];
     if (INTEGER(format) && !xq) return; /* its rows could not be quantised: the pass fails */
-    if (xq && has_vnni && n >= GEMM_FROM) {
+    if (xq && has_vnni && n >= GEMM_FROM[format]) {
         integer_gemm(m, xq, n, o0, o1, y, ldy, mode);
         return;
     }
