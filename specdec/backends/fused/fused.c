@@ -666,21 +666,15 @@ __attribute__((target(VNNI_TARGET))) static inline __m512i dpbusd16(__m512i sum,
     return sum;
 }
 
-/* add_set (add_scaled) on 16 lanes: the same operations, lane for lane. */
-__attribute__((target(VNNI_TARGET))) static inline __m512i set16_start(const Quantised *x, int row, int block, int sets,
-                                                                       int t) {
-    return _mm512_set1_epi32(x->start[block_of(x, row, block) * sets + t]);
+/* add_set (add_scaled) on 16 lanes: the same operations, lane for lane; e: the row's block scale, offset: its
+ * e sum(xq) over the set. */
+__attribute__((target(VNNI_TARGET))) static inline __m512 add_scaled16(__m512 acc, __m512i isum, __m512 d, float e) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(e)), acc);
 }
-__attribute__((target(VNNI_TARGET))) static inline __m512 add_scaled16(__m512 acc, __m512i isum, __m512 d,
-                                                                       const Quantised *x, int row, int block) {
-    __m512 de = _mm512_mul_ps(d, _mm512_set1_ps(x->scale[block_of(x, row, block)]));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), de, acc);
-}
-#define SET16_Q8(acc, isum, b, next, x, row, block, sets, t)                                                       \
-    _mm512_fmadd_ps(SET16(b, next, m, t), _mm512_set1_ps(x->offset[block_of(x, row, block) * (sets) + (t)]),     \
-                    add_scaled16(acc, isum, SET16(b, next, d, t), x, row, block))
+#define SET16_Q8(acc, isum, b, next, e, offset, t)                                                                 \
+    _mm512_fmadd_ps(SET16(b, next, m, t), _mm512_set1_ps(offset), add_scaled16(acc, isum, SET16(b, next, d, t), e))
 #define SET16_Q4 SET16_Q8
-#define SET16_Q6(acc, isum, b, next, x, row, block, sets, t) add_scaled16(acc, isum, SET16(b, next, d, t), x, row, block)
+#define SET16_Q6(acc, isum, b, next, e, offset, t) add_scaled16(acc, isum, SET16(b, next, d, t), e)
 
 /* Independent sums a row's set is split among: enough across the R rows to cover vpdpbusd's latency. */
 #define CHAINS16(R) ((R) <= 2 ? 4 : (R) <= 5 ? 2 : 1)
@@ -692,6 +686,9 @@ __attribute__((target(VNNI_TARGET))) static inline __m512 add_scaled16(__m512 ac
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                                  \
         const int8_t *xq = x->q + (int64_t)r0 * 32;                                                                \
         for (int block = 0; block < x->in / 32; block++, b++, xq += (int64_t)x->n * 32) {                          \
+            const int64_t at = block_of(x, r0, block); /* the rows' scalars for this block: row r's at + r */       \
+            const float *e = x->scale + at, *offset = x->offset + at * SETS;                                       \
+            const int32_t *start = x->start + at * SETS;                                                           \
             for (int line = 0; line < (int)sizeof(*b); line += 64) { /* both streams, GEMM_PREFETCH ahead */         \
                 _mm_prefetch((const char *)b + GEMM_PREFETCH + line, _MM_HINT_T0);                                 \
                 _mm_prefetch((const char *)b + next + GEMM_PREFETCH + line, _MM_HINT_T0);                          \
@@ -700,7 +697,7 @@ __attribute__((target(VNNI_TARGET))) static inline __m512 add_scaled16(__m512 ac
                 __m512i sum[R][CHAINS16(R)];                                                                       \
                 for (int r = 0; r < R; r++) {                                                                      \
                     for (int c = 0; c < CHAINS16(R); c++) sum[r][c] = _mm512_setzero_si512();                      \
-                    if (OFFSET_VNNI_##KIND) sum[r][0] = set16_start(x, r0 + r, block, SETS, t);                    \
+                    if (OFFSET_VNNI_##KIND) sum[r][0] = _mm512_set1_epi32(start[r * SETS + t]);                    \
                 }                                                                                                  \
                 _Pragma("GCC unroll 8") for (int g = t * 8 / SETS; g < (t + 1) * 8 / SETS; g++) {                  \
                     __m512i quad = QUAD16_##KIND(b, next, g);                                                      \
@@ -709,7 +706,7 @@ __attribute__((target(VNNI_TARGET))) static inline __m512 add_scaled16(__m512 ac
                 }                                                                                                  \
                 for (int r = 0; r < R; r++) {                                                                      \
                     for (int c = 1; c < CHAINS16(R); c++) sum[r][0] = _mm512_add_epi32(sum[r][0], sum[r][c]);      \
-                    acc[r] = SET16_##KIND(acc[r], sum[r][0], b, next, x, r0 + r, block, SETS, t);                  \
+                    acc[r] = SET16_##KIND(acc[r], sum[r][0], b, next, e[r], offset[r * SETS + t], t);              \
                 }                                                                                                  \
             }                                                                                                      \
         }                                                                                                          \
