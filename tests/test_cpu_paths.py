@@ -44,7 +44,7 @@ import hashlib, numpy as np, torch
 from specdec.backends import native
 torch.manual_seed(0)
 digest, alone_everywhere = hashlib.sha256(), True
-x = torch.randn(40, 96)
+x = torch.randn(70, 96)
 from specdec.backends.fused.stored import byte_grid
 products = [native.RowProduct(torch.randn(45, 96), torch.randn(45), precision)
             for precision in ("float32", "float16", "bfloat16")]
@@ -71,9 +71,9 @@ for bits, group, name in ((4, 32, "int4"), (6, 16, "int6_group16")):  # 6 bits: 
     products.append(product)
 for product in products:
     native.use_threads(1)
-    alone = torch.cat([product(x[i : i + 1]) for i in range(40)])
+    alone = torch.cat([product(x[i : i + 1]) for i in range(70)])
     native.use_threads(2)
-    for n in (2, 5, 6, 7, 17, 40):  # the row tiles (fewer than 6 rows), the GEMM tiles' groups and remainders
+    for n in (2, 5, 6, 7, 17, 40, 70):  # the row tiles (fewer than 6), the GEMM tiles' groups, 64-row chunks
         together = product(x[:n])
         alone_everywhere &= torch.equal(together, alone[:n])
         digest.update(together.numpy().tobytes())
@@ -110,12 +110,12 @@ def run_here(arguments: list[str], extra_env: dict[str, str], timeout: int) -> s
 
 
 def test_row_kernels_compute_each_row_alone():
-    """Every weight format's product and the attention give each row the same bits alone and in passes of 2 to 40
-    (the row tiles' groups of 4 and 6 rows, the GEMM tiles' of up to 12 rows by 16 outputs, and their remainders),
-    and on a team of one thread or two (each output is reduced by one thread); the attention scores a kv head's
-    queries of a sequence's rows together, each as it is alone (with a window and a soft cap, listed key columns,
-    and keys too many for scratch to hold more than one query's scores); 4-bit weights give the bits their bytes
-    give, and 6-bit weights their values."""
+    """Every weight format's product and the attention give each row the same bits alone and in passes of 2 to 70
+    (the row tiles' groups of 4 and 6 rows, the GEMM tiles' of up to 12 rows by 16 outputs, 64 rows at a time, and
+    the remainders), and on a team of one thread or two (each output is reduced by one thread); the attention
+    scores a kv head's queries of a sequence's rows together, each as it is alone (with a window and a soft cap,
+    listed key columns, and keys too many for scratch to hold more than one query's scores); 4-bit weights give the
+    bits their bytes give, and 6-bit weights their values."""
     if native.unavailable():
         pytest.skip(native.unavailable())
     run = run_here(["-c", KERNEL_DIGEST], {}, 120)

@@ -274,15 +274,15 @@ def test_the_server_batches_on_it_and_each_answer_is_its_plain_decoding(tmp_path
 
 
 def test_a_prompt_gives_each_position_plain_decodings_bits_and_what_follows_reads_its_cache(model, weights):
-    """A chain longer than any round (a prompt) runs through fused.c too, PROMPT_CHUNK rows a pass (its products in
+    """A chain longer than any round (a prompt) runs through fused.c too, PASS_ROWS rows a pass (its products in
     the GEMM tiles where the CPU has them): each position's logits are those plain decoding computes one position a
     pass, bit for bit, and the positions after it read the cache it wrote, in a pass of one or of several alike."""
     from specdec.backends.fused import PROMPT_POSITIONS
-    from specdec.backends.fused.runtime import PROMPT_CHUNK
+    from specdec.backends.fused.runtime import PASS_ROWS
     from specdec.choices import MAX_DRAFT_TOKENS
 
     assert PROMPT_POSITIONS > MAX_DRAFT_TOKENS + 1
-    prompt = [(7 * i) % 60 + 3 for i in range(max(PROMPT_POSITIONS, 2 * PROMPT_CHUNK + 5))]  # several chunks
+    prompt = [(7 * i) % 60 + 3 for i in range(max(PROMPT_POSITIONS, 2 * PASS_ROWS + 5))]  # several chunks
     fused, stepped = FusedRuntime(model, weights), FusedRuntime(model, weights)
     assert torch.equal(fused.extend(prompt, len(prompt)), torch.cat([stepped.extend([token], 1) for token in prompt]))
     steps = torch.cat([fused.extend([token], 1) for token in (4, 5, 6)])

@@ -687,7 +687,8 @@ __attribute__((target(VNNI_TARGET))) static inline __m512 add_scaled16(__m512 ac
         const int8_t *xq = x->q + (int64_t)r0 * 32;                                                                \
         for (int block = 0; block < x->in / 32; block++, b++, xq += (int64_t)x->n * 32) {                          \
             const int64_t at = block_of(x, r0, block); /* the rows' scalars for this block: row r's at + r */       \
-            const float *e = x->scale + at, *offset = x->offset + at * SETS;                                       \
+            const float *e = x->scale + at;                                                                        \
+            __attribute__((unused)) const float *offset = x->offset + at * SETS; /* Q6's offsets are in start */ \
             const int32_t *start = x->start + at * SETS;                                                           \
             for (int line = 0; line < (int)sizeof(*b); line += 64) { /* both streams, GEMM_PREFETCH ahead */         \
                 _mm_prefetch((const char *)b + GEMM_PREFETCH + line, _MM_HINT_T0);                                 \
@@ -847,33 +848,25 @@ static void put_tile(const float *out, int stride, int r0, int rows, int o, int 
 
 #define GEMM_CHUNK 64 /* rows whose quantised bytes a GEMM's tiles share before the next rows' (they stay in L2) */
 
-/* product_of on AVX512-VNNI for an integer format: pairs of weight blocks (16 outputs) by GEMM tiles of up to
- * GEMM_ROWS rows, a last block alone by the 8-output tiles; rows GEMM_CHUNK at a time. */
-static void integer_gemm(const Matrix *m, const Quantised *xq, int n, int o0, int o1, float *y, int64_t ldy,
-                         int mode) {
-    int format = m->format, in = m->in;
+/* product_of's pairs of weight blocks (16 outputs) from o0 on AVX512-VNNI, for an integer format, by GEMM tiles
+ * of up to GEMM_MOST rows, GEMM_CHUNK rows at a time; the first output it leaves (a last block without its pair)
+ * to the row tiles. */
+static int integer_gemm(const Matrix *m, const Quantised *xq, int n, int o0, int o1, float *y, int64_t ldy,
+                        int mode) {
+    int format = m->format, in = m->in, most = GEMM_MOST[format], o = o0;
     int64_t next = (int64_t)(in / 32) * BLOCK_BYTES[format]; /* from one block of 8 weight rows to the next */
-    float wide[GEMM_ROWS][16], out[GROUP512][8];
+    float out[GEMM_ROWS][16];
     for (int c0 = 0; c0 < n; c0 += GEMM_CHUNK) {
         int c1 = n - c0 < GEMM_CHUNK ? n : c0 + GEMM_CHUNK;
-        for (int o = o0; o < o1; o += 16) {
-            const void *w = block_at(format, m->weight, o, in);
-            if (o + 8 >= o1) { /* one block left: 8 outputs */
-                for (int r0 = c0; r0 < c1; r0 += GROUP512) {
-                    int rows = c1 - r0 < GROUP512 ? c1 - r0 : GROUP512;
-                    INTEGER_VNNI[format][rows](w, xq, r0, out);
-                    put_tile(&out[0][0], 8, r0, rows, o, o1 - o < 8 ? o1 - o : 8, m->bias, y, ldy, mode);
-                }
-                break;
-            }
+        for (o = o0; o + 8 < o1; o += 16) /* the pair's second block holds a row of the matrix */
             for (int r0 = c0, rows; r0 < c1; r0 += rows) { /* groups of as even a size as the most allows */
-                int left = c1 - r0, groups = (left + GEMM_MOST[format] - 1) / GEMM_MOST[format];
-                rows = (left + groups - 1) / groups;
-                INTEGER_GEMM[format][rows](w, next, xq, r0, wide);
-                put_tile(&wide[0][0], 16, r0, rows, o, o1 - o < 16 ? o1 - o : 16, m->bias, y, ldy, mode);
+                int groups = (c1 - r0 + most - 1) / most;
+                rows = (c1 - r0 + groups - 1) / groups;
+                INTEGER_GEMM[format][rows](block_at(format, m->weight, o, in), next, xq, r0, out);
+                put_tile(&out[0][0], 16, r0, rows, o, o1 - o < 16 ? o1 - o : 16, m->bias, y, ldy, mode);
             }
-        }
     }
+    return o;
 }
 
 /* y[r, o] = x[r] . W[o] (+ bias) for every row r < n and o in [o0, o1) (o0 a multiple of 8): x [n, ldx], or for an
@@ -885,10 +878,7 @@ static void product_of(const Matrix *m, const float *x, const Quantised *xq, int
     const void *w = m->weight;
     float out[GROUP512][8];
     if (INTEGER(format) && !xq) return; /* its rows could not be quantised: the pass fails */
-    if (xq && has_vnni && n >= GEMM_FROM[format]) {
-        integer_gemm(m, xq, n, o0, o1, y, ldy, mode);
-        return;
-    }
+    if (xq && has_vnni && n >= GEMM_FROM[format]) o0 = integer_gemm(m, xq, n, o0, o1, y, ldy, mode);
     int group = (INTEGER(format) ? has_vnni : has_avx512) ? GROUP512 : GROUP;
     for (int o = o0; o < o1; o += 8) {
         int count = o1 - o < 8 ? o1 - o : 8; /* a block past the matrix's last row is zero padding */

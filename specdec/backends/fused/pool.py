@@ -31,15 +31,10 @@ class FusedPool(SlotPool):
         return self.runtime.prompt_positions  # a row of this many counts as a prompt's (the runtime's count)
 
     def run_rows(self, rows: list[Row], layout: Layout, layers: int) -> torch.Tensor:  # [T, hidden]
-        """Each packed token at its position in its slot, attending its slot's keys up to itself, through fused.c:
-        one call, or a prompt's many tokens the runtime's prompt_chunk a call (each row computed alone: the same
-        bits)."""
-        x, positions = self.runtime.embedded(layout.token_ids), layout.positions.numpy()
-        bases = layout.slot_of_token.numpy() * self.slot_floats
-        step = self.runtime.prompt_chunk
-        chunks = [slice(at, at + step) for at in range(0, len(positions), step)]
-        return torch.cat([self.runtime.fused_pass(x[c], 0, layers, self._cache, positions[c], bases[c], positions[c],
-                                                  positions[c] + 1) for c in chunks])
+        # each packed token at its position in its slot, attending its slot's keys up to itself
+        positions = layout.positions.numpy()
+        return self.runtime.fused_pass(self.runtime.embedded(layout.token_ids), 0, layers, self._cache, positions,
+                                       layout.slot_of_token.numpy() * self.slot_floats, positions, positions + 1)
 
     def head_for(self, rows: list[Row], layout: Layout) -> Linear:
         return self.runtime.head_for(layout.total)

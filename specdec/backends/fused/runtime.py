@@ -5,7 +5,7 @@ install as ``specdec.backends._fused``).
 states, as the lean runtime does) and computes every layer, and the LM head, in the C pass: int8 or float16
 weights read once per pass whatever the row count, one thread team (PyTorch's OpenMP threads), norms, RoPE and
 attention written around the products, and each row computed as it is alone (batch-invariant by construction, see
-``fused.c``); a prompt runs through the same call, PROMPT_CHUNK rows at a time, its products in the GEMM tiles, so
+``fused.c``); a prompt runs through the same call, PASS_ROWS rows at a time, its products in the GEMM tiles, so
 its positions hold the bits plain decoding would write. Its pool (``pool.py``) runs its rows through the same call.
 
 Where it cannot run (not built, a CPU without AVX2/FMA/F16C, a model it does not cover), :func:`unavailable` says
@@ -63,11 +63,10 @@ WEIGHTS = ("float16", "int8")  # how fused.c holds the weights; activations, nor
 PRODUCTS = ("integer", "float")
 Q8_GROUP = 32  # inputs that share an int8 weight's scale and offset
 # A chain pass over more positions than a round can score (k <= MAX_DRAFT_TOKENS drafts and the pending token) holds
-# a prompt: it runs PROMPT_CHUNK rows a C pass (a pass's scratch grows with its rows), each row computed as it is
-# alone, so a prompt's positions hold the bits rounds and steps would write; the count stays the runtime's
-# PromptPasses count (what a prefix cache keeps is still decided by it).
+# a prompt. It runs fused.c's pass as rounds and steps do, so its positions hold the bits they would write; the count
+# stays the runtime's PromptPasses count (what a prefix cache keeps is still decided by it).
 PROMPT_POSITIONS = MAX_DRAFT_TOKENS + 2
-PROMPT_CHUNK = 64  # a prompt's rows per C pass: any count gives each row the same bits (its pass computes it alone)
+PASS_ROWS = 64  # the most rows one C call takes (its scratch grows with them); more run in parts, each row alone
 
 
 class FusedUnavailable(RuntimeError):
@@ -291,7 +290,6 @@ class FusedRuntime(LlamaSequence, Pooled):
     name = "fused"
     pass_invariant = True  # fused.c computes each row alone, a prompt's rows too
     prompt_positions = PROMPT_POSITIONS  # a chain of this many is a prompt's (trees and rounds never are)
-    prompt_chunk = PROMPT_CHUNK  # a prompt's rows a C pass
 
     def __init__(self, model, weights: str = "auto", gguf: str | Path | None = None,
                  products: str = "integer") -> None:
@@ -356,23 +354,12 @@ class FusedRuntime(LlamaSequence, Pooled):
     def run_layers(self, x: torch.Tensor, first: int, end: int, start: int, positions: slice | torch.Tensor,
                    mask: torch.Tensor | None) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
         n = x.shape[0]
-        if self.runs_as_prompt(n, isinstance(positions, slice)):  # a prompt: its rows in chunks, each a C pass
-            return torch.cat([self._chain_pass(x[at : at + PROMPT_CHUNK], first, end, start + at)
-                              for at in range(0, n, PROMPT_CHUNK)])
         columns = np.arange(start, start + n, dtype=np.int32)
         tree = isinstance(positions, torch.Tensor)  # a tree: each node reads the cache, then its ancestors
         reading = self._keys_read(mask, start, n, tree)
         rope = positions.numpy() if tree else columns
         return self.fused_pass(x, first, end, self._cache(), rope, np.zeros(n, dtype=np.int64), columns,
                                reading.n_keys, reading.key_cols)
-
-    def _chain_pass(self, x: torch.Tensor, first: int, end: int, start: int) -> torch.Tensor:  # [n, hidden]
-        """Rows x after the cache's ``start`` positions, each reading the cache and the rows before it, in one C
-        pass."""
-        n = x.shape[0]
-        columns = np.arange(start, start + n, dtype=np.int32)
-        return self.fused_pass(x, first, end, self._cache(), columns, np.zeros(n, dtype=np.int64), columns,
-                               columns + 1)
 
     def pool(self, max_slots: int, max_length: int):
         from specdec.backends.fused.pool import FusedPool
@@ -427,10 +414,15 @@ class FusedRuntime(LlamaSequence, Pooled):
     def fused_pass(self, x: torch.Tensor, first: int, end: int, cache: PassCache, rope: np.ndarray,
                    base: np.ndarray, columns: np.ndarray, n_keys: np.ndarray, key_cols: np.ndarray | None = None,
                    ) -> torch.Tensor:  # [n, hidden]
-        """Rows x [n, hidden] through layers first..end-1 in one C pass; the residual stream after them (a new
-        tensor). Row i sits at RoPE position ``rope[i]``; its key and value are written at cache column
-        ``columns[i]`` of the sequence that starts ``base[i]`` floats from each layer cache's base; it attends the
-        first ``n_keys[i]`` columns there, or those ``key_cols[i]`` lists, in that order."""
+        """Rows x [n, hidden] through layers first..end-1 in C passes of up to PASS_ROWS rows, in order (a row's keys
+        are written before any later row reads them); the residual stream after them (a new tensor). Row i sits at
+        RoPE position ``rope[i]``; its key and value are written at cache column ``columns[i]`` of the sequence that
+        starts ``base[i]`` floats from each layer cache's base; it attends the first ``n_keys[i]`` columns there, or
+        those ``key_cols[i]`` lists, in that order. Each row is computed as it is alone: the parts change no bit."""
+        parts = [slice(at, at + PASS_ROWS) for at in range(0, x.shape[0], PASS_ROWS)]
+        if len(parts) > 1:
+            return torch.cat([self.fused_pass(x[p], first, end, cache, rope[p], base[p], columns[p], n_keys[p],
+                                              None if key_cols is None else key_cols[p]) for p in parts])
         x = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # fused.c writes it
         arrays = [np.ascontiguousarray(a) for a in (rope.astype(np.int32), base.astype(np.int64),
                                                     columns.astype(np.int32), n_keys.astype(np.int32))]
