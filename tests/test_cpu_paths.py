@@ -44,28 +44,42 @@ import hashlib, numpy as np, torch
 from specdec.backends import native
 torch.manual_seed(0)
 digest, alone_everywhere = hashlib.sha256(), True
-x = torch.randn(70, 96)
+x = torch.randn(70, 512)
 from specdec.backends.fused.stored import byte_grid
-products = [native.RowProduct(torch.randn(45, 96), torch.randn(45), precision)
+products = [native.RowProduct(torch.randn(45, 512), torch.randn(45), precision)
             for precision in ("float32", "float16", "bfloat16")]
 grids = []  # held: a product reads their bytes
 for group in (32, 16):  # bytes with a scale and offset per group, multiplied in floats and in integers
-    grids.append(grid := byte_grid(torch.randint(0, 256, (45, 96), dtype=torch.uint8), torch.rand(45, 96 // group) / 50,
-                     torch.randn(45, 96 // group) / 10))
+    grids.append(grid := byte_grid(torch.randint(0, 256, (45, 512), dtype=torch.uint8),
+                                   torch.rand(45, 512 // group) / 50, torch.randn(45, 512 // group) / 10))
     products += [native.MatrixProduct(grid.struct(kind)) for kind in ("float", "integer")]
-from specdec.backends.fused.stored import StoredMatrix, packed_q8
+from specdec.backends.fused.stored import StoredMatrix, packed_k, packed_q8
 narrow_as_bytes = True
-for bits, group, name in ((4, 32, "int4"), (6, 16, "int6_group16")):  # 6 bits: Q6_K's offsets, -32 scale
-    q, scale = torch.randint(0, 2**bits, (45, 96), dtype=torch.uint8), torch.rand(45, 96 // group) / 50
-    offset = -32 * scale if bits == 6 else torch.randn(45, 96 // group) / 10
-    wide, narrow = byte_grid(q, scale, offset), StoredMatrix(name, 45, 96, packed_q8(q, scale, offset, bits))
+def halves(t):  # values a float16 holds
+    return t.half().float()
+for name in ("int4", "int4_k", "int6_k"):  # nibbles with float16 scales; a K-quant's own integers (6 bits: Q6_K's)
+    bits, group = (6, 16) if name == "int6_k" else (4, 32)
+    q = torch.randint(0, 2**bits, (45, 512), dtype=torch.uint8)
+    if name == "int4":
+        scale, offset = halves(torch.rand(45, 512 // group) / 50), halves(torch.randn(45, 512 // group) / 10)
+        packed = packed_q8(q, scale, offset, bits)
+    else:  # per 256 inputs a float16 d (and dmin), per group an integer scale (and min)
+        d, dmin = halves(torch.rand(45, 2) / 500), halves(torch.rand(45, 2) / 500)
+        if bits == 6:
+            sc, mn = torch.randint(-128, 128, (45, 32), dtype=torch.int8), None
+        else:
+            sc, mn = (torch.randint(0, 64, (45, 16), dtype=torch.uint8) for _ in range(2))
+        scale = d.repeat_interleave(256 // group, 1) * sc.float()
+        offset = -32 * scale if bits == 6 else -(dmin.repeat_interleave(8, 1) * mn.float())
+        packed = packed_k(q, sc, mn, d, None if bits == 6 else dmin)
+    wide, narrow = byte_grid(q, scale, offset), StoredMatrix(name, 45, 512, packed)
     grids += [wide, narrow]
     as_bytes, product = (native.MatrixProduct(m.struct("integer")) for m in (wide, narrow))
     if bits == 4:  # the same integers and the same float steps as its bytes'
         narrow_as_bytes &= torch.equal(product(x), as_bytes(x))
     else:  # the same integers; the offset -32 d taken in them, exactly, where the bytes' add it in floats: within
         # float32's rounding of a few steps a set over the terms' sizes, sum |w| |x|
-        w = (q.float().view(45, -1, group) * scale[..., None] + offset[..., None]).view(45, 96)
+        w = (q.float().view(45, -1, group) * scale[..., None] + offset[..., None]).view(45, 512)
         rounding = 16 * torch.finfo(torch.float32).eps * (x.abs() @ w.abs().T)
         narrow_as_bytes &= bool(((product(x) - as_bytes(x)).abs() <= rounding).all())
     products.append(product)

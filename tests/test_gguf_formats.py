@@ -82,10 +82,11 @@ def test_logits_against_a_float32_reference_and_llama_cpp(files, arch, kind, pro
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_k_quant_runtime_is_what_the_house_asks_of_a_runtime(files, arch):
     """Declarations, cache and rollback, and the pool: rows alone = in a pass = beside other sequences, bit for bit,
-    with the mixed formats of a Q4_K_M file (Q4_K in nibbles; Q6_K in 6 bits where a matrix is all Q6_K, the LM
-    head and some ffn_down, and in bytes per 16 where it joins Q4_K, some layers' qkv) and qwen2's biases."""
+    with the mixed formats of a Q4_K_M file (Q4_K in nibbles and Q6_K in 6 bits, each under its own integer scales,
+    where a matrix is all one of them: Q6_K the LM head and some ffn_down; in bytes per 16 where they join, some
+    layers' qkv) and qwen2's biases."""
     runtime = FusedRuntime.from_gguf(files(arch, "Q4_K_M"))
-    assert set(runtime.weights.split("+")) == {"int4", "int6_group16", "int8_group16"}
+    assert set(runtime.weights.split("+")) == {"int4_k", "int6_k", "int8_group16"}
     check_runtime(runtime)
 
 

@@ -202,9 +202,30 @@ def q8_rows(tensor: Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rows, cols = tensor.shape[0], int(np.prod(tensor.shape[1:]))
     kind = tensor.type_name
     block_values, block_bytes = next((values, size) for name, values, size in TYPES.values() if name == kind)
-    blocks = tensor.data.reshape(rows, cols // block_values, block_bytes)
-    q, d, m = _BYTE_GRIDS[kind](blocks)
+    q, d, m = _BYTE_GRIDS[kind](_blocks(tensor))
     return q.reshape(rows, cols), d.reshape(rows, -1), m.reshape(rows, -1)
+
+
+def _blocks(tensor: Tensor) -> np.ndarray:  # uint8 [rows, blocks, block bytes]
+    rows, cols = tensor.shape[0], int(np.prod(tensor.shape[1:]))
+    block_values, block_bytes = next((values, size) for name, values, size in TYPES.values()
+                                     if name == tensor.type_name)
+    return tensor.data.reshape(rows, cols // block_values, block_bytes)
+
+
+def k_rows(tensor: Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None]:
+    """A Q4_K or Q6_K matrix [rows, cols] in its own integers: q (uint8 [rows, cols]); per 32 inputs (Q6_K: 16) a
+    scale (Q4_K: uint8 < 64; Q6_K: int8) and Q4_K's min (uint8 < 64, else None); per 256 inputs d and Q4_K's dmin
+    (float32 [rows, cols / 256], else None): w = (d sc) q - (dmin mn), or (d sc) (q - 32), whose products d sc and
+    dmin mn are q8_rows' scales and offsets, exactly."""
+    rows, cols = tensor.shape[0], int(np.prod(tensor.shape[1:]))
+    blocks = _blocks(tensor)
+    if tensor.type_name == "Q4_K":
+        scales, mins = _k_scales(blocks[..., 4:16])
+        q, d, dmin = _k_low_nibbles(blocks[..., 16:144]), _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+        return q.reshape(rows, cols), scales.reshape(rows, -1), mins.reshape(rows, -1), d, dmin
+    q, scales, d = _q6_k_parts(blocks)
+    return q.reshape(rows, cols), scales.reshape(rows, -1), None, d, None
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:  # [..., 2] uint8 -> [...] float32
@@ -253,11 +274,11 @@ def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     first, second, last = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
     scales = np.concatenate([first & 0x3F, (last & 0x0F) | ((first >> 6) << 4)], axis=-1)
     mins = np.concatenate([second & 0x3F, (last >> 4) | ((second >> 6) << 4)], axis=-1)
-    return scales.astype(np.float32), mins.astype(np.float32)
+    return scales, mins
 
 
 def _k_grid(blocks: np.ndarray, q: np.ndarray):  # q [..., 256]: per 32 values, d sc and -dmin mn
-    scales, mins = _k_scales(blocks[..., 4:16])
+    scales, mins = (t.astype(np.float32) for t in _k_scales(blocks[..., 4:16]))
     d, dmin = _f16(blocks[..., 0:2])[..., None], _f16(blocks[..., 2:4])[..., None]
     return q, d * scales, -(dmin * mins)
 
@@ -278,16 +299,21 @@ def _q5_k(blocks):
     return _k_grid(blocks, _k_low_nibbles(blocks[..., 48:176]) | (fifth.reshape(*high.shape[:-1], 256) << 4))
 
 
-def _q6_k(blocks):
-    """128 bytes of low nibbles, 64 of high bit pairs, 16 signed scales and a float16 d. Each half of 128 values
-    takes 64 low bytes (values 0-63: their low nibbles; 64-127: their high) and 32 high bytes (bit pair j of byte i
-    belongs to value 32 j + i)."""
+def _q6_k_parts(blocks):
+    """128 bytes of low nibbles, 64 of high bit pairs, 16 signed scales and a float16 d, as q [..., 256], the scales
+    (int8 [..., 16]) and d (float32 [...]). Each half of 128 values takes 64 low bytes (values 0-63: their low
+    nibbles; 64-127: their high) and 32 high bytes (bit pair j of byte i belongs to value 32 j + i)."""
     low, high = blocks[..., :128], blocks[..., 128:192]
     lead = blocks.shape[:-1]
     nibbles = low.reshape(*lead, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8)[:, None]
     pairs = high.reshape(*lead, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
     q = (nibbles & 0x0F).reshape(*lead, 256) | ((pairs & 0x03).reshape(*lead, 256) << 4)
-    scale = _f16(blocks[..., 208:210])[..., None] * blocks[..., 192:208].view(np.int8).astype(np.float32)
+    return q, blocks[..., 192:208].view(np.int8), _f16(blocks[..., 208:210])
+
+
+def _q6_k(blocks):
+    q, scales, d = _q6_k_parts(blocks)
+    scale = d[..., None] * scales.astype(np.float32)
     return q, scale, scale * np.float32(-32)
 
 
@@ -295,8 +321,8 @@ _BYTE_GRIDS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0
                "Q5_K": _q5_k, "Q6_K": _q6_k}
 # w = d q + m per 32 (Q6_K: 16) values: kept exactly in one byte, a float scale and a float offset (q8_rows)
 Q8_STORED = tuple(_BYTE_GRIDS)
-NIBBLE_STORED = ("Q4_0", "Q4_1", "Q4_K")  # whose q (above) is under 16: kept in 4 bits for integer products
-SIX_BIT_STORED = ("Q6_K",)  # whose q is under 64 and offset -32 times the scale: kept in 6 bits so
+NIBBLE_STORED = ("Q4_0", "Q4_1")  # whose q (above) is under 16, scale and offset float16: kept in 4 bits and 16
+# for integer products; Q4_K and Q6_K in their own bits and scales (k_rows)
 
 
 def grid_group(type_name: str) -> int:

@@ -23,10 +23,11 @@ NEEDED_FLAGS = ("avx2", "fma", "f16c")
 # how fused.c stores a weight matrix (its F16, Q8, F32, BF16 and Q8H): floats, or bytes with a float scale and offset
 # per 32 inputs (int8) or per 16 (int8_group16)
 FORMAT = {"float16": 0, "int8": 1, "float32": 2, "bfloat16": 3, "int8_group16": 4}
-# the block formats' integer products (fused.c's Q8I, Q8HI and Q4I), times each row's inputs quantised to bytes per
-# block of 32: the byte formats' same bytes; int4, nibbles with a scale and offset per 32, and int6_group16, 6 bits
-# with a scale per 16 and the offset -32 times it (Q6_K's), in integer products only
-INTEGER_FORMAT = {"int8": 5, "int8_group16": 6, "int4": 7, "int6_group16": 8}
+# the block formats' integer products (fused.c's Q8I, Q8HI, Q4I, Q6I and Q4KI), times each row's inputs quantised to
+# bytes per block of 32: the byte formats' same bytes; in integer products only, int4: nibbles with a float16 scale
+# and offset per 32 (Q4_0's, Q4_1's); the K-quants' own integer scales under a float per 256 inputs: int6_k, 6 bits
+# with a scale per 16 and the offset -32 times it (Q6_K's), and int4_k, nibbles with a scale and a min per 32 (Q4_K's)
+INTEGER_FORMAT = {"int8": 5, "int8_group16": 6, "int4": 7, "int6_k": 8, "int4_k": 9}
 FLOAT_FORMATS = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
 TILE_OUTPUTS = 8  # weight rows per repacked block
 CHUNK_INPUTS = 8  # inputs per chunk of a block: a float product's inputs come in whole chunks
@@ -69,14 +70,23 @@ class _Rows(ctypes.Structure):
                 ("key_cols", _p), ("key_stride", ctypes.c_int)]
 
 
-# fused.c's blocks of 8 rows x 32 inputs of bytes, then per 32 (block_q8x8) or per 16 inputs (block_q8x16) the 8
-# rows' float scales and offsets
-Q8_BLOCK_BYTES = {"int8": 320, "int8_group16": 384, "int4": 192, "int6_group16": 256}
+# fused.c's blocks of 8 rows x 32 inputs: bytes, then per 32 (block_q8x8) or per 16 inputs (block_q8x16) the 8
+# rows' float scales and offsets; nibbles (block_q4x8, block_q4k8) or 6 bits (block_q6x8) with their scales; and the
+# K formats' super-blocks of 8 rows x 256 inputs (super_q6x8, super_q4k8), after a matrix's 8 rows' blocks
+Q8_BLOCK_BYTES = {"int8": 320, "int8_group16": 384, "int4": 160, "int6_k": 208, "int4_k": 144}
+SUPER_BYTES = {"int6_k": 32, "int4_k": 64}
 # what sd_struct_sizes reports, in its order
 STRUCT_SIZES = {"Model": ctypes.sizeof(Model), "Layer": ctypes.sizeof(Layer), "Cache": ctypes.sizeof(Cache),
                 "Rows": ctypes.sizeof(_Rows), "Matrix": ctypes.sizeof(Matrix),
                 "block_q8x8": Q8_BLOCK_BYTES["int8"], "block_q8x16": Q8_BLOCK_BYTES["int8_group16"],
-                "block_q4x8": Q8_BLOCK_BYTES["int4"], "block_q6x8": Q8_BLOCK_BYTES["int6_group16"]}
+                "block_q4x8": Q8_BLOCK_BYTES["int4"], "block_q6x8": Q8_BLOCK_BYTES["int6_k"],
+                "block_q4k8": Q8_BLOCK_BYTES["int4_k"], "super_q6x8": SUPER_BYTES["int6_k"],
+                "super_q4k8": SUPER_BYTES["int4_k"]}
+
+
+def group_bytes(name: str, inputs: int) -> int:
+    """The bytes of 8 rows of ``inputs`` inputs in a blocked format: their blocks, then their super-blocks."""
+    return inputs // 32 * Q8_BLOCK_BYTES[name] + inputs // 256 * SUPER_BYTES.get(name, 0)
 
 
 def cpu_lacks() -> list[str]:

@@ -493,42 +493,84 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 add_set(__m256 acc
     return _mm256_fmadd_ps(m, _mm256_set1_ps(x->offset[block_of(x, row, block) * sets + t]), acc);
 }
 
-/* A set's scales for the block's 8 outputs, and a set of a quad block added to acc (SET_*: a Q6 block's offsets
- * are -32 times its scales, so its sums take -32 sum(xq) in integers, exactly, and no float offset). */
-#define SET_D(b, t) _mm256_loadu_ps((const float *)(b)->d + 8 * (t))
-#define SET_Q8(acc, isum, b, x, row, block, sets, t)                                                               \
-    add_set(acc, isum, SET_D(b, t), _mm256_loadu_ps((const float *)(b)->m + 8 * (t)), x, row, block, sets, t)
-#define SET_Q4 SET_Q8
-#define SET_Q6(acc, isum, b, x, row, block, sets, t) add_scaled(acc, isum, SET_D(b, t), x, row, block)
+/* 8 bytes as 8 floats: unsigned (a K-quant's 6-bit scales and mins), signed (Q6_K's scales). */
+#define BYTES8_U(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define BYTES8_S(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 
-/* Q4I and Q6I, the integer-only formats (a GGUF's 4-bit and 6-bit blocks), hold a block's 32 inputs as 8 quads:
- * quad g (inputs 4g..4g+3) of the 8 rows is 32 bytes, row j's 4 at 4j. One register then holds a quad with a row
- * per 32-bit lane; the row's 4 input bytes, broadcast to every lane, multiply it, and each lane sums one row's
+/* Set t's scales d (SCALES_*) and offsets m (OFFSETS_*) of the 8 rows of block b (s: its super-block, in the K
+ * formats), as floats: stored (Q8), float16 (Q4), or a super-block's float d times the block's integer scale (Q4K,
+ * Q6), each product exact (an 11-bit float16 significand times an integer of at most 8 bits), so they are the
+ * floats q8_rows gives. SET_*: acc plus the set, with its offsets (add_set), or with Q6's -32 d taken in the
+ * integer sums (add_scaled). */
+#define SCALES_Q8(b, s, t) _mm256_loadu_ps((const float *)(b)->d + 8 * (t))
+#define OFFSETS_Q8(b, s, t) _mm256_loadu_ps((const float *)(b)->m + 8 * (t))
+#define SCALES_Q4(b, s, t) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b)->d))
+#define OFFSETS_Q4(b, s, t) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b)->m))
+#define SCALES_Q4K(b, s, t) _mm256_mul_ps(BYTES8_U((b)->sc), _mm256_loadu_ps((s)->d))
+#define OFFSETS_Q4K(b, s, t) _mm256_mul_ps(BYTES8_U((b)->mn), _mm256_loadu_ps((s)->dmin))
+#define SCALES_Q6(b, s, t) _mm256_mul_ps(BYTES8_S((b)->sc[t]), _mm256_loadu_ps((s)->d))
+#define OFFSETS_Q6(b, s, t) _mm256_setzero_ps()
+#define SET_Q8(acc, isum, d, m, x, row, block, sets, t) add_set(acc, isum, d, m, x, row, block, sets, t)
+#define SET_Q4 SET_Q8
+#define SET_Q4K SET_Q8
+#define SET_Q6(acc, isum, d, m, x, row, block, sets, t) add_scaled(acc, isum, d, x, row, block)
+
+/* Q4I, Q4KI and Q6I, the integer-only formats (a GGUF's 4-bit and 6-bit blocks), hold a block's 32 inputs as 8
+ * quads: quad g (inputs 4g..4g+3) of the 8 rows is 32 bytes, row j's 4 at 4j. One register then holds a quad with a
+ * row per 32-bit lane; the row's 4 input bytes, broadcast to every lane, multiply it, and each lane sums one row's
  * products, so a set's sum needs no reduction across lanes.
  *
- * Q4I: 4-bit weights (Q4_0, Q4_1 and Q4_K: q < 16) with a float scale and offset per 32 inputs: block_q4x8 holds
- * quad 2p in the low nibbles of q[p] and quad 2p + 1 in the high, then the scales and offsets (0.75 bytes a weight,
- * against 1.25). */
+ * Q4I: 4-bit weights (Q4_0 and Q4_1: q < 16) with a float16 scale and offset per 32 inputs, as the file holds them
+ * (Q4_0's offset -8 d is a float16 too): block_q4x8 holds quad 2p in the low nibbles of q[p] and quad 2p + 1 in the
+ * high, then the scales and offsets (0.625 bytes a weight, the file's own size). */
 typedef struct {
     uint8_t q[4][32];
-    float d[8], m[8];
+    uint16_t d[8], m[8];
 } block_q4x8;
-static_assert(sizeof(block_q4x8) == 192, "block_q4x8: 128 bytes of nibbles, then 8 scales and 8 offsets");
+static_assert(sizeof(block_q4x8) == 160, "block_q4x8: 128 bytes of nibbles, then 8 float16 scales and offsets");
 
-/* Q6I: 6-bit weights (Q6_K: q < 64, w = d (q - 32)) with a float scale per 16 inputs: block_q6x8 holds the low
- * nibbles as block_q4x8 does, the top 2 bits of quad 4h + k in bits 2k and 2k + 1 of hi[h] (h is the set), then
- * the scales; each offset is -32 times its scale, exactly (1 byte a weight, against 1.5). */
+/* The K formats keep a GGUF K-quant's own scales: per 32 (16) inputs each row's integer scale, and per 256 inputs
+ * (a super-block) each row's float d, so a weight is (d sc) q + offset as q8_rows has it. A matrix's 8 rows are
+ * their blocks, in/32 of them, then their super-blocks, in/256 (SUPER_AT).
+ *
+ * Q4KI: Q4_K (q < 16, w = (d sc) q - (dmin mn)): block_q4k8 holds the nibbles as block_q4x8 does, then the 8 rows'
+ * 6-bit scales and mins; super_q4k8 their d and -dmin (0.594 bytes a weight, against the file's 0.5625). */
+typedef struct {
+    uint8_t q[4][32];
+    uint8_t sc[8], mn[8];
+} block_q4k8;
+static_assert(sizeof(block_q4k8) == 144, "block_q4k8: 128 bytes of nibbles, then 8 scales and 8 mins");
+typedef struct {
+    float d[8], dmin[8]; /* dmin negated: (-dmin) mn is -(dmin mn), exactly */
+} super_q4k8;
+
+/* Q6I: Q6_K (q < 64, w = (d sc) (q - 32), sc signed, per 16 inputs): block_q6x8 holds the low nibbles as block_q4x8
+ * does, the top 2 bits of quad 4h + k in bits 2k and 2k + 1 of hi[h] (h is the set), then per set the 8 rows'
+ * scales; super_q6x8 their d. Each offset is -32 times its scale, exactly, and is taken in the integer sums (0.83
+ * bytes a weight, against the file's 0.82). */
 typedef struct {
     uint8_t q[4][32], hi[2][32];
-    float d[2][8];
+    int8_t sc[2][8];
 } block_q6x8;
-static_assert(sizeof(block_q6x8) == 256, "block_q6x8: 128 bytes of nibbles, 64 of top bits, then 2 x 8 scales");
+static_assert(sizeof(block_q6x8) == 208, "block_q6x8: 128 bytes of nibbles, 64 of top bits, then 2 x 8 scales");
+typedef struct {
+    float d[8];
+} super_q6x8;
+
+/* The super-block of block `block` of the 8 rows whose first block is w (K formats; others have none: char). */
+#define SUPER_AT(BLOCK, SUPER, w, in, block)                                                                           \
+    ((const SUPER *)((const char *)(w) + (int64_t)((in) / 32) * sizeof(BLOCK)) + (block) / 8)
+#define SUPER_Q8 char
+#define SUPER_Q4 char
+#define SUPER_Q4K super_q4k8
+#define SUPER_Q6 super_q6x8
 
 /* Quad g of a block_q8x8 or block_q8x16 (block_q4x8, block_q6x8): the 8 rows' 4 weights, a byte each. */
 #define QUAD_Q8(b, g) _mm256_loadu_si256((const __m256i *)(b)->q[g])
 #define QUAD_Q4(b, g)                                                                                              \
     _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b)->q[(g) / 2]), 4 * ((g) % 2)),     \
                      _mm256_set1_epi8(0x0F))
+#define QUAD_Q4K QUAD_Q4
 #define QUAD_Q6(b, g) _mm256_or_si256(QUAD_Q4(b, g), top_bits(_mm256_loadu_si256((const __m256i *)(b)->hi[(g) / 4]), (g) % 4))
 
 /* Bits 2k and 2k + 1 of each byte of hi moved to bits 4 and 5, the rest cleared. */
@@ -566,6 +608,7 @@ dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
     _mm256_add_epi32(sum, MADD_ONES(_mm256_add_epi16(_mm256_maddubs_epi16(w0, quad_inputs(x)),                    \
                                                      _mm256_maddubs_epi16(w1, quad_inputs((x) + 4)))))
 #define DOT2_AVX2_Q6 DOT2_AVX2_Q4
+#define DOT2_AVX2_Q4K DOT2_AVX2_Q4
 #define CENTRED(w) _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80))
 #define DOT_AVX2_Q8(sum, w, x)                                                                                     \
     _mm256_add_epi32(sum, MADD_ONES(_mm256_maddubs_epi16(_mm256_abs_epi8(CENTRED(w)),                            \
@@ -573,17 +616,20 @@ dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
 #define DOT2_AVX2_Q8(sum, w0, w1, x) DOT_AVX2_Q8(DOT_AVX2_Q8(sum, w0, x), w1, (x) + 4)
 #define DOT2_VNNI_Q4(sum, w0, w1, x) dpbusd_broadcast(dpbusd_broadcast(sum, w0, x), w1, (x) + 4)
 #define DOT2_VNNI_Q6 DOT2_VNNI_Q4
+#define DOT2_VNNI_Q4K DOT2_VNNI_Q4
 #define DOT2_VNNI_Q8 DOT2_VNNI_Q4
 /* OFFSET: what a tile's integer sums start from, times sum(xq): 128 where AVX2 summed a Q8 byte as q - 128, -32 for
  * Q6's offset (-32 times its scale), 0 elsewhere; OFFSET_OF, a format's, for the quantiser (integer_offset). */
 #define OFFSET_AVX2_Q8 128
 #define OFFSET_AVX2_Q4 0
 #define OFFSET_AVX2_Q6 (-32)
+#define OFFSET_AVX2_Q4K 0
 #define OFFSET_VNNI_Q8 0
 #define OFFSET_VNNI_Q4 0
 #define OFFSET_VNNI_Q6 (-32)
+#define OFFSET_VNNI_Q4K 0
 #define OFFSET_OF(ISA, format)                                                                                     \
-    ((format) == Q6I ? OFFSET_##ISA##_Q6 : (format) == Q4I ? OFFSET_##ISA##_Q4 : OFFSET_##ISA##_Q8)
+    ((format) == Q6I ? OFFSET_##ISA##_Q6 : (format) == Q4I || (format) == Q4KI ? OFFSET_##ISA##_Q4 : OFFSET_##ISA##_Q8)
 #define TILE_QUAD(NAME, TARGET, ISA, BLOCK, SETS, KIND, R)                                                         \
     __attribute__((target(TARGET))) static void NAME##_##R(const void *w, const Quantised *x, int r0,              \
                                                            float out[GROUP512][8]) {                               \
@@ -593,7 +639,10 @@ dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
         const int8_t *xq = x->q + (int64_t)r0 * 32; /* this block's first row's bytes: row r's 32 r further */      \
         for (int block = 0; block < x->in / 32; block++, b++, xq += (int64_t)x->n * 32) {                          \
             PREFETCH_BLOCK(b)                                                                                      \
+            __attribute__((unused)) const SUPER_##KIND *s = SUPER_AT(BLOCK, SUPER_##KIND, w, x->in, block);       \
             _Pragma("GCC unroll 2") for (int t = 0; t < SETS; t++) {                                               \
+                const __m256 d = SCALES_##KIND(b, s, t);                                                           \
+                __attribute__((unused)) const __m256 m = OFFSETS_##KIND(b, s, t); /* Q6's are in start */          \
                 __m256i sum[R][CHAINS(R, SETS)];                                                                   \
                 for (int r = 0; r < R; r++) {                                                                      \
                     for (int c = 0; c < CHAINS(R, SETS); c++) sum[r][c] = _mm256_setzero_si256();                  \
@@ -609,7 +658,7 @@ dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
                 }                                                                                                  \
                 for (int r = 0; r < R; r++) {                                                                      \
                     for (int c = 1; c < CHAINS(R, SETS); c++) sum[r][0] = _mm256_add_epi32(sum[r][0], sum[r][c]);  \
-                    acc[r] = SET_##KIND(acc[r], sum[r][0], b, x, r0 + r, block, SETS, t);                      \
+                    acc[r] = SET_##KIND(acc[r], sum[r][0], d, m, x, r0 + r, block, SETS, t);                       \
                 }                                                                                                  \
             }                                                                                                      \
         }                                                                                                          \
@@ -631,6 +680,7 @@ dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
 TILES_QUAD(q8i, block_q8x8, 1, Q8)
 TILES_QUAD(q8hi, block_q8x16, 2, Q8)
 TILES_QUAD(q4i, block_q4x8, 1, Q4)
+TILES_QUAD(q4ki, block_q4k8, 1, Q4K)
 TILES_QUAD(q6i, block_q6x8, 2, Q6)
 
 /* The GEMM tile for many rows on AVX512-VNNI: GEMM_ROWS rows by 16 outputs, two blocks of 8 weight rows side by
@@ -649,10 +699,15 @@ TILES_QUAD(q6i, block_q6x8, 2, Q6)
 #define QUAD16_Q8(b, next, g) LOAD_PAIR(b, next, q[g])
 #define QUAD16_Q4(b, next, g)                                                                                      \
     _mm512_and_si512(_mm512_srli_epi16(LOAD_PAIR(b, next, q[(g) / 2]), 4 * ((g) % 2)), _mm512_set1_epi8(0x0F))
+#define QUAD16_Q4K QUAD16_Q4
 #define QUAD16_Q6(b, next, g) _mm512_or_si512(QUAD16_Q4(b, next, g), top_bits16(LOAD_PAIR(b, next, hi[(g) / 4]), (g) % 4))
-#define SET16(b, next, field, t)                                                                                   \
-    HALVES_F(_mm256_loadu_ps((const float *)(b)->field + 8 * (t)),                                                 \
-             _mm256_loadu_ps((const float *)((const char *)((const float *)(b)->field + 8 * (t)) + (next))))
+/* p, `next` bytes further: the same place in the next block of 8 weight rows. */
+#define AT_NEXT(p, next) ((__typeof__(p))((const char *)(p) + (next)))
+/* A set's scales (offsets) for 16 outputs: each block's SCALES_* (OFFSETS_*), side by side. */
+#define SCALES16(KIND, b, s, next, t)                                                                              \
+    HALVES_F(SCALES_##KIND(b, s, t), SCALES_##KIND(AT_NEXT(b, next), AT_NEXT(s, next), t))
+#define OFFSETS16(KIND, b, s, next, t)                                                                             \
+    HALVES_F(OFFSETS_##KIND(b, s, t), OFFSETS_##KIND(AT_NEXT(b, next), AT_NEXT(s, next), t))
 
 /* top_bits for 16 outputs. */
 __attribute__((target(VNNI_TARGET))) static inline __m512i top_bits16(__m512i hi, int k) {
@@ -671,10 +726,10 @@ __attribute__((target(VNNI_TARGET))) static inline __m512i dpbusd16(__m512i sum,
 __attribute__((target(VNNI_TARGET))) static inline __m512 add_scaled16(__m512 acc, __m512i isum, __m512 d, float e) {
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(e)), acc);
 }
-#define SET16_Q8(acc, isum, b, next, e, offset, t)                                                                 \
-    _mm512_fmadd_ps(SET16(b, next, m, t), _mm512_set1_ps(offset), add_scaled16(acc, isum, SET16(b, next, d, t), e))
+#define SET16_Q8(acc, isum, d, m, e, offset) _mm512_fmadd_ps(m, _mm512_set1_ps(offset), add_scaled16(acc, isum, d, e))
 #define SET16_Q4 SET16_Q8
-#define SET16_Q6(acc, isum, b, next, e, offset, t) add_scaled16(acc, isum, SET16(b, next, d, t), e)
+#define SET16_Q4K SET16_Q8
+#define SET16_Q6(acc, isum, d, m, e, offset) add_scaled16(acc, isum, d, e)
 
 /* Independent sums a row's set is split among: enough across the R rows to cover vpdpbusd's latency. */
 #define CHAINS16(R) ((R) <= 2 ? 4 : (R) <= 5 ? 2 : 1)
@@ -694,7 +749,10 @@ __attribute__((target(VNNI_TARGET))) static inline __m512 add_scaled16(__m512 ac
                 _mm_prefetch((const char *)b + GEMM_PREFETCH + line, _MM_HINT_T0);                                 \
                 _mm_prefetch((const char *)b + next + GEMM_PREFETCH + line, _MM_HINT_T0);                          \
             }                                                                                                      \
+            __attribute__((unused)) const SUPER_##KIND *s = SUPER_AT(BLOCK, SUPER_##KIND, w, x->in, block);       \
             _Pragma("GCC unroll 2") for (int t = 0; t < SETS; t++) {                                               \
+                const __m512 d = SCALES16(KIND, b, s, next, t);                                                    \
+                __attribute__((unused)) const __m512 m = OFFSETS16(KIND, b, s, next, t);                           \
                 __m512i sum[R][CHAINS16(R)];                                                                       \
                 for (int r = 0; r < R; r++) {                                                                      \
                     for (int c = 0; c < CHAINS16(R); c++) sum[r][c] = _mm512_setzero_si512();                      \
@@ -707,7 +765,7 @@ __attribute__((target(VNNI_TARGET))) static inline __m512 add_scaled16(__m512 ac
                 }                                                                                                  \
                 for (int r = 0; r < R; r++) {                                                                      \
                     for (int c = 1; c < CHAINS16(R); c++) sum[r][0] = _mm512_add_epi32(sum[r][0], sum[r][c]);      \
-                    acc[r] = SET16_##KIND(acc[r], sum[r][0], b, next, e[r], offset[r * SETS + t], t);              \
+                    acc[r] = SET16_##KIND(acc[r], sum[r][0], d, m, e[r], offset[r * SETS + t]);                    \
                 }                                                                                                  \
             }                                                                                                      \
         }                                                                                                          \
@@ -721,45 +779,50 @@ __attribute__((target(VNNI_TARGET))) static inline __m512 add_scaled16(__m512 ac
 TILES_GEMM(q8g, block_q8x8, 1, Q8)
 TILES_GEMM(q8hg, block_q8x16, 2, Q8)
 TILES_GEMM(q4g, block_q4x8, 1, Q4)
+TILES_GEMM(q4kg, block_q4k8, 1, Q4K)
 TILES_GEMM(q6g, block_q6x8, 2, Q6)
 #define GEMM_TILES(NAME) {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, NAME##_7, NAME##_8, NAME##_9, NAME##_10, NAME##_11, NAME##_12}
 
 typedef void (*Q8Fn)(const void *, int, const float *, int64_t, int, float[GROUP512][8]);
-/* how a weight matrix is stored (Matrix.format); Q8I and Q8HI: Q8 and Q8H's bytes, multiplied in integers; Q4I:
- * nibbles, in integers only */
-enum { F16, Q8, F32, BF16, Q8H, Q8I, Q8HI, Q4I, Q6I };
+/* how a weight matrix is stored (Matrix.format); Q8I and Q8HI: Q8 and Q8H's bytes, multiplied in integers; Q4I,
+ * Q4KI (nibbles) and Q6I (6 bits): in integers only */
+enum { F16, Q8, F32, BF16, Q8H, Q8I, Q8HI, Q4I, Q6I, Q4KI };
 static const int VALUE_BYTES[] = {[F16] = 2, [F32] = 4, [BF16] = 2}; /* the float formats' */
 static const int BLOCK_BYTES[] = {[Q8] = sizeof(block_q8x8), [Q8H] = sizeof(block_q8x16), [Q8I] = sizeof(block_q8x8),
                                    [Q8HI] = sizeof(block_q8x16), [Q4I] = sizeof(block_q4x8),
-                                   [Q6I] = sizeof(block_q6x8)}; /* per 8 rows x 32 */
+                                   [Q6I] = sizeof(block_q6x8), [Q4KI] = sizeof(block_q4k8)}; /* per 8 rows x 32 */
+static const int SUPER_BYTES[] = {[Q6I] = sizeof(super_q6x8), [Q4KI] = sizeof(super_q4k8)}; /* per 8 rows x 256 */
 static const Q8Fn Q8_WIDE[][GROUP + 1] = {[Q8] = {0, q8_1x8, q8_2x4, q8_3x2, q8_4x2},
                                           [Q8H] = {0, q8h_1x8, q8h_2x4, q8h_3x2, q8h_4x2}};
 static const Q8Fn Q8_512[][GROUP512 + 1] = {[Q8] = {0, q8z_1, q8z_2, q8z_3, q8z_4, q8z_5, q8z_6},
                                             [Q8H] = {0, q8hz_1, q8hz_2, q8hz_3, q8hz_4, q8hz_5, q8hz_6}};
-#define INTEGER(format) ((format) == Q8I || (format) == Q8HI || (format) == Q4I || (format) == Q6I)
+#define INTEGER(format) ((format) == Q8I || (format) == Q8HI || (format) == Q4I || (format) == Q6I || (format) == Q4KI)
 #define SETS(format) ((format) == Q8HI || (format) == Q6I ? 2 : 1) /* an integer format's sets per 32 inputs */
 #define BLOCKED(format) ((format) == Q8 || (format) == Q8H || INTEGER(format))
 typedef void (*IntegerFn)(const void *, const Quantised *, int, float[GROUP512][8]);
 static const IntegerFn INTEGER_WIDE[][GROUP + 1] = {[Q8I] = {0, q8i_1, q8i_2, q8i_3, q8i_4},
                                                     [Q8HI] = {0, q8hi_1, q8hi_2, q8hi_3, q8hi_4},
                                                     [Q4I] = {0, q4i_1, q4i_2, q4i_3, q4i_4},
-                                                    [Q6I] = {0, q6i_1, q6i_2, q6i_3, q6i_4}};
+                                                    [Q6I] = {0, q6i_1, q6i_2, q6i_3, q6i_4},
+                                                    [Q4KI] = {0, q4ki_1, q4ki_2, q4ki_3, q4ki_4}};
 static const IntegerFn INTEGER_VNNI[][GROUP512 + 1] = {[Q8I] = {0, q8iv_1, q8iv_2, q8iv_3, q8iv_4, q8iv_5, q8iv_6},
                                                        [Q8HI] = {0, q8hiv_1, q8hiv_2, q8hiv_3, q8hiv_4, q8hiv_5, q8hiv_6},
                                                        [Q4I] = {0, q4iv_1, q4iv_2, q4iv_3, q4iv_4, q4iv_5, q4iv_6},
-                                                       [Q6I] = {0, q6iv_1, q6iv_2, q6iv_3, q6iv_4, q6iv_5, q6iv_6}};
+                                                       [Q6I] = {0, q6iv_1, q6iv_2, q6iv_3, q6iv_4, q6iv_5, q6iv_6},
+                                                       [Q4KI] = {0, q4kiv_1, q4kiv_2, q4kiv_3, q4kiv_4, q4kiv_5, q4kiv_6}};
 
 typedef void (*GemmFn)(const void *, int64_t, const Quantised *, int, float[GEMM_ROWS][16]);
-static const int GEMM_MOST[] = {[Q8I] = 12, [Q8HI] = 8, [Q4I] = 12, [Q6I] = 8};
+static const int GEMM_MOST[] = {[Q8I] = 12, [Q8HI] = 8, [Q4I] = 12, [Q6I] = 8, [Q4KI] = 12};
 /* The fewest rows the GEMM tiles take, per format: fewer stream the weights from memory, where the row tiles' one
  * stream and their more chains per row were measured faster (a pass over 2 rows of the default model cost 1.5x one
  * through the GEMM tiles, 1.04x through the row tiles; 4 and 5 rows of the 1.5B's nibbles 1.16x and 1.25x one
  * through the row tiles, 1.37x and 1.44x through the GEMM tiles); from these counts on (the bytes' measured on a
  * matrix of the default model's LM head's shape, streamed) the GEMM tiles were as fast or faster, by 1.2-1.5x where
  * arithmetic paces a pass. Both give the same bits. */
-static const int GEMM_FROM[] = {[Q8I] = 8, [Q8HI] = 6, [Q4I] = 6, [Q6I] = 6};
+static const int GEMM_FROM[] = {[Q8I] = 8, [Q8HI] = 6, [Q4I] = 6, [Q6I] = 6, [Q4KI] = 6};
 static const GemmFn INTEGER_GEMM[][GEMM_ROWS + 1] = {[Q8I] = GEMM_TILES(q8g), [Q8HI] = GEMM_TILES(q8hg),
-                                                    [Q4I] = GEMM_TILES(q4g), [Q6I] = GEMM_TILES(q6g)};
+                                                    [Q4I] = GEMM_TILES(q4g), [Q6I] = GEMM_TILES(q6g),
+                                                    [Q4KI] = GEMM_TILES(q4kg)};
 
 typedef void (*TileFn)(const void *, const float *, int64_t, int, float[GROUP512][8]);
 static const TileFn WIDE[][GROUP + 1] = {[F16] = {0, f16_1x8, f16_2x4, f16_3x2, f16_4x2},
@@ -791,9 +854,14 @@ static void tile(int format, const void *w, int in, const float *x, int64_t ldx,
     }
 }
 
+/* The bytes of a blocked format's 8 weight rows of `in` inputs: their blocks, then their super-blocks (K formats). */
+static int64_t group_bytes(int format, int in) {
+    return (int64_t)(in / 32) * BLOCK_BYTES[format] + (int64_t)(in / 256) * SUPER_BYTES[format];
+}
+
 /* Where the block of weight rows o..o+7 (o a multiple of 8) of a matrix with `in` inputs starts. */
 static const void *block_at(int format, const void *w, int64_t o, int in) {
-    return BLOCKED(format) ? (const void *)((const char *)w + o / 8 * (in / 32) * BLOCK_BYTES[format])
+    return BLOCKED(format) ? (const void *)((const char *)w + o / 8 * group_bytes(format, in))
                            : (const void *)((const char *)w + o * in * VALUE_BYTES[format]);
 }
 
@@ -854,7 +922,7 @@ static void put_tile(const float *out, int stride, int r0, int rows, int o, int 
 static int integer_gemm(const Matrix *m, const Quantised *xq, int n, int o0, int o1, float *y, int64_t ldy,
                         int mode) {
     int format = m->format, in = m->in, most = GEMM_MOST[format], o = o0;
-    int64_t next = (int64_t)(in / 32) * BLOCK_BYTES[format]; /* from one block of 8 weight rows to the next */
+    int64_t next = group_bytes(format, in); /* from one block of 8 weight rows to the next */
     float out[GEMM_ROWS][16];
     for (int c0 = 0; c0 < n; c0 += GEMM_CHUNK) {
         int c1 = n - c0 < GEMM_CHUNK ? n : c0 + GEMM_CHUNK;
@@ -1339,11 +1407,13 @@ int sd_attention(const Rows *rows, int heads, int kv_heads, int head_dim, const 
 }
 
 /* The sizes of the structures native.py declares with ctypes, in its order (STRUCT_SIZES): Model, Layer, Cache,
- * Rows, Matrix, block_q8x8, block_q8x16, block_q4x8, block_q6x8; at most `count` of them. Returns how many it
+ * Rows, Matrix, block_q8x8, block_q8x16, block_q4x8, block_q6x8, block_q4k8, super_q6x8, super_q4k8; at most
+ * `count` of them. Returns how many it
  * wrote. */
 int sd_struct_sizes(int64_t *sizes, int count) {
     const int64_t known[] = {sizeof(Model), sizeof(Layer), sizeof(Cache), sizeof(Rows), sizeof(Matrix),
-                             sizeof(block_q8x8), sizeof(block_q8x16), sizeof(block_q4x8), sizeof(block_q6x8)};
+                             sizeof(block_q8x8), sizeof(block_q8x16), sizeof(block_q4x8), sizeof(block_q6x8),
+                             sizeof(block_q4k8), sizeof(super_q6x8), sizeof(super_q4k8)};
     int written = 0;
     for (; written < count && written < (int)(sizeof(known) / sizeof(known[0])); written++) sizes[written] = known[written];
     return written;

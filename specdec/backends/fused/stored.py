@@ -20,14 +20,14 @@ import torch
 from specdec.backends.gguf_file import (
     NIBBLE_STORED,
     Q8_STORED,
-    SIX_BIT_STORED,
     GGUFFile,
     Tensor,
     dequantized,
     grid_group,
+    k_rows,
     q8_rows,
 )
-from specdec.backends.native import FORMAT, INTEGER_FORMAT, Q8_BLOCK_BYTES, Matrix, repacked
+from specdec.backends.native import FORMAT, INTEGER_FORMAT, Matrix, group_bytes, repacked
 from specdec.errors import UsageError
 
 # fused.c's matrices of layer i, as GGUF tensor names: qkv, out, gate_up, down (``runtime._matrices``' order)
@@ -85,33 +85,61 @@ def packed_q8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: 
     """Bytes q [out, in] with w = scale q + offset per row and group of 32 (16) inputs as fused.c's Q8 (Q8H) reads
     them: blocks of 8 rows (the last padded with zeros), each 32 inputs as 8 quads of 8 rows x 4 bytes, then the 8
     rows' scales, then their offsets, one set of 8 per group (``block_q8x8``, ``block_q8x16``). ``bits`` 4 (q < 16,
-    per 32): the quads' bytes as nibbles, quad 2p in the low nibbles of 32 bytes and 2p + 1 in their high (Q4I's
-    ``block_q4x8``); 6 (q < 64, per 16, each offset -32 times its scale): the low nibbles so, then the
-    top 2 bits of quad 4h + k in bits 2k, 2k + 1 of the h-th 32 bytes, then the scales alone (Q6I's
-    ``block_q6x8``)."""
-    out, inputs = q.shape
-    sets = scale.shape[1] * 32 // inputs  # scale and offset sets per 32 inputs
-    rows, blocks = -(-out // 8) * 8, inputs // 32
-    if rows != out:
-        q = torch.cat([q, q.new_zeros(rows - out, inputs)])
-        scale, offset = (torch.cat([t, t.new_zeros(rows - out, t.shape[1])]) for t in (scale, offset))
+    per 32, scale and offset float16 values): the quads' bytes as nibbles (:func:`_quads`), the scales and offsets
+    in float16 (Q4I's ``block_q4x8``)."""
+    rows, blocks = -(-q.shape[0] // 8) * 8, q.shape[1] // 32
+    q, scale, offset = (_padded(t, rows) for t in (q, scale, offset))
+    values = torch.float16 if bits == 4 else torch.float32
+    parts = [_quads(q, bits), _per_block(scale, blocks, values), _per_block(offset, blocks, values)]
+    return torch.cat(parts, dim=-1).flatten()
+
+
+def packed_k(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, d: torch.Tensor,
+             dmin: torch.Tensor | None) -> torch.Tensor:  # uint8
+    """A K-quant's integers (``gguf_file.k_rows``) as fused.c's K formats read them: per 8 rows (the last padded
+    with zeros), their blocks of 32 inputs, each the quads (:func:`_quads`: nibbles, or with mins None 6 bits) and
+    the 8 rows' integer scales (per 16 with mins None: Q6I's ``block_q6x8``) and mins (Q4KI's ``block_q4k8``), then
+    their super-blocks of 256 inputs, each the 8 rows' d and -dmin (``super_q4k8``, ``super_q6x8``)."""
+    rows, blocks = -(-q.shape[0] // 8) * 8, q.shape[1] // 32
+    q, scales, d = (_padded(t, rows) for t in (q, scales, d))
+    parts = [_quads(q, 4 if mins is not None else 6), _per_block(scales, blocks, scales.dtype)]
+    supers = [_per_block(d, blocks // 8, torch.float32)]
+    if mins is not None:
+        parts.append(_per_block(_padded(mins, rows), blocks, mins.dtype))
+        supers.append(_per_block(-_padded(dmin, rows), blocks // 8, torch.float32))
+    return torch.cat([torch.cat(parts, dim=-1).reshape(rows // 8, -1),
+                      torch.cat(supers, dim=-1).reshape(rows // 8, -1)], dim=-1).flatten()
+
+
+def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t's rows, then zeros up to ``rows``."""
+    return t if t.shape[0] == rows else torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def _quads(q: torch.Tensor, bits: int) -> torch.Tensor:  # uint8 [rows / 8, blocks, bytes of a block's quads]
+    """q [rows, in] (rows a multiple of 8) as blocks of 8 rows x 32 inputs, each 8 quads of 8 rows x 4 bytes (quad g:
+    inputs 4g..4g+3, row j's at 4j); ``bits`` 4 (q < 16): quad 2p in the low nibbles of 32 bytes, 2p + 1 in their
+    high; 6 (q < 64): the low nibbles so, then the top 2 bits of quad 4h + k in bits 2k, 2k + 1 of the h-th 32
+    bytes."""
+    rows, inputs = q.shape
+    blocks = inputs // 32
     q = q.reshape(rows // 8, 8, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(rows // 8, blocks, 8, 32)
     if bits == 8:
-        parts = [q.reshape(rows // 8, blocks, -1)]
-    else:
-        low = q & 0x0F
-        parts = [(low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(rows // 8, blocks, -1)]
-        if bits == 6:
-            top = (q >> 4).reshape(rows // 8, blocks, 2, 4, 32)
-            hi = top[:, :, :, 0] | (top[:, :, :, 1] << 2) | (top[:, :, :, 2] << 4) | (top[:, :, :, 3] << 6)
-            parts.append(hi.reshape(rows // 8, blocks, -1))
+        return q.reshape(rows // 8, blocks, -1)
+    low = q & 0x0F
+    parts = [(low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(rows // 8, blocks, -1)]
+    if bits == 6:
+        top = (q >> 4).reshape(rows // 8, blocks, 2, 4, 32)
+        hi = top[:, :, :, 0] | (top[:, :, :, 1] << 2) | (top[:, :, :, 2] << 4) | (top[:, :, :, 3] << 6)
+        parts.append(hi.reshape(rows // 8, blocks, -1))
+    return torch.cat(parts, dim=-1)
 
-    def per_block(t: torch.Tensor) -> torch.Tensor:  # [rows, blocks * sets] -> [rows / 8, blocks, sets * 8 * 4]
-        t = t.float().reshape(rows // 8, 8, blocks, sets).permute(0, 2, 3, 1).contiguous()
-        return t.view(torch.uint8).reshape(rows // 8, blocks, -1)
 
-    parts += [per_block(scale)] + ([per_block(offset)] if bits != 6 else [])
-    return torch.cat(parts, dim=-1).flatten()
+def _per_block(t: torch.Tensor, blocks: int, dtype: torch.dtype) -> torch.Tensor:  # uint8 [rows / 8, blocks, bytes]
+    """t [rows, blocks * sets] in ``dtype`` as the blocks hold it: per block of 8 rows, per set, the 8 rows'."""
+    rows, sets = t.shape[0], t.shape[1] // blocks
+    t = t.to(dtype).reshape(rows // 8, 8, blocks, sets).permute(0, 2, 3, 1).contiguous()
+    return t.view(torch.uint8).reshape(rows // 8, blocks, -1)
 
 
 def tensor_names(layers: int, tensors: dict, arch: str = "llama") -> list[list[str]]:
@@ -172,28 +200,39 @@ def _packed_grid(tensors, orders, narrow: bool = False) -> StoredMatrix:
     """The tensors' rows in ``orders`` on the finest of their grids, packed :data:`CHUNK_ROWS` rows at a time into
     one buffer: the memory a matrix takes while it is packed is its packed size and a chunk's, where decoding it
     whole took several times its size (150k rows of an LM head). Every part but the last holds whole blocks of 8
-    rows (``gguf_unavailable`` admits only heads of a multiple of 8 and sizes of a multiple of 32). ``narrow``:
-    tensors all of NIBBLE_STORED's formats are kept in 4 bits (``int4``), all of SIX_BIT_STORED's in 6
-    (``int6_group16``), for integer products."""
+    rows (``gguf_unavailable`` admits only heads of a multiple of 8 and sizes of a multiple of 32). ``narrow``, for
+    integer products: tensors all Q4_K or all Q6_K are kept in their own bits and scales (``int4_k``, ``int6_k``),
+    tensors all of NIBBLE_STORED's formats in 4 bits and float16 scales (``int4``)."""
+    group = min(grid_group(t.type_name) for t in tensors)
+    kinds = {t.type_name for t in tensors}
+    if narrow and kinds in ({"Q4_K"}, {"Q6_K"}):
+        return _packed_chunks(tensors, orders, "int4_k" if kinds == {"Q4_K"} else "int6_k",
+                              lambda chunk, repeat: packed_k(*(None if t is None else torch.from_numpy(t)
+                                                               for t in k_rows(chunk))))
+    bits = 4 if narrow and kinds <= set(NIBBLE_STORED) else 8
+    name = "int4" if bits == 4 else "int8" if group == 32 else "int8_group16"
+
+    def grid(chunk: Tensor, repeat: int) -> torch.Tensor:
+        q, scale, offset = q8_rows(chunk)
+        return packed_q8(torch.from_numpy(q), torch.from_numpy(np.repeat(scale, repeat, axis=1)),
+                         torch.from_numpy(np.repeat(offset, repeat, axis=1)), bits)
+
+    return _packed_chunks(tensors, orders, name, grid)
+
+
+def _packed_chunks(tensors, orders, name: str, pack) -> StoredMatrix:
+    """The matrix ``name`` of the tensors' rows in ``orders``, each chunk of rows packed by ``pack(chunk, repeat)``
+    (repeat: how many of the finest grid's groups one of the tensor's scales covers) into one buffer."""
     group = min(grid_group(t.type_name) for t in tensors)
     inputs, rows = tensors[0].shape[1], sum(len(order) for order in orders)
     assert all(len(order) % 8 == 0 for order in orders[:-1]), "a part ends inside a block of 8 rows"
-    bits = 8
-    if narrow and all(t.type_name in NIBBLE_STORED for t in tensors):
-        bits = 4
-    elif narrow and all(t.type_name in SIX_BIT_STORED for t in tensors):
-        bits = 6
-    name = {4: "int4", 6: "int6_group16"}.get(bits) or ("int8" if group == 32 else "int8_group16")
-    block_bytes = Q8_BLOCK_BYTES[name]
-    packed = torch.empty(-(-rows // 8) * (inputs // 32) * block_bytes, dtype=torch.uint8)
+    packed = torch.empty(-(-rows // 8) * group_bytes(name, inputs), dtype=torch.uint8)
     at = 0
     for tensor, order in zip(tensors, orders):
         repeat = grid_group(tensor.type_name) // group  # a coarser grid's scale, once per finer group
         for start in range(0, len(order), CHUNK_ROWS):
             chunk = order[start : start + CHUNK_ROWS]
-            q, scale, offset = q8_rows(Tensor(tensor.name, tensor.type_name, (len(chunk), inputs), tensor.data[chunk]))
-            piece = packed_q8(torch.from_numpy(q), torch.from_numpy(np.repeat(scale, repeat, axis=1)),
-                              torch.from_numpy(np.repeat(offset, repeat, axis=1)), bits)
+            piece = pack(Tensor(tensor.name, tensor.type_name, (len(chunk), inputs), tensor.data[chunk]), repeat)
             packed[at : at + len(piece)] = piece
             at += len(piece)
     return StoredMatrix(name, rows, inputs, packed)
