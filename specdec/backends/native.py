@@ -71,22 +71,21 @@ class _Rows(ctypes.Structure):
 
 
 # fused.c's blocks of 8 rows x 32 inputs: bytes, then per 32 (block_q8x8) or per 16 inputs (block_q8x16) the 8
-# rows' float scales and offsets; nibbles (block_q4x8, block_q4k8) or 6 bits (block_q6x8) with their scales; and the
-# K formats' super-blocks of 8 rows x 256 inputs (super_q6x8, super_q4k8), after a matrix's 8 rows' blocks
-Q8_BLOCK_BYTES = {"int8": 320, "int8_group16": 384, "int4": 160, "int6_k": 208, "int4_k": 144}
-SUPER_BYTES = {"int6_k": 32, "int4_k": 64}
+# rows' float scales and offsets, or nibbles and their float16 scales and offsets (block_q4x8); the K formats'
+# super-blocks of 8 rows x 256 inputs: 8 blocks' nibbles (super_q4k8) or 6 bits (super_q6x8), then their scales
+Q8_BLOCK_BYTES = {"int8": 320, "int8_group16": 384, "int4": 160}
+SUPER_BYTES = {"int6_k": 1696, "int4_k": 1216}
 # what sd_struct_sizes reports, in its order
 STRUCT_SIZES = {"Model": ctypes.sizeof(Model), "Layer": ctypes.sizeof(Layer), "Cache": ctypes.sizeof(Cache),
                 "Rows": ctypes.sizeof(_Rows), "Matrix": ctypes.sizeof(Matrix),
                 "block_q8x8": Q8_BLOCK_BYTES["int8"], "block_q8x16": Q8_BLOCK_BYTES["int8_group16"],
-                "block_q4x8": Q8_BLOCK_BYTES["int4"], "block_q6x8": Q8_BLOCK_BYTES["int6_k"],
-                "block_q4k8": Q8_BLOCK_BYTES["int4_k"], "super_q6x8": SUPER_BYTES["int6_k"],
+                "block_q4x8": Q8_BLOCK_BYTES["int4"], "super_q6x8": SUPER_BYTES["int6_k"],
                 "super_q4k8": SUPER_BYTES["int4_k"]}
 
 
 def group_bytes(name: str, inputs: int) -> int:
-    """The bytes of 8 rows of ``inputs`` inputs in a blocked format: their blocks, then their super-blocks."""
-    return inputs // 32 * Q8_BLOCK_BYTES[name] + inputs // 256 * SUPER_BYTES.get(name, 0)
+    """The bytes of 8 rows of ``inputs`` inputs in a blocked format: their blocks, or their super-blocks."""
+    return inputs // 256 * SUPER_BYTES[name] if name in SUPER_BYTES else inputs // 32 * Q8_BLOCK_BYTES[name]
 
 
 def cpu_lacks() -> list[str]:

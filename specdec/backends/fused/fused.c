@@ -498,18 +498,18 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 add_set(__m256 acc
 #define BYTES8_S(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 
 /* Set t's scales d (SCALES_*) and offsets m (OFFSETS_*) of the 8 rows of block b (s: its super-block, in the K
- * formats), as floats: stored (Q8), float16 (Q4), or a super-block's float d times the block's integer scale (Q4K,
+ * formats, and k its place there), as floats: stored (Q8), float16 (Q4), or a super-block's float d times the block's integer scale (Q4K,
  * Q6), each product exact (an 11-bit float16 significand times an integer of at most 8 bits), so they are the
  * floats q8_rows gives. SET_*: acc plus the set, with its offsets (add_set), or with Q6's -32 d taken in the
  * integer sums (add_scaled). */
-#define SCALES_Q8(b, s, t) _mm256_loadu_ps((const float *)(b)->d + 8 * (t))
-#define OFFSETS_Q8(b, s, t) _mm256_loadu_ps((const float *)(b)->m + 8 * (t))
-#define SCALES_Q4(b, s, t) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b)->d))
-#define OFFSETS_Q4(b, s, t) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b)->m))
-#define SCALES_Q4K(b, s, t) _mm256_mul_ps(BYTES8_U((b)->sc), _mm256_loadu_ps((s)->d))
-#define OFFSETS_Q4K(b, s, t) _mm256_mul_ps(BYTES8_U((b)->mn), _mm256_loadu_ps((s)->dmin))
-#define SCALES_Q6(b, s, t) _mm256_mul_ps(BYTES8_S((b)->sc[t]), _mm256_loadu_ps((s)->d))
-#define OFFSETS_Q6(b, s, t) _mm256_setzero_ps()
+#define SCALES_Q8(b, s, k, t) _mm256_loadu_ps((const float *)(b)->d + 8 * (t))
+#define OFFSETS_Q8(b, s, k, t) _mm256_loadu_ps((const float *)(b)->m + 8 * (t))
+#define SCALES_Q4(b, s, k, t) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b)->d))
+#define OFFSETS_Q4(b, s, k, t) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b)->m))
+#define SCALES_Q4K(b, s, k, t) _mm256_mul_ps(BYTES8_U((s)->sc[k]), _mm256_loadu_ps((s)->d))
+#define OFFSETS_Q4K(b, s, k, t) _mm256_mul_ps(BYTES8_U((s)->mn[k]), _mm256_loadu_ps((s)->dmin))
+#define SCALES_Q6(b, s, k, t) _mm256_mul_ps(BYTES8_S((s)->sc[k][t]), _mm256_loadu_ps((s)->d))
+#define OFFSETS_Q6(b, s, k, t) _mm256_setzero_ps()
 #define SET_Q8(acc, isum, d, m, x, row, block, sets, t) add_set(acc, isum, d, m, x, row, block, sets, t)
 #define SET_Q4 SET_Q8
 #define SET_Q4K SET_Q8
@@ -530,36 +530,57 @@ typedef struct {
 static_assert(sizeof(block_q4x8) == 160, "block_q4x8: 128 bytes of nibbles, then 8 float16 scales and offsets");
 
 /* The K formats keep a GGUF K-quant's own scales: per 32 (16) inputs each row's integer scale, and per 256 inputs
- * (a super-block) each row's float d, so a weight is (d sc) q + offset as q8_rows has it. A matrix's 8 rows are
- * their blocks, in/32 of them, then their super-blocks, in/256 (SUPER_AT).
+ * each row's float d, so a weight is (d sc) q + offset as q8_rows has it. A matrix's 8 rows are in/256 super-blocks
+ * of 8 rows x 256 inputs, each its 8 blocks' bits, then per block the 8 rows' integer scales, then the rows' floats:
+ * a block's loads of 32 bytes then never cross a cache line (super_q4k8: 19 lines; super_q6x8: 26.5, so 32-byte
+ * aligned).
  *
- * Q4KI: Q4_K (q < 16, w = (d sc) q - (dmin mn)): block_q4k8 holds the nibbles as block_q4x8 does, then the 8 rows'
- * 6-bit scales and mins; super_q4k8 their d and -dmin (0.594 bytes a weight, against the file's 0.5625). */
+ * Q4KI: Q4_K (q < 16, w = (d sc) q - (dmin mn)): each block_q4k8 holds its nibbles as block_q4x8 does; super_q4k8
+ * then the 6-bit scales and mins and d and -dmin (0.594 bytes a weight, against the file's 0.5625). */
 typedef struct {
     uint8_t q[4][32];
-    uint8_t sc[8], mn[8];
 } block_q4k8;
-static_assert(sizeof(block_q4k8) == 144, "block_q4k8: 128 bytes of nibbles, then 8 scales and 8 mins");
 typedef struct {
-    float d[8], dmin[8]; /* dmin negated: (-dmin) mn is -(dmin mn), exactly */
+    block_q4k8 blocks[8];
+    uint8_t sc[8][8], mn[8][8]; /* [block][row] */
+    float d[8], dmin[8];        /* dmin negated: (-dmin) mn is -(dmin mn), exactly */
 } super_q4k8;
+static_assert(sizeof(super_q4k8) == 1216, "super_q4k8: 8 x 128 bytes of nibbles, 2 x 64 of scales, 2 x 8 floats");
 
-/* Q6I: Q6_K (q < 64, w = (d sc) (q - 32), sc signed, per 16 inputs): block_q6x8 holds the low nibbles as block_q4x8
- * does, the top 2 bits of quad 4h + k in bits 2k and 2k + 1 of hi[h] (h is the set), then per set the 8 rows'
- * scales; super_q6x8 their d. Each offset is -32 times its scale, exactly, and is taken in the integer sums (0.83
- * bytes a weight, against the file's 0.82). */
+/* Q6I: Q6_K (q < 64, w = (d sc) (q - 32), sc signed, per 16 inputs): each block_q6x8 holds the low nibbles as
+ * block_q4x8 does and the top 2 bits of quad 4h + k in bits 2k and 2k + 1 of hi[h] (h is the set); super_q6x8 then
+ * per block and set the 8 rows' scales, and their d. Each offset is -32 times its scale, exactly, and is taken in the
+ * integer sums (0.83 bytes a weight, against the file's 0.82). */
 typedef struct {
     uint8_t q[4][32], hi[2][32];
-    int8_t sc[2][8];
 } block_q6x8;
-static_assert(sizeof(block_q6x8) == 208, "block_q6x8: 128 bytes of nibbles, 64 of top bits, then 2 x 8 scales");
 typedef struct {
+    block_q6x8 blocks[8];
+    int8_t sc[8][2][8]; /* [block][set][row] */
     float d[8];
 } super_q6x8;
+static_assert(sizeof(super_q6x8) == 1696, "super_q6x8: 8 x 192 bytes of bits, 128 of scales, 8 floats");
 
-/* The super-block of block `block` of the 8 rows whose first block is w (K formats; others have none: char). */
-#define SUPER_AT(BLOCK, SUPER, w, in, block)                                                                           \
-    ((const SUPER *)((const char *)(w) + (int64_t)((in) / 32) * sizeof(BLOCK)) + (block) / 8)
+/* A tile walks the 8 rows at w block by block: b, the block, in s, its super-block (formats without one: char, not
+ * read), at place IN_SUPER(i) there; NEXT_*, from block i to block i + 1 (one block on, or the next super-block's
+ * first: no division a block). */
+#define IN_SUPER(i) ((i) % 8)
+#define FIRST_BLOCK(BLOCK, KIND, w) ((const BLOCK *)FIRST_##KIND(w))
+#define FIRST_FLAT(w) (w)
+#define NEXT_FLAT(b, s, i) (b)++;
+#define NEXT_SUPER(b, s, i)                                                                                        \
+    if (IN_SUPER((i) + 1))                                                                                         \
+        (b)++;                                                                                                     \
+    else                                                                                                           \
+        (b) = (++(s))->blocks;
+#define FIRST_Q8 FIRST_FLAT
+#define FIRST_Q4 FIRST_FLAT
+#define FIRST_Q4K(w) (((const super_q4k8 *)(w))->blocks)
+#define FIRST_Q6(w) (((const super_q6x8 *)(w))->blocks)
+#define NEXT_Q8 NEXT_FLAT
+#define NEXT_Q4 NEXT_FLAT
+#define NEXT_Q4K NEXT_SUPER
+#define NEXT_Q6 NEXT_SUPER
 #define SUPER_Q8 char
 #define SUPER_Q4 char
 #define SUPER_Q4K super_q4k8
@@ -633,16 +654,16 @@ dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
 #define TILE_QUAD(NAME, TARGET, ISA, BLOCK, SETS, KIND, R)                                                         \
     __attribute__((target(TARGET))) static void NAME##_##R(const void *w, const Quantised *x, int r0,              \
                                                            float out[GROUP512][8]) {                               \
-        const BLOCK *b = (const BLOCK *)w;                                                                         \
         __m256 acc[R];                                                                                             \
         for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                                  \
         const int8_t *xq = x->q + (int64_t)r0 * 32; /* this block's first row's bytes: row r's 32 r further */      \
-        for (int block = 0; block < x->in / 32; block++, b++, xq += (int64_t)x->n * 32) {                          \
+        const BLOCK *b = FIRST_BLOCK(BLOCK, KIND, w);                                                              \
+        __attribute__((unused)) const SUPER_##KIND *s = (const SUPER_##KIND *)w;                                   \
+        for (int block = 0; block < x->in / 32; block++, xq += (int64_t)x->n * 32) {                               \
             PREFETCH_BLOCK(b)                                                                                      \
-            __attribute__((unused)) const SUPER_##KIND *s = SUPER_AT(BLOCK, SUPER_##KIND, w, x->in, block);       \
             _Pragma("GCC unroll 2") for (int t = 0; t < SETS; t++) {                                               \
-                const __m256 d = SCALES_##KIND(b, s, t);                                                           \
-                __attribute__((unused)) const __m256 m = OFFSETS_##KIND(b, s, t); /* Q6's are in start */          \
+                const __m256 d = SCALES_##KIND(b, s, IN_SUPER(block), t);                                          \
+                __attribute__((unused)) const __m256 m = OFFSETS_##KIND(b, s, IN_SUPER(block), t); /* Q6: none */ \
                 __m256i sum[R][CHAINS(R, SETS)];                                                                   \
                 for (int r = 0; r < R; r++) {                                                                      \
                     for (int c = 0; c < CHAINS(R, SETS); c++) sum[r][c] = _mm256_setzero_si256();                  \
@@ -661,6 +682,7 @@ dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
                     acc[r] = SET_##KIND(acc[r], sum[r][0], d, m, x, r0 + r, block, SETS, t);                       \
                 }                                                                                                  \
             }                                                                                                      \
+            NEXT_##KIND(b, s, block)                                                                               \
         }                                                                                                          \
         for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r], acc[r]);                                              \
     }
@@ -704,10 +726,10 @@ TILES_QUAD(q6i, block_q6x8, 2, Q6)
 /* p, `next` bytes further: the same place in the next block of 8 weight rows. */
 #define AT_NEXT(p, next) ((__typeof__(p))((const char *)(p) + (next)))
 /* A set's scales (offsets) for 16 outputs: each block's SCALES_* (OFFSETS_*), side by side. */
-#define SCALES16(KIND, b, s, next, t)                                                                              \
-    HALVES_F(SCALES_##KIND(b, s, t), SCALES_##KIND(AT_NEXT(b, next), AT_NEXT(s, next), t))
-#define OFFSETS16(KIND, b, s, next, t)                                                                             \
-    HALVES_F(OFFSETS_##KIND(b, s, t), OFFSETS_##KIND(AT_NEXT(b, next), AT_NEXT(s, next), t))
+#define SCALES16(KIND, b, s, k, next, t)                                                                           \
+    HALVES_F(SCALES_##KIND(b, s, k, t), SCALES_##KIND(AT_NEXT(b, next), AT_NEXT(s, next), k, t))
+#define OFFSETS16(KIND, b, s, k, next, t)                                                                          \
+    HALVES_F(OFFSETS_##KIND(b, s, k, t), OFFSETS_##KIND(AT_NEXT(b, next), AT_NEXT(s, next), k, t))
 
 /* top_bits for 16 outputs. */
 __attribute__((target(VNNI_TARGET))) static inline __m512i top_bits16(__m512i hi, int k) {
@@ -736,11 +758,12 @@ __attribute__((target(VNNI_TARGET))) static inline __m512 add_scaled16(__m512 ac
 #define TILE_GEMM(NAME, BLOCK, SETS, KIND, R)                                                                      \
     __attribute__((target(VNNI_TARGET))) static void NAME##_##R(const void *w, int64_t next, const Quantised *x,  \
                                                                 int r0, float out[GEMM_ROWS][16]) {                \
-        const BLOCK *b = (const BLOCK *)w;                                                                         \
         __m512 acc[R];                                                                                             \
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                                  \
         const int8_t *xq = x->q + (int64_t)r0 * 32;                                                                \
-        for (int block = 0; block < x->in / 32; block++, b++, xq += (int64_t)x->n * 32) {                          \
+        const BLOCK *b = FIRST_BLOCK(BLOCK, KIND, w);                                                              \
+        __attribute__((unused)) const SUPER_##KIND *s = (const SUPER_##KIND *)w;                                   \
+        for (int block = 0; block < x->in / 32; block++, xq += (int64_t)x->n * 32) {                               \
             const int64_t at = block_of(x, r0, block); /* the rows' scalars for this block: row r's at + r */       \
             const float *e = x->scale + at;                                                                        \
             __attribute__((unused)) const float *offset = x->offset + at * SETS; /* Q6's offsets are in start */ \
@@ -749,10 +772,9 @@ __attribute__((target(VNNI_TARGET))) static inline __m512 add_scaled16(__m512 ac
                 _mm_prefetch((const char *)b + GEMM_PREFETCH + line, _MM_HINT_T0);                                 \
                 _mm_prefetch((const char *)b + next + GEMM_PREFETCH + line, _MM_HINT_T0);                          \
             }                                                                                                      \
-            __attribute__((unused)) const SUPER_##KIND *s = SUPER_AT(BLOCK, SUPER_##KIND, w, x->in, block);       \
             _Pragma("GCC unroll 2") for (int t = 0; t < SETS; t++) {                                               \
-                const __m512 d = SCALES16(KIND, b, s, next, t);                                                    \
-                __attribute__((unused)) const __m512 m = OFFSETS16(KIND, b, s, next, t);                           \
+                const __m512 d = SCALES16(KIND, b, s, IN_SUPER(block), next, t);                                   \
+                __attribute__((unused)) const __m512 m = OFFSETS16(KIND, b, s, IN_SUPER(block), next, t);          \
                 __m512i sum[R][CHAINS16(R)];                                                                       \
                 for (int r = 0; r < R; r++) {                                                                      \
                     for (int c = 0; c < CHAINS16(R); c++) sum[r][c] = _mm512_setzero_si512();                      \
@@ -768,6 +790,7 @@ __attribute__((target(VNNI_TARGET))) static inline __m512 add_scaled16(__m512 ac
                     acc[r] = SET16_##KIND(acc[r], sum[r][0], d, m, e[r], offset[r * SETS + t]);                    \
                 }                                                                                                  \
             }                                                                                                      \
+            NEXT_##KIND(b, s, block)                                                                               \
         }                                                                                                          \
         for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);                                              \
     }
@@ -791,7 +814,8 @@ static const int VALUE_BYTES[] = {[F16] = 2, [F32] = 4, [BF16] = 2}; /* the floa
 static const int BLOCK_BYTES[] = {[Q8] = sizeof(block_q8x8), [Q8H] = sizeof(block_q8x16), [Q8I] = sizeof(block_q8x8),
                                    [Q8HI] = sizeof(block_q8x16), [Q4I] = sizeof(block_q4x8),
                                    [Q6I] = sizeof(block_q6x8), [Q4KI] = sizeof(block_q4k8)}; /* per 8 rows x 32 */
-static const int SUPER_BYTES[] = {[Q6I] = sizeof(super_q6x8), [Q4KI] = sizeof(super_q4k8)}; /* per 8 rows x 256 */
+/* per 8 rows x 256 inputs, the K formats' (their blocks inside) */
+static const int SUPER_BYTES[] = {[Q6I] = sizeof(super_q6x8), [Q4KI] = sizeof(super_q4k8)};
 static const Q8Fn Q8_WIDE[][GROUP + 1] = {[Q8] = {0, q8_1x8, q8_2x4, q8_3x2, q8_4x2},
                                           [Q8H] = {0, q8h_1x8, q8h_2x4, q8h_3x2, q8h_4x2}};
 static const Q8Fn Q8_512[][GROUP512 + 1] = {[Q8] = {0, q8z_1, q8z_2, q8z_3, q8z_4, q8z_5, q8z_6},
@@ -854,9 +878,9 @@ static void tile(int format, const void *w, int in, const float *x, int64_t ldx,
     }
 }
 
-/* The bytes of a blocked format's 8 weight rows of `in` inputs: their blocks, then their super-blocks (K formats). */
+/* The bytes of a blocked format's 8 weight rows of `in` inputs: their blocks, or (K formats) super-blocks. */
 static int64_t group_bytes(int format, int in) {
-    return (int64_t)(in / 32) * BLOCK_BYTES[format] + (int64_t)(in / 256) * SUPER_BYTES[format];
+    return SUPER_BYTES[format] ? (int64_t)(in / 256) * SUPER_BYTES[format] : (int64_t)(in / 32) * BLOCK_BYTES[format];
 }
 
 /* Where the block of weight rows o..o+7 (o a multiple of 8) of a matrix with `in` inputs starts. */
@@ -1407,13 +1431,12 @@ int sd_attention(const Rows *rows, int heads, int kv_heads, int head_dim, const 
 }
 
 /* The sizes of the structures native.py declares with ctypes, in its order (STRUCT_SIZES): Model, Layer, Cache,
- * Rows, Matrix, block_q8x8, block_q8x16, block_q4x8, block_q6x8, block_q4k8, super_q6x8, super_q4k8; at most
- * `count` of them. Returns how many it
+ * Rows, Matrix, block_q8x8, block_q8x16, block_q4x8, super_q6x8, super_q4k8; at most `count` of them. Returns how many it
  * wrote. */
 int sd_struct_sizes(int64_t *sizes, int count) {
     const int64_t known[] = {sizeof(Model), sizeof(Layer), sizeof(Cache), sizeof(Rows), sizeof(Matrix),
-                             sizeof(block_q8x8), sizeof(block_q8x16), sizeof(block_q4x8), sizeof(block_q6x8),
-                             sizeof(block_q4k8), sizeof(super_q6x8), sizeof(super_q4k8)};
+                             sizeof(block_q8x8), sizeof(block_q8x16), sizeof(block_q4x8), sizeof(super_q6x8),
+                             sizeof(super_q4k8)};
     int written = 0;
     for (; written < count && written < (int)(sizeof(known) / sizeof(known[0])); written++) sizes[written] = known[written];
     return written;

@@ -97,18 +97,19 @@ def packed_q8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: 
 def packed_k(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, d: torch.Tensor,
              dmin: torch.Tensor | None) -> torch.Tensor:  # uint8
     """A K-quant's integers (``gguf_file.k_rows``) as fused.c's K formats read them: per 8 rows (the last padded
-    with zeros), their blocks of 32 inputs, each the quads (:func:`_quads`: nibbles, or with mins None 6 bits) and
-    the 8 rows' integer scales (per 16 with mins None: Q6I's ``block_q6x8``) and mins (Q4KI's ``block_q4k8``), then
-    their super-blocks of 256 inputs, each the 8 rows' d and -dmin (``super_q4k8``, ``super_q6x8``)."""
-    rows, blocks = -(-q.shape[0] // 8) * 8, q.shape[1] // 32
+    with zeros), their super-blocks of 256 inputs, each its 8 blocks' quads (:func:`_quads`: nibbles, or with mins
+    None 6 bits), then per block the 8 rows' integer scales (with mins None per 16) and mins, then the rows' d and
+    -dmin (Q4KI's ``super_q4k8``, Q6I's ``super_q6x8``)."""
+    rows, supers = -(-q.shape[0] // 8) * 8, q.shape[1] // 256
     q, scales, d = (_padded(t, rows) for t in (q, scales, d))
-    parts = [_quads(q, 4 if mins is not None else 6), _per_block(scales, blocks, scales.dtype)]
-    supers = [_per_block(d, blocks // 8, torch.float32)]
+    parts = [_quads(q, 4 if mins is not None else 6), _per_block(scales, 8 * supers, scales.dtype)]
+    floats = [d]
     if mins is not None:
-        parts.append(_per_block(_padded(mins, rows), blocks, mins.dtype))
-        supers.append(_per_block(-_padded(dmin, rows), blocks // 8, torch.float32))
-    return torch.cat([torch.cat(parts, dim=-1).reshape(rows // 8, -1),
-                      torch.cat(supers, dim=-1).reshape(rows // 8, -1)], dim=-1).flatten()
+        parts.append(_per_block(_padded(mins, rows), 8 * supers, mins.dtype))
+        floats.append(-_padded(dmin, rows))
+    per_super = [part.reshape(rows // 8, supers, -1) for part in parts]  # a super-block's 8 blocks' of each
+    per_super += [_per_block(t, supers, torch.float32) for t in floats]
+    return torch.cat(per_super, dim=-1).flatten()
 
 
 def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
