@@ -57,10 +57,10 @@ from specdec.backends.fused.stored import StoredMatrix, packed_k, packed_q8
 narrow_as_bytes = True
 def halves(t):  # values a float16 holds
     return t.half().float()
-for name in ("int4", "int4_k", "int6_k"):  # nibbles with float16 scales; a K-quant's own integers (6 bits: Q6_K's)
-    bits, group = (6, 16) if name == "int6_k" else (4, 32)
+for name in ("int4", "int5", "int4_k", "int5_k", "int6_k"):  # 4, 5 bits with float16 scales; a K-quant's integers
+    bits, group = int(name[3]), 16 if name == "int6_k" else 32
     q = torch.randint(0, 2**bits, (45, 512), dtype=torch.uint8)
-    if name == "int4":
+    if not name.endswith("_k"):
         scale, offset = halves(torch.rand(45, 512 // group) / 50), halves(torch.randn(45, 512 // group) / 10)
         packed = packed_q8(q, scale, offset, bits)
     else:  # per 256 inputs a float16 d (and dmin), per group an integer scale (and min)
@@ -71,11 +71,11 @@ for name in ("int4", "int4_k", "int6_k"):  # nibbles with float16 scales; a K-qu
             sc, mn = (torch.randint(0, 64, (45, 16), dtype=torch.uint8) for _ in range(2))
         scale = d.repeat_interleave(256 // group, 1) * sc.float()
         offset = -32 * scale if bits == 6 else -(dmin.repeat_interleave(8, 1) * mn.float())
-        packed = packed_k(q, sc, mn, d, None if bits == 6 else dmin)
+        packed = packed_k(q, sc, mn, d, None if bits == 6 else dmin, bits)
     wide, narrow = byte_grid(q, scale, offset), StoredMatrix(name, 45, 512, packed)
     grids += [wide, narrow]
     as_bytes, product = (native.MatrixProduct(m.struct("integer")) for m in (wide, narrow))
-    if bits == 4:  # the same integers and the same float steps as its bytes'
+    if bits < 6:  # the same integers and the same float steps as its bytes'
         narrow_as_bytes &= torch.equal(product(x), as_bytes(x))
     else:  # the same integers; the offset -32 d taken in them, exactly, where the bytes' add it in floats: within
         # float32's rounding of a few steps a set over the terms' sizes, sum |w| |x|

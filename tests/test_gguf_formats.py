@@ -79,6 +79,17 @@ def test_logits_against_a_float32_reference_and_llama_cpp(files, arch, kind, pro
         assert ours.mean() <= 1.05 * theirs.mean() and ours.max() <= 1.5 * theirs.max(), (ours.mean(), theirs.mean())
 
 
+@pytest.mark.parametrize("kind, kept", [("Q4_K_M", "int4_k"), ("Q5_K_M", "int5_k"), ("Q6_K", "int6_k"),
+                                        ("Q5_0", "int5"), ("Q5_1", "int5")])
+def test_each_block_format_is_kept_in_its_own_bits_and_what_is_read_of_it_shrinks(files, kind, kept):
+    """Integer products hold each 4-, 5- and 6-bit format in its own bits and scales, so a pass reads less than the
+    bytes per weight that float products hold (1.25 or 1.5 bytes a weight)."""
+    path = files("qwen2", kind)
+    narrow, wide = (FusedRuntime.from_gguf(path, products) for products in ("integer", "float"))
+    assert kept in narrow.weights.split("+") and kept not in wide.weights
+    assert narrow.weight_bytes < 0.7 * wide.weight_bytes
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_k_quant_runtime_is_what_the_house_asks_of_a_runtime(files, arch):
     """Declarations, cache and rollback, and the pool: rows alone = in a pass = beside other sequences, bit for bit,

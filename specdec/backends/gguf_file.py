@@ -214,15 +214,15 @@ def _blocks(tensor: Tensor) -> np.ndarray:  # uint8 [rows, blocks, block bytes]
 
 
 def k_rows(tensor: Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None]:
-    """A Q4_K or Q6_K matrix [rows, cols] in its own integers: q (uint8 [rows, cols]); per 32 inputs (Q6_K: 16) a
-    scale (Q4_K: uint8 < 64; Q6_K: int8) and Q4_K's min (uint8 < 64, else None); per 256 inputs d and Q4_K's dmin
-    (float32 [rows, cols / 256], else None): w = (d sc) q - (dmin mn), or (d sc) (q - 32), whose products d sc and
+    """A Q4_K, Q5_K or Q6_K matrix [rows, cols] in its own integers: q (uint8 [rows, cols]); per 32 inputs (Q6_K:
+    16) a scale (Q4_K, Q5_K: uint8 < 64; Q6_K: int8) and a min (uint8 < 64; Q6_K: None); per 256 inputs d and dmin
+    (float32 [rows, cols / 256]; Q6_K: None): w = (d sc) q - (dmin mn), or (d sc) (q - 32), whose products d sc and
     dmin mn are q8_rows' scales and offsets, exactly."""
     rows, cols = tensor.shape[0], int(np.prod(tensor.shape[1:]))
     blocks = _blocks(tensor)
-    if tensor.type_name == "Q4_K":
+    if tensor.type_name in _K_VALUES:
         scales, mins = _k_scales(blocks[..., 4:16])
-        q, d, dmin = _k_low_nibbles(blocks[..., 16:144]), _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+        q, d, dmin = _K_VALUES[tensor.type_name](blocks), _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
         return q.reshape(rows, cols), scales.reshape(rows, -1), mins.reshape(rows, -1), d, dmin
     q, scales, d = _q6_k_parts(blocks)
     return q.reshape(rows, cols), scales.reshape(rows, -1), None, d, None
@@ -289,14 +289,25 @@ def _k_low_nibbles(packed: np.ndarray) -> np.ndarray:  # [..., 128] -> [..., 256
     return (halves & 0x0F).reshape(*packed.shape[:-1], 256)
 
 
+def _q4_k_values(blocks):
+    return _k_low_nibbles(blocks[..., 16:144])
+
+
+def _q5_k_values(blocks):
+    high = blocks[..., 16:48]  # bit g of byte i is the fifth bit of value i of group g
+    fifth = (high[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+    return _k_low_nibbles(blocks[..., 48:176]) | (fifth.reshape(*high.shape[:-1], 256) << 4)
+
+
+_K_VALUES = {"Q4_K": _q4_k_values, "Q5_K": _q5_k_values}  # the K-quants with a scale and a min per 32
+
+
 def _q4_k(blocks):
-    return _k_grid(blocks, _k_low_nibbles(blocks[..., 16:144]))
+    return _k_grid(blocks, _q4_k_values(blocks))
 
 
 def _q5_k(blocks):
-    high = blocks[..., 16:48]  # bit g of byte i is the fifth bit of value i of group g
-    fifth = (high[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
-    return _k_grid(blocks, _k_low_nibbles(blocks[..., 48:176]) | (fifth.reshape(*high.shape[:-1], 256) << 4))
+    return _k_grid(blocks, _q5_k_values(blocks))
 
 
 def _q6_k_parts(blocks):
@@ -322,7 +333,8 @@ _BYTE_GRIDS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0
 # w = d q + m per 32 (Q6_K: 16) values: kept exactly in one byte, a float scale and a float offset (q8_rows)
 Q8_STORED = tuple(_BYTE_GRIDS)
 NIBBLE_STORED = ("Q4_0", "Q4_1")  # whose q (above) is under 16, scale and offset float16: kept in 4 bits and 16
-# for integer products; Q4_K and Q6_K in their own bits and scales (k_rows)
+# for integer products; Q4_K, Q5_K and Q6_K in their own bits and scales (k_rows)
+FIVE_BIT_STORED = ("Q5_0", "Q5_1")  # q under 32, scale and offset float16: kept in 5 bits and 16 so
 
 
 def grid_group(type_name: str) -> int:

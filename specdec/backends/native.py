@@ -23,11 +23,12 @@ NEEDED_FLAGS = ("avx2", "fma", "f16c")
 # how fused.c stores a weight matrix (its F16, Q8, F32, BF16 and Q8H): floats, or bytes with a float scale and offset
 # per 32 inputs (int8) or per 16 (int8_group16)
 FORMAT = {"float16": 0, "int8": 1, "float32": 2, "bfloat16": 3, "int8_group16": 4}
-# the block formats' integer products (fused.c's Q8I, Q8HI, Q4I, Q6I and Q4KI), times each row's inputs quantised to
-# bytes per block of 32: the byte formats' same bytes; in integer products only, int4: nibbles with a float16 scale
-# and offset per 32 (Q4_0's, Q4_1's); the K-quants' own integer scales under a float per 256 inputs: int6_k, 6 bits
-# with a scale per 16 and the offset -32 times it (Q6_K's), and int4_k, nibbles with a scale and a min per 32 (Q4_K's)
-INTEGER_FORMAT = {"int8": 5, "int8_group16": 6, "int4": 7, "int6_k": 8, "int4_k": 9}
+# the block formats' integer products (fused.c's Q8I, Q8HI, Q4I, Q6I, Q4KI, Q5I and Q5KI), times each row's inputs
+# quantised to bytes per block of 32: the byte formats' same bytes; in integer products only, int4 and int5: 4 and 5
+# bits with a float16 scale and offset per 32 (Q4_0's, Q4_1's, Q5_0's, Q5_1's); the K-quants' own integer scales
+# under a float per 256 inputs: int6_k, 6 bits with a scale per 16 and the offset -32 times it (Q6_K's), and int4_k
+# and int5_k, 4 and 5 bits with a scale and a min per 32 (Q4_K's, Q5_K's)
+INTEGER_FORMAT = {"int8": 5, "int8_group16": 6, "int4": 7, "int6_k": 8, "int4_k": 9, "int5": 10, "int5_k": 11}
 FLOAT_FORMATS = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
 TILE_OUTPUTS = 8  # weight rows per repacked block
 CHUNK_INPUTS = 8  # inputs per chunk of a block: a float product's inputs come in whole chunks
@@ -71,16 +72,18 @@ class _Rows(ctypes.Structure):
 
 
 # fused.c's blocks of 8 rows x 32 inputs: bytes, then per 32 (block_q8x8) or per 16 inputs (block_q8x16) the 8
-# rows' float scales and offsets, or nibbles and their float16 scales and offsets (block_q4x8); the K formats'
-# super-blocks of 8 rows x 256 inputs: 8 blocks' nibbles (super_q4k8) or 6 bits (super_q6x8), then their scales
-Q8_BLOCK_BYTES = {"int8": 320, "int8_group16": 384, "int4": 160}
-SUPER_BYTES = {"int6_k": 1696, "int4_k": 1216}
+# rows' float scales and offsets, or 4 or 5 bits and their float16 scales and offsets (block_q4x8, block_q5x8); the K
+# formats' super-blocks of 8 rows x 256 inputs: 8 blocks' 4, 5 or 6 bits (super_q4k8, super_q5k8, super_q6x8), then
+# their scales
+Q8_BLOCK_BYTES = {"int8": 320, "int8_group16": 384, "int4": 160, "int5": 192}
+SUPER_BYTES = {"int6_k": 1696, "int4_k": 1216, "int5_k": 1472}
 # what sd_struct_sizes reports, in its order
 STRUCT_SIZES = {"Model": ctypes.sizeof(Model), "Layer": ctypes.sizeof(Layer), "Cache": ctypes.sizeof(Cache),
                 "Rows": ctypes.sizeof(_Rows), "Matrix": ctypes.sizeof(Matrix),
                 "block_q8x8": Q8_BLOCK_BYTES["int8"], "block_q8x16": Q8_BLOCK_BYTES["int8_group16"],
                 "block_q4x8": Q8_BLOCK_BYTES["int4"], "super_q6x8": SUPER_BYTES["int6_k"],
-                "super_q4k8": SUPER_BYTES["int4_k"]}
+                "super_q4k8": SUPER_BYTES["int4_k"], "block_q5x8": Q8_BLOCK_BYTES["int5"],
+                "super_q5k8": SUPER_BYTES["int5_k"]}
 
 
 def group_bytes(name: str, inputs: int) -> int:

@@ -510,9 +510,15 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 add_set(__m256 acc
 #define OFFSETS_Q4K(b, s, k, t) _mm256_mul_ps(BYTES8_U((s)->mn[k]), _mm256_loadu_ps((s)->dmin))
 #define SCALES_Q6(b, s, k, t) _mm256_mul_ps(BYTES8_S((s)->sc[k][t]), _mm256_loadu_ps((s)->d))
 #define OFFSETS_Q6(b, s, k, t) _mm256_setzero_ps()
+#define SCALES_Q5 SCALES_Q4
+#define OFFSETS_Q5 OFFSETS_Q4
+#define SCALES_Q5K SCALES_Q4K
+#define OFFSETS_Q5K OFFSETS_Q4K
 #define SET_Q8(acc, isum, d, m, x, row, block, sets, t) add_set(acc, isum, d, m, x, row, block, sets, t)
 #define SET_Q4 SET_Q8
 #define SET_Q4K SET_Q8
+#define SET_Q5 SET_Q8
+#define SET_Q5K SET_Q8
 #define SET_Q6(acc, isum, d, m, x, row, block, sets, t) add_scaled(acc, isum, d, x, row, block)
 
 /* Q4I, Q4KI and Q6I, the integer-only formats (a GGUF's 4-bit and 6-bit blocks), hold a block's 32 inputs as 8
@@ -561,6 +567,26 @@ typedef struct {
 } super_q6x8;
 static_assert(sizeof(super_q6x8) == 1696, "super_q6x8: 8 x 192 bytes of bits, 128 of scales, 8 floats");
 
+/* Q5I: 5-bit weights (Q5_0 and Q5_1: q < 32) with a float16 scale and offset per 32 inputs (Q5_0's offset -16 d is a
+ * float16 too): block_q5x8 holds the low nibbles as block_q4x8 does, then 32 bytes whose bit g is quad g's fifth
+ * bit (byte 4j + c: row j's input 4g + c), then the scales and offsets (0.75 bytes a weight, Q5_1's own size; Q5_0's
+ * 0.69). Q5KI: Q5_K as Q4KI holds Q4_K, each block_q5k8 with its fifth bits so (0.72 bytes a weight, against the
+ * file's 0.69). */
+typedef struct {
+    uint8_t q[4][32], hi[32];
+    uint16_t d[8], m[8];
+} block_q5x8;
+static_assert(sizeof(block_q5x8) == 192, "block_q5x8: 128 bytes of nibbles, 32 of fifth bits, 16 float16s");
+typedef struct {
+    uint8_t q[4][32], hi[32];
+} block_q5k8;
+typedef struct {
+    block_q5k8 blocks[8];
+    uint8_t sc[8][8], mn[8][8];
+    float d[8], dmin[8];
+} super_q5k8;
+static_assert(sizeof(super_q5k8) == 1472, "super_q5k8: 8 x 160 bytes of bits, 2 x 64 of scales, 2 x 8 floats");
+
 /* A tile walks the 8 rows at w block by block: b, the block, in s, its super-block (formats without one: char, not
  * read), at place IN_SUPER(i) there; NEXT_*, from block i to block i + 1 (one block on, or the next super-block's
  * first: no division a block). */
@@ -575,15 +601,21 @@ static_assert(sizeof(super_q6x8) == 1696, "super_q6x8: 8 x 192 bytes of bits, 12
         (b) = (++(s))->blocks;
 #define FIRST_Q8 FIRST_FLAT
 #define FIRST_Q4 FIRST_FLAT
+#define FIRST_Q5 FIRST_FLAT
 #define FIRST_Q4K(w) (((const super_q4k8 *)(w))->blocks)
+#define FIRST_Q5K(w) (((const super_q5k8 *)(w))->blocks)
 #define FIRST_Q6(w) (((const super_q6x8 *)(w))->blocks)
 #define NEXT_Q8 NEXT_FLAT
 #define NEXT_Q4 NEXT_FLAT
+#define NEXT_Q5 NEXT_FLAT
 #define NEXT_Q4K NEXT_SUPER
+#define NEXT_Q5K NEXT_SUPER
 #define NEXT_Q6 NEXT_SUPER
 #define SUPER_Q8 char
 #define SUPER_Q4 char
+#define SUPER_Q5 char
 #define SUPER_Q4K super_q4k8
+#define SUPER_Q5K super_q5k8
 #define SUPER_Q6 super_q6x8
 
 /* Quad g of a block_q8x8 or block_q8x16 (block_q4x8, block_q6x8): the 8 rows' 4 weights, a byte each. */
@@ -592,6 +624,12 @@ static_assert(sizeof(super_q6x8) == 1696, "super_q6x8: 8 x 192 bytes of bits, 12
     _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b)->q[(g) / 2]), 4 * ((g) % 2)),     \
                      _mm256_set1_epi8(0x0F))
 #define QUAD_Q4K QUAD_Q4
+/* Quad g's fifth bits (bit g of each byte of hi) moved to bit 4, the rest cleared. */
+#define FIFTH_BITS(hi, g)                                                                                          \
+    _mm256_and_si256((g) < 4 ? _mm256_slli_epi16(hi, (4 - (g)) & 7) : _mm256_srli_epi16(hi, ((g) - 4) & 7),      \
+                     _mm256_set1_epi8(0x10))
+#define QUAD_Q5(b, g) _mm256_or_si256(QUAD_Q4(b, g), FIFTH_BITS(_mm256_loadu_si256((const __m256i *)(b)->hi), g))
+#define QUAD_Q5K QUAD_Q5
 #define QUAD_Q6(b, g) _mm256_or_si256(QUAD_Q4(b, g), top_bits(_mm256_loadu_si256((const __m256i *)(b)->hi[(g) / 4]), (g) % 4))
 
 /* Bits 2k and 2k + 1 of each byte of hi moved to bits 4 and 5, the rest cleared. */
@@ -630,6 +668,8 @@ dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
                                                      _mm256_maddubs_epi16(w1, quad_inputs((x) + 4)))))
 #define DOT2_AVX2_Q6 DOT2_AVX2_Q4
 #define DOT2_AVX2_Q4K DOT2_AVX2_Q4
+#define DOT2_AVX2_Q5 DOT2_AVX2_Q4
+#define DOT2_AVX2_Q5K DOT2_AVX2_Q4
 #define CENTRED(w) _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80))
 #define DOT_AVX2_Q8(sum, w, x)                                                                                     \
     _mm256_add_epi32(sum, MADD_ONES(_mm256_maddubs_epi16(_mm256_abs_epi8(CENTRED(w)),                            \
@@ -638,6 +678,8 @@ dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
 #define DOT2_VNNI_Q4(sum, w0, w1, x) dpbusd_broadcast(dpbusd_broadcast(sum, w0, x), w1, (x) + 4)
 #define DOT2_VNNI_Q6 DOT2_VNNI_Q4
 #define DOT2_VNNI_Q4K DOT2_VNNI_Q4
+#define DOT2_VNNI_Q5 DOT2_VNNI_Q4
+#define DOT2_VNNI_Q5K DOT2_VNNI_Q4
 #define DOT2_VNNI_Q8 DOT2_VNNI_Q4
 /* OFFSET: what a tile's integer sums start from, times sum(xq): 128 where AVX2 summed a Q8 byte as q - 128, -32 for
  * Q6's offset (-32 times its scale), 0 elsewhere; OFFSET_OF, a format's, for the quantiser (integer_offset). */
@@ -645,12 +687,16 @@ dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
 #define OFFSET_AVX2_Q4 0
 #define OFFSET_AVX2_Q6 (-32)
 #define OFFSET_AVX2_Q4K 0
+#define OFFSET_AVX2_Q5 0
+#define OFFSET_AVX2_Q5K 0
 #define OFFSET_VNNI_Q8 0
 #define OFFSET_VNNI_Q4 0
 #define OFFSET_VNNI_Q6 (-32)
 #define OFFSET_VNNI_Q4K 0
+#define OFFSET_VNNI_Q5 0
+#define OFFSET_VNNI_Q5K 0
 #define OFFSET_OF(ISA, format)                                                                                     \
-    ((format) == Q6I ? OFFSET_##ISA##_Q6 : (format) == Q4I || (format) == Q4KI ? OFFSET_##ISA##_Q4 : OFFSET_##ISA##_Q8)
+    ((format) == Q6I ? OFFSET_##ISA##_Q6 : (format) == Q8I || (format) == Q8HI ? OFFSET_##ISA##_Q8 : OFFSET_##ISA##_Q4)
 #define TILE_QUAD(NAME, TARGET, ISA, BLOCK, SETS, KIND, R)                                                         \
     __attribute__((target(TARGET))) static void NAME##_##R(const void *w, const Quantised *x, int r0,              \
                                                            float out[GROUP512][8]) {                               \
@@ -703,6 +749,8 @@ TILES_QUAD(q8i, block_q8x8, 1, Q8)
 TILES_QUAD(q8hi, block_q8x16, 2, Q8)
 TILES_QUAD(q4i, block_q4x8, 1, Q4)
 TILES_QUAD(q4ki, block_q4k8, 1, Q4K)
+TILES_QUAD(q5i, block_q5x8, 1, Q5)
+TILES_QUAD(q5ki, block_q5k8, 1, Q5K)
 TILES_QUAD(q6i, block_q6x8, 2, Q6)
 
 /* The GEMM tile for many rows on AVX512-VNNI: GEMM_ROWS rows by 16 outputs, two blocks of 8 weight rows side by
@@ -722,6 +770,11 @@ TILES_QUAD(q6i, block_q6x8, 2, Q6)
 #define QUAD16_Q4(b, next, g)                                                                                      \
     _mm512_and_si512(_mm512_srli_epi16(LOAD_PAIR(b, next, q[(g) / 2]), 4 * ((g) % 2)), _mm512_set1_epi8(0x0F))
 #define QUAD16_Q4K QUAD16_Q4
+#define FIFTH_BITS16(hi, g)                                                                                        \
+    _mm512_and_si512((g) < 4 ? _mm512_slli_epi16(hi, (4 - (g)) & 7) : _mm512_srli_epi16(hi, ((g) - 4) & 7),      \
+                     _mm512_set1_epi8(0x10))
+#define QUAD16_Q5(b, next, g) _mm512_or_si512(QUAD16_Q4(b, next, g), FIFTH_BITS16(LOAD_PAIR(b, next, hi), g))
+#define QUAD16_Q5K QUAD16_Q5
 #define QUAD16_Q6(b, next, g) _mm512_or_si512(QUAD16_Q4(b, next, g), top_bits16(LOAD_PAIR(b, next, hi[(g) / 4]), (g) % 4))
 /* p, `next` bytes further: the same place in the next block of 8 weight rows. */
 #define AT_NEXT(p, next) ((__typeof__(p))((const char *)(p) + (next)))
@@ -751,6 +804,8 @@ __attribute__((target(VNNI_TARGET))) static inline __m512 add_scaled16(__m512 ac
 #define SET16_Q8(acc, isum, d, m, e, offset) _mm512_fmadd_ps(m, _mm512_set1_ps(offset), add_scaled16(acc, isum, d, e))
 #define SET16_Q4 SET16_Q8
 #define SET16_Q4K SET16_Q8
+#define SET16_Q5 SET16_Q8
+#define SET16_Q5K SET16_Q8
 #define SET16_Q6(acc, isum, d, m, e, offset) add_scaled16(acc, isum, d, e)
 
 /* Independent sums a row's set is split among: enough across the R rows to cover vpdpbusd's latency. */
@@ -803,24 +858,28 @@ TILES_GEMM(q8g, block_q8x8, 1, Q8)
 TILES_GEMM(q8hg, block_q8x16, 2, Q8)
 TILES_GEMM(q4g, block_q4x8, 1, Q4)
 TILES_GEMM(q4kg, block_q4k8, 1, Q4K)
+TILES_GEMM(q5g, block_q5x8, 1, Q5)
+TILES_GEMM(q5kg, block_q5k8, 1, Q5K)
 TILES_GEMM(q6g, block_q6x8, 2, Q6)
 #define GEMM_TILES(NAME) {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, NAME##_7, NAME##_8, NAME##_9, NAME##_10, NAME##_11, NAME##_12}
 
 typedef void (*Q8Fn)(const void *, int, const float *, int64_t, int, float[GROUP512][8]);
 /* how a weight matrix is stored (Matrix.format); Q8I and Q8HI: Q8 and Q8H's bytes, multiplied in integers; Q4I,
- * Q4KI (nibbles) and Q6I (6 bits): in integers only */
-enum { F16, Q8, F32, BF16, Q8H, Q8I, Q8HI, Q4I, Q6I, Q4KI };
+ * Q4KI (nibbles), Q5I, Q5KI (5 bits) and Q6I (6 bits): in integers only */
+enum { F16, Q8, F32, BF16, Q8H, Q8I, Q8HI, Q4I, Q6I, Q4KI, Q5I, Q5KI };
 static const int VALUE_BYTES[] = {[F16] = 2, [F32] = 4, [BF16] = 2}; /* the float formats' */
 static const int BLOCK_BYTES[] = {[Q8] = sizeof(block_q8x8), [Q8H] = sizeof(block_q8x16), [Q8I] = sizeof(block_q8x8),
                                    [Q8HI] = sizeof(block_q8x16), [Q4I] = sizeof(block_q4x8),
-                                   [Q6I] = sizeof(block_q6x8), [Q4KI] = sizeof(block_q4k8)}; /* per 8 rows x 32 */
+                                   [Q6I] = sizeof(block_q6x8), [Q4KI] = sizeof(block_q4k8),
+                                   [Q5I] = sizeof(block_q5x8), [Q5KI] = sizeof(block_q5k8)}; /* per 8 rows x 32 */
 /* per 8 rows x 256 inputs, the K formats' (their blocks inside) */
-static const int SUPER_BYTES[] = {[Q6I] = sizeof(super_q6x8), [Q4KI] = sizeof(super_q4k8)};
+static const int SUPER_BYTES[] = {[Q6I] = sizeof(super_q6x8), [Q4KI] = sizeof(super_q4k8),
+                                   [Q5KI] = sizeof(super_q5k8)};
 static const Q8Fn Q8_WIDE[][GROUP + 1] = {[Q8] = {0, q8_1x8, q8_2x4, q8_3x2, q8_4x2},
                                           [Q8H] = {0, q8h_1x8, q8h_2x4, q8h_3x2, q8h_4x2}};
 static const Q8Fn Q8_512[][GROUP512 + 1] = {[Q8] = {0, q8z_1, q8z_2, q8z_3, q8z_4, q8z_5, q8z_6},
                                             [Q8H] = {0, q8hz_1, q8hz_2, q8hz_3, q8hz_4, q8hz_5, q8hz_6}};
-#define INTEGER(format) ((format) == Q8I || (format) == Q8HI || (format) == Q4I || (format) == Q6I || (format) == Q4KI)
+#define INTEGER(format) ((format) >= Q8I && (format) <= Q5KI) /* the integer formats (the enum's last) */
 #define SETS(format) ((format) == Q8HI || (format) == Q6I ? 2 : 1) /* an integer format's sets per 32 inputs */
 #define BLOCKED(format) ((format) == Q8 || (format) == Q8H || INTEGER(format))
 typedef void (*IntegerFn)(const void *, const Quantised *, int, float[GROUP512][8]);
@@ -828,25 +887,30 @@ static const IntegerFn INTEGER_WIDE[][GROUP + 1] = {[Q8I] = {0, q8i_1, q8i_2, q8
                                                     [Q8HI] = {0, q8hi_1, q8hi_2, q8hi_3, q8hi_4},
                                                     [Q4I] = {0, q4i_1, q4i_2, q4i_3, q4i_4},
                                                     [Q6I] = {0, q6i_1, q6i_2, q6i_3, q6i_4},
-                                                    [Q4KI] = {0, q4ki_1, q4ki_2, q4ki_3, q4ki_4}};
+                                                    [Q4KI] = {0, q4ki_1, q4ki_2, q4ki_3, q4ki_4},
+                                                    [Q5I] = {0, q5i_1, q5i_2, q5i_3, q5i_4},
+                                                    [Q5KI] = {0, q5ki_1, q5ki_2, q5ki_3, q5ki_4}};
 static const IntegerFn INTEGER_VNNI[][GROUP512 + 1] = {[Q8I] = {0, q8iv_1, q8iv_2, q8iv_3, q8iv_4, q8iv_5, q8iv_6},
                                                        [Q8HI] = {0, q8hiv_1, q8hiv_2, q8hiv_3, q8hiv_4, q8hiv_5, q8hiv_6},
                                                        [Q4I] = {0, q4iv_1, q4iv_2, q4iv_3, q4iv_4, q4iv_5, q4iv_6},
                                                        [Q6I] = {0, q6iv_1, q6iv_2, q6iv_3, q6iv_4, q6iv_5, q6iv_6},
-                                                       [Q4KI] = {0, q4kiv_1, q4kiv_2, q4kiv_3, q4kiv_4, q4kiv_5, q4kiv_6}};
+                                                       [Q4KI] = {0, q4kiv_1, q4kiv_2, q4kiv_3, q4kiv_4, q4kiv_5, q4kiv_6},
+                                                       [Q5I] = {0, q5iv_1, q5iv_2, q5iv_3, q5iv_4, q5iv_5, q5iv_6},
+                                                       [Q5KI] = {0, q5kiv_1, q5kiv_2, q5kiv_3, q5kiv_4, q5kiv_5, q5kiv_6}};
 
 typedef void (*GemmFn)(const void *, int64_t, const Quantised *, int, float[GEMM_ROWS][16]);
-static const int GEMM_MOST[] = {[Q8I] = 12, [Q8HI] = 8, [Q4I] = 12, [Q6I] = 8, [Q4KI] = 12};
+static const int GEMM_MOST[] = {[Q8I] = 12, [Q8HI] = 8, [Q4I] = 12, [Q6I] = 8, [Q4KI] = 12, [Q5I] = 12, [Q5KI] = 12};
 /* The fewest rows the GEMM tiles take, per format: fewer stream the weights from memory, where the row tiles' one
  * stream and their more chains per row were measured faster (a pass over 2 rows of the default model cost 1.5x one
  * through the GEMM tiles, 1.04x through the row tiles; 4 and 5 rows of the 1.5B's nibbles 1.16x and 1.25x one
  * through the row tiles, 1.37x and 1.44x through the GEMM tiles); from these counts on (the bytes' measured on a
  * matrix of the default model's LM head's shape, streamed) the GEMM tiles were as fast or faster, by 1.2-1.5x where
  * arithmetic paces a pass. Both give the same bits. */
-static const int GEMM_FROM[] = {[Q8I] = 8, [Q8HI] = 6, [Q4I] = 6, [Q6I] = 6, [Q4KI] = 6};
+static const int GEMM_FROM[] = {[Q8I] = 8, [Q8HI] = 6, [Q4I] = 6, [Q6I] = 6, [Q4KI] = 6, [Q5I] = 6, [Q5KI] = 6};
 static const GemmFn INTEGER_GEMM[][GEMM_ROWS + 1] = {[Q8I] = GEMM_TILES(q8g), [Q8HI] = GEMM_TILES(q8hg),
                                                     [Q4I] = GEMM_TILES(q4g), [Q6I] = GEMM_TILES(q6g),
-                                                    [Q4KI] = GEMM_TILES(q4kg)};
+                                                    [Q4KI] = GEMM_TILES(q4kg), [Q5I] = GEMM_TILES(q5g),
+                                                    [Q5KI] = GEMM_TILES(q5kg)};
 
 typedef void (*TileFn)(const void *, const float *, int64_t, int, float[GROUP512][8]);
 static const TileFn WIDE[][GROUP + 1] = {[F16] = {0, f16_1x8, f16_2x4, f16_3x2, f16_4x2},
@@ -1431,12 +1495,13 @@ int sd_attention(const Rows *rows, int heads, int kv_heads, int head_dim, const 
 }
 
 /* The sizes of the structures native.py declares with ctypes, in its order (STRUCT_SIZES): Model, Layer, Cache,
- * Rows, Matrix, block_q8x8, block_q8x16, block_q4x8, super_q6x8, super_q4k8; at most `count` of them. Returns how many it
+ * Rows, Matrix, block_q8x8, block_q8x16, block_q4x8, super_q6x8, super_q4k8, block_q5x8, super_q5k8; at most
+ * `count` of them. Returns how many it
  * wrote. */
 int sd_struct_sizes(int64_t *sizes, int count) {
     const int64_t known[] = {sizeof(Model), sizeof(Layer), sizeof(Cache), sizeof(Rows), sizeof(Matrix),
                              sizeof(block_q8x8), sizeof(block_q8x16), sizeof(block_q4x8), sizeof(super_q6x8),
-                             sizeof(super_q4k8)};
+                             sizeof(super_q4k8), sizeof(block_q5x8), sizeof(super_q5k8)};
     int written = 0;
     for (; written < count && written < (int)(sizeof(known) / sizeof(known[0])); written++) sizes[written] = known[written];
     return written;

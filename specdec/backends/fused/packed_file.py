@@ -26,8 +26,8 @@ from specdec.backends.fused.stored import StoredMatrix
 from specdec.cachefile import cache_root
 
 MAGIC = b"SDPACK\x00\x01"
-LAYOUT_VERSION = 6  # fused.c's block_q8x8, block_q8x16, block_q4x8, super_q6x8, super_q4k8 and float tiles; up it
-# when a layout changes
+LAYOUT_VERSION = 7  # fused.c's block_q8x8, block_q8x16, block_q4x8, block_q5x8, super_q4k8, super_q5k8, super_q6x8
+# and float tiles, and which GGUF formats each holds; up it when either changes
 ALIGNMENT = 64
 SAMPLE = 65536  # bytes of each of a matrix's three sampled stretches
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from specdec.backends.gguf_file import (
+    FIVE_BIT_STORED,
     NIBBLE_STORED,
     Q8_STORED,
     GGUFFile,
@@ -37,6 +38,7 @@ FUSED_LAYER_TENSORS = {"phi3": (("attn_qkv",), ("attn_output",), ("ffn_up",), ("
 FLOAT_STORED = {"F16": "float16", "BF16": "bfloat16"}  # kept as they are; F32, and mixtures, as float32
 PERMUTED_ARCHITECTURES = ("llama",)  # whose q and k rows llama.cpp's converter interleaved (``_unpermuted``)
 CHUNK_ROWS = 8192  # rows decoded and packed at a time (a multiple of the tiles' 8)
+K_STORED = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}  # the K-quants kept in their own bits and scales (int4_k, ...)
 
 
 @dataclass
@@ -84,25 +86,25 @@ def float_matrix(values: torch.Tensor, precision: str) -> StoredMatrix:
 def packed_q8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int = 8) -> torch.Tensor:  # uint8
     """Bytes q [out, in] with w = scale q + offset per row and group of 32 (16) inputs as fused.c's Q8 (Q8H) reads
     them: blocks of 8 rows (the last padded with zeros), each 32 inputs as 8 quads of 8 rows x 4 bytes, then the 8
-    rows' scales, then their offsets, one set of 8 per group (``block_q8x8``, ``block_q8x16``). ``bits`` 4 (q < 16,
-    per 32, scale and offset float16 values): the quads' bytes as nibbles (:func:`_quads`), the scales and offsets
-    in float16 (Q4I's ``block_q4x8``)."""
+    rows' scales, then their offsets, one set of 8 per group (``block_q8x8``, ``block_q8x16``). ``bits`` 4 or 5
+    (q < 16 or 32, per 32, scale and offset float16 values): the quads in their bits (:func:`_quads`), the scales and
+    offsets in float16 (Q4I's ``block_q4x8``, Q5I's ``block_q5x8``)."""
     rows, blocks = -(-q.shape[0] // 8) * 8, q.shape[1] // 32
     q, scale, offset = (_padded(t, rows) for t in (q, scale, offset))
-    values = torch.float16 if bits == 4 else torch.float32
+    values = torch.float16 if bits in (4, 5) else torch.float32
     parts = [_quads(q, bits), _per_block(scale, blocks, values), _per_block(offset, blocks, values)]
     return torch.cat(parts, dim=-1).flatten()
 
 
 def packed_k(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, d: torch.Tensor,
-             dmin: torch.Tensor | None) -> torch.Tensor:  # uint8
+             dmin: torch.Tensor | None, bits: int) -> torch.Tensor:  # uint8
     """A K-quant's integers (``gguf_file.k_rows``) as fused.c's K formats read them: per 8 rows (the last padded
-    with zeros), their super-blocks of 256 inputs, each its 8 blocks' quads (:func:`_quads`: nibbles, or with mins
-    None 6 bits), then per block the 8 rows' integer scales (with mins None per 16) and mins, then the rows' d and
-    -dmin (Q4KI's ``super_q4k8``, Q6I's ``super_q6x8``)."""
+    with zeros), their super-blocks of 256 inputs, each its 8 blocks' quads in ``bits`` (:func:`_quads`), then per
+    block the 8 rows' integer scales (6 bits, mins None: per 16) and mins, then the rows' d and -dmin (Q4KI's
+    ``super_q4k8``, Q5KI's ``super_q5k8``, Q6I's ``super_q6x8``)."""
     rows, supers = -(-q.shape[0] // 8) * 8, q.shape[1] // 256
     q, scales, d = (_padded(t, rows) for t in (q, scales, d))
-    parts = [_quads(q, 4 if mins is not None else 6), _per_block(scales, 8 * supers, scales.dtype)]
+    parts = [_quads(q, bits), _per_block(scales, 8 * supers, scales.dtype)]
     floats = [d]
     if mins is not None:
         parts.append(_per_block(_padded(mins, rows), 8 * supers, mins.dtype))
@@ -120,8 +122,8 @@ def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
 def _quads(q: torch.Tensor, bits: int) -> torch.Tensor:  # uint8 [rows / 8, blocks, bytes of a block's quads]
     """q [rows, in] (rows a multiple of 8) as blocks of 8 rows x 32 inputs, each 8 quads of 8 rows x 4 bytes (quad g:
     inputs 4g..4g+3, row j's at 4j); ``bits`` 4 (q < 16): quad 2p in the low nibbles of 32 bytes, 2p + 1 in their
-    high; 6 (q < 64): the low nibbles so, then the top 2 bits of quad 4h + k in bits 2k, 2k + 1 of the h-th 32
-    bytes."""
+    high; 5 (q < 32): the low nibbles so, then 32 bytes whose bit g is quad g's fifth bit; 6 (q < 64): the low
+    nibbles so, then the top 2 bits of quad 4h + k in bits 2k, 2k + 1 of the h-th 32 bytes."""
     rows, inputs = q.shape
     blocks = inputs // 32
     q = q.reshape(rows // 8, 8, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(rows // 8, blocks, 8, 32)
@@ -129,6 +131,9 @@ def _quads(q: torch.Tensor, bits: int) -> torch.Tensor:  # uint8 [rows / 8, bloc
         return q.reshape(rows // 8, blocks, -1)
     low = q & 0x0F
     parts = [(low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(rows // 8, blocks, -1)]
+    if bits == 5:
+        fifth = (q >> 4) << torch.arange(8, dtype=torch.uint8)[:, None]  # [rows / 8, blocks, quad g, 32]: bit g
+        parts.append(fifth.sum(dim=2, dtype=torch.uint8))  # distinct bits: their sum is their or
     if bits == 6:
         top = (q >> 4).reshape(rows // 8, blocks, 2, 4, 32)
         hi = top[:, :, :, 0] | (top[:, :, :, 1] << 2) | (top[:, :, :, 2] << 4) | (top[:, :, :, 3] << 6)
@@ -202,16 +207,18 @@ def _packed_grid(tensors, orders, narrow: bool = False) -> StoredMatrix:
     one buffer: the memory a matrix takes while it is packed is its packed size and a chunk's, where decoding it
     whole took several times its size (150k rows of an LM head). Every part but the last holds whole blocks of 8
     rows (``gguf_unavailable`` admits only heads of a multiple of 8 and sizes of a multiple of 32). ``narrow``, for
-    integer products: tensors all Q4_K or all Q6_K are kept in their own bits and scales (``int4_k``, ``int6_k``),
-    tensors all of NIBBLE_STORED's formats in 4 bits and float16 scales (``int4``)."""
+    integer products: tensors all of one K-quant are kept in its own bits and scales (``int4_k``, ``int5_k``,
+    ``int6_k``), tensors all of NIBBLE_STORED's formats (FIVE_BIT_STORED's) in 4 bits (5) and float16 scales
+    (``int4``, ``int5``)."""
     group = min(grid_group(t.type_name) for t in tensors)
     kinds = {t.type_name for t in tensors}
-    if narrow and kinds in ({"Q4_K"}, {"Q6_K"}):
-        return _packed_chunks(tensors, orders, "int4_k" if kinds == {"Q4_K"} else "int6_k",
+    if narrow and len(kinds) == 1 and (kind := next(iter(kinds))) in K_STORED:
+        bits = K_STORED[kind]
+        return _packed_chunks(tensors, orders, f"int{bits}_k",
                               lambda chunk, repeat: packed_k(*(None if t is None else torch.from_numpy(t)
-                                                               for t in k_rows(chunk))))
-    bits = 4 if narrow and kinds <= set(NIBBLE_STORED) else 8
-    name = "int4" if bits == 4 else "int8" if group == 32 else "int8_group16"
+                                                               for t in k_rows(chunk)), bits))
+    bits = 4 if narrow and kinds <= set(NIBBLE_STORED) else 5 if narrow and kinds <= set(FIVE_BIT_STORED) else 8
+    name = f"int{bits}" if bits < 8 else "int8" if group == 32 else "int8_group16"
 
     def grid(chunk: Tensor, repeat: int) -> torch.Tensor:
         q, scale, offset = q8_rows(chunk)
