@@ -83,6 +83,19 @@ for name in ("int4", "int5", "int4_k", "int5_k", "int6_k"):  # 4, 5 bits with fl
         rounding = 16 * torch.finfo(torch.float32).eps * (x.abs() @ w.abs().T)
         narrow_as_bytes &= bool(((product(x) - as_bytes(x)).abs() <= rounding).all())
     products.append(product)
+# a matrix of two formats (a GGUF's q and k in Q4_K, its v in Q6_K): a part each, each part's rows (and its share of
+# the bias) what the part alone gives
+scales = [torch.randint(0, 64, (48, 16), dtype=torch.uint8) for _ in range(2)]
+floats = [halves(torch.rand(48, 2) / 500) for _ in range(2)]
+nibbles = packed_k(torch.randint(0, 16, (48, 512), dtype=torch.uint8), *scales, *floats, 4)
+held = {"int4_k": StoredMatrix("int4_k", 48, 512, nibbles), "int6_k": narrow}
+bias = torch.randn(93)
+joined = StoredMatrix("int4_k", 48, 512, nibbles, bias, rest=StoredMatrix("int6_k", 45, 512, narrow.packed))
+alone = [StoredMatrix(name, m.outputs, 512, m.packed, part.contiguous())
+         for (name, m), part in zip(held.items(), bias.split([48, 45]))]
+product = native.MatrixProduct(joined.struct("integer"))
+parts_alone = torch.equal(product(x), torch.cat([native.MatrixProduct(m.struct("integer"))(x) for m in alone], 1))
+products.append(product)
 for product in products:
     native.use_threads(1)
     alone = torch.cat([product(x[i : i + 1]) for i in range(70)])
@@ -113,7 +126,7 @@ for q, k, v, n_keys, scoring, listed in (
     alone, together = attention_alone_and_together(q, k, v, n_keys, scoring, listed)
     alone_everywhere &= torch.equal(together, alone)
     digest.update(together.numpy().tobytes())
-print(digest.hexdigest(), alone_everywhere, narrow_as_bytes)
+print(digest.hexdigest(), alone_everywhere, narrow_as_bytes, parts_alone)
 """
 
 
@@ -128,12 +141,13 @@ def test_row_kernels_compute_each_row_alone():
     (the row tiles' groups of 4 and 6 rows, the GEMM tiles' of up to 12 rows by 16 outputs, 64 rows at a time, and
     the remainders), and on a team of one thread or two (each output is reduced by one thread); the attention
     scores a kv head's queries of a sequence's rows together, each as it is alone (with a window and a soft cap,
-    listed key columns, and keys too many for scratch to hold more than one query's scores); 4-bit weights give the
-    bits their bytes give, and 6-bit weights their values."""
+    listed key columns, and keys too many for scratch to hold more than one query's scores); 4- and 5-bit weights
+    give the bits their bytes give, and 6-bit weights their values; a matrix of two formats gives each part's rows
+    the bits the part gives alone."""
     if native.unavailable():
         pytest.skip(native.unavailable())
     run = run_here(["-c", KERNEL_DIGEST], {}, 120)
-    assert run.returncode == 0 and run.stdout.split()[1:] == ["True", "True"], run.stdout + run.stderr[-2000:]
+    assert run.returncode == 0 and run.stdout.split()[1:] == ["True"] * 3, run.stdout + run.stderr[-2000:]
 
 
 def test_the_avx2_tiles_give_the_avx512_tiles_bits():
@@ -144,7 +158,7 @@ def test_the_avx2_tiles_give_the_avx512_tiles_bits():
     runs = [run_here(["-c", KERNEL_DIGEST], env, 120) for env in ({}, AVX2_TILES)]
     assert all(run.returncode == 0 for run in runs), [run.stderr[-2000:] for run in runs]
     (wide, *wide_checks), (avx2, *avx2_checks) = (run.stdout.split() for run in runs)
-    assert wide == avx2 and wide_checks == avx2_checks == ["True", "True"]
+    assert wide == avx2 and wide_checks == avx2_checks == ["True"] * 3
 
 
 @pytest.mark.slow

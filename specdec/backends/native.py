@@ -40,10 +40,16 @@ _p = ctypes.c_void_p
 
 # fused.c's structures, as ctypes declares them; their sizes are checked against the library's at load
 class Matrix(ctypes.Structure):
-    """A weight matrix [outputs, inputs] as the tiles read it, in one of FORMAT's formats, with its bias or None."""
+    """A weight matrix [outputs, inputs] as the tiles read it, in one of FORMAT's formats, with its bias or None;
+    ``rest``: the address of the Matrix of the rows after these, stored in another format, or None."""
 
     _fields_ = [("format", ctypes.c_int), ("inputs", ctypes.c_int), ("outputs", ctypes.c_int), ("weight", _p),
-                ("bias", _p)]
+                ("bias", _p), ("rest", _p)]
+
+    @property
+    def rows(self) -> int:
+        """The outputs of this part and the parts after it."""
+        return self.outputs + (Matrix.from_address(self.rest).rows if self.rest else 0)
 
 
 class Layer(ctypes.Structure):
@@ -239,7 +245,7 @@ class MatrixProduct:
 
     def __init__(self, struct: Matrix) -> None:
         self.struct = struct
-        self.outputs = struct.outputs
+        self.outputs = struct.rows
         self._library = library()
         use_threads()
 

@@ -36,11 +36,14 @@ typedef uint16_t half;
 #define MAX_HEAD_DIM 256 /* attend keeps one head's output in registers: 32 of 8 floats */
 
 /* A weight matrix [out, in] as stored for the tiles (below: a float format repacked in blocks of 8 rows, or Q8 or
- * Q8H blocks), each with its own format, and its bias or NULL. in: a multiple of 8 (32 for Q8 and Q8H). */
-typedef struct {
-    int format, in, out;
+ * Q8H blocks), each with its own format, and its bias or NULL. in: a multiple of 8 (32 for Q8 and Q8H). A matrix
+ * whose rows are stored in two formats (a GGUF's q and k in Q4_K, its v in Q6_K) is a part per format: `rest`, the
+ * rows after these (out a multiple of 8 where there is a rest). */
+typedef struct Matrix {
+    int format, in, out;       /* out: this part's rows */
     const void *weight;
-    const float *bias;    /* [out] or NULL */
+    const float *bias;         /* [out] or NULL */
+    const struct Matrix *rest; /* the next part, or NULL */
 } Matrix;
 
 typedef struct {
@@ -1049,10 +1052,21 @@ static void product_of(const Matrix *m, const float *x, const Quantised *xq, int
     }
 }
 
-/* product_of, the rows quantised here where the format needs it (and not where this member has no outputs). */
+/* The rows of a matrix, its parts' together. */
+static int outputs_of(const Matrix *m) {
+    int outputs = 0;
+    for (; m; m = m->rest) outputs += m->out;
+    return outputs;
+}
+
+/* product_of over outputs o0..o1-1 of a matrix's parts, each part's, the rows quantised for it where its format
+ * needs it (and not where this member has none of its outputs). */
 static void product(const Matrix *m, const float *x, int64_t ldx, int n, int o0, int o1, float *y, int64_t ldy,
                     int mode) {
-    if (o0 < o1) product_of(m, x, inputs_for(m, x, ldx, n), ldx, n, o0, o1, y, ldy, mode);
+    for (int first = 0; m; first += m->out, m = m->rest) { /* first: the part's first output in the matrix */
+        int b = o0 > first ? o0 - first : 0, e = o1 - first < m->out ? o1 - first : m->out;
+        if (b < e) product_of(m, x, inputs_for(m, x, ldx, n), ldx, n, b, e, y + first, ldy, mode);
+    }
 }
 
 /* The share of `count` items (in units of `grain`) of member `thread` of `threads`. */
@@ -1408,7 +1422,10 @@ static void pass_job(void *arg, int thread, int threads) {
             rms_norm_row(p->x + (int64_t)r * hidden, layer->post_norm, hidden, m->eps, p->h + (int64_t)r * hidden);
         team_barrier(threads, &sense);
         share(inter, 8, thread, threads, &b, &e); /* gate and up for the same units, then SiLU(gate) * up */
-        if (b < e) { /* h quantised once for both */
+        if (b < e && layer->gate_up.rest) { /* parts: each quantises h for its own format */
+            product(&layer->gate_up, p->h, hidden, n, b, e, p->act, 2 * inter, STORE);
+            product(&layer->gate_up, p->h, hidden, n, inter + b, inter + e, p->act, 2 * inter, STORE);
+        } else if (b < e) { /* h quantised once for both */
             const Quantised *hq = inputs_for(&layer->gate_up, p->h, hidden, n);
             product_of(&layer->gate_up, p->h, hq, hidden, n, b, e, p->act, 2 * inter, STORE);
             product_of(&layer->gate_up, p->h, hq, hidden, n, inter + b, inter + e, p->act, 2 * inter, STORE);
@@ -1439,8 +1456,8 @@ static void product_job(void *arg, int thread, int threads) {
     const Product *p = (const Product *)arg;
     int b, e;
     if (thread >= threads) return;
-    share(p->m->out, 8, thread, threads, &b, &e);
-    product(p->m, p->x, p->m->in, p->n, b, e, p->y, p->m->out, STORE);
+    share(outputs_of(p->m), 8, thread, threads, &b, &e);
+    product(p->m, p->x, p->m->in, p->n, b, e, p->y, outputs_of(p->m), STORE);
 }
 
 /* y = x W^T + bias for n rows, the outputs shared among the team. Returns 0, or -1 when scratch could not be had. */

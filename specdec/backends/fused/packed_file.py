@@ -4,8 +4,9 @@
 A packed file is each matrix's bytes at 64-byte boundaries, written as each is packed (so a first start holds one
 packed matrix at a time, not the model), then a header, then a trailer: an 8-byte magic, the header's length and its
 CRC-32. The header (JSON) names the layout's version, the source file (its resolved path, size and modification
-time: a changed source is another key) and per matrix its format, shape, place and a checksum (CRC-32) of sampled
-stretches of its bytes (its first, middle and last 64 KiB). A packed file that is truncated, whose header does not
+time: a changed source is another key) and per matrix (per part, for a matrix stored in two formats: each says
+whether the next goes on with its rows) its format, shape, place and a checksum (CRC-32) of sampled stretches of its
+bytes (its first, middle and last 64 KiB). A packed file that is truncated, whose header does not
 parse or whose checksums do not match is stale or corrupt: it is said so in one line, deleted and written anew. Each
 write deletes the kept copies of source files that are gone or changed.
 """
@@ -26,7 +27,7 @@ from specdec.backends.fused.stored import StoredMatrix
 from specdec.cachefile import cache_root
 
 MAGIC = b"SDPACK\x00\x01"
-LAYOUT_VERSION = 7  # fused.c's block_q8x8, block_q8x16, block_q4x8, block_q5x8, super_q4k8, super_q5k8, super_q6x8
+LAYOUT_VERSION = 8  # fused.c's block_q8x8, block_q8x16, block_q4x8, block_q5x8, super_q4k8, super_q5k8, super_q6x8
 # and float tiles, and which GGUF formats each holds; up it when either changes
 ALIGNMENT = 64
 SAMPLE = 65536  # bytes of each of a matrix's three sampled stretches
@@ -65,11 +66,11 @@ def write(path: Path, source: Path, matrices: Iterable[StoredMatrix]) -> None:
     partial = path.with_suffix(f".{os.getpid()}.partial")
     try:
         with partial.open("wb") as f:
-            for matrix in matrices:
-                data = _bytes_of(matrix.packed)
-                entries.append({"format": matrix.format, "outputs": matrix.outputs, "inputs": matrix.inputs,
-                                "dtype": str(matrix.packed.dtype).removeprefix("torch."), "offset": offset,
-                                "bytes": len(data), "crc": _sampled_crc(data)})
+            for part in (part for matrix in matrices for part in matrix.parts()):
+                data = _bytes_of(part.packed)
+                entries.append({"format": part.format, "outputs": part.outputs, "inputs": part.inputs,
+                                "dtype": str(part.packed.dtype).removeprefix("torch."), "offset": offset,
+                                "bytes": len(data), "crc": _sampled_crc(data), "rest": part.rest is not None})
                 f.seek(offset)
                 f.write(data)
                 offset += -(-len(data) // ALIGNMENT) * ALIGNMENT
@@ -131,7 +132,7 @@ def _read(path: Path) -> list[StoredMatrix]:
     with path.open("rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     layout = _header(mapped)
-    matrices = []
+    matrices, continued = [], False  # continued: the last entry's rows go on in this one (StoredMatrix.rest)
     for entry in layout["matrices"]:
         begin = entry["offset"]
         if begin + entry["bytes"] > layout["end"]:
@@ -141,5 +142,12 @@ def _read(path: Path) -> list[StoredMatrix]:
             raise ValueError("a matrix's checksum does not match")
         dtype = getattr(torch, entry["dtype"])
         packed = torch.frombuffer(mapped, dtype=dtype, count=entry["bytes"] // dtype.itemsize, offset=begin)
-        matrices.append(StoredMatrix(entry["format"], entry["outputs"], entry["inputs"], packed))
+        part = StoredMatrix(entry["format"], entry["outputs"], entry["inputs"], packed)
+        if continued:
+            matrices[-1].parts()[-1].rest = part
+        else:
+            matrices.append(part)
+        continued = entry["rest"]
+    if continued:
+        raise ValueError("its last matrix's parts end early")
     return matrices

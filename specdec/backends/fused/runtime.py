@@ -328,17 +328,18 @@ class FusedRuntime(LlamaSequence, Pooled):
         self.threads = native.use_threads()
         self.stored_matrices = sum(isinstance(m, StoredMatrix) for m in source.matrices)  # repacked as stored
         self._matrices = self._held_matrices(source, weights)
-        self.weights = "+".join(sorted({matrix.format for matrix in self._matrices}))
+        self.weights = "+".join(sorted({part.format for matrix in self._matrices for part in matrix.parts()}))
         self._model = self._c_model(source)
         norms = sum(norm.numel() for norm in source.input_norms + source.post_norms) + source.spec.hidden
         self.weight_bytes = sum(matrix.nbytes for matrix in self._matrices) + 4 * norms
-        self.multiply_adds = sum(matrix.outputs * matrix.inputs for matrix in self._matrices)  # a row's, per pass
+        self.multiply_adds = sum(matrix.rows * matrix.inputs for matrix in self._matrices)  # a row's, per pass
         self._pass_cache: tuple[int, PassCache] | None = None  # (the cache's generation, what fused.c reads of it)
         self._head = native.MatrixProduct(self._model.lm_head)
 
     @property
     def precision_label(self) -> str:
-        integer = self.products == "integer" and any(m.format in native.INTEGER_FORMAT for m in self._matrices)
+        integer = self.products == "integer" and any(part.format in native.INTEGER_FORMAT
+                                                     for matrix in self._matrices for part in matrix.parts())
         return f"{self.weights} weights{', integer products' if integer else ''}, fused"
 
     @property
@@ -400,7 +401,7 @@ class FusedRuntime(LlamaSequence, Pooled):
         head, architecture = self._matrices[-1], spec.architecture
         activation = {"silu": native.SILU, "gelu_tanh": native.GELU_TANH}[architecture.activation]
         return Model(spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, spec.intermediate,
-                     head.outputs, spec.eps, activation, architecture.attention_scale, architecture.attention_softcap,
+                     head.rows, spec.eps, activation, architecture.attention_scale, architecture.attention_softcap,
                      structs, held(spec.final_norm), head.struct(self.products))
 
     def _cache(self) -> PassCache:

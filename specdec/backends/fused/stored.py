@@ -11,6 +11,7 @@ differ, float32 where they mix floats and blocks. llama.cpp's converter reorders
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -44,30 +45,49 @@ K_STORED = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}  # the K-quants kept in their own b
 @dataclass
 class StoredMatrix:
     """A weight matrix [outputs, inputs] as fused.c's tiles read it: ``packed`` in ``format`` (native.FORMAT's
-    names), with its bias (float32 [outputs]) or None."""
+    names), with its bias (float32 [rows], the parts' together) or None; ``rest``: the rows after these, stored in
+    another format (a matrix of GGUF tensors of two formats: a part per format), or None."""
 
     format: str
     outputs: int
     inputs: int
     packed: torch.Tensor
     bias: torch.Tensor | None = None
+    rest: StoredMatrix | None = None
+
+    def parts(self) -> list[StoredMatrix]:
+        return [self] + (self.rest.parts() if self.rest is not None else [])
+
+    @property
+    def rows(self) -> int:
+        """The outputs of all its parts."""
+        return sum(part.outputs for part in self.parts())
 
     def struct(self, products: str = "integer") -> Matrix:
         """fused.c's Matrix over this one's bytes (which the caller keeps alive with this object), a byte format's
         multiplied in ``products``: integer (each row's inputs quantised to bytes per block of 32, fused.c's Q8I) or
         float (each weight converted to float)."""
-        bias = None if self.bias is None else self.bias.data_ptr()
+        return self._part_struct(products, self.bias, 0)
+
+    def _part_struct(self, products: str, bias: torch.Tensor | None, first: int) -> Matrix:
+        """This part's Matrix, its bias from row ``first`` of ``bias``, and its rest's (kept here)."""
+        rest = None
+        if self.rest is not None:
+            held = self.rest._part_struct(products, bias, first + self.outputs)
+            self.__dict__.setdefault("_rest_structs", []).append(held)  # alive while a Matrix may point at it
+            rest = ctypes.addressof(held)
         if products == "integer" and self.format in INTEGER_FORMAT:
             code = INTEGER_FORMAT[self.format]
         elif self.format in FORMAT:
             code = FORMAT[self.format]
         else:
             raise ValueError(f"{self.format} weights are multiplied in integers only")
-        return Matrix(code, self.inputs, self.outputs, self.packed.data_ptr(), bias)
+        return Matrix(code, self.inputs, self.outputs, self.packed.data_ptr(),
+                      None if bias is None else bias.data_ptr() + 4 * first, rest)
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size()
+        return sum(part.packed.numel() * part.packed.element_size() for part in self.parts())
 
 
 def byte_grid(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> StoredMatrix:
@@ -212,6 +232,10 @@ def _packed_grid(tensors, orders, narrow: bool = False) -> StoredMatrix:
     (``int4``, ``int5``)."""
     group = min(grid_group(t.type_name) for t in tensors)
     kinds = {t.type_name for t in tensors}
+    if narrow and len({_narrow_name(kind) for kind in kinds}) > 1:
+        parts = _parts(tensors, orders)
+        if parts is not None:
+            return parts
     if narrow and len(kinds) == 1 and (kind := next(iter(kinds))) in K_STORED:
         bits = K_STORED[kind]
         return _packed_chunks(tensors, orders, f"int{bits}_k",
@@ -226,6 +250,34 @@ def _packed_grid(tensors, orders, narrow: bool = False) -> StoredMatrix:
                          torch.from_numpy(np.repeat(offset, repeat, axis=1)), bits)
 
     return _packed_chunks(tensors, orders, name, grid)
+
+
+def _narrow_name(kind: str) -> str | None:
+    """The format a tensor of this GGUF type is kept in for integer products, where its own bits are kept."""
+    if kind in K_STORED:
+        return f"int{K_STORED[kind]}_k"
+    return "int4" if kind in NIBBLE_STORED else "int5" if kind in FIVE_BIT_STORED else None
+
+
+def _parts(tensors, orders) -> StoredMatrix | None:
+    """A matrix of tensors of several narrow formats (a layer's q and k in Q4_K, its v in Q6_K) as a part per run
+    of one format, each in its own bits (``StoredMatrix.rest``); None where one is not narrow or a part would end
+    inside a block of 8 rows."""
+    names = [_narrow_name(t.type_name) for t in tensors]
+    if None in names:
+        return None
+    runs = [[0]]
+    for i in range(1, len(tensors)):
+        if names[i] == names[i - 1]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    if any(sum(len(orders[i]) for i in run) % 8 for run in runs[:-1]):
+        return None
+    parts = [_packed_grid([tensors[i] for i in run], [orders[i] for i in run], True) for run in runs]
+    for part, following in zip(parts, parts[1:]):
+        part.rest = following
+    return parts[0]
 
 
 def _packed_chunks(tensors, orders, name: str, pack) -> StoredMatrix:
