@@ -231,18 +231,17 @@ def _packed_grid(tensors, orders, narrow: bool = False) -> StoredMatrix:
     ``int6_k``), tensors all of NIBBLE_STORED's formats (FIVE_BIT_STORED's) in 4 bits (5) and float16 scales
     (``int4``, ``int5``)."""
     group = min(grid_group(t.type_name) for t in tensors)
-    kinds = {t.type_name for t in tensors}
-    if narrow and len({_narrow_name(kind) for kind in kinds}) > 1:
-        parts = _parts(tensors, orders)
-        if parts is not None:
-            return parts
-    if narrow and len(kinds) == 1 and (kind := next(iter(kinds))) in K_STORED:
-        bits = K_STORED[kind]
-        return _packed_chunks(tensors, orders, f"int{bits}_k",
+    names = {_narrow_name(t.type_name) for t in tensors} if narrow else {None}
+    if len(names) > 1 and (parts := _parts(tensors, orders)) is not None:
+        return parts
+    name = names.pop() if len(names) == 1 else None
+    if name is not None and name.endswith("_k"):
+        bits = int(name[3])
+        return _packed_chunks(tensors, orders, name,
                               lambda chunk, repeat: packed_k(*(None if t is None else torch.from_numpy(t)
                                                                for t in k_rows(chunk)), bits))
-    bits = 4 if narrow and kinds <= set(NIBBLE_STORED) else 5 if narrow and kinds <= set(FIVE_BIT_STORED) else 8
-    name = f"int{bits}" if bits < 8 else "int8" if group == 32 else "int8_group16"
+    bits = int(name[3]) if name is not None else 8
+    name = name or ("int8" if group == 32 else "int8_group16")
 
     def grid(chunk: Tensor, repeat: int) -> torch.Tensor:
         q, scale, offset = q8_rows(chunk)
