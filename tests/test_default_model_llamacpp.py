@@ -44,6 +44,19 @@ def prompts(decoder) -> list[list[int]]:
     return [decoder.encode(q["turns"][0]) for q in questions]
 
 
+@pytest.fixture(scope="module")
+def expected(reference, decoder):
+    """llama-cpp-python's greedy output of a prompt, generated once for the tests that compare with it."""
+    outputs: dict[tuple[int, ...], list[int]] = {}
+
+    def of(prompt: list[int]) -> list[int]:
+        if tuple(prompt) not in outputs:
+            outputs[tuple(prompt)] = llama_cpp_greedy(reference, prompt, decoder.engine.eos_token_ids)
+        return outputs[tuple(prompt)]
+
+    return of
+
+
 def llama_cpp_greedy(llama, prompt: list[int], eos: frozenset[int]) -> list[int]:
     """llama-cpp-python's greedy output, in specdec's passes: the prompt but its last token in one, then one each."""
     llama.reset()
@@ -58,34 +71,34 @@ def llama_cpp_greedy(llama, prompt: list[int], eos: frozenset[int]) -> list[int]
 
 @pytest.mark.parametrize("drafter,k", [("none", 1), ("prompt-lookup", 4), ("prompt-lookup", "auto"),
                                        ("retrieval", 4)])
-def test_greedy_output_is_llama_cpp_pythons_own(decoder, reference, prompts, drafter, k):
+def test_greedy_output_is_llama_cpp_pythons_own(decoder, expected, prompts, drafter, k):
     spec = SpecDecoder(decoder.target, drafter=drafter)
-    eos = spec.engine.eos_token_ids
+    assert spec.engine.eos_token_ids == decoder.engine.eos_token_ids  # what the expected outputs stopped at
     for prompt in prompts:
-        expected = llama_cpp_greedy(reference, prompt, eos)
+        want = expected(prompt)
         decoder.engine.target.rollback(0)  # the prompt in one pass, as llama-cpp-python's, not on a cached prefix
         got = spec.generate_ids(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS, num_draft_tokens=k)).token_ids
-        assert got == expected
+        assert got == want
 
 
-def accepted_keeping_greedy_output(spec: SpecDecoder, reference, prompts) -> int:
+def accepted_keeping_greedy_output(spec: SpecDecoder, expected, prompts) -> int:
     """Accepted draft tokens over the prompts, each output equal to llama-cpp-python's greedy output."""
     accepted = 0
     for prompt in prompts:
         result = spec.generate_ids(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS, num_draft_tokens=3))
-        assert result.token_ids == llama_cpp_greedy(reference, prompt, spec.engine.eos_token_ids)
+        assert result.token_ids == expected(prompt)
         accepted += result.stats.accepted_tokens
     return accepted
 
 
-def test_the_shipped_draft_lm_drafts_for_llama_cpp(decoder, reference, prompts):
+def test_the_shipped_draft_lm_drafts_for_llama_cpp(decoder, expected, prompts):
     spec = SpecDecoder(decoder.target, drafter="draft-model")  # the draft LM trained for this target
-    assert accepted_keeping_greedy_output(spec, reference, prompts[:3]) > 0
+    assert accepted_keeping_greedy_output(spec, expected, prompts[:3]) > 0
 
 
 @pytest.mark.parametrize("drafter", ["eagle", "mtp"])
-def test_the_shipped_feature_drafters_read_llama_cpps_hidden_states(decoder, reference, prompts, drafter):
+def test_the_shipped_feature_drafters_read_llama_cpps_hidden_states(decoder, expected, prompts, drafter):
     """eagle and mtp, trained on the torch model's normed final states, draft from llama.cpp's (its embeddings),
     are accepted, and keep llama-cpp-python's greedy output."""
     spec = SpecDecoder.load(drafter=drafter, backend="llama.cpp", threads=2)  # its own context: embeddings on
-    assert accepted_keeping_greedy_output(spec, reference, prompts[:3]) > 0
+    assert accepted_keeping_greedy_output(spec, expected, prompts[:3]) > 0
