@@ -500,29 +500,27 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 add_set(__m256 acc
 #define BYTES8_U(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define BYTES8_S(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 
-/* Set t's scales d (SCALES_*) and offsets m (OFFSETS_*) of the 8 rows of block b (s: its super-block, in the K
- * formats, and k its place there), as floats: stored (Q8), float16 (Q4), or a super-block's float d times the block's integer scale (Q4K,
- * Q6), each product exact (an 11-bit float16 significand times an integer of at most 8 bits), so they are the
- * floats q8_rows gives. SET_*: acc plus the set, with its offsets (add_set), or with Q6's -32 d taken in the
- * integer sums (add_scaled). */
-#define SCALES_Q8(b, s, k, t) _mm256_loadu_ps((const float *)(b)->d + 8 * (t))
-#define OFFSETS_Q8(b, s, k, t) _mm256_loadu_ps((const float *)(b)->m + 8 * (t))
-#define SCALES_Q4(b, s, k, t) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b)->d))
-#define OFFSETS_Q4(b, s, k, t) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b)->m))
-#define SCALES_Q4K(b, s, k, t) _mm256_mul_ps(BYTES8_U((s)->sc[k]), _mm256_loadu_ps((s)->d))
-#define OFFSETS_Q4K(b, s, k, t) _mm256_mul_ps(BYTES8_U((s)->mn[k]), _mm256_loadu_ps((s)->dmin))
-#define SCALES_Q6(b, s, k, t) _mm256_mul_ps(BYTES8_S((s)->sc[k][t]), _mm256_loadu_ps((s)->d))
-#define OFFSETS_Q6(b, s, k, t) _mm256_setzero_ps()
-#define SCALES_Q5 SCALES_Q4
-#define OFFSETS_Q5 OFFSETS_Q4
-#define SCALES_Q5K SCALES_Q4K
-#define OFFSETS_Q5K OFFSETS_Q4K
-#define SET_Q8(acc, isum, d, m, x, row, block, sets, t) add_set(acc, isum, d, m, x, row, block, sets, t)
-#define SET_Q4 SET_Q8
-#define SET_Q4K SET_Q8
-#define SET_Q5 SET_Q8
-#define SET_Q5K SET_Q8
-#define SET_Q6(acc, isum, d, m, x, row, block, sets, t) add_scaled(acc, isum, d, x, row, block)
+/* A tile's two axes: BITS, how a block holds its weights (Q8: bytes; Q4, Q5, Q6: that many bits: QUAD_*, DOT2_*,
+ * OFFSET_*), and SCALE, where their scales are (F32: floats in the block, Q8's; F16: float16s in the block, Q4_0's
+ * to Q5_1's; KM: a K-quant's integer scales and mins under a super-block's floats, Q4_K's and Q5_K's; K6: Q6_K's
+ * signed integer scales, whose offsets are -32 times them).
+ *
+ * Set t's scales d (SCALES_*) and offsets m (OFFSETS_*) of the 8 rows of block b (s: its super-block, k its place
+ * there), as floats: stored, float16, or a super-block's float d times the block's integer scale, each product
+ * exact (an 11-bit float16 significand times an integer of at most 8 bits), so they are the floats q8_rows gives.
+ * SET_*: acc plus the set, with its offsets (add_set), or with K6's -32 d taken in the integer sums (add_scaled). */
+#define SCALES_F32(b, s, k, t) _mm256_loadu_ps((const float *)(b)->d + 8 * (t))
+#define OFFSETS_F32(b, s, k, t) _mm256_loadu_ps((const float *)(b)->m + 8 * (t))
+#define SCALES_F16(b, s, k, t) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b)->d))
+#define OFFSETS_F16(b, s, k, t) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b)->m))
+#define SCALES_KM(b, s, k, t) _mm256_mul_ps(BYTES8_U((s)->sc[k]), _mm256_loadu_ps((s)->d))
+#define OFFSETS_KM(b, s, k, t) _mm256_mul_ps(BYTES8_U((s)->mn[k]), _mm256_loadu_ps((s)->dmin))
+#define SCALES_K6(b, s, k, t) _mm256_mul_ps(BYTES8_S((s)->sc[k][t]), _mm256_loadu_ps((s)->d))
+#define OFFSETS_K6(b, s, k, t) _mm256_setzero_ps()
+#define SET_F32(acc, isum, d, m, x, row, block, sets, t) add_set(acc, isum, d, m, x, row, block, sets, t)
+#define SET_F16 SET_F32
+#define SET_KM SET_F32
+#define SET_K6(acc, isum, d, m, x, row, block, sets, t) add_scaled(acc, isum, d, x, row, block)
 
 /* Q4I, Q4KI and Q6I, the integer-only formats (a GGUF's 4-bit and 6-bit blocks), hold a block's 32 inputs as 8
  * quads: quad g (inputs 4g..4g+3) of the 8 rows is 32 bytes, row j's 4 at 4j. One register then holds a quad with a
@@ -590,49 +588,46 @@ typedef struct {
 } super_q5k8;
 static_assert(sizeof(super_q5k8) == 1472, "super_q5k8: 8 x 160 bytes of bits, 2 x 64 of scales, 2 x 8 floats");
 
-/* A tile walks the 8 rows at w block by block: b, the block, in s, its super-block (formats without one: char, not
- * read), at place IN_SUPER(i) there; NEXT_*, from block i to block i + 1 (one block on, or the next super-block's
- * first: no division a block). */
+/* A tile walks the 8 rows at w block by block: b, the block, in s, its super-block (SUPER_*(BLOCK): the block's
+ * super-block type, or char where the scales are in the blocks, never read), at place IN_SUPER(i) there; NEXT_*,
+ * from block i to block i + 1 (one block on, or the next super-block's first: no division a block). */
 #define IN_SUPER(i) ((i) % 8)
-#define FIRST_BLOCK(BLOCK, KIND, w) ((const BLOCK *)FIRST_##KIND(w))
-#define FIRST_FLAT(w) (w)
+#define SUPER_OF_block_q4k8 super_q4k8
+#define SUPER_OF_block_q5k8 super_q5k8
+#define SUPER_OF_block_q6x8 super_q6x8
+#define SUPER_FLAT(BLOCK) char
+#define SUPER_SUPER(BLOCK) SUPER_OF_##BLOCK
+#define FIRST_FLAT(BLOCK, w) ((const BLOCK *)(w))
+#define FIRST_SUPER(BLOCK, w) (((const SUPER_OF_##BLOCK *)(w))->blocks)
 #define NEXT_FLAT(b, s, i) (b)++;
 #define NEXT_SUPER(b, s, i)                                                                                        \
     if (IN_SUPER((i) + 1))                                                                                         \
         (b)++;                                                                                                     \
     else                                                                                                           \
         (b) = (++(s))->blocks;
-#define FIRST_Q8 FIRST_FLAT
-#define FIRST_Q4 FIRST_FLAT
-#define FIRST_Q5 FIRST_FLAT
-#define FIRST_Q4K(w) (((const super_q4k8 *)(w))->blocks)
-#define FIRST_Q5K(w) (((const super_q5k8 *)(w))->blocks)
-#define FIRST_Q6(w) (((const super_q6x8 *)(w))->blocks)
-#define NEXT_Q8 NEXT_FLAT
-#define NEXT_Q4 NEXT_FLAT
-#define NEXT_Q5 NEXT_FLAT
-#define NEXT_Q4K NEXT_SUPER
-#define NEXT_Q5K NEXT_SUPER
-#define NEXT_Q6 NEXT_SUPER
-#define SUPER_Q8 char
-#define SUPER_Q4 char
-#define SUPER_Q5 char
-#define SUPER_Q4K super_q4k8
-#define SUPER_Q5K super_q5k8
-#define SUPER_Q6 super_q6x8
+#define SUPER_F32 SUPER_FLAT
+#define SUPER_F16 SUPER_FLAT
+#define SUPER_KM SUPER_SUPER
+#define SUPER_K6 SUPER_SUPER
+#define FIRST_F32 FIRST_FLAT
+#define FIRST_F16 FIRST_FLAT
+#define FIRST_KM FIRST_SUPER
+#define FIRST_K6 FIRST_SUPER
+#define NEXT_F32 NEXT_FLAT
+#define NEXT_F16 NEXT_FLAT
+#define NEXT_KM NEXT_SUPER
+#define NEXT_K6 NEXT_SUPER
 
 /* Quad g of a block_q8x8 or block_q8x16 (block_q4x8, block_q6x8): the 8 rows' 4 weights, a byte each. */
 #define QUAD_Q8(b, g) _mm256_loadu_si256((const __m256i *)(b)->q[g])
 #define QUAD_Q4(b, g)                                                                                              \
     _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b)->q[(g) / 2]), 4 * ((g) % 2)),     \
                      _mm256_set1_epi8(0x0F))
-#define QUAD_Q4K QUAD_Q4
 /* Quad g's fifth bits (bit g of each byte of hi) moved to bit 4, the rest cleared. */
 #define FIFTH_BITS(hi, g)                                                                                          \
     _mm256_and_si256((g) < 4 ? _mm256_slli_epi16(hi, (4 - (g)) & 7) : _mm256_srli_epi16(hi, ((g) - 4) & 7),      \
                      _mm256_set1_epi8(0x10))
 #define QUAD_Q5(b, g) _mm256_or_si256(QUAD_Q4(b, g), FIFTH_BITS(_mm256_loadu_si256((const __m256i *)(b)->hi), g))
-#define QUAD_Q5K QUAD_Q5
 #define QUAD_Q6(b, g) _mm256_or_si256(QUAD_Q4(b, g), top_bits(_mm256_loadu_si256((const __m256i *)(b)->hi[(g) / 4]), (g) % 4))
 
 /* Bits 2k and 2k + 1 of each byte of hi moved to bits 4 and 5, the rest cleared. */
@@ -670,9 +665,7 @@ dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
     _mm256_add_epi32(sum, MADD_ONES(_mm256_add_epi16(_mm256_maddubs_epi16(w0, quad_inputs(x)),                    \
                                                      _mm256_maddubs_epi16(w1, quad_inputs((x) + 4)))))
 #define DOT2_AVX2_Q6 DOT2_AVX2_Q4
-#define DOT2_AVX2_Q4K DOT2_AVX2_Q4
 #define DOT2_AVX2_Q5 DOT2_AVX2_Q4
-#define DOT2_AVX2_Q5K DOT2_AVX2_Q4
 #define CENTRED(w) _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80))
 #define DOT_AVX2_Q8(sum, w, x)                                                                                     \
     _mm256_add_epi32(sum, MADD_ONES(_mm256_maddubs_epi16(_mm256_abs_epi8(CENTRED(w)),                            \
@@ -680,81 +673,75 @@ dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
 #define DOT2_AVX2_Q8(sum, w0, w1, x) DOT_AVX2_Q8(DOT_AVX2_Q8(sum, w0, x), w1, (x) + 4)
 #define DOT2_VNNI_Q4(sum, w0, w1, x) dpbusd_broadcast(dpbusd_broadcast(sum, w0, x), w1, (x) + 4)
 #define DOT2_VNNI_Q6 DOT2_VNNI_Q4
-#define DOT2_VNNI_Q4K DOT2_VNNI_Q4
 #define DOT2_VNNI_Q5 DOT2_VNNI_Q4
-#define DOT2_VNNI_Q5K DOT2_VNNI_Q4
 #define DOT2_VNNI_Q8 DOT2_VNNI_Q4
 /* OFFSET: what a tile's integer sums start from, times sum(xq): 128 where AVX2 summed a Q8 byte as q - 128, -32 for
  * Q6's offset (-32 times its scale), 0 elsewhere; OFFSET_OF, a format's, for the quantiser (integer_offset). */
 #define OFFSET_AVX2_Q8 128
 #define OFFSET_AVX2_Q4 0
 #define OFFSET_AVX2_Q6 (-32)
-#define OFFSET_AVX2_Q4K 0
 #define OFFSET_AVX2_Q5 0
-#define OFFSET_AVX2_Q5K 0
 #define OFFSET_VNNI_Q8 0
 #define OFFSET_VNNI_Q4 0
 #define OFFSET_VNNI_Q6 (-32)
-#define OFFSET_VNNI_Q4K 0
 #define OFFSET_VNNI_Q5 0
-#define OFFSET_VNNI_Q5K 0
 #define OFFSET_OF(ISA, format)                                                                                     \
     ((format) == Q6I ? OFFSET_##ISA##_Q6 : (format) == Q8I || (format) == Q8HI ? OFFSET_##ISA##_Q8 : OFFSET_##ISA##_Q4)
-#define TILE_QUAD(NAME, TARGET, ISA, BLOCK, SETS, KIND, R)                                                         \
+#define TILE_QUAD(NAME, TARGET, ISA, BLOCK, SETS, BITS, SCALE, R)                                                    \
     __attribute__((target(TARGET))) static void NAME##_##R(const void *w, const Quantised *x, int r0,              \
                                                            float out[GROUP512][8]) {                               \
         __m256 acc[R];                                                                                             \
         for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                                  \
         const int8_t *xq = x->q + (int64_t)r0 * 32; /* this block's first row's bytes: row r's 32 r further */      \
-        const BLOCK *b = FIRST_BLOCK(BLOCK, KIND, w);                                                              \
-        __attribute__((unused)) const SUPER_##KIND *s = (const SUPER_##KIND *)w;                                   \
+        const BLOCK *b = FIRST_##SCALE(BLOCK, w);                                                                  \
+        __attribute__((unused)) const SUPER_##SCALE(BLOCK) *s = (const SUPER_##SCALE(BLOCK) *)w;                   \
         for (int block = 0; block < x->in / 32; block++, xq += (int64_t)x->n * 32) {                               \
             PREFETCH_BLOCK(b)                                                                                      \
             _Pragma("GCC unroll 2") for (int t = 0; t < SETS; t++) {                                               \
-                const __m256 d = SCALES_##KIND(b, s, IN_SUPER(block), t);                                          \
-                __attribute__((unused)) const __m256 m = OFFSETS_##KIND(b, s, IN_SUPER(block), t); /* Q6: none */ \
+                const __m256 d = SCALES_##SCALE(b, s, IN_SUPER(block), t);                                         \
+                __attribute__((unused)) const __m256 m = OFFSETS_##SCALE(b, s, IN_SUPER(block), t); /* K6: none */\
                 __m256i sum[R][CHAINS(R, SETS)];                                                                   \
                 for (int r = 0; r < R; r++) {                                                                      \
                     for (int c = 0; c < CHAINS(R, SETS); c++) sum[r][c] = _mm256_setzero_si256();                  \
-                    if (OFFSET_##ISA##_##KIND)                                                                     \
+                    if (OFFSET_##ISA##_##BITS)                                                                     \
                         sum[r][0] = _mm256_set1_epi32(x->start[block_of(x, r0 + r, block) * SETS + t]);            \
                 }                                                                                                  \
                 _Pragma("GCC unroll 4") for (int g = t * 8 / SETS; g < (t + 1) * 8 / SETS; g += 2) {               \
-                    __m256i quad = QUAD_##KIND(b, g), next = QUAD_##KIND(b, g + 1);                                \
+                    __m256i quad = QUAD_##BITS(b, g), next = QUAD_##BITS(b, g + 1);                                \
                     for (int r = 0; r < R; r++) {                                                                  \
                         __m256i *chain = &sum[r][g / 2 % CHAINS(R, SETS)];                                         \
-                        *chain = DOT2_##ISA##_##KIND(*chain, quad, next, xq + 32 * r + 4 * g);                     \
+                        *chain = DOT2_##ISA##_##BITS(*chain, quad, next, xq + 32 * r + 4 * g);                     \
                     }                                                                                              \
                 }                                                                                                  \
                 for (int r = 0; r < R; r++) {                                                                      \
                     for (int c = 1; c < CHAINS(R, SETS); c++) sum[r][0] = _mm256_add_epi32(sum[r][0], sum[r][c]);  \
-                    acc[r] = SET_##KIND(acc[r], sum[r][0], d, m, x, r0 + r, block, SETS, t);                       \
+                    acc[r] = SET_##SCALE(acc[r], sum[r][0], d, m, x, r0 + r, block, SETS, t);                       \
                 }                                                                                                  \
             }                                                                                                      \
-            NEXT_##KIND(b, s, block)                                                                               \
+            NEXT_##SCALE(b, s, block)                                                                              \
         }                                                                                                          \
         for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r], acc[r]);                                              \
     }
 #define AVX2_TARGET "avx2,fma,f16c"
 #define VNNI_TARGET "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c"
-#define TILES_QUAD(NAME, BLOCK, SETS, KIND)                                                                        \
-    TILE_QUAD(NAME, AVX2_TARGET, AVX2, BLOCK, SETS, KIND, 1)                                                       \
-    TILE_QUAD(NAME, AVX2_TARGET, AVX2, BLOCK, SETS, KIND, 2)                                                       \
-    TILE_QUAD(NAME, AVX2_TARGET, AVX2, BLOCK, SETS, KIND, 3)                                                       \
-    TILE_QUAD(NAME, AVX2_TARGET, AVX2, BLOCK, SETS, KIND, 4)                                                       \
-    TILE_QUAD(NAME##v, VNNI_TARGET, VNNI, BLOCK, SETS, KIND, 1)                                                    \
-    TILE_QUAD(NAME##v, VNNI_TARGET, VNNI, BLOCK, SETS, KIND, 2)                                                    \
-    TILE_QUAD(NAME##v, VNNI_TARGET, VNNI, BLOCK, SETS, KIND, 3)                                                    \
-    TILE_QUAD(NAME##v, VNNI_TARGET, VNNI, BLOCK, SETS, KIND, 4)                                                    \
-    TILE_QUAD(NAME##v, VNNI_TARGET, VNNI, BLOCK, SETS, KIND, 5)                                                    \
-    TILE_QUAD(NAME##v, VNNI_TARGET, VNNI, BLOCK, SETS, KIND, 6)
-TILES_QUAD(q8i, block_q8x8, 1, Q8)
-TILES_QUAD(q8hi, block_q8x16, 2, Q8)
-TILES_QUAD(q4i, block_q4x8, 1, Q4)
-TILES_QUAD(q4ki, block_q4k8, 1, Q4K)
-TILES_QUAD(q5i, block_q5x8, 1, Q5)
-TILES_QUAD(q5ki, block_q5k8, 1, Q5K)
-TILES_QUAD(q6i, block_q6x8, 2, Q6)
+#define TILES_QUAD(NAME, BLOCK, SETS, BITS, SCALE)                                                                 \
+    TILE_QUAD(NAME, AVX2_TARGET, AVX2, BLOCK, SETS, BITS, SCALE, 1)                                                \
+    TILE_QUAD(NAME, AVX2_TARGET, AVX2, BLOCK, SETS, BITS, SCALE, 2)                                                \
+    TILE_QUAD(NAME, AVX2_TARGET, AVX2, BLOCK, SETS, BITS, SCALE, 3)                                                \
+    TILE_QUAD(NAME, AVX2_TARGET, AVX2, BLOCK, SETS, BITS, SCALE, 4)                                                \
+    TILE_QUAD(NAME##v, VNNI_TARGET, VNNI, BLOCK, SETS, BITS, SCALE, 1)                                             \
+    TILE_QUAD(NAME##v, VNNI_TARGET, VNNI, BLOCK, SETS, BITS, SCALE, 2)                                             \
+    TILE_QUAD(NAME##v, VNNI_TARGET, VNNI, BLOCK, SETS, BITS, SCALE, 3)                                             \
+    TILE_QUAD(NAME##v, VNNI_TARGET, VNNI, BLOCK, SETS, BITS, SCALE, 4)                                             \
+    TILE_QUAD(NAME##v, VNNI_TARGET, VNNI, BLOCK, SETS, BITS, SCALE, 5)                                             \
+    TILE_QUAD(NAME##v, VNNI_TARGET, VNNI, BLOCK, SETS, BITS, SCALE, 6)
+TILES_QUAD(q8i, block_q8x8, 1, Q8, F32)
+TILES_QUAD(q8hi, block_q8x16, 2, Q8, F32)
+TILES_QUAD(q4i, block_q4x8, 1, Q4, F16)
+TILES_QUAD(q4ki, block_q4k8, 1, Q4, KM)
+TILES_QUAD(q5i, block_q5x8, 1, Q5, F16)
+TILES_QUAD(q5ki, block_q5k8, 1, Q5, KM)
+TILES_QUAD(q6i, block_q6x8, 2, Q6, K6)
 
 /* The GEMM tile for many rows on AVX512-VNNI: GEMM_ROWS rows by 16 outputs, two blocks of 8 weight rows side by
  * side in each zmm (the block at w in the low half, the block `next` bytes further in the high), so one quad's
@@ -772,20 +759,18 @@ TILES_QUAD(q6i, block_q6x8, 2, Q6)
 #define QUAD16_Q8(b, next, g) LOAD_PAIR(b, next, q[g])
 #define QUAD16_Q4(b, next, g)                                                                                      \
     _mm512_and_si512(_mm512_srli_epi16(LOAD_PAIR(b, next, q[(g) / 2]), 4 * ((g) % 2)), _mm512_set1_epi8(0x0F))
-#define QUAD16_Q4K QUAD16_Q4
 #define FIFTH_BITS16(hi, g)                                                                                        \
     _mm512_and_si512((g) < 4 ? _mm512_slli_epi16(hi, (4 - (g)) & 7) : _mm512_srli_epi16(hi, ((g) - 4) & 7),      \
                      _mm512_set1_epi8(0x10))
 #define QUAD16_Q5(b, next, g) _mm512_or_si512(QUAD16_Q4(b, next, g), FIFTH_BITS16(LOAD_PAIR(b, next, hi), g))
-#define QUAD16_Q5K QUAD16_Q5
 #define QUAD16_Q6(b, next, g) _mm512_or_si512(QUAD16_Q4(b, next, g), top_bits16(LOAD_PAIR(b, next, hi[(g) / 4]), (g) % 4))
 /* p, `next` bytes further: the same place in the next block of 8 weight rows. */
 #define AT_NEXT(p, next) ((__typeof__(p))((const char *)(p) + (next)))
 /* A set's scales (offsets) for 16 outputs: each block's SCALES_* (OFFSETS_*), side by side. */
-#define SCALES16(KIND, b, s, k, next, t)                                                                           \
-    HALVES_F(SCALES_##KIND(b, s, k, t), SCALES_##KIND(AT_NEXT(b, next), AT_NEXT(s, next), k, t))
-#define OFFSETS16(KIND, b, s, k, next, t)                                                                          \
-    HALVES_F(OFFSETS_##KIND(b, s, k, t), OFFSETS_##KIND(AT_NEXT(b, next), AT_NEXT(s, next), k, t))
+#define SCALES16(SCALE, b, s, k, next, t)                                                                          \
+    HALVES_F(SCALES_##SCALE(b, s, k, t), SCALES_##SCALE(AT_NEXT(b, next), AT_NEXT(s, next), k, t))
+#define OFFSETS16(SCALE, b, s, k, next, t)                                                                         \
+    HALVES_F(OFFSETS_##SCALE(b, s, k, t), OFFSETS_##SCALE(AT_NEXT(b, next), AT_NEXT(s, next), k, t))
 
 /* top_bits for 16 outputs. */
 __attribute__((target(VNNI_TARGET))) static inline __m512i top_bits16(__m512i hi, int k) {
@@ -804,23 +789,21 @@ __attribute__((target(VNNI_TARGET))) static inline __m512i dpbusd16(__m512i sum,
 __attribute__((target(VNNI_TARGET))) static inline __m512 add_scaled16(__m512 acc, __m512i isum, __m512 d, float e) {
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(e)), acc);
 }
-#define SET16_Q8(acc, isum, d, m, e, offset) _mm512_fmadd_ps(m, _mm512_set1_ps(offset), add_scaled16(acc, isum, d, e))
-#define SET16_Q4 SET16_Q8
-#define SET16_Q4K SET16_Q8
-#define SET16_Q5 SET16_Q8
-#define SET16_Q5K SET16_Q8
-#define SET16_Q6(acc, isum, d, m, e, offset) add_scaled16(acc, isum, d, e)
+#define SET16_F32(acc, isum, d, m, e, offset) _mm512_fmadd_ps(m, _mm512_set1_ps(offset), add_scaled16(acc, isum, d, e))
+#define SET16_F16 SET16_F32
+#define SET16_KM SET16_F32
+#define SET16_K6(acc, isum, d, m, e, offset) add_scaled16(acc, isum, d, e)
 
 /* Independent sums a row's set is split among: enough across the R rows to cover vpdpbusd's latency. */
 #define CHAINS16(R) ((R) <= 2 ? 4 : (R) <= 5 ? 2 : 1)
-#define TILE_GEMM(NAME, BLOCK, SETS, KIND, R)                                                                      \
+#define TILE_GEMM(NAME, BLOCK, SETS, BITS, SCALE, R)                                                                \
     __attribute__((target(VNNI_TARGET))) static void NAME##_##R(const void *w, int64_t next, const Quantised *x,  \
                                                                 int r0, float out[GEMM_ROWS][16]) {                \
         __m512 acc[R];                                                                                             \
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                                  \
         const int8_t *xq = x->q + (int64_t)r0 * 32;                                                                \
-        const BLOCK *b = FIRST_BLOCK(BLOCK, KIND, w);                                                              \
-        __attribute__((unused)) const SUPER_##KIND *s = (const SUPER_##KIND *)w;                                   \
+        const BLOCK *b = FIRST_##SCALE(BLOCK, w);                                                                  \
+        __attribute__((unused)) const SUPER_##SCALE(BLOCK) *s = (const SUPER_##SCALE(BLOCK) *)w;                   \
         for (int block = 0; block < x->in / 32; block++, xq += (int64_t)x->n * 32) {                               \
             const int64_t at = block_of(x, r0, block); /* the rows' scalars for this block: row r's at + r */       \
             const float *e = x->scale + at;                                                                        \
@@ -831,39 +814,41 @@ __attribute__((target(VNNI_TARGET))) static inline __m512 add_scaled16(__m512 ac
                 _mm_prefetch((const char *)b + next + GEMM_PREFETCH + line, _MM_HINT_T0);                          \
             }                                                                                                      \
             _Pragma("GCC unroll 2") for (int t = 0; t < SETS; t++) {                                               \
-                const __m512 d = SCALES16(KIND, b, s, IN_SUPER(block), next, t);                                   \
-                __attribute__((unused)) const __m512 m = OFFSETS16(KIND, b, s, IN_SUPER(block), next, t);          \
+                const __m512 d = SCALES16(SCALE, b, s, IN_SUPER(block), next, t);                                   \
+                __attribute__((unused)) const __m512 m = OFFSETS16(SCALE, b, s, IN_SUPER(block), next, t);          \
                 __m512i sum[R][CHAINS16(R)];                                                                       \
                 for (int r = 0; r < R; r++) {                                                                      \
                     for (int c = 0; c < CHAINS16(R); c++) sum[r][c] = _mm512_setzero_si512();                      \
-                    if (OFFSET_VNNI_##KIND) sum[r][0] = _mm512_set1_epi32(start[r * SETS + t]);                    \
+                    if (OFFSET_VNNI_##BITS) sum[r][0] = _mm512_set1_epi32(start[r * SETS + t]);                    \
                 }                                                                                                  \
                 _Pragma("GCC unroll 8") for (int g = t * 8 / SETS; g < (t + 1) * 8 / SETS; g++) {                  \
-                    __m512i quad = QUAD16_##KIND(b, next, g);                                                      \
+                    __m512i quad = QUAD16_##BITS(b, next, g);                                                      \
                     for (int r = 0; r < R; r++)                                                                    \
                         sum[r][g % CHAINS16(R)] = dpbusd16(sum[r][g % CHAINS16(R)], quad, xq + 32 * r + 4 * g);    \
                 }                                                                                                  \
                 for (int r = 0; r < R; r++) {                                                                      \
                     for (int c = 1; c < CHAINS16(R); c++) sum[r][0] = _mm512_add_epi32(sum[r][0], sum[r][c]);      \
-                    acc[r] = SET16_##KIND(acc[r], sum[r][0], d, m, e[r], offset[r * SETS + t]);                    \
+                    acc[r] = SET16_##SCALE(acc[r], sum[r][0], d, m, e[r], offset[r * SETS + t]);                    \
                 }                                                                                                  \
             }                                                                                                      \
-            NEXT_##KIND(b, s, block)                                                                               \
+            NEXT_##SCALE(b, s, block)                                                                              \
         }                                                                                                          \
         for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);                                              \
     }
-#define TILES_GEMM(NAME, BLOCK, SETS, KIND)                                                                        \
-    TILE_GEMM(NAME, BLOCK, SETS, KIND, 1) TILE_GEMM(NAME, BLOCK, SETS, KIND, 2) TILE_GEMM(NAME, BLOCK, SETS, KIND, 3) \
-    TILE_GEMM(NAME, BLOCK, SETS, KIND, 4) TILE_GEMM(NAME, BLOCK, SETS, KIND, 5) TILE_GEMM(NAME, BLOCK, SETS, KIND, 6) \
-    TILE_GEMM(NAME, BLOCK, SETS, KIND, 7) TILE_GEMM(NAME, BLOCK, SETS, KIND, 8) TILE_GEMM(NAME, BLOCK, SETS, KIND, 9) \
-    TILE_GEMM(NAME, BLOCK, SETS, KIND, 10) TILE_GEMM(NAME, BLOCK, SETS, KIND, 11) TILE_GEMM(NAME, BLOCK, SETS, KIND, 12)
-TILES_GEMM(q8g, block_q8x8, 1, Q8)
-TILES_GEMM(q8hg, block_q8x16, 2, Q8)
-TILES_GEMM(q4g, block_q4x8, 1, Q4)
-TILES_GEMM(q4kg, block_q4k8, 1, Q4K)
-TILES_GEMM(q5g, block_q5x8, 1, Q5)
-TILES_GEMM(q5kg, block_q5k8, 1, Q5K)
-TILES_GEMM(q6g, block_q6x8, 2, Q6)
+#define TILES_GEMM(NAME, BLOCK, SETS, BITS, SCALE)                                                                 \
+    TILE_GEMM(NAME, BLOCK, SETS, BITS, SCALE, 1) TILE_GEMM(NAME, BLOCK, SETS, BITS, SCALE, 2)                      \
+    TILE_GEMM(NAME, BLOCK, SETS, BITS, SCALE, 3) TILE_GEMM(NAME, BLOCK, SETS, BITS, SCALE, 4)                      \
+    TILE_GEMM(NAME, BLOCK, SETS, BITS, SCALE, 5) TILE_GEMM(NAME, BLOCK, SETS, BITS, SCALE, 6)                      \
+    TILE_GEMM(NAME, BLOCK, SETS, BITS, SCALE, 7) TILE_GEMM(NAME, BLOCK, SETS, BITS, SCALE, 8)                      \
+    TILE_GEMM(NAME, BLOCK, SETS, BITS, SCALE, 9) TILE_GEMM(NAME, BLOCK, SETS, BITS, SCALE, 10)                     \
+    TILE_GEMM(NAME, BLOCK, SETS, BITS, SCALE, 11) TILE_GEMM(NAME, BLOCK, SETS, BITS, SCALE, 12)
+TILES_GEMM(q8g, block_q8x8, 1, Q8, F32)
+TILES_GEMM(q8hg, block_q8x16, 2, Q8, F32)
+TILES_GEMM(q4g, block_q4x8, 1, Q4, F16)
+TILES_GEMM(q4kg, block_q4k8, 1, Q4, KM)
+TILES_GEMM(q5g, block_q5x8, 1, Q5, F16)
+TILES_GEMM(q5kg, block_q5k8, 1, Q5, KM)
+TILES_GEMM(q6g, block_q6x8, 2, Q6, K6)
 #define GEMM_TILES(NAME) {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, NAME##_7, NAME##_8, NAME##_9, NAME##_10, NAME##_11, NAME##_12}
 
 typedef void (*Q8Fn)(const void *, int, const float *, int64_t, int, float[GROUP512][8]);
@@ -1422,14 +1407,8 @@ static void pass_job(void *arg, int thread, int threads) {
             rms_norm_row(p->x + (int64_t)r * hidden, layer->post_norm, hidden, m->eps, p->h + (int64_t)r * hidden);
         team_barrier(threads, &sense);
         share(inter, 8, thread, threads, &b, &e); /* gate and up for the same units, then SiLU(gate) * up */
-        if (b < e && layer->gate_up.rest) { /* parts: each quantises h for its own format */
-            product(&layer->gate_up, p->h, hidden, n, b, e, p->act, 2 * inter, STORE);
-            product(&layer->gate_up, p->h, hidden, n, inter + b, inter + e, p->act, 2 * inter, STORE);
-        } else if (b < e) { /* h quantised once for both */
-            const Quantised *hq = inputs_for(&layer->gate_up, p->h, hidden, n);
-            product_of(&layer->gate_up, p->h, hq, hidden, n, b, e, p->act, 2 * inter, STORE);
-            product_of(&layer->gate_up, p->h, hq, hidden, n, inter + b, inter + e, p->act, 2 * inter, STORE);
-        }
+        product(&layer->gate_up, p->h, hidden, n, b, e, p->act, 2 * inter, STORE);
+        product(&layer->gate_up, p->h, hidden, n, inter + b, inter + e, p->act, 2 * inter, STORE);
         for (int r = 0; r < n; r++) {
             const float *row = p->act + (int64_t)r * 2 * inter;
             gate_row(row, row + inter, p->mid + (int64_t)r * inter, b, e, m->activation);
