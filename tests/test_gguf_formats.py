@@ -83,11 +83,12 @@ def test_logits_against_a_float32_reference_and_llama_cpp(files, arch, kind, pro
                                         ("Q5_0", "int5"), ("Q5_1", "int5")])
 def test_each_block_format_is_kept_in_its_own_bits_and_what_is_read_of_it_shrinks(files, kind, kept):
     """Integer products hold each 4-, 5- and 6-bit format in its own bits and scales, so a pass reads less than the
-    bytes per weight that float products hold (1.25 or 1.5 bytes a weight)."""
+    bytes per weight that float products hold (1.25 or 1.5 bytes a weight): at most 0.75 / 1.25 of it (Q5_1's 5
+    bits and float16 scales against its bytes with float scales), the norms on top."""
     path = files("qwen2", kind)
     narrow, wide = (FusedRuntime.from_gguf(path, products) for products in ("integer", "float"))
-    assert kept in narrow.weights.split("+") and kept not in wide.weights
-    assert narrow.weight_bytes < 0.7 * wide.weight_bytes
+    assert kept in narrow.weights.split("+") and kept not in wide.weights.split("+")
+    assert narrow.weight_bytes < 0.65 * wide.weight_bytes
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

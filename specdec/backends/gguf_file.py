@@ -200,9 +200,7 @@ def q8_rows(tensor: Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     - Q6_K: 256 values with a float16 d, and per 16 a signed 8-bit scale: w = (d sc) (q - 32).
     """
     rows, cols = tensor.shape[0], int(np.prod(tensor.shape[1:]))
-    kind = tensor.type_name
-    block_values, block_bytes = next((values, size) for name, values, size in TYPES.values() if name == kind)
-    q, d, m = _BYTE_GRIDS[kind](_blocks(tensor))
+    q, d, m = _BYTE_GRIDS[tensor.type_name](_blocks(tensor))
     return q.reshape(rows, cols), d.reshape(rows, -1), m.reshape(rows, -1)
 
 
@@ -332,9 +330,6 @@ _BYTE_GRIDS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0
                "Q5_K": _q5_k, "Q6_K": _q6_k}
 # w = d q + m per 32 (Q6_K: 16) values: kept exactly in one byte, a float scale and a float offset (q8_rows)
 Q8_STORED = tuple(_BYTE_GRIDS)
-NIBBLE_STORED = ("Q4_0", "Q4_1")  # whose q (above) is under 16, scale and offset float16: kept in 4 bits and 16
-# for integer products; Q4_K, Q5_K and Q6_K in their own bits and scales (k_rows)
-FIVE_BIT_STORED = ("Q5_0", "Q5_1")  # q under 32, scale and offset float16: kept in 5 bits and 16 so
 
 
 def grid_group(type_name: str) -> int:

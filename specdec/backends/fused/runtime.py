@@ -338,8 +338,7 @@ class FusedRuntime(LlamaSequence, Pooled):
 
     @property
     def precision_label(self) -> str:
-        integer = self.products == "integer" and any(part.format in native.INTEGER_FORMAT
-                                                     for matrix in self._matrices for part in matrix.parts())
+        integer = self.products == "integer" and any(held in native.INTEGER_FORMAT for held in self.weights.split("+"))
         return f"{self.weights} weights{', integer products' if integer else ''}, fused"
 
     @property

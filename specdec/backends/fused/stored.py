@@ -18,17 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.backends.gguf_file import (
-    FIVE_BIT_STORED,
-    NIBBLE_STORED,
-    Q8_STORED,
-    GGUFFile,
-    Tensor,
-    dequantized,
-    grid_group,
-    k_rows,
-    q8_rows,
-)
+from specdec.backends.gguf_file import Q8_STORED, GGUFFile, Tensor, dequantized, grid_group, k_rows, q8_rows
 from specdec.backends.native import FORMAT, INTEGER_FORMAT, Matrix, group_bytes, repacked
 from specdec.errors import UsageError
 
@@ -39,7 +29,11 @@ FUSED_LAYER_TENSORS = {"phi3": (("attn_qkv",), ("attn_output",), ("ffn_up",), ("
 FLOAT_STORED = {"F16": "float16", "BF16": "bfloat16"}  # kept as they are; F32, and mixtures, as float32
 PERMUTED_ARCHITECTURES = ("llama",)  # whose q and k rows llama.cpp's converter interleaved (``_unpermuted``)
 CHUNK_ROWS = 8192  # rows decoded and packed at a time (a multiple of the tiles' 8)
-K_STORED = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}  # the K-quants kept in their own bits and scales (int4_k, ...)
+# The GGUF types integer products keep in their own bits, and the format each is kept in: Q4_0 and Q4_1 (q under 16)
+# and Q5_0 and Q5_1 (under 32), whose scales and offsets are float16 values, in 4 or 5 bits and float16; the K-quants
+# in their bits under their own integer scales (gguf_file.k_rows); the format's name holds its bits (int<bits>...)
+NARROW = {"Q4_0": "int4", "Q4_1": "int4", "Q5_0": "int5", "Q5_1": "int5", "Q4_K": "int4_k", "Q5_K": "int5_k",
+          "Q6_K": "int6_k"}
 
 
 @dataclass
@@ -227,11 +221,10 @@ def _packed_grid(tensors, orders, narrow: bool = False) -> StoredMatrix:
     one buffer: the memory a matrix takes while it is packed is its packed size and a chunk's, where decoding it
     whole took several times its size (150k rows of an LM head). Every part but the last holds whole blocks of 8
     rows (``gguf_unavailable`` admits only heads of a multiple of 8 and sizes of a multiple of 32). ``narrow``, for
-    integer products: tensors all of one K-quant are kept in its own bits and scales (``int4_k``, ``int5_k``,
-    ``int6_k``), tensors all of NIBBLE_STORED's formats (FIVE_BIT_STORED's) in 4 bits (5) and float16 scales
-    (``int4``, ``int5``)."""
+    integer products: tensors all kept in one of NARROW's formats are kept so, and tensors of several a part per
+    format (:func:`_parts`)."""
     group = min(grid_group(t.type_name) for t in tensors)
-    names = {_narrow_name(t.type_name) for t in tensors} if narrow else {None}
+    names = {NARROW.get(t.type_name) for t in tensors} if narrow else {None}
     if len(names) > 1 and (parts := _parts(tensors, orders)) is not None:
         return parts
     name = names.pop() if len(names) == 1 else None
@@ -251,18 +244,11 @@ def _packed_grid(tensors, orders, narrow: bool = False) -> StoredMatrix:
     return _packed_chunks(tensors, orders, name, grid)
 
 
-def _narrow_name(kind: str) -> str | None:
-    """The format a tensor of this GGUF type is kept in for integer products, where its own bits are kept."""
-    if kind in K_STORED:
-        return f"int{K_STORED[kind]}_k"
-    return "int4" if kind in NIBBLE_STORED else "int5" if kind in FIVE_BIT_STORED else None
-
-
 def _parts(tensors, orders) -> StoredMatrix | None:
     """A matrix of tensors of several narrow formats (a layer's q and k in Q4_K, its v in Q6_K) as a part per run
     of one format, each in its own bits (``StoredMatrix.rest``); None where one is not narrow or a part would end
     inside a block of 8 rows."""
-    names = [_narrow_name(t.type_name) for t in tensors]
+    names = [NARROW.get(t.type_name) for t in tensors]
     if None in names:
         return None
     runs = [[0]]
