@@ -735,13 +735,17 @@ dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
     TILE_QUAD(NAME##v, VNNI_TARGET, VNNI, BLOCK, SETS, BITS, SCALE, 4)                                             \
     TILE_QUAD(NAME##v, VNNI_TARGET, VNNI, BLOCK, SETS, BITS, SCALE, 5)                                             \
     TILE_QUAD(NAME##v, VNNI_TARGET, VNNI, BLOCK, SETS, BITS, SCALE, 6)
-TILES_QUAD(q8i, block_q8x8, 1, Q8, F32)
-TILES_QUAD(q8hi, block_q8x16, 2, Q8, F32)
-TILES_QUAD(q4i, block_q4x8, 1, Q4, F16)
-TILES_QUAD(q4ki, block_q4k8, 1, Q4, KM)
-TILES_QUAD(q5i, block_q5x8, 1, Q5, F16)
-TILES_QUAD(q5ki, block_q5k8, 1, Q5, KM)
-TILES_QUAD(q6i, block_q6x8, 2, Q6, K6)
+/* The integer formats' tiles, each format once: its tiles' name, block, sets of scales a block, bits and scales
+ * (row tiles NAME_R and NAMEv_R; GEMM tiles NAMEg_R). */
+#define INTEGER_TILES(TILES)                                                                                       \
+    TILES(q8i, block_q8x8, 1, Q8, F32)                                                                             \
+    TILES(q8hi, block_q8x16, 2, Q8, F32)                                                                           \
+    TILES(q4i, block_q4x8, 1, Q4, F16)                                                                             \
+    TILES(q4ki, block_q4k8, 1, Q4, KM)                                                                             \
+    TILES(q5i, block_q5x8, 1, Q5, F16)                                                                             \
+    TILES(q5ki, block_q5k8, 1, Q5, KM)                                                                             \
+    TILES(q6i, block_q6x8, 2, Q6, K6)
+INTEGER_TILES(TILES_QUAD)
 
 /* The GEMM tile for many rows on AVX512-VNNI: GEMM_ROWS rows by 16 outputs, two blocks of 8 weight rows side by
  * side in each zmm (the block at w in the low half, the block `next` bytes further in the high), so one quad's
@@ -797,7 +801,7 @@ __attribute__((target(VNNI_TARGET))) static inline __m512 add_scaled16(__m512 ac
 /* Independent sums a row's set is split among: enough across the R rows to cover vpdpbusd's latency. */
 #define CHAINS16(R) ((R) <= 2 ? 4 : (R) <= 5 ? 2 : 1)
 #define TILE_GEMM(NAME, BLOCK, SETS, BITS, SCALE, R)                                                                \
-    __attribute__((target(VNNI_TARGET))) static void NAME##_##R(const void *w, int64_t next, const Quantised *x,  \
+    __attribute__((target(VNNI_TARGET))) static void NAME##g_##R(const void *w, int64_t next, const Quantised *x, \
                                                                 int r0, float out[GEMM_ROWS][16]) {                \
         __m512 acc[R];                                                                                             \
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                                  \
@@ -842,13 +846,7 @@ __attribute__((target(VNNI_TARGET))) static inline __m512 add_scaled16(__m512 ac
     TILE_GEMM(NAME, BLOCK, SETS, BITS, SCALE, 7) TILE_GEMM(NAME, BLOCK, SETS, BITS, SCALE, 8)                      \
     TILE_GEMM(NAME, BLOCK, SETS, BITS, SCALE, 9) TILE_GEMM(NAME, BLOCK, SETS, BITS, SCALE, 10)                     \
     TILE_GEMM(NAME, BLOCK, SETS, BITS, SCALE, 11) TILE_GEMM(NAME, BLOCK, SETS, BITS, SCALE, 12)
-TILES_GEMM(q8g, block_q8x8, 1, Q8, F32)
-TILES_GEMM(q8hg, block_q8x16, 2, Q8, F32)
-TILES_GEMM(q4g, block_q4x8, 1, Q4, F16)
-TILES_GEMM(q4kg, block_q4k8, 1, Q4, KM)
-TILES_GEMM(q5g, block_q5x8, 1, Q5, F16)
-TILES_GEMM(q5kg, block_q5k8, 1, Q5, KM)
-TILES_GEMM(q6g, block_q6x8, 2, Q6, K6)
+INTEGER_TILES(TILES_GEMM)
 #define GEMM_TILES(NAME) {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, NAME##_7, NAME##_8, NAME##_9, NAME##_10, NAME##_11, NAME##_12}
 
 typedef void (*Q8Fn)(const void *, int, const float *, int64_t, int, float[GROUP512][8]);
@@ -895,10 +893,10 @@ static const int GEMM_MOST[] = {[Q8I] = 12, [Q8HI] = 8, [Q4I] = 12, [Q6I] = 8, [
  * matrix of the default model's LM head's shape, streamed) the GEMM tiles were as fast or faster, by 1.2-1.5x where
  * arithmetic paces a pass. Both give the same bits. */
 static const int GEMM_FROM[] = {[Q8I] = 8, [Q8HI] = 6, [Q4I] = 6, [Q6I] = 6, [Q4KI] = 6, [Q5I] = 6, [Q5KI] = 6};
-static const GemmFn INTEGER_GEMM[][GEMM_ROWS + 1] = {[Q8I] = GEMM_TILES(q8g), [Q8HI] = GEMM_TILES(q8hg),
-                                                    [Q4I] = GEMM_TILES(q4g), [Q6I] = GEMM_TILES(q6g),
-                                                    [Q4KI] = GEMM_TILES(q4kg), [Q5I] = GEMM_TILES(q5g),
-                                                    [Q5KI] = GEMM_TILES(q5kg)};
+static const GemmFn INTEGER_GEMM[][GEMM_ROWS + 1] = {[Q8I] = GEMM_TILES(q8ig), [Q8HI] = GEMM_TILES(q8hig),
+                                                    [Q4I] = GEMM_TILES(q4ig), [Q6I] = GEMM_TILES(q6ig),
+                                                    [Q4KI] = GEMM_TILES(q4kig), [Q5I] = GEMM_TILES(q5ig),
+                                                    [Q5KI] = GEMM_TILES(q5kig)};
 
 typedef void (*TileFn)(const void *, const float *, int64_t, int, float[GROUP512][8]);
 static const TileFn WIDE[][GROUP + 1] = {[F16] = {0, f16_1x8, f16_2x4, f16_3x2, f16_4x2},
