@@ -7,15 +7,17 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specdec.choices import DEFAULT_SAMPLING_METHOD, check_datastore_drafter
+from specdec.choices import DEFAULT_SAMPLING_METHOD, MAX_STOP_STRINGS, check_datastore_drafter
 from specdec.engine import Engine, GenerationConfig, GenerationStats
 from specdec.errors import UsageError
 from specdec.grammars import Grammar, GrammarSpec, grammar_for
 from specdec.loading import Loaded, draft_source, encode_prompt, load_target
 from specdec.models import LoadedModel
 from specdec.proposers import make_proposer
-from specdec.sampling import SamplingParams
+from specdec.rounds import TokenLogprobs
+from specdec.sampling import LogitsAdjustment, SamplingParams
 from specdec.step import Round
+from specdec.stops import StopText
 from specdec.view import Detokenizer
 from specdec.vocabularies import TokenText
 
@@ -26,9 +28,14 @@ class Completion:
     token_ids: list[int]  # generated ids only
     stats: GenerationStats
     kinds: list[str]  # per generated token: "accepted", "recovered", "bonus" or "plain"
+    finish_reason: str = "length"  # "stop" (EOS, a stop string or the grammar's end) or "length"
+    # per generated token, where asked: its log-probability and the most likely (token id, log-probability) there
+    logprobs: TokenLogprobs | None = None
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "stats": self.stats.to_dict(),
+                **({} if self.logprobs is None else {"logprobs": [[lp, top] for lp, top in self.logprobs]})}
 
 
 class SpecDecoder:
@@ -119,22 +126,35 @@ class SpecDecoder:
         grammar: GrammarSpec | None = None,
         json_schema: dict | type | None = None,
         regex: str | None = None,
+        stop: str | list[str] | None = None,
+        logprobs: int | None = None,
+        logit_bias: dict[int, float] | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
     ) -> Completion:
         """Generate a completion; ``on_text`` receives the text as it is produced. ``num_draft_tokens``: "auto"
         (the default: each round's draft length maximises expected tokens per second, from acceptance and costs
         measured as it runs, and is 0 where speculation does not pay), a fixed k, or "heuristic". ``tree``: draft
         token trees, the candidates at each depth, or "auto" (as ``--tree``). ``sampling``: "invariant" or
         "standard" (as ``--sampling``). Structured output, one of: ``json_schema`` (a JSON Schema, or a pydantic
-        model class), ``regex``, or any ``grammar`` (``GrammarSpec``: a Lark or GBNF grammar too)."""
+        model class), ``regex``, or any ``grammar`` (``GrammarSpec``: a Lark or GBNF grammar too).
+
+        As the server's requests: ``stop``, up to 4 strings that end the text (the text stops before the first;
+        its tokens run through the token that completed it); ``logprobs``, each token's log-probability and the
+        ``logprobs`` most likely tokens at its place (0-20), under the distribution it was drawn from;
+        ``logit_bias`` (token id -> a number added to its logit), ``presence_penalty`` and ``frequency_penalty``
+        (OpenAI's, over the tokens generated)."""
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
             num_draft_tokens=num_draft_tokens,
             sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, method=sampling),
             seed=seed,
             tree=tree,
+            logprobs=logprobs,
+            adjustment=LogitsAdjustment(dict(logit_bias or {}), presence_penalty, frequency_penalty),
         )
         spec = structured_output(grammar, json_schema, regex)
-        return self.generate_ids(self.encode(prompt, chat), config, on_text, grammar=spec)
+        return self.generate_ids(self.encode(prompt, chat), config, on_text, grammar=spec, stop=stop_strings(stop))
 
     @functools.cached_property
     def token_text(self) -> TokenText:
@@ -152,10 +172,11 @@ class SpecDecoder:
         on_text: Callable[[str], None] | None = None,
         on_token: Callable[[str, str], None] | None = None,
         grammar: GrammarSpec | None = None,
+        stop: tuple[str, ...] = (),
     ) -> Completion:
         """Generate from token ids. ``on_text`` receives text as it is produced; ``on_token`` receives each
         token's piece of text and its kind ("accepted", "recovered", "bonus" or "plain"); ``grammar`` constrains
-        the tokens."""
+        the tokens; ``stop`` strings end them (the text is cut before the first)."""
         if on_text is not None:
             on_token = lambda piece, kind, on_text=on_text: piece and on_text(piece)  # noqa: E731
         detokenizer = Detokenizer(self.tokenizer)
@@ -164,12 +185,24 @@ class SpecDecoder:
             for token, kind in zip(round_.tokens, round_.kinds):
                 on_token(detokenizer.push(token), kind)
 
+        stop_text = StopText(self.tokenizer, stop) if stop else None
         result = self.engine.generate(prompt_ids, config, on_round=on_round if on_token is not None else None,
-                                      grammar=None if grammar is None else self.grammar(grammar))
+                                      grammar=None if grammar is None else self.grammar(grammar), stop=stop_text)
         if on_token is not None and result.kinds:
             on_token(detokenizer.flush(), result.kinds[-1])
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-        return Completion(text=text, token_ids=result.token_ids, stats=result.stats, kinds=result.kinds)
+        if stop_text is not None and stop_text.stopped:
+            text = text[: min((i for i in map(text.find, stop) if i >= 0), default=len(text))]
+        return Completion(text=text, token_ids=result.token_ids, stats=result.stats, kinds=result.kinds,
+                          finish_reason=result.finish_reason, logprobs=result.logprobs)
+
+
+def stop_strings(stop: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The stop strings given (one, or a list of up to MAX_STOP_STRINGS non-empty ones) as a tuple."""
+    strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(strings) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in strings):
+        raise UsageError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings, got {stop!r}")
+    return strings
 
 
 def structured_output(grammar: GrammarSpec | None, json_schema: dict | type | None, regex: str | None

@@ -31,6 +31,8 @@ MAX_DRAFT_TOKENS = 64  # --num-draft-tokens
 EXPORT_FORMATS = {"eagle": "eagle", "medusa": "mtp"}  # specdec export --format: published layout -> drafter method
 POLICY_NAMES = ("auto", "heuristic")  # --num-draft-tokens that adapt: the cost model, transformers' schedule
 MAX_TREE_WIDTH = 16  # --tree: candidates at one depth
+MAX_STOP_STRINGS = 4  # stop: strings that end a text (OpenAI's bound)
+MAX_TOP_LOGPROBS = 20  # logprobs: the most likely tokens given beside each token (OpenAI's bound)
 SAMPLING_METHODS = ("invariant", "standard")  # --sampling: Gumbel-max under shared noise, or min(1, p/q)
 DEFAULT_SAMPLING_METHOD = "invariant"
 QUANTIZE_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # specdec quantize --type: rows pass-invariant where measured
@@ -89,6 +91,12 @@ def check_tree(tree: tuple[int, ...] | str | None) -> None:
         raise UsageError(f"a tree is candidates per depth or auto, got {tree!r}")
     if isinstance(tree, tuple) and not (tree and all(1 <= w <= MAX_TREE_WIDTH for w in tree)):
         raise UsageError(f"tree widths must be between 1 and {MAX_TREE_WIDTH}, got {tree}")
+
+
+def check_logprobs(value: int | None) -> None:
+    """None (no log-probabilities) or how many of the most likely tokens to give beside each token's own."""
+    if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise UsageError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {value}")
 
 
 def check_max_new_tokens(value: int) -> None:

@@ -14,22 +14,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec.backends.base import CausalLM, FeatureSource, TreeScorer, declares, prefill, require
-from specdec.choices import MAX_TREE_WIDTH, check_max_new_tokens, check_num_draft_tokens, check_tree
+from specdec.choices import MAX_TREE_WIDTH, check_logprobs, check_max_new_tokens, check_num_draft_tokens, check_tree
 from specdec.errors import UsageError
 from specdec.policy import AUTO_MAX_K, AUTO_TREE_MAX_NODES, Policy, make_policy
-from specdec.proposers.base import EMPTY_DRAFT, CatchesUp, Draft, FeatureProposer, Proposer, TreeProposer
-from specdec.sampling import SamplingParams
-from specdec.step import (
-    DraftTotals,
-    PositionCounts,
-    Round,
-    constrained_draft,
-    constrained_round,
-    emitted_round,
-    make_generator,
-    verify_draft,
-    verify_draft_tree,
-)
+from specdec.proposers.base import Draft, FeatureProposer, Proposer, TreeProposer
+from specdec.rounds import Sequence, StopCondition, TokenLogprobs
+from specdec.sampling import LogitsAdjustment, SamplingParams
+from specdec.step import DraftTotals, PositionCounts, Round, make_generator
 from specdec.verify import TreeVerdict, Verdict
 
 if TYPE_CHECKING:
@@ -47,9 +38,12 @@ class GenerationConfig:
     stop_at_eos: bool = True
     # draft a tree: candidates at each depth (the last repeats), or "auto" (the cost model's shape); None: a chain
     tree: tuple[int, ...] | str | None = None
+    logprobs: int | None = None  # None: none; n: each token's log-probability and the n most likely there
+    adjustment: LogitsAdjustment | None = None  # logit_bias and penalties on the target's logits
 
     def __post_init__(self) -> None:
         check_max_new_tokens(self.max_new_tokens)
+        check_logprobs(self.logprobs)
         check_num_draft_tokens(self.num_draft_tokens)
         check_tree(self.tree)
 
@@ -151,6 +145,16 @@ class GenerationResult:
     token_ids: list[int]  # generated ids only
     stats: GenerationStats
     kinds: list[str]  # per generated token, how it came (see Round.kinds)
+    logprobs: TokenLogprobs | None = None  # per generated token, where asked (GenerationConfig.logprobs)
+    finish_reason: str = "length"  # "stop" (EOS, a stop string, the grammar's end) or "length"
+
+    def take(self, round_: Round) -> None:
+        """Add a round's tokens."""
+        self.token_ids += round_.tokens
+        self.kinds += round_.kinds
+        if self.logprobs is not None:
+            self.logprobs += round_.logprobs
+        self.finish_reason = round_.finished or self.finish_reason
 
 
 class Engine:
@@ -182,107 +186,81 @@ class Engine:
         config: GenerationConfig,
         on_round: Callable[[Round], None] | None = None,
         grammar: Grammar | None = None,
+        stop: StopCondition | None = None,
     ) -> GenerationResult:
         """Generate up to config.max_new_tokens tokens; ``on_round`` sees each round as it is emitted. A
-        ``grammar`` (a fresh matcher: ``grammars.grammar_for``) constrains them."""
+        ``grammar`` (a fresh matcher: ``grammars.grammar_for``) constrains them; a ``stop`` condition (stop
+        strings: ``specdec.stops.StopText``) ends them at the token that meets it."""
         policy = self.policy(config.num_draft_tokens, config.tree)
         stats = GenerationStats(policy=policy.name)
-        token_ids: list[int] = []
-        kinds: list[str] = []
+        result = GenerationResult(token_ids=[], stats=stats, kinds=[],
+                                  logprobs=None if config.logprobs is None else [])
         start = time.perf_counter()
-        for round_ in self.rounds(prompt_ids, config, policy, grammar):
+        for round_ in self.rounds(prompt_ids, config, policy, grammar, stop):
             stats.record(round_)
-            token_ids += round_.tokens
-            kinds += round_.kinds
+            result.take(round_)
             if on_round is not None:
                 on_round(round_)
         stats.seconds = time.perf_counter() - start
-        return GenerationResult(token_ids=token_ids, stats=stats, kinds=kinds)
+        return result
 
     def rounds(self, prompt_ids: list[int], config: GenerationConfig, policy: Policy,
-               grammar: Grammar | None = None) -> Iterator[Round]:
-        """The step loop, with ``policy`` choosing each round's draft length. The target's cache holds every
-        context token but the last, which is scored next. Under a ``grammar``, an end token ends it whatever
-        ``stop_at_eos`` says, and so does a grammar that admits nothing more."""
+               grammar: Grammar | None = None, stop: StopCondition | None = None) -> Iterator[Round]:
+        """The step loop, with ``policy`` choosing each round's draft length, over one :class:`Sequence`'s round.
+        The target's cache holds every context token but the last, which is scored next. Under a ``grammar``, an
+        end token ends it whatever ``stop_at_eos`` says, and so does a grammar that admits nothing more; so does a
+        ``stop`` condition (stop strings) that is met."""
         if not prompt_ids:
             raise UsageError("the prompt is empty")
         self.check_tree(config.tree)
         if grammar is not None and config.tree is not None:
             raise UsageError("a grammar constrains a chain of draft tokens, not a tree: drop --tree")
-        params = config.sampling
-        generator = make_generator(config.seed, self.target.device)
-        stop_ids = self.eos_token_ids if config.stop_at_eos or grammar is not None else frozenset()
         max_length = self.target.max_length
-        context = list(prompt_ids)
-        if len(context) >= max_length:
-            raise UsageError(f"the prompt has {len(context)} tokens; the model takes at most {max_length - 1}")
-        self.target.reserve(min(len(context) + config.max_new_tokens + config.draft_positions(config.max_draft_tokens)
-                                + 1, max_length))
-        prefill(self.target, context[:-1])  # reusing a prefix an earlier request left where its bits are a prefill's
-        produced, lagging = 0, True  # lagging: the drafter has not seen the last round (none has run yet)
-        while produced < config.max_new_tokens:
-            remaining = config.max_new_tokens - produced
+        if len(prompt_ids) >= max_length:
+            raise UsageError(f"the prompt has {len(prompt_ids)} tokens; the model takes at most {max_length - 1}")
+        sequence = Sequence(prompt_ids, config.max_new_tokens, max_length, config.sampling,
+                            make_generator(config.seed, self.target.device), self.proposer,
+                            self.eos_token_ids, stop_at_eos=config.stop_at_eos, adjustment=config.adjustment,
+                            grammar=grammar, stop=stop, logprobs=config.logprobs)
+        self.target.reserve(min(len(prompt_ids) + config.max_new_tokens
+                                + config.draft_positions(config.max_draft_tokens) + 1, max_length))
+        prefill(self.target, prompt_ids[:-1])  # reusing a prefix an earlier request left where its bits are a prefill's
+        while sequence.finished is None:
             # 1. ask the policy how far to draft; a round emits at most k+1 tokens
             asked = policy.next_k(config.max_draft_tokens)
-            room = min(remaining - 1, max_length - len(context) - 1)  # the draft positions this round may score
-            k = min(asked, room)
-            while config.draft_positions(k) > room:
+            k = min(asked, sequence.room)
+            while config.draft_positions(k) > sequence.room:
                 k -= 1
-            # 2. draft; a drafter that keeps state first takes in the rounds it missed, untimed: that backlog (the
-            # prompt, or the tokens of rounds that drafted nothing) is not what drafting k tokens costs
-            if k and lagging and declares(self.proposer, CatchesUp):
-                self.proposer.catch_up(context)
-            lagging = k == 0
+            # 2. draft (the drafter's catching up on rounds it missed is not timed: see Sequence.catch_up)
+            sequence.catch_up(k)
             started = time.perf_counter()
-            if grammar is None:
-                draft = self._propose(context, k, config.tree_widths(k, policy), config.sampling, generator)
-            else:
-                def propose(forced: list[int], n: int, context=context) -> Draft:
-                    return self._propose(context + forced, n, None, params, generator)
-
-                draft = constrained_draft(grammar, k, room, propose)
+            features = self.target.hidden_states if self.reads_features and k else None
+            draft = sequence.draft(k, config.tree_widths(k, policy), features)
             drafted = time.perf_counter()
             # 3-5. score the pending token and the draft in one target pass, verify, keep the accepted tokens
-            verdict = self._score_and_verify(context[-1], draft, params, generator, grammar)
+            logits, verdict = self._score_and_verify(sequence, draft)
             verified = time.perf_counter()  # verify_* read results on the host: the device has finished
             policy.observe(verdict, drafted - started, verified - drafted)
-            # 6. emit, cut at EOS and at the token limit
-            round_ = emitted_round(draft, verdict, remaining, stop_ids, drafted - started, verified - drafted, asked)
-            if grammar is not None:
-                round_ = constrained_round(grammar, round_)
-            context += round_.tokens
-            produced += len(round_.tokens)
-            yield round_
-            if round_.tokens[-1] in stop_ids or len(context) >= max_length or grammar is not None and grammar.stopped:
-                return
+            # 6. emit, cut at EOS, a stop string and the token limit
+            yield sequence.emit(draft, verdict, logits, asked, drafted - started, verified - drafted)
 
-    def _propose(self, context: list[int], k: int, widths: list[int] | None, params: SamplingParams,
-                 generator: torch.Generator) -> Draft:
-        if k == 0:
-            return EMPTY_DRAFT
-        features = {"features": self.target.hidden_states} if self.reads_features else {}
-        if widths is None:
-            return self.proposer.propose(context, k, params, generator, **features)
-        return self.proposer.propose_tree(context, widths, params, generator, **features)
-
-    def _score_and_verify(self, pending: int, draft: Draft, params: SamplingParams, generator: torch.Generator,
-                          grammar: Grammar | None = None) -> Verdict | TreeVerdict:
-        """One target pass over the pending token and the draft (a chain, or a tree with its attention mask), the
-        verdict (on logits the grammar masks), and the target's cache cut to the accepted tokens (a tree's accepted
-        branch moved into place)."""
+    def _score_and_verify(self, sequence: Sequence, draft: Draft) -> tuple[torch.Tensor, Verdict | TreeVerdict]:
+        """One target pass over the pending token and the draft (a chain, or a tree with its attention mask), its
+        logits as the sequence reads them ([n+1, vocab]), the verdict, and the target's cache cut to the accepted
+        tokens (a tree's accepted branch moved into place)."""
         cached = len(self.target.tokens)
-        position = cached + 1  # of the token that follows the pending one
+        pending = sequence.context[-1]
         if draft.parents is None:
             logits = self.target.extend([pending] + draft.tokens, num_logits=len(draft) + 1)  # [k+1, V]
-            if grammar is not None:
-                logits = grammar.masked(logits, draft.tokens)
-            verdict = verify_draft(draft, logits, params, generator, position)
+        else:
+            logits = self.target.extend_tree([pending] + draft.tokens, [-1] + [p + 1 for p in draft.parents])
+        logits = sequence.adjusted(draft, logits)
+        verdict = sequence.verify(draft, logits)
+        if draft.parents is None:
             self.target.rollback(cached + 1 + verdict.accepted)
-            return verdict
-        logits = self.target.extend_tree([pending] + draft.tokens, [-1] + [p + 1 for p in draft.parents])  # [m+1, V]
-        verdict = verify_draft_tree(draft, logits, params, generator, position)
-        self.target.keep_path(cached, [0] + [node + 1 for node in verdict.path])
-        return verdict
+        else:
+            self.target.keep_path(cached, [0] + [node + 1 for node in verdict.path])
+        return logits, verdict
 
     def check_tree(self, tree: tuple[int, ...] | str | None) -> None:
         """Refuse a tree that this proposer cannot draft or this target cannot score."""

@@ -80,20 +80,34 @@ class LogitsAdjustment:
     def _bias(self) -> tuple[torch.Tensor, torch.Tensor]:  # ids [m], values [m]: built once
         return torch.tensor(list(self.bias)), torch.tensor(list(self.bias.values()), dtype=torch.float64)
 
-    def apply(self, logits: torch.Tensor, counts: torch.Tensor | None, draft: list[int]) -> torch.Tensor:
-        """logits [k+1, vocab] at the position after the tokens generated so far (how often each was: ``counts``
-        [vocab], which the caller keeps; None without penalties) and after each prefix of ``draft`` (row j follows
-        draft[:j]) -> the adjusted logits (a new tensor)."""
+    def apply(self, logits: torch.Tensor, counts: torch.Tensor | None, draft: list[int],
+              parents: list[int] | None = None) -> torch.Tensor:
+        """logits [n+1, vocab] at the position after the tokens generated so far (how often each was: ``counts``
+        [vocab], which the caller keeps; None without penalties) and after each draft node (row j follows draft
+        node j-1 and the nodes before it: a chain's draft[:j], a tree's path to it, ``parents``) -> the adjusted
+        logits (a new tensor)."""
         logits = logits.clone()
         if self.bias:
             ids, values = self._bias
             logits[:, ids.to(logits.device)] += values.to(logits.device, logits.dtype)
         if self.penalises:
-            rows = counts.to(logits.dtype).expand(logits.shape[0], -1).clone()  # [k+1, vocab]
-            for j, token in enumerate(draft[: logits.shape[0] - 1], start=1):
-                rows[j:, token] += 1
+            rows = counts.to(logits.dtype).expand(logits.shape[0], -1).clone()  # [n+1, vocab]
+            for j in range(1, logits.shape[0]):
+                for token in _preceding(draft, parents, j - 1):  # a token drafted twice counts twice
+                    rows[j, token] += 1
             logits -= self.frequency_penalty * rows + self.presence_penalty * (rows > 0).to(logits.dtype)
         return logits
+
+
+def _preceding(draft: list[int], parents: list[int] | None, node: int) -> list[int]:
+    """The draft tokens a row after ``node`` follows: the node and those before it on its way from the root."""
+    if parents is None:
+        return draft[: node + 1]
+    path = []
+    while node >= 0:
+        path.append(draft[node])
+        node = parents[node]
+    return path
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

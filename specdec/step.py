@@ -31,6 +31,9 @@ class Round:
     target_seconds: float = 0.0  # time spent scoring, verifying and rolling back
     asked: int = 0  # the draft length the policy chose (the drafter may offer fewer)
     draft_nodes: int = 0  # draft positions the target scored: the draft tokens, or a tree's nodes
+    # per emitted token, where asked: its log-probability and the most likely tokens' at its position
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    finished: str | None = None  # where the sequence ends with this round: "stop" or "length"
 
 
 @dataclass

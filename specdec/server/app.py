@@ -49,8 +49,8 @@ from specdec.server.protocol import (
 )
 from specdec.server.scheduler import Handle, NotOffered, QueueFull, Scheduler, ShuttingDown
 from specdec.server.settings import ServerSettings
-from specdec.server.stops import StopText
 from specdec.server.tools import template_tools
+from specdec.stops import StopText
 from specdec.view import KIND_STYLES
 from specdec.vocabularies import TokenText
 

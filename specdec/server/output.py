@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from specdec.server.framing import ClientGone
 from specdec.server.protocol import ApiError, Job, Response, TokenLogprob, logprobs_payload, usage
 from specdec.server.scheduler import Finished, Handle, Tokens
-from specdec.server.stops import StopText
 from specdec.server.tools import ToolError
+from specdec.stops import StopText
 
 POLL_SECONDS = 0.25  # how often a waiting request checks that its client is still there
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop", "abort": "abort"}

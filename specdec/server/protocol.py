@@ -17,15 +17,20 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from specdec.choices import DEFAULT_SAMPLING_METHOD, SAMPLING_METHODS, SEED_RANGE, SPECULATION_MODES
+from specdec.choices import (
+    DEFAULT_SAMPLING_METHOD,
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+    SAMPLING_METHODS,
+    SEED_RANGE,
+    SPECULATION_MODES,
+)
 from specdec.grammars import Grammar, GrammarSpec
 from specdec.sampling import LogitsAdjustment, SamplingParams
 from specdec.server.scheduler import GenerationRequest, StopCondition
 from specdec.server.tools import ToolCalling, ToolError, tool_calling
 
-MAX_STOP_SEQUENCES = 4
 MAX_CHOICES = 16  # n
-MAX_TOP_LOGPROBS = 20
 MAX_JSON_DEPTH = 64  # nesting of the request body: deeper is refused before it is parsed
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
@@ -211,7 +216,7 @@ class _Sampling(_Body):
     sampling: Literal[SAMPLING_METHODS] = DEFAULT_SAMPLING_METHOD  # specdec's: how draws are made (sampling.py)
     speculation: Literal[SPECULATION_MODES] | None = None  # specdec's: this request's mode (None: the server's)
     num_draft_tokens: Annotated[int, Field(ge=1)] | None = None  # specdec's: at most this many per round
-    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None

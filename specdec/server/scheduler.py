@@ -24,7 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -34,37 +34,18 @@ from specdec.costs import Acceptance
 from specdec.errors import UsageError
 from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
 from specdec.proposers.none import NoProposer
+from specdec.rounds import Sequence, StopCondition
 from specdec.sampling import LogitsAdjustment, SamplingParams
 from specdec.server.metrics import Metrics
 from specdec.server.prefixes import PrefixCache
 from specdec.server.speculation import SpeculationPlanner
-from specdec.step import (
-    Round,
-    constrained_draft,
-    constrained_round,
-    emitted_round,
-    first_tokens,
-    make_generator,
-    verify_draft,
-)
+from specdec.step import first_tokens, make_generator
 
 if TYPE_CHECKING:
     from specdec.grammars import Grammar
 
 log = logging.getLogger("specdec.server")
 PREFILL_TOKENS_PER_PASS = 4096  # prompts prefilled together, up to this many tokens in one pass
-
-
-class StopCondition(Protocol):
-    """What ends a request at a token of its output besides EOS and max_tokens: the server's stop strings
-    (:class:`specdec.server.stops.StopText`, over its tokenizer)."""
-
-    def push(self, token_id: int) -> object:
-        """Take the request's next token."""
-
-    @property
-    def stopped(self) -> bool:
-        """Whether the tokens taken so far meet the condition."""
 
 
 class QueueFull(RuntimeError):
@@ -98,17 +79,6 @@ class Tokens:
     kinds: list[str]
     draft_tokens: int  # draft tokens scored for this request in the step
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # per token: its own, the top ones
-
-
-def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
-    """Each emitted token's log-probability under the target's (adjusted) distribution at its position (token i
-    came from row i of the verifying pass), and the ``top`` most likely tokens there."""
-    logprobs = torch.log_softmax(logits[: len(tokens)].double(), dim=-1)  # [n, vocab]
-    chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
-    if not top:
-        return [(lp, []) for lp in chosen]
-    values, ids = torch.topk(logprobs, top, dim=-1)
-    return [(lp, list(zip(i, v))) for lp, i, v in zip(chosen, ids.tolist(), values.tolist())]
 
 
 @dataclass(frozen=True)
@@ -187,30 +157,24 @@ class AnswerMemory(Protocol):
 
 
 class _Running:
-    """A request in the batch: its slot, context, drafter, generator and measured acceptance."""
+    """A request in the batch: its slot, its sequence (context, drafter, generator, what ends it: the round's,
+    ``specdec.rounds``), its measured acceptance and this step's draft."""
 
     def __init__(self, handle: Handle, slot: Slot, proposer: Proposer, device: torch.device,
-                 stop_ids: frozenset[int]) -> None:
+                 eos_ids: frozenset[int], max_length: int) -> None:
         request = handle.request
         self.mode = handle.mode  # "auto", "always" or "never"
-        self.grammar = request.grammar() if request.grammar is not None else None
-        self.stop_ids = stop_ids if request.stop_at_eos or self.grammar is not None else frozenset()
-        self.stop = request.stop() if request.stop is not None else None
         self.handle = handle
         self.slot = slot
-        self.proposer = proposer
         self.speculates = True  # off for good once its drafter raised
-        self.context = list(request.prompt_ids)
-        self.produced = 0
-        self.generator = make_generator(request.seed, device)
+        self.sequence = Sequence(
+            request.prompt_ids, request.max_tokens, max_length, request.sampling,
+            make_generator(request.seed, device), proposer, eos_ids, stop_at_eos=request.stop_at_eos,
+            adjustment=request.adjustment, grammar=request.grammar() if request.grammar is not None else None,
+            stop=request.stop() if request.stop is not None else None, logprobs=request.logprobs)
         self.acceptance = Acceptance()
         self.draft = EMPTY_DRAFT
         self.finished: Finished | None = None  # its last event, once it has one: it leaves at the step's end
-        self.counts: torch.Tensor | None = None  # [vocab]: how often each token was generated (for penalties)
-
-    @property
-    def remaining(self) -> int:
-        return self.handle.request.max_tokens - self.produced
 
 
 class Scheduler:
@@ -365,7 +329,8 @@ class Scheduler:
         self._running += admitted  # before the prefill: should it fail, the loop's handler ends them too
         batch: list[_Running] = []
         for running in admitted:
-            if batch and sum(len(r.context) for r in batch) + len(running.context) > PREFILL_TOKENS_PER_PASS:
+            tokens = sum(len(r.sequence.context) for r in batch) + len(running.sequence.context)
+            if batch and tokens > PREFILL_TOKENS_PER_PASS:
                 self._prefill(batch)
                 batch = []
             batch.append(running)
@@ -378,7 +343,8 @@ class Scheduler:
         slot = None
         try:
             slot = self.pool.open()
-            return _Running(handle, slot, self._proposer(handle), self.pool.device, self.eos_token_ids)
+            return _Running(handle, slot, self._proposer(handle), self.pool.device, self.eos_token_ids,
+                            self.max_length)
         except Exception as error:
             if slot is not None:
                 self.pool.close(slot)
@@ -422,11 +388,11 @@ class Scheduler:
         started = time.perf_counter()
         if self.prefixes is not None:
             for r in batch:
-                r.handle.cached_tokens = self.prefixes.restore(r.slot, r.context)
-        owners = [r for r in batch if len(r.context) - 1 > r.slot.length]
+                r.handle.cached_tokens = self.prefixes.restore(r.slot, r.sequence.context)
+        owners = [r for r in batch if len(r.sequence.context) - 1 > r.slot.length]
         if owners:
-            self._forward([Row(r.slot, r.context[r.slot.length:-1], 0, r.slot.length) for r in owners], owners)
-        self.metrics.observe_prefill(sum(len(r.context) for r in batch), time.perf_counter() - started,
+            self._forward([Row(r.slot, r.sequence.context[r.slot.length:-1], 0, r.slot.length) for r in owners], owners)
+        self.metrics.observe_prefill(sum(len(r.sequence.context) for r in batch), time.perf_counter() - started,
                                      sum(r.handle.cached_tokens for r in batch))
 
     def _forward(self, rows: list[Row], owners: list[_Running]) -> list[torch.Tensor | None]:
@@ -459,7 +425,7 @@ class Scheduler:
         lengths = self.planner.draft_lengths([r.draft.proposed for r in running], rates, [r.mode for r in running])
         drafts = [first_tokens(r.draft, r.draft.forced + n) for r, n in zip(running, lengths)]  # forced: all
         # 3. one target pass over every request's pending token and draft tokens
-        rows = [Row(r.slot, [r.context[-1]] + d.tokens, len(d) + 1) for r, d in zip(running, drafts)]
+        rows = [Row(r.slot, [r.sequence.context[-1]] + d.tokens, len(d) + 1) for r, d in zip(running, drafts)]
         started = time.perf_counter()
         logits = self._forward(rows, running)  # per request [k+1, vocab]; None for one whose pass failed
         self.planner.observe_pass(sum(len(row.token_ids) for row in rows), time.perf_counter() - started)
@@ -480,59 +446,31 @@ class Scheduler:
         for r in running:
             r.draft = EMPTY_DRAFT
             most = r.handle.request.max_draft_tokens or self.max_draft_tokens
-            room = min(r.remaining - 1, self.max_length - len(r.context) - 1)
-            k = min(most, room) if r.mode != "never" and r.speculates else 0
-            if k <= 0 and (r.grammar is None or room <= 0):  # a grammar's forced tokens are drafted in any mode
-                continue
+            k = max(0, min(most, r.sequence.room)) if r.mode != "never" and r.speculates else 0
             try:
-                r.draft = self._drafted(r, k, room)
+                r.sequence.catch_up(k)
+                r.draft = r.sequence.draft(k)  # a grammar's forced tokens are drafted in any mode
             except Exception as error:
                 log.warning("request %d: drafter %s raised %r; decoding it plainly from here",
-                            r.handle.id, r.proposer.name, error)
+                            r.handle.id, r.sequence.proposer.name, error)
                 self.metrics.observe_drafter_error()
                 r.speculates = False
                 continue
             drafted += len(r.draft)
         self.planner.observe_drafting(drafted, time.perf_counter() - started)
 
-    @staticmethod
-    def _drafted(r: _Running, k: int, room: int) -> Draft:
-        """The request's draft: its drafter's k, or under a grammar, the grammar's forced tokens and then up to k
-        of the drafter's, up to a forbidden token (``room`` tokens at most)."""
-        def propose(forced: list[int], n: int) -> Draft:  # after the grammar's forced tokens
-            return r.proposer.propose(r.context + forced, n, r.handle.request.sampling, r.generator)
-
-        return propose([], k) if r.grammar is None else constrained_draft(r.grammar, k, room, propose)
-
     def _advance(self, r: _Running, draft: Draft, logits: torch.Tensor) -> None:
-        request = r.handle.request
-        if request.adjustment is not None:  # row j follows the tokens generated so far and draft[:j]
-            if request.adjustment.penalises and r.counts is None:
-                r.counts = torch.zeros(logits.shape[-1], device=logits.device)
-            logits = request.adjustment.apply(logits, r.counts, draft.tokens)
-        if r.grammar is not None:
-            logits = r.grammar.masked(logits, draft.tokens)
-        verdict = verify_draft(draft, logits, request.sampling, r.generator, len(r.context))
-        r.slot.length = len(r.context) + verdict.accepted  # the context, less its last token, was cached
+        """The request's round on its rows of the pass: verify, cut its slot to the accepted tokens, emit."""
+        sequence = r.sequence
+        logits = sequence.adjusted(draft, logits)
+        verdict = sequence.verify(draft, logits)
+        r.slot.length = len(sequence.context) + verdict.accepted  # the context, less its last token, was cached
         self._learn_acceptance(r, draft, verdict)
-        round_ = emitted_round(draft, verdict, r.remaining, r.stop_ids, 0.0, 0.0, len(draft))
-        if r.grammar is not None:
-            round_ = constrained_round(r.grammar, round_)
-        if r.stop is not None:
-            round_ = _until_stopped(round_, r.stop)
+        round_ = sequence.emit(draft, verdict, logits, len(draft))
         self.metrics.observe_round(round_, r.mode)
-        r.context += round_.tokens
-        r.produced += len(round_.tokens)
-        if r.counts is not None:
-            r.counts.index_add_(0, torch.tensor(round_.tokens, device=r.counts.device),
-                                torch.ones(len(round_.tokens), device=r.counts.device))
-        logprobs = None if request.logprobs is None else token_logprobs(logits, round_.tokens, request.logprobs)
-        r.handle.put(Tokens(round_.tokens, round_.kinds, round_.draft_tokens, logprobs))
-        if round_.tokens[-1] in r.stop_ids or r.stop is not None and r.stop.stopped or \
-                r.grammar is not None and r.grammar.stopped:
-            r.finished = Finished("stop")
-        elif r.remaining == 0 or len(r.context) >= self.max_length:
-            r.finished = Finished("length")
+        r.handle.put(Tokens(round_.tokens, round_.kinds, round_.draft_tokens, round_.logprobs))
+        if sequence.finished is not None:
+            r.finished = Finished(sequence.finished)
 
     def _learn_acceptance(self, r: _Running, scored: Draft, verdict) -> None:
         """Count accepted draft tokens over those reached. A draft offered but not scored teaches too: its first
@@ -561,15 +499,15 @@ class Scheduler:
                 self._keep_prompt(r)
             self.pool.close(r.slot)
         try:
-            r.proposer.clear_cache()  # a draft model's slot goes back to its pool
+            r.sequence.proposer.clear_cache()  # a draft model's slot goes back to its pool
         except Exception as error:
             log.warning("request %d: its drafter did not let go (%r)", r.handle.id, error)
         self._end(r.handle, event)
-        if r.grammar is not None:
-            self.metrics.observe_constrained(r.grammar.forced_tokens)
+        if r.sequence.grammar is not None:
+            self.metrics.observe_constrained(r.sequence.grammar.forced_tokens)
         if self.memory is not None and finished:
             try:
-                self.memory.learn(r.context, len(r.handle.request.prompt_ids))
+                self.memory.learn(r.sequence.context, len(r.handle.request.prompt_ids))
             except Exception as error:  # learning is a help to later drafts, never a fault of this request
                 log.warning("request %d: its answer was not learned (%r)", r.handle.id, error)
 
@@ -578,13 +516,4 @@ class Scheduler:
             self.prefixes.keep(r.slot, r.handle.request.prompt_ids)
         except Exception as error:  # a help to later prompts, never a fault of this request
             log.warning("request %d: its prompt was not kept (%r)", r.handle.id, error)
-
-
-def _until_stopped(round_: Round, stop: StopCondition) -> Round:
-    """The round's tokens through the one that meets the stop condition (all of them if none does)."""
-    for i, token in enumerate(round_.tokens):
-        stop.push(token)
-        if stop.stopped:
-            return replace(round_, tokens=round_.tokens[: i + 1], kinds=round_.kinds[: i + 1])
-    return round_
 

@@ -1,0 +1,110 @@
+"""One round for the library and the server (specdec/rounds.py): a request gives the same tokens, log-probabilities
+and finish through the library's engine and through the server's scheduler, with a drafter, logit bias, penalties
+and stop strings; and the Python API takes ``stop`` and ``logprobs`` as the server does. On the tiny random model of
+test_server.py, in float32 (where the runtime computes each row as it is alone: the same bits in any pass)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from test_server import EOS, prompt_text, tiny  # noqa: F401
+from tiny import require_pass_invariant
+
+from specdec import SpecDecoder
+from specdec.backends import LeanRuntime
+from specdec.engine import Engine, GenerationConfig
+from specdec.models import load_model
+from specdec.proposers import make_proposer
+from specdec.sampling import LogitsAdjustment, SamplingParams
+from specdec.server import BatchSettings, build_scheduler
+from specdec.server.scheduler import GenerationRequest
+from specdec.stops import StopText
+
+PROMPT = [5, 9, 12, 9, 12, 40, 5, 9, 12, 9]
+ADJUSTMENT = LogitsAdjustment(bias={9: 1.5, 12: -0.5}, presence_penalty=0.4, frequency_penalty=0.3)
+
+
+def library_run(model, tokenizer, sampling: SamplingParams, seed: int, stop: tuple[str, ...], max_new_tokens: int):
+    """The request through the library's engine, drafting 4 tokens a round with prompt lookup."""
+    runtime = LeanRuntime(model)
+    engine = Engine(runtime, make_proposer("prompt-lookup", runtime), eos_token_ids={EOS})
+    config = GenerationConfig(max_new_tokens=max_new_tokens, num_draft_tokens=4, sampling=sampling, seed=seed,
+                              stop_at_eos=False, logprobs=3, adjustment=ADJUSTMENT)
+    return engine.generate(PROMPT, config, stop=StopText(tokenizer, stop) if stop else None)
+
+
+def served_runs(model, tokenizer, sampling: SamplingParams, seeds: list[int], stop: tuple[str, ...],
+                max_new_tokens: int) -> list[tuple[list[int], list, str, int]]:
+    """The same requests, all at once, through the server's scheduler: per request its tokens, log-probabilities,
+    finish reason and the draft tokens scored for it."""
+    scheduler = build_scheduler(LeanRuntime(model), BatchSettings(drafter="prompt-lookup", speculation="always",
+                                                                  max_batch_size=8, max_model_len=128), {EOS})
+    scheduler.start()
+    try:
+        handles = [scheduler.submit(GenerationRequest(
+            prompt_ids=PROMPT, max_tokens=max_new_tokens, sampling=sampling, seed=seed, stop_at_eos=False,
+            adjustment=ADJUSTMENT, logprobs=3, stop=(lambda: StopText(tokenizer, stop)) if stop else None))
+            for seed in seeds]
+        runs = []
+        for handle in handles:
+            tokens, logprobs, drafted = [], [], 0
+            while not hasattr(event := handle.events.get(timeout=60), "reason"):
+                tokens += event.token_ids
+                logprobs += event.logprobs
+                drafted += event.draft_tokens
+            runs.append((tokens, logprobs, event.reason, drafted))
+        return runs
+    finally:
+        scheduler.shutdown(timeout=5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_library_and_the_server_run_one_round(tiny, temperature):  # noqa: F811
+    """Seeded requests with bias, penalties, logprobs and a stop string (the text of a token the plain answer
+    holds), alone in the library and together in a batch: the same tokens, the same log-probabilities bit for
+    bit, the same finish. Those that meet the stop string end at it ("stop"), the others at the limit."""
+    model, tokenizer = copy.deepcopy(tiny[0]).float(), tiny[1]
+    require_pass_invariant(LeanRuntime(model))
+    sampling = SamplingParams(temperature=temperature)
+    seeds = [0, 1, 2, 3]
+    plain = [library_run(model, tokenizer, sampling, seed, (), 16) for seed in seeds]
+    stop = (tokenizer.decode([plain[0].token_ids[5]]).strip(),)  # met by the first request, perhaps by others
+    library = [library_run(model, tokenizer, sampling, seed, stop, 16) for seed in seeds]
+    served = served_runs(model, tokenizer, sampling, seeds, stop, 16)
+    assert sum(drafted for *_, drafted in served) > 0  # the server speculated
+    assert library[0].finish_reason == "stop" and len(library[0].token_ids) <= 6
+    for alone, plain_run, (tokens, logprobs, reason, _) in zip(library, plain, served):
+        assert tokens == alone.token_ids == plain_run.token_ids[: len(tokens)]
+        assert logprobs == alone.logprobs == plain_run.logprobs[: len(tokens)]
+        assert reason == alone.finish_reason == ("stop" if len(tokens) < 16 else alone.finish_reason)
+
+
+def test_the_python_api_takes_stop_and_logprobs(tiny, tmp_path):  # noqa: F811
+    """SpecDecoder.generate with ``stop`` cuts the text before the stop string and says why it finished; with
+    ``logprobs`` each token's log-probability is the target's own (log-softmax of plain decoding's logits) and the
+    top ones are the largest there."""
+    from tiny import save_with_tokenizer
+
+    model, tokenizer = tiny
+    decoder = SpecDecoder(load_model(save_with_tokenizer(model, tmp_path / "tiny")), drafter="prompt-lookup")
+    prompt = prompt_text(PROMPT)
+    whole = decoder.generate(prompt, max_new_tokens=12, num_draft_tokens=4, chat=False, logprobs=2)
+    assert whole.finish_reason in ("length", "stop") and len(whole.logprobs) == len(whole.token_ids)
+    ids = decoder.encode(prompt, chat=False)
+    runtime = decoder.engine.target  # plain decoding's logits, all in one pass here
+    runtime.rollback(0)
+    expected = torch.log_softmax(runtime.extend(ids + whole.token_ids[:-1], len(whole.token_ids)).double(), -1)
+    for i, (token, (logprob, top)) in enumerate(zip(whole.token_ids, whole.logprobs)):
+        assert math.isclose(logprob, float(expected[i, token]), abs_tol=1e-6)
+        assert [t for t, _ in top] == expected[i].topk(2).indices.tolist()
+    words = whole.text.split()
+    cut = decoder.generate(prompt, max_new_tokens=12, num_draft_tokens=4, chat=False, stop=[words[2]])
+    assert cut.finish_reason == "stop" and words[2] not in cut.text
+    assert whole.text.startswith(cut.text) and len(cut.token_ids) < len(whole.token_ids)
+    with pytest.raises(Exception, match="stop takes up to 4"):
+        decoder.generate(prompt, max_new_tokens=4, stop=["a", "b", "c", "d", "e"])
+    with pytest.raises(Exception, match="logprobs must be between 0 and 20"):
+        decoder.generate(prompt, max_new_tokens=4, logprobs=21)
