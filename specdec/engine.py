@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec.backends.base import CausalLM, FeatureSource, TreeScorer, declares, prefill, require
-from specdec.choices import MAX_TREE_WIDTH, check_logprobs, check_max_new_tokens, check_num_draft_tokens, check_tree
+from specdec.choices import check_logprobs, check_max_new_tokens, check_num_draft_tokens, check_tree
 from specdec.errors import UsageError
-from specdec.policy import AUTO_MAX_K, AUTO_TREE_MAX_NODES, Policy, make_policy
+from specdec.policy import AUTO_MAX_K, Policy, draft_positions, fitted_depth, make_policy, tree_widths
 from specdec.proposers.base import Draft, FeatureProposer, Proposer, TreeProposer
 from specdec.rounds import Sequence, StopCondition, TokenLogprobs
 from specdec.sampling import LogitsAdjustment, SamplingParams
@@ -50,11 +50,7 @@ class GenerationConfig:
     def tree_widths(self, depth: int, policy: Policy | None = None) -> list[int] | None:
         """The candidates at each depth of a tree ``depth`` deep (with ``auto``, the shape ``policy`` chose);
         None for a chain."""
-        if self.tree is None:
-            return None
-        if self.tree == "auto":
-            return policy.tree_widths(depth)
-        return [self.tree[min(d, len(self.tree) - 1)] for d in range(depth)]
+        return tree_widths(self.tree, depth, policy)
 
     @property
     def max_draft_tokens(self) -> int:
@@ -63,9 +59,7 @@ class GenerationConfig:
 
     def draft_positions(self, depth: int) -> int:
         """Positions a draft ``depth`` deep takes in the target's pass, at most: its tokens, or its tree's nodes."""
-        if self.tree == "auto":
-            return min(depth * MAX_TREE_WIDTH, AUTO_TREE_MAX_NODES)
-        return depth if self.tree is None else sum(self.tree_widths(depth))
+        return draft_positions(self.tree, depth)
 
 
 @dataclass
@@ -228,9 +222,7 @@ class Engine:
         while sequence.finished is None:
             # 1. ask the policy how far to draft; a round emits at most k+1 tokens
             asked = policy.next_k(config.max_draft_tokens)
-            k = min(asked, sequence.room)
-            while config.draft_positions(k) > sequence.room:
-                k -= 1
+            k = fitted_depth(config.tree, min(asked, sequence.room), sequence.room, policy)
             # 2. draft (the drafter's catching up on rounds it missed is not timed: see Sequence.catch_up)
             sequence.catch_up(k)
             started = time.perf_counter()

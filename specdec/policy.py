@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from specdec.choices import MAX_TREE_WIDTH
 from specdec.costs import Acceptance, PassCosts, expected_tokens_by_k
 from specdec.verify import TreeVerdict, Verdict
 
@@ -246,6 +247,31 @@ class TreePolicy:
                 if rate > chosen[0]:
                     chosen = (rate, widths)
         return chosen
+
+
+def tree_widths(tree: tuple[int, ...] | str | None, depth: int, policy: Policy | None = None) -> list[int] | None:
+    """The candidates at each depth of a tree ``depth`` deep: ``tree``'s (its last repeating), or with ``auto`` the
+    shape ``policy`` chose; None for a chain (no ``tree``)."""
+    if tree is None:
+        return None
+    if tree == "auto":
+        return policy.tree_widths(depth)
+    return [tree[min(d, len(tree) - 1)] for d in range(depth)]
+
+
+def draft_positions(tree: tuple[int, ...] | str | None, depth: int, policy: Policy | None = None) -> int:
+    """Positions a draft ``depth`` deep takes in the target's pass, at most: its tokens, or its tree's nodes (with
+    ``auto``, those of the shape ``policy`` chose, else the most any shape may take)."""
+    if tree == "auto" and policy is None:
+        return min(depth * MAX_TREE_WIDTH, AUTO_TREE_MAX_NODES)
+    return depth if tree is None else sum(tree_widths(tree, depth, policy))
+
+
+def fitted_depth(tree: tuple[int, ...] | str | None, depth: int, room: int, policy: Policy | None = None) -> int:
+    """The deepest draft up to ``depth`` whose positions fit in ``room`` (``policy``: as ``draft_positions``)."""
+    while depth > 0 and draft_positions(tree, depth, policy) > room:
+        depth -= 1
+    return depth
 
 
 def make_policy(num_draft_tokens: int | str, tree: tuple[int, ...] | str | None = None) -> Policy:

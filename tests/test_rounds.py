@@ -108,3 +108,54 @@ def test_the_python_api_takes_stop_and_logprobs(tiny, tmp_path):  # noqa: F811
         decoder.generate(prompt, max_new_tokens=4, stop=["a", "b", "c", "d", "e"])
     with pytest.raises(Exception, match="logprobs must be between 0 and 20"):
         decoder.generate(prompt, max_new_tokens=4, logprobs=21)
+
+
+def untrained_source(drafter: str, model):
+    """A drafter's network as ``specdec train`` makes it, before training (random heads draft badly; the answer
+    must not change)."""
+    from specdec.drafters.layers import LayerShape
+    from specdec.drafters.networks import DrafterConfig, EagleHead, ExitAdapter, MTPHeads, TargetParts
+
+    torch.manual_seed(0)
+    shape, parts = LayerShape.of(model.config), TargetParts.of(model)
+    if drafter == "eagle":
+        return EagleHead(DrafterConfig(method="eagle", shape=shape, vocab_size=64), parts)
+    if drafter == "mtp":
+        return MTPHeads(DrafterConfig(method="mtp", shape=shape, vocab_size=64, heads=3), parts)
+    if drafter == "early-exit":
+        return ExitAdapter(DrafterConfig(method="early-exit", shape=shape, vocab_size=64, exit_layer=1), parts)
+    return None
+
+
+@pytest.mark.parametrize("drafter, tree", [("eagle", None), ("mtp", None), ("early-exit", None), ("ngram", None),
+                                           ("prompt-lookup", (2, 2)), ("eagle", "auto")])
+def test_the_scheduler_serves_every_drafter_and_trees_one_request_at_a_time(tiny, drafter, tree):  # noqa: F811
+    """Over a pool of one slot in the runtime's own cache (what a server gives a drafter that reads the target's
+    features or first layers, or a tree), three greedy requests in turn: each answer is plain decoding's, and the
+    drafts were scored."""
+    from specdec.backends.base import FeatureSource, SequencePool, declares
+    from specdec.server.scheduler import Scheduler
+    from specdec.server.speculation import SpeculationPlanner
+
+    model, _ = copy.deepcopy(tiny[0]).float(), tiny[1]
+    runtime = require_pass_invariant(LeanRuntime(model))
+    if declares(runtime, FeatureSource):
+        runtime.keep_hidden_states()
+    source = untrained_source(drafter, model)
+    scheduler = Scheduler(SequencePool(runtime, 128), lambda: make_proposer(drafter, runtime, source),
+                          SpeculationPlanner("always"), {EOS}, max_draft_tokens=3, tree=tree)
+    prompts = [PROMPT, PROMPT[3:] + PROMPT, [7, 3, 7, 3, 7]]
+    plain_runtime = LeanRuntime(model)
+    plain = [Engine(plain_runtime, make_proposer("none", plain_runtime)).generate(
+        prompt, GenerationConfig(max_new_tokens=12, num_draft_tokens=1, stop_at_eos=False)).token_ids
+        for prompt in prompts]
+    scheduler.start()
+    try:
+        handles = [scheduler.submit(GenerationRequest(prompt_ids=prompt, max_tokens=12, stop_at_eos=False))
+                   for prompt in prompts]
+        answers = [handle.collect() for handle in handles]
+    finally:
+        scheduler.shutdown(timeout=5)
+    assert [tokens for tokens, _, _ in answers] == plain
+    assert all(finished.reason == "length" for _, finished, _ in answers)
+    assert sum(drafted for *_, drafted in answers) > 0

@@ -77,6 +77,7 @@ class Row:
     token_ids: list[int]
     num_logits: int
     restored: int = 0
+    parents: list[int] | None = None  # a token tree: each token's parent in the row (-1: the slot's cached ones)
 
 
 class Pool(Protocol):
@@ -134,6 +135,24 @@ class FeaturePool(Pool, Protocol):
 
     def states_after(self, rows: list[Row], layers: int) -> list[torch.Tensor]:  # per row [n, hidden]
         """Each row's residual stream after the first ``layers`` layers only, at every one of its new tokens."""
+        ...
+
+
+class TreePool(Pool, Protocol):
+    """A pool whose rows may be token trees (``Row.parents``: each token attends to the cache and its ancestors;
+    logits at every token), and that moves a scored tree's accepted path into place."""
+
+    def keep_path(self, slot: Slot, start: int, path: list[int]) -> None:
+        """Keep the slot's first ``start`` positions, then the tree's tokens at ``path`` (indexes into its row, root
+        to leaf), in that order; forget the rest."""
+        ...
+
+
+class SlotFeatures(Pool, Protocol):
+    """A pool that hands a drafter the target's final hidden states at a slot's cached positions (what the eagle
+    and mtp heads read)."""
+
+    def features(self, slot: Slot) -> torch.Tensor:  # [slot.length, hidden]
         ...
 
 
@@ -243,6 +262,51 @@ class PooledSequence(CausalLM):
 
     def remedy(self, path) -> str:
         return ""
+
+
+class SequencePool(TreePool, SlotFeatures):
+    """One sequence at a time in the runtime's own cache, seen as a pool of one slot: what serves a drafter or a
+    tree that needs more of the target than a batched pool declares (the target's hidden states, its first layers
+    alone, a tree's attention mask), each request then running exactly as the library's engine runs it."""
+
+    max_slots = 1
+
+    def __init__(self, runtime: CausalLM, max_length: int) -> None:
+        self.runtime = runtime
+        self.device = runtime.device
+        self.vocab_size = runtime.vocab_size
+        self.max_length = min(max_length, runtime.max_length)
+        self.slots: list[Slot] = []
+
+    def open(self) -> Slot:
+        if self.slots:
+            raise PoolFull("the one slot is taken")
+        self.runtime.rollback(0)
+        self.runtime.reserve(self.max_length)
+        self.slots = [Slot(index=0)]
+        return self.slots[0]
+
+    def close(self, slot: Slot) -> None:
+        self.slots.remove(slot)
+        slot.index = -1
+        self.runtime.rollback(0)
+
+    def forward(self, rows: list[Row]) -> list[torch.Tensor]:  # per row [num_logits, vocab]; a tree's: [n, vocab]
+        (row,) = rows
+        self.runtime.rollback(row.slot.length)
+        if row.parents is None:
+            logits = self.runtime.extend(row.token_ids, row.num_logits)
+        else:
+            logits = self.runtime.extend_tree(row.token_ids, row.parents)
+        row.slot.length += len(row.token_ids)
+        return [logits]
+
+    def keep_path(self, slot: Slot, start: int, path: list[int]) -> None:
+        self.runtime.keep_path(start, path)
+        slot.length = start + len(path)
+
+    def features(self, slot: Slot) -> torch.Tensor:  # [slot.length, hidden]
+        return self.runtime.hidden_states[: slot.length]
 
 
 def declares(thing: object, capability: type) -> bool:

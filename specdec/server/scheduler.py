@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from specdec.backends.base import Pool, Row, Slot
+from specdec.backends.base import Pool, Row, Slot, TreePool, declares, require
 from specdec.costs import Acceptance
 from specdec.errors import UsageError
-from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
+from specdec.policy import fitted_depth, make_policy, tree_widths
+from specdec.proposers.base import EMPTY_DRAFT, Draft, FeatureProposer, Proposer
 from specdec.proposers.none import NoProposer
 from specdec.rounds import Sequence, StopCondition
 from specdec.sampling import LogitsAdjustment, SamplingParams
@@ -183,8 +184,15 @@ class Scheduler:
     def __init__(self, pool: Pool, new_proposer: Callable[[], Proposer], planner: SpeculationPlanner,
                  eos_token_ids: frozenset[int] | set[int], max_draft_tokens: int = 4, max_waiting: int = 256,
                  metrics: Metrics | None = None, drafter: str = "", memory: AnswerMemory | None = None,
-                 prefixes: PrefixCache | None = None) -> None:
+                 prefixes: PrefixCache | None = None, tree: tuple[int, ...] | str | None = None) -> None:
+        """``tree``: draft token trees, the candidates at each depth or "auto" (as ``--tree``), on a pool that
+        declares :class:`TreePool`."""
+        if tree is not None:
+            require(pool, TreePool, "--tree in the server", "it serves trees one request at a time")
         self.pool = pool
+        self.tree = tree
+        self.tree_policy = make_policy(max_draft_tokens, tree) if tree == "auto" else None
+        self._round_seconds = (0.0, 0.0)  # the last step's drafting and pass: what the tree policy learns from
         self.prefixes = prefixes  # finished requests' prompts' keys and values, restored for prompts they open
         self.memory = memory  # learns every finished answer (the shared suffix index), kept at shutdown
         self.new_proposer = new_proposer
@@ -423,12 +431,14 @@ class Scheduler:
         prior = self.planner.prior()
         rates = [r.acceptance.rate(prior) for r in running]
         lengths = self.planner.draft_lengths([r.draft.proposed for r in running], rates, [r.mode for r in running])
-        drafts = [first_tokens(r.draft, r.draft.forced + n) for r, n in zip(running, lengths)]  # forced: all
+        drafts = [_scored(r.draft, n) for r, n in zip(running, lengths)]
         # 3. one target pass over every request's pending token and draft tokens
-        rows = [Row(r.slot, [r.sequence.context[-1]] + d.tokens, len(d) + 1) for r, d in zip(running, drafts)]
+        rows = [_row(r.slot, r.sequence.context[-1], d) for r, d in zip(running, drafts)]
         started = time.perf_counter()
         logits = self._forward(rows, running)  # per request [k+1, vocab]; None for one whose pass failed
-        self.planner.observe_pass(sum(len(row.token_ids) for row in rows), time.perf_counter() - started)
+        passed = time.perf_counter()
+        self.planner.observe_pass(sum(len(row.token_ids) for row in rows), passed - started)
+        self._round_seconds = (started - step_started, passed - started)  # drafting, the pass: the tree policy's
         # 4. verify, roll back, emit
         for r, draft, row_logits in zip(running, drafts, logits):
             if row_logits is None:
@@ -445,11 +455,8 @@ class Scheduler:
         drafted, started = 0, time.perf_counter()
         for r in running:
             r.draft = EMPTY_DRAFT
-            most = r.handle.request.max_draft_tokens or self.max_draft_tokens
-            k = max(0, min(most, r.sequence.room)) if r.mode != "never" and r.speculates else 0
             try:
-                r.sequence.catch_up(k)
-                r.draft = r.sequence.draft(k)  # a grammar's forced tokens are drafted in any mode
+                r.draft = self._drafted(r)  # a grammar's forced tokens are drafted in any mode
             except Exception as error:
                 log.warning("request %d: drafter %s raised %r; decoding it plainly from here",
                             r.handle.id, r.sequence.proposer.name, error)
@@ -459,12 +466,32 @@ class Scheduler:
             drafted += len(r.draft)
         self.planner.observe_drafting(drafted, time.perf_counter() - started)
 
+    def _drafted(self, r: _Running) -> Draft:
+        """The request's draft: as deep as it and the server allow (the tree policy's depth, under ``--tree
+        auto``), its tree's shape where the server drafts trees, the target's features where its drafter reads
+        them."""
+        sequence = r.sequence
+        most = r.handle.request.max_draft_tokens or self.max_draft_tokens
+        if self.tree_policy is not None:
+            most = self.tree_policy.next_k(most)
+        k = fitted_depth(self.tree, min(most, sequence.room), sequence.room, self.tree_policy) \
+            if r.mode != "never" and r.speculates else 0
+        sequence.catch_up(k)
+        features = self.pool.features(r.slot) if k and declares(sequence.proposer, FeatureProposer) else None
+        return sequence.draft(k, tree_widths(self.tree, k, self.tree_policy), features)
+
     def _advance(self, r: _Running, draft: Draft, logits: torch.Tensor) -> None:
         """The request's round on its rows of the pass: verify, cut its slot to the accepted tokens, emit."""
         sequence = r.sequence
         logits = sequence.adjusted(draft, logits)
         verdict = sequence.verify(draft, logits)
-        r.slot.length = len(sequence.context) + verdict.accepted  # the context, less its last token, was cached
+        cached = len(sequence.context) - 1  # the context, less its last token, was cached before the pass
+        if draft.parents is None:
+            r.slot.length = cached + 1 + verdict.accepted
+        else:  # the tree's accepted branch moved into place
+            self.pool.keep_path(r.slot, cached, [0] + [node + 1 for node in verdict.path])
+        if self.tree_policy is not None:
+            self.tree_policy.observe(verdict, *self._round_seconds)
         self._learn_acceptance(r, draft, verdict)
         round_ = sequence.emit(draft, verdict, logits, len(draft))
         self.metrics.observe_round(round_, r.mode)
@@ -517,3 +544,17 @@ class Scheduler:
         except Exception as error:  # a help to later prompts, never a fault of this request
             log.warning("request %d: its prompt was not kept (%r)", r.handle.id, error)
 
+
+def _scored(draft: Draft, n: int) -> Draft:
+    """What of a draft the pass scores, where the planner chose n of its drafter's tokens: a chain's forced tokens
+    and its first n; a tree whole, or nothing."""
+    if draft.parents is not None:
+        return draft if n else EMPTY_DRAFT
+    return first_tokens(draft, draft.forced + n)
+
+
+def _row(slot: Slot, pending: int, draft: Draft) -> Row:
+    """A request's share of the pass: its pending token and its draft (a tree with its parents)."""
+    if draft.parents is None:
+        return Row(slot, [pending] + draft.tokens, len(draft) + 1)
+    return Row(slot, [pending] + draft.tokens, len(draft) + 1, parents=[-1] + [p + 1 for p in draft.parents])
