@@ -58,8 +58,8 @@ LAYER_NORMS = {"attn_q_norm": "q_norm", "attn_k_norm": "k_norm", "post_attention
                "post_ffw_norm": "ffn_out_norm"}
 WEIGHTS = ("float16", "int8")  # how fused.c holds the weights; activations, norms, attention and the cache are float32
 # how it multiplies a byte format's weights: integer, each row's inputs quantised to bytes per block of 32 (row-local,
-# so every row keeps its bits in any pass; 2-4x faster on every tile path measured: docs/benchmarks.md), or float,
-# each weight converted to float (the bits of a float32 product over the weights, within float32's error)
+# so every row keeps its bits in any pass; 2-4x faster on every tile path measured: docs/benchmarks-history.md), or
+# float, each weight converted to float (the bits of a float32 product over the weights, within float32's error)
 PRODUCTS = ("integer", "float")
 Q8_GROUP = 32  # inputs that share an int8 weight's scale and offset
 # A chain pass over more positions than a round can score (k <= MAX_DRAFT_TOKENS drafts and the pending token) holds
