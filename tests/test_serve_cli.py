@@ -34,6 +34,8 @@ def model_dir(tmp_path_factory):
     (["--max-batch-size", "0"], "max-batch-size"),
     (["--num-draft-tokens", "0"], "num-draft-tokens"),
     (["--max-body-bytes", "10"], "max-body-bytes"),
+    (["--max-header-line", "10"], "max-header-line"),
+    (["--max-head-bytes", "10"], "max-head-bytes"),
     (["--datastore", "/no/such/store"], "datastore"),
     (["--model", "/no/such/model"], "not found"),
     (["--api-key-file", "/no/such/key"], "API key file"),

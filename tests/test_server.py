@@ -6,6 +6,7 @@ that raises, seeds, graceful shutdown) and a load test of 200 requests, 32 at a 
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import random
@@ -19,10 +20,12 @@ from tiny import save_with_tokenizer, tiny_llama
 
 from specdec.backends import LeanRuntime
 from specdec.engine import Engine, GenerationConfig
+from specdec.errors import UsageError
 from specdec.proposers import NoProposer, PromptLookupProposer
 from specdec.server import BatchSettings, build_scheduler
 from specdec.server.app import OpenAIServer, ServerSettings
 from specdec.server.protocol import ChatCompletionRequest, CompletionRequest
+from specdec.server.scheduler import NotOffered, QueueFull, ShuttingDown
 
 MODEL = "tiny"
 EOS = 1
@@ -272,6 +275,79 @@ def test_a_stop_string_finish_is_metered_as_stop_with_the_tokens_usage_counts(se
 def before_finished(samples: dict) -> float:
     """Requests finished, by any reason, in a scrape."""
     return sum(value for (name, _), value in samples.items() if name == "specdec_requests_total")
+
+
+# --- the error table: each scheduler refusal's status, on every route ------------------------------------------------
+
+
+@pytest.mark.parametrize("error, status, kind, param", [
+    (NotOffered("num_draft_tokens", "num_draft_tokens is 9 here"), 400, "invalid_request_error", "num_draft_tokens"),
+    (QueueFull("the queue is full"), 429, "rate_limit_error", None),
+    (ShuttingDown("the server is shutting down"), 503, "server_error", None),
+    (UsageError("a check refused the request"), 400, "invalid_request_error", None),
+    (ValueError("the prompt is too long"), 400, "invalid_request_error", None),
+    (RuntimeError("a fault of the server's"), 500, "server_error", None),  # not in the table: the server's fault
+])
+@pytest.mark.parametrize("path, prompt", [("/v1/completions", {"prompt": "w3 w4"}),
+                                          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w3"}]})])
+def test_a_scheduler_error_answers_its_status_and_type_and_cancels_the_choice_already_queued(
+        server, monkeypatch, error, status, kind, param, path, prompt):
+    """The scheduler takes choice 0 of 2 and refuses choice 1: the answer is the error's status and OpenAI type
+    (streamed or not: it is refused before any event), its message and field, and choice 0 is cancelled."""
+    queued, submit = [], server.scheduler.submit
+
+    def refuse_the_second(request):
+        if queued:
+            raise error
+        queued.append(submit(request))
+        return queued[-1]
+
+    monkeypatch.setattr(server.scheduler, "submit", refuse_the_second)
+    for streamed in (False, True):
+        queued.clear()
+        answered, body = post(server, path, {**prompt, "max_tokens": 2, "n": 2, "stream": streamed})
+        assert (answered, body["error"]["type"], body["error"]["param"]) == (status, kind, param), body
+        assert str(error) in body["error"]["message"] and queued[0].cancelled.is_set()
+
+
+def test_what_a_server_does_not_offer_is_refused_naming_the_field(server):
+    """The scheduler's own NotOffered, through the table: this server runs --speculation always (no measured costs:
+    no auto) and drafts at most 4 tokens per round."""
+    for field, value in (("speculation", "auto"), ("num_draft_tokens", 5)):
+        status, body = post(server, "/v1/completions", {"prompt": "w3", "max_tokens": 2, field: value})
+        assert status == 400 and body["error"]["param"] == field and "this server" in body["error"]["message"], body
+
+
+def test_a_whole_answer_is_its_choices_or_a_failed_choices_error_and_frees_every_slot(tiny):
+    """output.whole: every choice's text after the echoed prompt, its finish and the usage; where one choice failed,
+    that choice's error (its status), with every handle cancelled either way."""
+    from specdec.server.output import Answer, whole
+    from specdec.server.protocol import ApiError, Response, parse_job
+    from specdec.server.scheduler import Finished, GenerationRequest, Handle, Tokens
+
+    class Connected:
+        async def is_disconnected(self) -> bool:
+            return False
+
+    model, tokenizer = tiny
+    job = parse_job({"prompt": "w3 w4", "max_tokens": 2, "n": 2, "echo": True}, False, MODEL, model.config.vocab_size)
+
+    def answered(*lasts: Finished) -> tuple[list[Handle], dict]:
+        handles = [Handle(GenerationRequest([3, 4], 2), "never") for _ in lasts]
+        answers = [Answer(job, handle, tokenizer, i) for i, handle in enumerate(handles)]
+        for i, (handle, last) in enumerate(zip(handles, lasts)):
+            handle.put(Tokens([5 + i, 6 + i], ["plain", "plain"], 0))
+            handle.put(last)
+        return handles, asyncio.run(whole(answers, Response(False, MODEL), 2, "w3 w4", Connected()))
+
+    handles, body = answered(Finished("length"), Finished("stop"))
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "w3 w4" + tokenizer.decode([5, 6]), "length"), (1, "w3 w4" + tokenizer.decode([6, 7]), "stop")]
+    assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] == 4
+    assert all(handle.cancelled.is_set() for handle in handles)
+    with pytest.raises(ApiError) as failed:
+        answered(Finished("length"), Finished("error", "the grammar refused the prompt", 400))
+    assert failed.value.status == 400 and failed.value.message == "the grammar refused the prompt"
 
 
 def test_models_health_and_metrics(server):

@@ -233,3 +233,46 @@ def test_a_refusal_after_a_served_request_on_a_kept_alive_connection_ends_it(ser
     answered = responses(exchange(server, served + smuggled))
     assert [status for status, _, _ in answered] == [200, 400], answered
     assert answered[1][1]["connection"] == "close"
+
+
+def test_framing_stands_alone_on_the_authoriser_and_counter_it_is_handed():
+    """Framing needs no server behind it: the key is checked by the authoriser it is handed (never for /health or
+    the page), each refusal is counted by the counter it is handed, and what passes reaches the app unchanged."""
+    import asyncio
+
+    from specdec.server.framing import Framing
+    from specdec.server.protocol import ApiError
+    from specdec.server.settings import ServerSettings
+
+    checked, counted, reached = [], [], []
+
+    def authorize(header: str) -> None:
+        checked.append(header)
+        if header != "Bearer sesame":
+            raise ApiError("a valid API key is required", status=401)
+
+    async def app(scope, receive, send) -> None:
+        reached.append(scope["path"])
+
+    framing = Framing(app, ServerSettings(), authorize, counted.append)
+
+    def answer(path: str, *headers: tuple[bytes, bytes]) -> int | None:
+        """The status framing answered (None: it let the request through)."""
+        sent = []
+
+        async def send(message) -> None:
+            sent.append(message)
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        scope = {"type": "http", "http_version": "1.1", "method": "GET", "path": path, "raw_path": path.encode(),
+                 "query_string": b"", "headers": list(headers)}
+        asyncio.run(framing(scope, receive, send))
+        return next((m["status"] for m in sent if m["type"] == "http.response.start"), None)
+
+    host = (b"host", b"x")
+    assert answer("/v1/models", host) == 401 and checked == [""] and counted == [401] and reached == []
+    assert answer("/v1/models", host, (b"Authorization", b"Bearer sesame")) is None and reached == ["/v1/models"]
+    assert answer("/health", host) is None and len(checked) == 2 and reached[-1] == "/health"
+    assert answer("/v1/models", (b"authorization", b"Bearer sesame")) == 400 and counted == [401, 400]  # no Host

@@ -11,7 +11,8 @@ the live page's files are :mod:`specdec.server.page`; loading and running a serv
 Refusals are OpenAI error bodies: 400 for a bad request, 401 without the API key, 404 for an unknown path, 405 for
 a wrong method, 408 for a head or body that stalls or a body that takes too long in all, 413 for a body over the
 limit, 429 (with Retry-After) when the waiting queue is full, 431 for a head over the limits, 503 while shutting
-down or when the scheduler has stopped serving, 505 for an HTTP version other than 1.0 and 1.1.
+down or when the scheduler has stopped serving, 505 for an HTTP version other than 1.0 and 1.1. The scheduler's own
+refusals become statuses by one table, :data:`specdec.server.protocol.ERROR_STATUSES`, for every route.
 """
 
 from __future__ import annotations
@@ -34,20 +35,22 @@ from starlette.exceptions import HTTPException
 from specdec.errors import UsageError
 from specdec.grammars import GrammarError, grammar_for
 from specdec.server.framing import JSON, ClientGone, Framing, InstanceHeader, http_protocol, read_body
-from specdec.server.metrics import MetricsCollector
-from specdec.server.output import POLL_SECONDS, Answer, collect, echo_text, stream, usage_of
+from specdec.server.metrics import MetricsCollector, Refusals
+from specdec.server.output import POLL_SECONDS, Answer, echo_text, stream, whole
 from specdec.server.page import page_file
 from specdec.server.protocol import (
+    ERROR_STATUSES,
     ApiError,
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
     Job,
     Response,
+    api_error,
     parse_body,
     parse_job,
 )
-from specdec.server.scheduler import Handle, NotOffered, QueueFull, Scheduler, ShuttingDown
+from specdec.server.scheduler import Handle, Scheduler
 from specdec.server.settings import ServerSettings
 from specdec.server.tools import template_tools
 from specdec.stops import StopText
@@ -73,9 +76,10 @@ class OpenAIServer:
         self.settings = settings = settings or ServerSettings()
         self.created = int(time.time())
         self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which process answered (X-Specdec-Instance)
+        self.refusals = Refusals()  # requests refused, by status: counted by the routes and the framing alike
         self.app = build_app(self)
         self.socket = (sock or _listen(settings.host, settings.port)) if listen else None
-        protocol = http_protocol(self)
+        protocol = http_protocol(settings, self.instance.encode(), self.refusals.observe)
         self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, http=protocol, ws="none", lifespan="off",
                                                      log_level="warning", access_log=False, timeout_keep_alive=30,
                                                      timeout_graceful_shutdown=5))
@@ -94,7 +98,11 @@ class OpenAIServer:
         return f"http://{self.settings.host}:{self.port}"
 
     def start(self) -> None:
+        """Start the scheduler and, where this server listens, serve HTTP (``listen=False``: the scheduler alone,
+        under another server's HTTP)."""
         self.scheduler.start()
+        if self.socket is None:
+            return
         self._serving = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.socket]},
                                          name="specdec-http", daemon=True)
         self._serving.start()
@@ -132,12 +140,13 @@ class OpenAIServer:
         a request may ask for, the most draft tokens per round, and each token kind's colour and legend."""
         scheduler = self.scheduler
         return {"model": self.model_name, "drafters": [scheduler.drafter] if scheduler.drafter else [],
-                "speculation": scheduler.planner.mode, "modes": list(scheduler.planner.modes),
+                "speculation": scheduler.speculation, "modes": list(scheduler.speculation_modes),
                 "num_draft_tokens": scheduler.max_draft_tokens, "max_model_len": scheduler.max_length,
                 "kinds": {kind: {"colour": colour, "legend": legend}
                           for kind, (_, colour, legend) in KIND_STYLES.items()}}
 
     def authorize(self, header: str | None) -> None:
+        """Admit a request whose Authorization header carries the API key, or any where no key is set; else 401."""
         key = self.settings.api_key
         if key is None:
             return
@@ -162,7 +171,7 @@ class OpenAIServer:
                 raise BadRequest(f"the chat template refused these messages: {error}", "messages") from None
         if isinstance(job.prompt, str):
             return list(self.tokenizer.encode(job.prompt))
-        vocab = self.scheduler.pool.vocab_size
+        vocab = self.scheduler.vocab_size
         if not all(0 <= t < vocab for t in job.prompt):
             raise BadRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
         return list(job.prompt)
@@ -170,7 +179,7 @@ class OpenAIServer:
     @functools.cached_property
     def token_text(self) -> TokenText:
         """The tokenizer as bytes per token, over the logits' width (what a grammar reads)."""
-        return TokenText(self.tokenizer, self.scheduler.pool.vocab_size)
+        return TokenText(self.tokenizer, self.scheduler.vocab_size)
 
     def grammar(self, job: Job):
         """What makes each choice's matcher for the job's structured output (None without one): the grammar is
@@ -185,7 +194,8 @@ class OpenAIServer:
         return compiled.copy
 
     def submit(self, job: Job, prompt_ids: list[int]) -> list[Handle]:
-        """One handle per choice; all or none (a refusal cancels those already queued)."""
+        """One handle per choice; all or none (a refusal cancels those already queued, and goes on to the error
+        table: the first choice's, before any is queued, as all choices ask alike)."""
         stop = partial(StopText, self.tokenizer, job.stop) if job.stop else None  # the scheduler's, per choice
         grammar = self.grammar(job)
         requests = [job.generation_request(prompt_ids, self.scheduler.max_length, i, stop, grammar)
@@ -194,14 +204,10 @@ class OpenAIServer:
         try:
             for request in requests:
                 handles.append(self.scheduler.submit(request))
-        except (NotOffered, QueueFull, ShuttingDown) as error:
+        except Exception:
             for handle in handles:
                 handle.cancel()
-            if isinstance(error, NotOffered):  # the first choice's, before any is queued: all choices ask alike
-                raise BadRequest(str(error), error.param) from None
-            if isinstance(error, QueueFull):
-                raise ApiError(f"the server is at capacity: {error}; retry later", status=429) from None
-            raise ApiError(str(error), status=503) from None
+            raise
         return handles
 
 
@@ -234,22 +240,26 @@ def build_app(server: OpenAIServer) -> FastAPI:
     app = FastAPI(title="specdec", summary="OpenAI-compatible completions with exact speculative decoding",
                   docs_url=None, redoc_url=None, default_response_class=JSON,
                   redirect_slashes=False)  # Starlette's redirect is built from the client's Host header: 404 instead
-    metrics = server.scheduler.metrics
+    scheduler = server.scheduler
     registry = CollectorRegistry()  # this server's, not the process-wide default: a process may hold several
-    registry.register(MetricsCollector(metrics, lambda: (server.scheduler.running, server.scheduler.waiting)))
-    app.add_middleware(Framing, server=server)
+    registry.register(MetricsCollector(scheduler.metrics, server.refusals,
+                                       lambda: (scheduler.running, scheduler.waiting)))
+    app.add_middleware(Framing, settings=server.settings, authorize=server.authorize,
+                       count_refusal=server.refusals.observe)
     app.add_middleware(InstanceHeader, value=server.instance.encode())  # outermost: on Framing's refusals too
 
     def error_response(error: ApiError) -> JSONResponse:
-        metrics.observe_rejection(error.status)
+        server.refusals.observe(error.status)
         headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if error.status == 429 else {}
         if error.status in (408, 413):
             headers["Connection"] = "close"  # the body was left unread
         return JSON(error.body(), status_code=error.status, headers=headers)
 
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, error: ApiError):
-        return error_response(error)
+    async def refused(request: Request, error: Exception):
+        return error_response(api_error(error))
+
+    for kind in (ApiError, *ERROR_STATUSES):  # the error table's classes, raised by any route
+        app.add_exception_handler(kind, refused)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):
@@ -272,7 +282,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
     @app.exception_handler(Exception)
     async def internal_error(request: Request, error: Exception):  # a bug: one line to the client, the log keeps it
         log.exception("request failed")
-        return error_response(ApiError(f"internal error: {error}"))
+        return error_response(api_error(error))
 
     @app.get("/health")
     async def health():
@@ -301,7 +311,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
 
     async def generate(request: Request, chat: bool):
         raw = await read_body(request, server.settings)
-        job = parse_job(parse_body(raw), chat, server.model_name, server.scheduler.pool.vocab_size,
+        job = parse_job(parse_body(raw), chat, server.model_name, scheduler.vocab_size,
                         getattr(server.tokenizer, "chat_template", None))
         prompt_ids = server.prompt_ids(job)
         handles = server.submit(job, prompt_ids)
@@ -312,17 +322,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
             return StreamingResponse(stream(answers, response, len(prompt_ids), echoed),
                                      headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                               "Connection": "close"})
-        try:
-            await collect(answers, request)
-        finally:
-            for answer in answers:
-                answer.handle.cancel()  # frees a slot still held (a client gone)
-        failed = next((a for a in answers if a.error), None)
-        if failed is not None:
-            raise ApiError(failed.error, status=failed.error_status)
-        choices = [response.choice(a.index, echoed + a.text, a.finish_reason, a.logprobs(chat, len(echoed)),
-                                   a.tool_calls()) for a in answers]
-        return response.whole(choices, usage_of(answers, len(prompt_ids)))
+        return await whole(answers, response, len(prompt_ids), echoed, request)
 
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request):

@@ -1,7 +1,10 @@
 """HTTP framing that a proxy in front cannot read otherwise: uvicorn's httptools protocol (llhttp, strict) with
 specdec's refusals around it (:func:`http_protocol`), the checks before routing (:class:`Framing`), the answering
 instance's header (:class:`InstanceHeader`), and a body read within its limits (:func:`read_body`). Every refusal
-is an OpenAI error body with ``Connection: close``: nothing after it on the connection is read as a request."""
+is an OpenAI error body with ``Connection: close``: nothing after it on the connection is read as a request.
+
+Framing knows nothing of the app it guards: the server hands it its settings, its name (the instance header), the
+check of a request's key (an :data:`Authorise`) and where refusals are counted (a :data:`CountRefusal`)."""
 
 from __future__ import annotations
 
@@ -9,8 +12,8 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from http import HTTPStatus
-from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
@@ -19,11 +22,12 @@ from specdec.server.page import PAGE_PATHS
 from specdec.server.protocol import ApiError, BadRequest
 from specdec.server.settings import ServerSettings
 
-if TYPE_CHECKING:
-    from specdec.server.app import OpenAIServer
-
 log = logging.getLogger("specdec.server")
 MAX_TARGET_BYTES = 65535  # the longest request target httptools' URL parser takes
+OPEN_PATHS = frozenset({"/health", *PAGE_PATHS})  # answered without the API key: they hold no data
+
+Authorise = Callable[[str], None]  # takes a request's Authorization header; raises ApiError (401) if it admits not
+CountRefusal = Callable[[int], None]  # takes the HTTP status of each request refused
 
 
 class ClientGone(Exception):
@@ -37,17 +41,16 @@ class JSON(JSONResponse):
         return json.dumps(content, ensure_ascii=False).encode()
 
 
-def http_protocol(server: OpenAIServer):
+def http_protocol(settings: ServerSettings, instance: bytes, count_refusal: CountRefusal):
     """uvicorn's httptools protocol (llhttp, strict: it refuses a length with a transfer encoding, a folded header
     line, a bad chunk size and bare LF line ends the moment it reads them) with three changes: its refusals are
     OpenAI error bodies, not plain text, and an unknown HTTP version is 505; a request head that has not ended
     ``head_timeout`` seconds after its first byte gets 408; and a head still arriving past ``max_head_bytes`` gets
     431 before the parser holds more of it. Each refusal closes the connection (nothing after it is read), names
-    the instance like every response, and is counted in the server's metrics."""
+    the ``instance`` like every response, and is counted (``count_refusal``)."""
     import httptools
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    settings = server.settings
     target_limit = min(settings.max_head_bytes, MAX_TARGET_BYTES)
 
     class StrictHttpToolsProtocol(HttpToolsProtocol):
@@ -135,12 +138,12 @@ def http_protocol(server: OpenAIServer):
             """The refusal as a whole response, written as bytes (the parser is in no state to frame one), then the
             connection closed."""
             error = self._refusal
-            server.scheduler.metrics.observe_rejection(error.status)
+            count_refusal(error.status)
             body = json.dumps(error.body()).encode()
             reason = HTTPStatus(error.status).phrase.encode()
             self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                                  b"x-specdec-instance: %s\r\nconnection: close\r\n\r\n%s"
-                                 % (error.status, reason, len(body), server.instance.encode(), body))
+                                 % (error.status, reason, len(body), instance, body))
             self.transport.close()
 
     return StrictHttpToolsProtocol
@@ -172,23 +175,24 @@ class Framing:
     1.1 (505); a header line or a head over the limits (431); HTTP/1.1 without Host, or a transfer coding other
     than chunked (400: a proxy in front could frame its body otherwise); and, with an API key set, any path but
     /health and the page's own files (which hold no data: the page asks for the key) without the key (401), whether
-    the path exists or not: the one place the key is checked. (A length with a transfer encoding, or two lengths,
-    never get here: llhttp refuses them, in this server's protocol and in Ray Serve's proxy alike.)"""
+    the path exists or not: the one place the key is checked (by the server's ``authorize``, which admits any
+    request where no key is set). (A length with a transfer encoding, or two lengths, never get here: llhttp
+    refuses them, in this server's protocol and in Ray Serve's proxy alike.)"""
 
-    def __init__(self, app, server: OpenAIServer) -> None:
-        self.app, self.server = app, server
+    def __init__(self, app, settings: ServerSettings, authorize: Authorise, count_refusal: CountRefusal) -> None:
+        self.app, self.settings, self.authorize, self.count_refusal = app, settings, authorize, count_refusal
 
     async def __call__(self, scope, receive, send) -> None:
         refusal = self.refusal(scope) if scope["type"] == "http" else None
         if refusal is None:
             await self.app(scope, receive, send)
             return
-        self.server.scheduler.metrics.observe_rejection(refusal.status)
+        self.count_refusal(refusal.status)
         response = JSON(refusal.body(), status_code=refusal.status, headers={"Connection": "close"})
         await response(scope, receive, send)
 
     def refusal(self, scope) -> ApiError | None:
-        settings = self.server.settings
+        settings = self.settings
         version = scope.get("http_version", "1.1")
         if version not in ("1.0", "1.1"):
             return ApiError(f"HTTP/{version} is not served here: send HTTP/1.1 or HTTP/1.0", status=505)
@@ -208,10 +212,10 @@ class Framing:
         codings = [value.strip().lower() for name, value in headers if name.lower() == b"transfer-encoding"]
         if codings and codings != [b"chunked"]:
             return BadRequest("the only transfer coding taken is chunked")
-        if settings.api_key is not None and scope["path"] != "/health" and scope["path"] not in PAGE_PATHS:
+        if scope["path"] not in OPEN_PATHS:
             authorization = next((value for name, value in headers if name.lower() == b"authorization"), b"")
             try:
-                self.server.authorize(authorization.decode("latin-1"))
+                self.authorize(authorization.decode("latin-1"))
             except ApiError as error:
                 return error
         return None

@@ -44,13 +44,6 @@ def run_serve(args) -> int:
         max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
         datastore_capacity=args.datastore_capacity, learn_prompts=args.datastore_learn_prompts,
         save_learned=Path(args.datastore) if args.datastore_save else None, prefix_cache_mib=args.prefix_cache_mib)
-    if not 0 <= args.port < 65536:
-        raise UsageError(f"port must be in 0..65535, got {args.port}")
-    if args.max_body_bytes < 1024:
-        raise UsageError(f"max-body-bytes must be >= 1024, got {args.max_body_bytes}")
-    for flag, value in (("max-header-line", args.max_header_line), ("max-head-bytes", args.max_head_bytes)):
-        if value < 256:
-            raise UsageError(f"{flag} must be >= 256, got {value}")
     settings = ServerSettings(host=args.host, port=args.port, max_body_bytes=args.max_body_bytes,
                               api_key=api_key(args.api_key, args.api_key_file), max_header_line=args.max_header_line,
                               max_head_bytes=args.max_head_bytes)

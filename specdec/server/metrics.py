@@ -37,7 +37,6 @@ class Metrics(DraftTotals):
     constrained_requests: int = 0  # finished under a grammar (structured output)
     forced_tokens: int = 0  # draft tokens their grammars forced (no drafter call)
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
-    rejected: dict[int, int] = field(default_factory=dict)  # HTTP status -> requests refused
     finished_by_mode: dict[str, int] = field(default_factory=dict)  # speculation mode -> requests finished
     tokens_by_mode: dict[str, int] = field(default_factory=dict)  # speculation mode -> tokens generated
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -72,10 +71,6 @@ class Metrics(DraftTotals):
             self.prefill_seconds += seconds
             self.cached_prompt_tokens += cached_tokens
 
-    def observe_rejection(self, status: int) -> None:
-        with self._lock:
-            self.rejected[status] = self.rejected.get(status, 0) + 1
-
     def observe_finish(self, reason: str, mode: str) -> None:
         with self._lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
@@ -108,8 +103,6 @@ class Metrics(DraftTotals):
                     ("speculation", sorted(self.finished_by_mode.items())) if self.finished_by_mode else 0),
             _family(counter, "generation_tokens_by_speculation", "Tokens generated, by their request's speculation.",
                     ("speculation", sorted(self.tokens_by_mode.items())) if self.tokens_by_mode else 0),
-            _family(counter, "requests_rejected", "Requests refused, by HTTP status.",
-                    ("status", sorted(self.rejected.items())) if self.rejected else 0),
             _family(counter, "prompt_tokens", "Prompt tokens admitted.", self.prompt_tokens),
             _family(counter, "cached_prompt_tokens", "Prompt tokens restored from the prefix cache, not prefilled.",
                     self.cached_prompt_tokens),
@@ -148,16 +141,36 @@ class Metrics(DraftTotals):
         ]
 
 
-class MetricsCollector(Collector):
-    """A server's metrics for its CollectorRegistry; ``requests_now`` gives the scheduler's running and waiting
-    requests at the scrape."""
+class Refusals:
+    """Requests the HTTP server refused, by status: counted where it answers them (its routes and its framing),
+    apart from the scheduler's counters, which count what it ran."""
 
-    def __init__(self, metrics: Metrics, requests_now: Callable[[], tuple[int, int]]) -> None:
+    def __init__(self) -> None:
+        self.by_status: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def observe(self, status: int) -> None:
+        with self._lock:
+            self.by_status[status] = self.by_status.get(status, 0) + 1
+
+    def family(self) -> Metric:
+        with self._lock:
+            counts = sorted(self.by_status.items())
+        return _family(CounterMetricFamily, "requests_rejected", "Requests refused, by HTTP status.",
+                       ("status", counts) if counts else 0)
+
+
+class MetricsCollector(Collector):
+    """A server's metrics for its CollectorRegistry: the scheduler's counters, the server's refusals, and the
+    scheduler's running and waiting requests at the scrape (``requests_now``)."""
+
+    def __init__(self, metrics: Metrics, refusals: Refusals, requests_now: Callable[[], tuple[int, int]]) -> None:
         self.metrics = metrics
+        self.refusals = refusals
         self.requests_now = requests_now
 
     def collect(self) -> list[Metric]:
-        return self.metrics.families(*self.requests_now())
+        return [*self.metrics.families(*self.requests_now()), self.refusals.family()]
 
 
 def _family(kind: type[CounterMetricFamily | GaugeMetricFamily], name: str, help_: str,

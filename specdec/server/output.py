@@ -1,5 +1,6 @@
 """What a request's answers become on the wire: each choice's text as it becomes final (cut at the first stop
-string), its finish reason, usage and log-probabilities, the speculation extension, whole or as server-sent events.
+string), its finish reason, usage and log-probabilities, the speculation extension, whole (:func:`whole`) or as
+server-sent events (:func:`stream`).
 """
 
 from __future__ import annotations
@@ -73,6 +74,23 @@ async def collect(answers: list[Answer], request) -> None:
             pending = asyncio.ensure_future(events.__anext__())
     finally:
         pending.cancel()
+
+
+async def whole(answers: list[Answer], response: Response, prompt_tokens: int, echoed: str, request) -> dict:
+    """The whole answer once every choice has finished: each choice's text (after the ``echoed`` prompt), finish
+    reason, log-probabilities and tool calls, and the usage. A choice that failed answers for the request with its
+    error; a client that leaves meanwhile (ClientGone) frees the slots its choices hold."""
+    try:
+        await collect(answers, request)
+    finally:
+        for answer in answers:
+            answer.handle.cancel()  # frees a slot still held (a client gone)
+    failed = next((a for a in answers if a.error), None)
+    if failed is not None:
+        raise ApiError(failed.error, status=failed.error_status)
+    choices = [response.choice(a.index, echoed + a.text, a.finish_reason, a.logprobs(response.chat, len(echoed)),
+                               a.tool_calls()) for a in answers]
+    return response.whole(choices, usage_of(answers, prompt_tokens))
 
 
 async def stream(answers: list[Answer], response: Response, prompt_tokens: int, echoed: str

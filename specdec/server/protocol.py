@@ -25,9 +25,11 @@ from specdec.choices import (
     SEED_RANGE,
     SPECULATION_MODES,
 )
+from specdec.errors import UsageError
 from specdec.grammars import Grammar, GrammarSpec
+from specdec.rounds import StopCondition
 from specdec.sampling import LogitsAdjustment, SamplingParams
-from specdec.server.scheduler import GenerationRequest, StopCondition
+from specdec.server.scheduler import GenerationRequest, NotOffered, QueueFull, ShuttingDown
 from specdec.server.tools import ToolCalling, ToolError, tool_calling
 
 MAX_CHOICES = 16  # n
@@ -36,6 +38,17 @@ MAX_JSON_DEPTH = 64  # nesting of the request body: deeper is refused before it 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
                429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+# What the scheduler's refusals answer over HTTP (OpenAI's error type is ERROR_TYPES' for the status): the one
+# place an exception becomes a status, for every route. An exception is looked up by its own class, then by those it
+# derives from (NotOffered is a ValueError); a class not here is the server's own fault, 500.
+ERROR_STATUSES: dict[type[Exception], int] = {
+    NotOffered: 400,  # the request asks for what this server does not offer (its param named)
+    QueueFull: 429,  # the waiting queue is at its bound: retry later
+    ShuttingDown: 503,  # the server takes no new requests
+    UsageError: 400,  # a check refused the request's input
+    ValueError: 400,
+}
 
 
 class ApiError(Exception):
@@ -55,6 +68,17 @@ class BadRequest(ApiError):
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message, param, code, status=400)
+
+
+def api_error(error: Exception) -> ApiError:
+    """The OpenAI error an exception answers: itself where it is one, else its row of :data:`ERROR_STATUSES` (with
+    the field a :class:`NotOffered` names), else 500, an internal error."""
+    if isinstance(error, ApiError):
+        return error
+    status = next((ERROR_STATUSES[kind] for kind in type(error).__mro__ if kind in ERROR_STATUSES), None)
+    if status is None:
+        return ApiError(f"internal error: {error}")
+    return ApiError(str(error), getattr(error, "param", None), status=status)
 
 
 # --- request bodies ---------------------------------------------------------------------------------------------------

@@ -179,7 +179,12 @@ class _Running:
 
 
 class Scheduler:
-    """Runs the step loop on its own thread; ``submit`` hands it requests from any thread."""
+    """Runs the step loop on its own thread; ``submit`` hands it requests from any thread.
+
+    What its users (the HTTP server, the benchmarks) read of it is declared above the loop: what it serves
+    (``drafter``, ``speculation``, ``speculation_modes``, ``max_draft_tokens``, ``max_length``, ``vocab_size``,
+    ``eos_token_ids``), its state (``accepting``, ``running``, ``waiting``, ``stalled``) and its counters
+    (``metrics``, written out at ``/metrics``); never its pool or planner."""
 
     def __init__(self, pool: Pool, new_proposer: Callable[[], Proposer], planner: SpeculationPlanner,
                  eos_token_ids: frozenset[int] | set[int], max_draft_tokens: int = 4, max_waiting: int = 256,
@@ -215,6 +220,21 @@ class Scheduler:
         """The most tokens a request may hold, prompt and output together."""
         return self.pool.max_length
 
+    @property
+    def vocab_size(self) -> int:
+        """The width of the target's logits: a prompt's token ids, and what a grammar masks, are under it."""
+        return self.pool.vocab_size
+
+    @property
+    def speculation(self) -> str:
+        """The server's speculation mode ("auto", "always" or "never"): a request that names none runs it."""
+        return self.planner.mode
+
+    @property
+    def speculation_modes(self) -> tuple[str, ...]:
+        """The speculation modes a request may ask for here."""
+        return self.planner.modes
+
     # --- the public side, called from any thread -----------------------------------------------------------------
 
     def submit(self, request: GenerationRequest) -> Handle:
@@ -231,7 +251,8 @@ class Scheduler:
             if len(self._waiting) >= self.max_waiting:
                 self._drop_cancelled()
             if len(self._waiting) >= self.max_waiting:
-                raise QueueFull(f"{self.max_waiting} requests are already waiting")
+                raise QueueFull(f"the server is at capacity: {self.max_waiting} requests are already waiting; "
+                                "retry later")
             self._waiting.append(handle)
             self._lock.notify()
         return handle
