@@ -35,7 +35,7 @@ def serve_app(options: ServerOptions | None = None, replicas: int = 1, shutdown_
 
     def build():
         server = load_server(options, listen=False)
-        server.scheduler.start()
+        server.start()  # its scheduler: Ray Serve's HTTP runs the app
         _REPLICA["server"] = server
         return server.app
 
@@ -45,7 +45,7 @@ def serve_app(options: ServerOptions | None = None, replicas: int = 1, shutdown_
             server = _REPLICA.get("server")
             if server is not None:
                 status, body = server.health()
-                if status != 200 and server.scheduler.accepting:
+                if body.get("status") == "stalled":  # not a replica that is shutting down
                     raise RuntimeError(body.get("reason", "unhealthy"))
 
     deployment = serve.deployment(
