@@ -1,6 +1,6 @@
 """The kernel paths that each x86 CPU kind selects, exercised on whichever machine runs the suite.
 
-specdec's row kernels (fused.c, through ``native.py``) take AVX-512 tiles where the CPU has AVX-512 (a Zen 4 EPYC,
+specdec's row kernels (``fused/*.c``, through ``native.py``) take AVX-512 tiles where the CPU has AVX-512 (a Zen 4 EPYC,
 an Intel Xeon) and AVX2 tiles elsewhere (an AVX2-only EPYC); ``SPECDEC_FUSED_AVX2=1`` forces the AVX2 tiles on any
 CPU. PyTorch's own kernels (norms, SiLU, the embedding) and its libraries take paths by CPU too:
 ``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA`` and ``MKL_ENABLE_INSTRUCTIONS`` hold them to AVX2. Each path runs
@@ -170,3 +170,34 @@ def test_the_invariance_tests_pass_on_every_cpu_path(path):
     run = run_here(["-m", "pytest", "-q", "-p", "no:cacheprovider", *INVARIANCE_TESTS], PATHS[path], 600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "skipped" not in run.stdout.splitlines()[-1], run.stdout[-1000:]
+
+
+def test_the_weight_formats_are_checked_against_the_librarys_table_value_by_value(monkeypatch):
+    """native.FORMATS is the C kernels' own format table (sd_formats) value by value: each format's number, names,
+    whether it is multiplied in integers, and its value, block and super-block bytes. A declaration that drifts from
+    the library (a byte size, or two formats swapped) is named field by field, and the library is refused in one
+    line instead of handed weights its tiles would read otherwise."""
+    if native.unavailable():
+        pytest.skip(native.unavailable())
+    library = native.library()
+    assert native._differing_formats(library) == []
+    formats = list(native.FORMATS)
+    q4 = next(i for i, f in enumerate(formats) if f.name == "Q4I")
+    formats[q4] = formats[q4]._replace(block_bytes=formats[q4].block_bytes + 32)
+    formats[0], formats[2] = formats[2], formats[0]  # F16 and F32 in each other's place
+    monkeypatch.setattr(native, "FORMATS", tuple(formats))
+    f32, f16 = formats[0], formats[2]
+    bytes4 = native.FORMATS[q4].block_bytes - 32  # the library's
+    assert native._differing_formats(library) == [
+        "F32 name F16/F32", "F32 weights float16/float32", f"F32 value_bytes {f16.value_bytes}/{f32.value_bytes}",
+        "F16 name F32/F16", "F16 weights float32/float16", f"F16 value_bytes {f32.value_bytes}/{f16.value_bytes}",
+        f"Q4I block_bytes {bytes4}/{bytes4 + 32}"]
+    native.library.cache_clear()  # the check at load refuses it in one line
+    try:
+        refused = native.library()
+        assert isinstance(refused, str) and "\n" not in refused and "weight formats differ" in refused, refused
+        assert "Q4I block_bytes" in refused, refused
+    finally:
+        native.library.cache_clear()
+        monkeypatch.undo()
+        assert not isinstance(native.library(), str)

@@ -1,10 +1,11 @@
-"""specdec's C kernels (``fused.c``, built at install as ``specdec.backends._fused``), as every CPU runtime uses them.
+"""specdec's C kernels (``fused/fused.h`` and its .c files, built at install as ``specdec.backends._fused``), as every
+CPU runtime uses them.
 
-Two runtimes compute with them: the fused runtime (``fused/``, beside fused.c) runs whole passes in one call, and the
-lean runtime (``lean/``) runs its products (:class:`RowProduct`) and its attention (:func:`attention`) through them on
-the CPU. Each computes every row as it is alone, in an order that depends on that row only: a row's bits are the same
-whatever shares its pass, on any x86 CPU with AVX2, whichever kernels the libraries would have dispatched to (a
-BLAS's batched products give a row other bits among other rows on some CPUs: docs/exactness.md).
+Two runtimes compute with them: the fused runtime (``fused/``, beside the C files) runs whole passes in one call,
+and the lean runtime (``lean/``) runs its products (:class:`RowProduct`) and its attention (:func:`attention`) through
+them on the CPU. Each computes every row as it is alone, in an order that depends on that row only: a row's bits are
+the same whatever shares its pass, on any x86 CPU with AVX2, whichever kernels the libraries would have dispatched to
+(a BLAS's batched products give a row other bits among other rows on some CPUs: docs/exactness.md).
 
 Where the kernels cannot run (not built, a CPU without AVX2/FMA/F16C), :func:`unavailable` says why in one line.
 """
@@ -20,25 +21,55 @@ import numpy as np
 import torch
 
 NEEDED_FLAGS = ("avx2", "fma", "f16c")
-# how fused.c stores a weight matrix (its F16, Q8, F32, BF16 and Q8H): floats, or bytes with a float scale and offset
-# per 32 inputs (int8) or per 16 (int8_group16)
-FORMAT = {"float16": 0, "int8": 1, "float32": 2, "bfloat16": 3, "int8_group16": 4}
-# the block formats' integer products (fused.c's Q8I, Q8HI, Q4I, Q6I, Q4KI, Q5I and Q5KI), times each row's inputs
-# quantised to bytes per block of 32: the byte formats' same bytes; in integer products only, int4 and int5: 4 and 5
-# bits with a float16 scale and offset per 32 (Q4_0's, Q4_1's, Q5_0's, Q5_1's); the K-quants' own integer scales
-# under a float per 256 inputs: int6_k, 6 bits with a scale per 16 and the offset -32 times it (Q6_K's), and int4_k
-# and int5_k, 4 and 5 bits with a scale and a min per 32 (Q4_K's, Q5_K's)
-INTEGER_FORMAT = {"int8": 5, "int8_group16": 6, "int4": 7, "int6_k": 8, "int4_k": 9, "int5": 10, "int5_k": 11}
+
+
+class Format(NamedTuple):
+    """One of the C kernels' weight formats (fused.h's FORMATS), as specdec declares it and the library reports it."""
+
+    name: str  # the C enum's
+    weights: str  # specdec's name for the weights it holds
+    integer: bool  # multiplied in integers, each row's inputs quantised to bytes per block of 32
+    value_bytes: int  # a value's (a float format's), else 0
+    block_bytes: int  # a block's of 8 rows x 32 inputs (a blocked format's), else 0
+    super_bytes: int  # a super-block's of 8 rows x 256 inputs (a K format's, its blocks inside), else 0
+
+
+# The weight formats in fused.h's order: a format's number (Matrix.format) is its place. The library's own table
+# (sd_formats) is checked against this one value by value at load (_differing_formats).
+FORMATS = (
+    # floats, or bytes with a float scale and offset per 32 inputs (int8) or per 16 (int8_group16), multiplied in
+    # floats: block_q8x8, block_q8x16
+    Format("F16", "float16", False, 2, 0, 0),
+    Format("Q8", "int8", False, 0, 320, 0),
+    Format("F32", "float32", False, 4, 0, 0),
+    Format("BF16", "bfloat16", False, 2, 0, 0),
+    Format("Q8H", "int8_group16", False, 0, 384, 0),
+    # integer products, times each row's inputs quantised to bytes per block of 32: the byte formats' same bytes;
+    # in integer products only, int4 and int5: 4 and 5 bits with a float16 scale and offset per 32 (Q4_0's, Q4_1's,
+    # Q5_0's, Q5_1's: block_q4x8, block_q5x8); the K-quants' own integer scales under a float per 256 inputs:
+    # int6_k, 6 bits with a scale per 16 and the offset -32 times it (Q6_K's: super_q6x8), and int4_k and int5_k, 4
+    # and 5 bits with a scale and a min per 32 (Q4_K's, Q5_K's: super_q4k8, super_q5k8)
+    Format("Q8I", "int8", True, 0, 320, 0),
+    Format("Q8HI", "int8_group16", True, 0, 384, 0),
+    Format("Q4I", "int4", True, 0, 160, 0),
+    Format("Q6I", "int6_k", True, 0, 192, 1696),
+    Format("Q4KI", "int4_k", True, 0, 128, 1216),
+    Format("Q5I", "int5", True, 0, 192, 0),
+    Format("Q5KI", "int5_k", True, 0, 160, 1472),
+)
+# the formats' numbers by the weights' name: multiplied in floats, and in integers
+FORMAT = {f.weights: number for number, f in enumerate(FORMATS) if not f.integer}
+INTEGER_FORMAT = {f.weights: number for number, f in enumerate(FORMATS) if f.integer}
 FLOAT_FORMATS = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
 TILE_OUTPUTS = 8  # weight rows per repacked block
 CHUNK_INPUTS = 8  # inputs per chunk of a block: a float product's inputs come in whole chunks
 MAX_HEAD_DIM = 256  # attend keeps one head's output in 32 registers of 8
-SILU, GELU_TANH = 0, 1  # fused.c's activations of the feed-forward block's gate
+SILU, GELU_TANH = 0, 1  # fused.h's activations of the feed-forward block's gate
 
 _p = ctypes.c_void_p
 
 
-# fused.c's structures, as ctypes declares them; their sizes are checked against the library's at load
+# fused.h's structures, as ctypes declares them; their sizes are checked against the library's at load
 class Matrix(ctypes.Structure):
     """A weight matrix [outputs, inputs] as the tiles read it, in one of FORMAT's formats, with its bias or None;
     ``rest``: the address of the Matrix of the rows after these, stored in another format, or None."""
@@ -77,19 +108,21 @@ class _Rows(ctypes.Structure):
                 ("key_cols", _p), ("key_stride", ctypes.c_int)]
 
 
-# fused.c's blocks of 8 rows x 32 inputs: bytes, then per 32 (block_q8x8) or per 16 inputs (block_q8x16) the 8
-# rows' float scales and offsets, or 4 or 5 bits and their float16 scales and offsets (block_q4x8, block_q5x8); the K
-# formats' super-blocks of 8 rows x 256 inputs: 8 blocks' 4, 5 or 6 bits (super_q4k8, super_q5k8, super_q6x8), then
-# their scales
-Q8_BLOCK_BYTES = {"int8": 320, "int8_group16": 384, "int4": 160, "int5": 192}
-SUPER_BYTES = {"int6_k": 1696, "int4_k": 1216, "int5_k": 1472}
-# what sd_struct_sizes reports, in its order
+class _FormatRow(ctypes.Structure):
+    """A row of the library's format table (formats.c's FormatRow)."""
+
+    _fields_ = [("name", ctypes.c_char_p), ("weights", ctypes.c_char_p), ("number", ctypes.c_int),
+                ("integer", ctypes.c_int), ("value_bytes", ctypes.c_int), ("block_bytes", ctypes.c_int),
+                ("super_bytes", ctypes.c_int)]
+
+
+# the blocked formats' bytes per 8 rows: a block of 32 inputs (bytes, or 4 or 5 bits, with their scales and
+# offsets), or for the K formats a super-block of 256 inputs (8 blocks' bits, then their scales)
+Q8_BLOCK_BYTES = {f.weights: f.block_bytes for f in FORMATS if f.block_bytes and not f.super_bytes}
+SUPER_BYTES = {f.weights: f.super_bytes for f in FORMATS if f.super_bytes}
+# what sd_struct_sizes reports, in its order (the blocks' sizes are in the format table)
 STRUCT_SIZES = {"Model": ctypes.sizeof(Model), "Layer": ctypes.sizeof(Layer), "Cache": ctypes.sizeof(Cache),
-                "Rows": ctypes.sizeof(_Rows), "Matrix": ctypes.sizeof(Matrix),
-                "block_q8x8": Q8_BLOCK_BYTES["int8"], "block_q8x16": Q8_BLOCK_BYTES["int8_group16"],
-                "block_q4x8": Q8_BLOCK_BYTES["int4"], "super_q6x8": SUPER_BYTES["int6_k"],
-                "super_q4k8": SUPER_BYTES["int4_k"], "block_q5x8": Q8_BLOCK_BYTES["int5"],
-                "super_q5k8": SUPER_BYTES["int5_k"]}
+                "Rows": ctypes.sizeof(_Rows), "Matrix": ctypes.sizeof(Matrix)}
 
 
 def group_bytes(name: str, inputs: int) -> int:
@@ -98,7 +131,7 @@ def group_bytes(name: str, inputs: int) -> int:
 
 
 def cpu_lacks() -> list[str]:
-    """The instructions fused.c needs that this CPU does not report (Linux's /proc/cpuinfo)."""
+    """The instructions the C kernels need that this CPU does not report (Linux's /proc/cpuinfo)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
@@ -127,6 +160,9 @@ def library() -> ctypes.CDLL | str:
     differing = _differing_structs(loaded)
     if differing:
         return f"its C extension's structures differ from specdec's ({', '.join(differing)}; reinstall specdec)"
+    differing = _differing_formats(loaded)
+    if differing:
+        return f"its C extension's weight formats differ from specdec's ({', '.join(differing)}; reinstall specdec)"
     return loaded
 
 
@@ -136,6 +172,21 @@ def _differing_structs(loaded: ctypes.CDLL) -> list[str]:
     reported = loaded.sd_struct_sizes(sizes, len(STRUCT_SIZES))
     return [f"{name} {size}/{expected}" for (name, expected), size in zip(STRUCT_SIZES.items(), sizes[:reported])
             if size != expected] + (["a structure missing"] if reported < len(STRUCT_SIZES) else [])
+
+
+def _differing_formats(loaded: ctypes.CDLL) -> list[str]:
+    """Where the library's format table (sd_formats) is not FORMATS, value by value: each as 'name field C value/
+    specdec value' (a format's number: its place in the table)."""
+    rows = ctypes.POINTER(_FormatRow)()
+    count = loaded.sd_formats(ctypes.byref(rows))
+    differing = []
+    for number, (declared, row) in enumerate(zip(FORMATS, rows[:count])):
+        reported = Format(row.name.decode(), row.weights.decode(), bool(row.integer), row.value_bytes,
+                          row.block_bytes, row.super_bytes)
+        differing += [f"{declared.name} {field} {theirs}/{ours}"
+                      for field, theirs, ours in zip(("number", *Format._fields), (row.number, *reported),
+                                                     (number, *declared)) if theirs != ours]
+    return differing + ([f"{count} formats/{len(FORMATS)}"] if count != len(FORMATS) else [])
 
 
 def unavailable() -> str | None:
@@ -195,6 +246,8 @@ def _declare(loaded: ctypes.CDLL) -> None:
                                     ctypes.c_int64, _p, ctypes.c_float, ctypes.c_float, ctypes.c_int]
     loaded.sd_struct_sizes.restype = ctypes.c_int
     loaded.sd_struct_sizes.argtypes = [_p, ctypes.c_int]
+    loaded.sd_formats.restype = ctypes.c_int
+    loaded.sd_formats.argtypes = [ctypes.POINTER(ctypes.POINTER(_FormatRow))]
     loaded.sd_set_threads.restype = ctypes.c_int
     loaded.sd_integer_peak.restype = ctypes.c_double
     loaded.sd_integer_peak.argtypes = [ctypes.c_long, ctypes.POINTER(ctypes.c_int)]
@@ -209,8 +262,8 @@ OPENMP_FUNCTIONS = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads"
 
 
 def _torch_openmp() -> list[ctypes.c_void_p] | None:
-    """The functions fused.c's team needs from PyTorch's GNU OpenMP runtime (the one its CPU wheels for Linux ship
-    and load), or None: then fused.c starts threads of its own."""
+    """The functions the C kernels' team (team.c) needs from PyTorch's GNU OpenMP runtime (the one its CPU wheels
+    for Linux ship and load), or None: then team.c starts threads of its own."""
     import glob
     import os
 
@@ -224,9 +277,9 @@ def _torch_openmp() -> list[ctypes.c_void_p] | None:
 
 
 def repacked(weight: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """``weight`` [out, in] as fused.c's float tiles read it, in ``dtype``: blocks of 8 output rows (the last padded
-    with zero rows), each block one chunk of 8 inputs after another, a chunk the 8 rows' 8 values: one sequential
-    stream per block. Flat: [ceil(out / 8) * 8 * in]."""
+    """``weight`` [out, in] as the C kernels' float tiles read it, in ``dtype``: blocks of 8 output rows (the last
+    padded with zero rows), each block one chunk of 8 inputs after another, a chunk the 8 rows' 8 values: one
+    sequential stream per block. Flat: [ceil(out / 8) * 8 * in]."""
     out, inputs = weight.shape
     padded = torch.zeros(-(-out // TILE_OUTPUTS) * TILE_OUTPUTS, inputs, dtype=dtype)
     padded[:out] = weight
@@ -240,7 +293,7 @@ def covers_product(weight: torch.Tensor, precision: str) -> bool:
 
 
 class MatrixProduct:
-    """``x -> x @ W.T + bias`` for a matrix already held as fused.c reads it (its ``Matrix``, whose bytes the
+    """``x -> x @ W.T + bias`` for a matrix already held as the C kernels read it (its ``Matrix``, whose bytes the
     caller keeps alive), every row computed as it is alone."""
 
     def __init__(self, struct: Matrix) -> None:
@@ -260,7 +313,7 @@ class MatrixProduct:
 
 class RowProduct(MatrixProduct):
     """``x -> x @ weight.T + bias`` on the CPU with the weights held in a float ``precision`` (float32, float16 or
-    bfloat16), x and the result float32; every row computed by fused.c's tiles as it is alone: one accumulator per
+    bfloat16), x and the result float32; every row computed by the C kernels' tiles as it is alone: one accumulator per
     output in the order of the inputs, whatever the row count (:func:`covers_product` says where it runs)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, precision: str) -> None:
@@ -278,7 +331,7 @@ def covers_attention(head_dim: int, dtype: torch.dtype, device: torch.device) ->
 
 
 def rows_struct(arrays: list[np.ndarray], key_cols: np.ndarray | None) -> _Rows:
-    """fused.c's Rows over int32 rope, int64 base, int32 column and n_keys arrays (held by the caller), and each row's
+    """fused.h's Rows over int32 rope, int64 base, int32 column and n_keys arrays (held by the caller), and each row's
     key columns [n, stride] (int32) or None (the first n_keys columns)."""
     stride = 0 if key_cols is None else key_cols.shape[1]
     return _Rows(len(arrays[0]), *(a.ctypes.data for a in arrays),
@@ -286,7 +339,7 @@ def rows_struct(arrays: list[np.ndarray], key_cols: np.ndarray | None) -> _Rows:
 
 
 class RowKeys:
-    """Which keys each of a pass's rows attends, as fused.c reads them: made once per pass, read by every layer.
+    """Which keys each of a pass's rows attends, as the C kernels read them: made once per pass, read by every layer.
     Row i's sequence starts ``base[i]`` floats from a layer cache's start, and it attends that sequence's first
     ``n_keys[i]`` columns, or those ``key_cols[i]`` lists, in order."""
 
@@ -299,7 +352,7 @@ class RowKeys:
 
 
 class Scoring(NamedTuple):
-    """How a layer's queries score their keys, and which they read (fused.c's Scoring): q . k times ``scale`` (0:
+    """How a layer's queries score their keys, and which they read (fused.h's Scoring): q . k times ``scale`` (0:
     1 / sqrt(head_dim)), capped softly at ``softcap`` (cap tanh(s / cap); 0: not), over the last ``window`` keys
     (0: all)."""
 
