@@ -116,6 +116,11 @@ def check_seed(seed: int | None) -> None:
         raise UsageError(f"seed must be a 64-bit integer, in [-2^63, 2^64), got {seed}")
 
 
+def default_drafter(draft_model: bool, datastore: bool) -> str:
+    """--drafter left out: the drafter of what was given (a draft model, a datastore), else prompt lookup."""
+    return "draft-model" if draft_model else "retrieval" if datastore else "prompt-lookup"
+
+
 def check_datastore_drafter(drafter: str, datastore_given: bool) -> None:
     """A datastore is what the retrieval drafter copies from; no other drafter reads one."""
     if datastore_given and drafter != "retrieval":
