@@ -25,7 +25,8 @@ SERVED_DRAFTERS = ("none", "prompt-lookup", "retrieval", "draft-model")
 # --cross-vocabulary: how a draft model with another tokenizer proposes (proposers/draft_model.py)
 CROSS_VOCABULARY_METHODS = ("auto", "text", "intersection")
 SPECULATION_MODES = ("auto", "always", "never")  # specdec serve --speculation
-BACKENDS = ("auto", "lean", "fused", "llama.cpp")  # --backend
+# --backend: auto, and the runtimes the wings declare (backends.kinds; tests/test_runtime_kinds.py holds them equal)
+BACKENDS = ("auto", "lean", "fused", "llama.cpp")
 BACKEND_ALIASES = {"torch": "lean"}  # --backend values kept for scripts: the lean runtime's old name
 MAX_DRAFT_TOKENS = 64  # --num-draft-tokens
 EXPORT_FORMATS = {"eagle": "eagle", "medusa": "mtp"}  # specdec export --format: published layout -> drafter method
@@ -43,14 +44,6 @@ SEED_RANGE = (-(1 << 63), 1 << 64)  # what a 64-bit generator takes: signed or u
 def canonical_backend(text: str) -> str:
     """A ``--backend`` value under its runtime's name: an old name (``BACKEND_ALIASES``) becomes the new one."""
     return BACKEND_ALIASES.get(text, text)
-
-
-def parse_backend(text: str) -> str:
-    """``--backend``: a runtime's name, or an old name for it (``BACKEND_ALIASES``)."""
-    backend = canonical_backend(text)
-    if backend not in BACKENDS:
-        raise UsageError(f"unknown backend {text!r}; choose from {', '.join(BACKENDS)}")
-    return backend
 
 
 def parse_num_draft_tokens(text: str | int) -> int | str:
