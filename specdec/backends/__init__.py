@@ -4,8 +4,8 @@ llama.cpp over a GGUF file's stored weights (``llamacpp/``), and transformers as
 another; what they share lies below them: the llama family's PyTorch code (``family.py``), one sequence's cache
 (``sequence.py``), a pool's slots (``slots.py``), products per precision (``linear.py``) and the C kernels' binding
 (``native.py``). Each wing declares what it is to the loading layer in its ``__init__.py`` (``KIND``, a
-:class:`~specdec.backends.kind.RuntimeKind`); :func:`kinds` gathers them. Which runtime ``--backend auto`` runs is
-measured (specdec/runtime_choice.py).
+:class:`~specdec.backends.runtime_kind.RuntimeKind`); :func:`kinds` gathers them. Which runtime ``--backend auto``
+runs is measured (specdec/runtime_choice.py).
 
 Nothing here imports transformers until a transformers model is wrapped: the llama.cpp path never pays for it.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from specdec.backends.base import CausalLM, Pool, Pooled, declares, probe_pass_invariance, sync
-from specdec.backends.kind import RuntimeKind
+from specdec.backends.runtime_kind import RuntimeKind
 from specdec.choices import BACKENDS
 from specdec.errors import UsageError
 

@@ -18,7 +18,7 @@ from specdec.backends.fused.runtime import (
     unavailable,
 )
 from specdec.backends.gguf_file import read_gguf
-from specdec.backends.kind import RuntimeKind
+from specdec.backends.runtime_kind import RuntimeKind
 from specdec.errors import UsageError
 from specdec.logs import notice, verbose
 

@@ -5,11 +5,11 @@
 from __future__ import annotations
 
 from specdec.backends.family import supports
-from specdec.backends.kind import RuntimeKind
 from specdec.backends.lean.runtime import LeanRuntime
+from specdec.backends.runtime_kind import RuntimeKind
 
 
-def over_model(model, gguf=None, precision: str | None = None) -> LeanRuntime | None:
+def _over_model(model, gguf=None, precision: str | None = None) -> LeanRuntime | None:
     """The lean runtime over a llama-family transformers module (None for another architecture: transformers' own
     module runs it). ``precision``: None keeps the model's dtype; "auto" measures, on the CPU, the fastest
     precision for each kind of pass that keeps the target's outputs (``precision.py``)."""
@@ -34,7 +34,7 @@ def _timed_precision() -> str:
     return "float16" if has_fbgemm() else "float32"
 
 
-KIND = RuntimeKind(name="lean", label="specdec's lean runtime", runtime=LeanRuntime, from_model=over_model,
+KIND = RuntimeKind(name="lean", label="specdec's lean runtime", runtime=LeanRuntime, from_model=_over_model,
                    auto_precision=_timed_precision)
 
-__all__ = ["KIND", "LeanRuntime", "over_model"]
+__all__ = ["KIND", "LeanRuntime"]

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specdec.backends.kind import RuntimeKind
 from specdec.backends.llamacpp.runtime import GGUFModel, LlamaCppLM, LlamaCppPool, check_gguf_file, llama_cpp
 from specdec.backends.llamacpp.tokenizer import GGUFTokenizer
+from specdec.backends.runtime_kind import RuntimeKind
 
 
 def _from_file(path: Path, threads: int | None = None, max_length: int | None = None) -> LlamaCppLM:
