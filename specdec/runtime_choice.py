@@ -35,7 +35,7 @@ from specdec.models import load_model, model_path
 CACHE = MeasurementCache("backends.json", version=3)  # 2: the lean runtime on the row kernels; 3: its name
 CONTEXT_TOKENS = 64  # cached before the timed passes
 SCORED_POSITIONS = 5  # a scoring pass: k+1 at the default k=4
-MEASURED_POSITIONS = 256  # what a measured runtime's cache holds: the context and a timed pass
+MEASURED_POSITIONS = 256  # what a measured runtime's cache holds: the context and a timed pass (little memory)
 REPEATS = 5  # timed passes per candidate and kind; the median is kept
 
 
@@ -135,7 +135,8 @@ def measure(source: Path, runtimes: list[RuntimeKind], threads: int | None = Non
     could not run the model. Where every candidate reads the GGUF alone (llama.cpp, and the fused runtime where no
     lean one is measured) they are loaded, timed and let go one at a time, so that a first start holds one
     model's weights; else those over a transformers model share it, and are timed interleaved."""
-    if all(runtime.from_file is not None for runtime in runtimes):
+    gguf = source if source.suffix.lower() == ".gguf" else None
+    if gguf is not None and all(runtime.from_file is not None for runtime in runtimes):
         measured = []
         for runtime in runtimes:
             measured += _timed({runtime.name: runtime.from_file(source, threads, MEASURED_POSITIONS)})
@@ -143,7 +144,6 @@ def measure(source: Path, runtimes: list[RuntimeKind], threads: int | None = Non
         return measured, []
     built, passed_by = {}, []
     model = None  # the transformers model, loaded once for the candidates built over one
-    gguf = source if source.suffix.lower() == ".gguf" else None
     for runtime in runtimes:
         if runtime.gguf_only:
             built[runtime.name] = runtime.from_file(source, threads, MEASURED_POSITIONS)
