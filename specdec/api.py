@@ -7,13 +7,13 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specdec.choices import DEFAULT_SAMPLING_METHOD, MAX_STOP_STRINGS, check_datastore_drafter
+from specdec.choices import DEFAULT_SAMPLING_METHOD, MAX_STOP_STRINGS, check_datastore_drafter, default_drafter
 from specdec.engine import Engine, GenerationConfig, GenerationStats
 from specdec.errors import UsageError
 from specdec.grammars import Grammar, GrammarSpec, grammar_for
 from specdec.loading import Loaded, draft_source, encode_prompt, load_target
 from specdec.models import LoadedModel
-from specdec.proposers import make_proposer
+from specdec.proposers import make_proposer, role
 from specdec.rounds import TokenLogprobs
 from specdec.sampling import LogitsAdjustment, SamplingParams
 from specdec.step import Round
@@ -94,14 +94,14 @@ class SpecDecoder:
 
         if drafter_path is not None and drafter is None:
             drafter = next(iter(parse_drafter_paths([str(drafter_path)])))
-        drafter = drafter or ("draft-model" if draft_model is not None else
-                              "retrieval" if datastore is not None else "prompt-lookup")
+        drafter = drafter or default_drafter(draft_model is not None, datastore is not None)
         if draft_model is not None and drafter_path is not None:
             raise UsageError("give a draft model either as --draft-model (a transformers model) or as "
                              "--drafter-path (a trained drafter), not both")
         check_datastore_drafter(drafter, datastore is not None)
         loaded = load_target(model, dtype=dtype, device=device, backend=backend, threads=threads, datastore=datastore,
-                             draft_model=draft_model if drafter == "draft-model" else None, drafters=(drafter,))
+                             draft_model=draft_model if role(drafter).needs_draft_model else None,
+                             drafters=(drafter,))
         return cls(loaded.target, drafter=drafter, draft=loaded.draft, precision=loaded.precision,
                    datastore=loaded.datastore, drafter_path=drafter_path, cross_vocabulary=cross_vocabulary)
 

@@ -25,7 +25,8 @@ SERVED_DRAFTERS = ("none", "prompt-lookup", "retrieval", "draft-model")
 # --cross-vocabulary: how a draft model with another tokenizer proposes (proposers/draft_model.py)
 CROSS_VOCABULARY_METHODS = ("auto", "text", "intersection")
 SPECULATION_MODES = ("auto", "always", "never")  # specdec serve --speculation
-BACKENDS = ("auto", "lean", "fused", "llama.cpp")  # --backend
+# --backend: auto, and the runtimes the wings declare (backends.kinds; tests/test_runtime_kinds.py holds them equal)
+BACKENDS = ("auto", "lean", "fused", "llama.cpp")
 BACKEND_ALIASES = {"torch": "lean"}  # --backend values kept for scripts: the lean runtime's old name
 MAX_DRAFT_TOKENS = 64  # --num-draft-tokens
 EXPORT_FORMATS = {"eagle": "eagle", "medusa": "mtp"}  # specdec export --format: published layout -> drafter method
@@ -45,14 +46,6 @@ SEED_RANGE = (-(1 << 63), 1 << 64)  # what a 64-bit generator takes: signed or u
 def canonical_backend(text: str) -> str:
     """A ``--backend`` value under its runtime's name: an old name (``BACKEND_ALIASES``) becomes the new one."""
     return BACKEND_ALIASES.get(text, text)
-
-
-def parse_backend(text: str) -> str:
-    """``--backend``: a runtime's name, or an old name for it (``BACKEND_ALIASES``)."""
-    backend = canonical_backend(text)
-    if backend not in BACKENDS:
-        raise UsageError(f"unknown backend {text!r}; choose from {', '.join(BACKENDS)}")
-    return backend
 
 
 def parse_num_draft_tokens(text: str | int) -> int | str:
@@ -122,6 +115,11 @@ def check_seed(seed: int | None) -> None:
     """Refuse a seed that a 64-bit generator cannot take."""
     if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
         raise UsageError(f"seed must be a 64-bit integer, in [-2^63, 2^64), got {seed}")
+
+
+def default_drafter(draft_model: bool, datastore: bool) -> str:
+    """--drafter left out: the drafter of what was given (a draft model, a datastore), else prompt lookup."""
+    return "draft-model" if draft_model else "retrieval" if datastore else "prompt-lookup"
 
 
 def check_datastore_drafter(drafter: str, datastore_given: bool) -> None:

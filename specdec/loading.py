@@ -9,11 +9,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from specdec.backends import CausalLM, runtime_of, target_backend
+from specdec.backends import DEFAULT, CausalLM, kind, kinds, runtime_of, target_backend
 from specdec.errors import UsageError
 from specdec.logs import notice
 from specdec.models import LoadedModel, chat_prompt_ids, eos_token_ids, load_model, model_path
-from specdec.runtime_choice import fused_reads, resolve_backend
+from specdec.runtime_choice import resolve_backend
 
 
 @dataclass
@@ -78,18 +78,21 @@ def draft_source(drafter: str, target: LoadedModel, backend, draft: LoadedModel 
                  drafter_path: str | os.PathLike | None = None, cross_vocabulary: str = "auto"):
     """What --drafter ``drafter`` drafts with: a draft model's backend (a transformers model, or a trained draft
     LM; a ``ForeignDraft`` where its tokenizer is not the target's, proposing by ``cross_vocabulary``), a trained
-    network (mtp, eagle, early-exit), or None (drafters that copy)."""
-    from specdec.drafters.loading import TRAINED_METHODS, load_trained
+    network (the other drafters whose role is ``trained``), or None (drafters that copy)."""
+    from specdec.drafters.loading import load_trained
     from specdec.drafters.runtime import DraftLMRuntime
+    from specdec.proposers import drafters_where, role
 
     check_backend_serves(drafter, target.backend_name)
-    if drafter == "draft-model" and draft is not None:
+    declared = role(drafter)
+    if declared.needs_draft_model and draft is not None:
         return draft_model_source(target, draft, runtime_of(draft, precision), cross_vocabulary)
-    if drafter in TRAINED_METHODS:
+    if declared.trained:
         network = load_trained(drafter, target.transformers_model(), drafter_path)
-        return DraftLMRuntime(network, backend.max_length) if drafter == "draft-model" else network
+        return DraftLMRuntime(network, backend.max_length) if declared.needs_draft_model else network
     if drafter_path is not None:
-        raise UsageError(f"--drafter-path is for trained drafters (draft-model, mtp, eagle, early-exit), not {drafter}")
+        trained = ", ".join(drafters_where(lambda r: r.trained))
+        raise UsageError(f"--drafter-path is for trained drafters ({trained}), not {drafter}")
     return None
 
 
@@ -124,23 +127,24 @@ def draft_model_source(target: LoadedModel, draft: LoadedModel, runtime: CausalL
 
 
 def check_backend_serves(drafter: str, backend: str) -> None:
-    """Refuse, in one line and before anything slow loads, a drafter that needs a capability (CAPABILITY_NEEDED)
+    """Refuse, in one line and before anything slow loads, a drafter that needs a capability (its role's ``needs``)
     that the settled backend's runtime does not declare (llama.cpp's declares no ShallowRunner)."""
-    from specdec.backends import runtime_class
-    from specdec.proposers import CAPABILITY_NEEDED
+    from specdec.proposers import role
 
-    needed = CAPABILITY_NEEDED.get(drafter)
-    if needed is not None and needed not in runtime_class(backend).__mro__:
-        raise UsageError(f"--drafter {drafter} needs a {needed.__name__}, which {backend}'s runtime is not: use "
-                         "--backend lean")
+    needed = role(drafter).needs
+    if needed is None or needed in kind(backend).runtime.__mro__:
+        return
+    serving = " or ".join(k.name for k in kinds() if needed in k.runtime.__mro__)
+    raise UsageError(f"--drafter {drafter} needs a {needed.__name__}, which {backend}'s runtime is not: use "
+                     f"--backend {serving}")
 
 
 def draft_backend(target: LoadedModel, draft_model: str | os.PathLike) -> str:
-    """Where a draft model runs: on llama.cpp too when it is a GGUF file and the target runs there (auto); on the
-    fused runtime when the target runs there and it reads the draft's GGUF from the file alone (no conversion: the
-    draft's passes cost what its weights' bytes do); else on the lean runtime."""
-    if target.backend_name == "llama.cpp":
+    """Where a draft model runs: where --backend auto measures it fastest beside a target whose runtime declares so
+    (``measures_drafts``: llama.cpp, for a GGUF draft too); on the target's runtime where that reads the draft's
+    file alone (the fused runtime: no conversion, the draft's passes cost what its weights' bytes do); else on the
+    default runtime."""
+    runtime = kind(target.backend_name)
+    if runtime.measures_drafts:
         return "auto"
-    if target.backend_name == "fused" and fused_reads(model_path(draft_model)):
-        return "fused"
-    return "lean"
+    return runtime.name if runtime.reads(model_path(draft_model)) else DEFAULT

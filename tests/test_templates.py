@@ -5,9 +5,12 @@ module in specdec/proposers/ is offered by --drafter and built by its own ``make
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.util
+import sys
 from pathlib import Path
 
+import pytest
 from drafter_checks import check_drafts
 
 from specdec.choices import DRAFTERS
@@ -42,3 +45,38 @@ def test_every_drafter_module_is_offered_and_made_by_its_own_make():
     assert set(DRAFTERS) == files - {"--init--", "base"} and "ngram" in DRAFTERS
     for name, module in DRAFTER_MODULES.items():
         assert PROPOSERS[name] is module.make
+
+
+@pytest.fixture
+def template_wing(tmp_path, monkeypatch):
+    """The runtime template with its names filled in, as a wing beside the others (a folder on specdec/backends/'s
+    search path): what copying it to specdec/backends/template_check/ makes, and nothing else edited."""
+    from specdec import backends
+
+    wing = tmp_path / "wings" / "template_check"
+    wing.mkdir(parents=True)
+    (wing / "__init__.py").write_text(rendered("runtime/__init__.py.tmpl"))
+    monkeypatch.setattr(backends, "__path__", [*backends.__path__, str(wing.parent)])
+    yield importlib.import_module("specdec.backends.template_check")
+    sys.modules.pop("specdec.backends.template_check", None)
+
+
+def test_a_runtime_made_from_the_template_registers_itself_and_loads(template_wing, tmp_path):
+    """The recipe's promise: the wing's KIND is all the loading layer needs. It loads a target by its name, builds
+    its runtime, is refused for a drafter that needs what it does not declare, and --backend auto leaves it alone
+    until it asks to be measured."""
+    from tiny import save_with_tokenizer, tiny_llama
+
+    from specdec.backends import kind, runtime_of
+    from specdec.errors import UsageError
+    from specdec.loading import load_target
+    from specdec.runtime_choice import candidates
+
+    assert kind("template_check") is template_wing.KIND
+    directory = save_with_tokenizer(tiny_llama(seed=0), tmp_path / "tiny")
+    loaded = load_target(str(directory), backend="template_check", drafters=("prompt-lookup",))
+    assert loaded.target.backend == "template_check"
+    assert isinstance(runtime_of(loaded.target), template_wing.TemplateCheckRuntime)
+    with pytest.raises(UsageError, match="--drafter eagle needs a FeatureSource, which template_check's runtime"):
+        load_target(str(directory), backend="template_check", drafters=("eagle",))
+    assert template_wing.KIND not in candidates(gguf=False)[0]

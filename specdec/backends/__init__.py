@@ -3,16 +3,46 @@ for llama-family models in PyTorch (``lean/``), its fused CPU twin (``fused/``, 
 llama.cpp over a GGUF file's stored weights (``llamacpp/``), and transformers as it is (``hf.py``). No wing imports
 another; what they share lies below them: the llama family's PyTorch code (``family.py``), one sequence's cache
 (``sequence.py``), a pool's slots (``slots.py``), products per precision (``linear.py``) and the C kernels' binding
-(``native.py``). Which runtime ``--backend auto`` runs is measured (specdec/runtime_choice.py).
+(``native.py``). Each wing declares what it is to the loading layer in its ``__init__.py`` (``KIND``, a
+:class:`~specdec.backends.runtime_kind.RuntimeKind`); :func:`kinds` gathers them. Which runtime ``--backend auto``
+runs is measured (specdec/runtime_choice.py).
 
 Nothing here imports transformers until a transformers model is wrapped: the llama.cpp path never pays for it.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from specdec.backends.base import CausalLM, Pool, Pooled, declares, probe_pass_invariance, sync
+from specdec.backends.runtime_kind import RuntimeKind
 from specdec.choices import BACKENDS
 from specdec.errors import UsageError
+
+DEFAULT = "lean"  # the runtime of any transformers module on any device and dtype: auto's choice off the CPU
+
+
+def kinds() -> list[RuntimeKind]:
+    """Every runtime's declaration (``KIND`` in its wing's ``__init__.py``), the default first, then by folder: a
+    wing registers itself by declaring one, and the loading layer asks these, never which runtime a name is."""
+    import importlib
+    import pkgutil
+
+    found = []
+    for wing in pkgutil.iter_modules(__path__):
+        declared = getattr(importlib.import_module(f"{__name__}.{wing.name}"), "KIND", None) if wing.ispkg else None
+        if declared is not None:
+            found.append(declared)
+    return sorted(found, key=lambda kind: kind.name != DEFAULT)
+
+
+def kind(name: str) -> RuntimeKind:
+    """The runtime ``--backend name`` runs; one line naming those known for any other name."""
+    known = kinds()
+    for declared in known:
+        if declared.name == name:
+            return declared
+    raise UsageError(f"unknown backend {name!r}; choose from auto, {', '.join(k.name for k in known)}")
 
 
 def make_backend(model, precision: str | None = None) -> CausalLM:
@@ -23,15 +53,25 @@ def make_backend(model, precision: str | None = None) -> CausalLM:
     the fastest precision for each kind of pass that keeps the target's outputs (``lean/precision.py``). The
     transformers backend runs in the model's dtype whatever is asked.
     """
-    from specdec.backends.family import supports
+    return over_model(kind(DEFAULT), model, None, precision)
 
-    if not supports(model):
-        from specdec.backends.hf import HFCausalLM
 
-        return HFCausalLM(model)
-    from specdec.backends.lean import LeanRuntime
+def over_model(runtime: RuntimeKind, model, gguf: Path | None = None, precision: str | None = None) -> CausalLM:
+    """The runtime of kind ``runtime`` over a transformers module (converted from ``gguf``, if given); where its
+    code does not cover the architecture, the transformers module as it is (``hf.py``)."""
+    built = runtime.from_model(model, gguf, precision)
+    if built is not None:
+        return built
+    from specdec.backends.hf import HFCausalLM
 
-    return LeanRuntime(model, _auto_precisions(model) if precision == "auto" else precision)
+    return HFCausalLM(model)
+
+
+def gguf_tokenizer(path: Path):
+    """A GGUF file's own tokenizer, read from the file through llama.cpp (no conversion, no weights)."""
+    from specdec.backends.llamacpp import GGUFModel, GGUFTokenizer
+
+    return GGUFTokenizer(GGUFModel(path, vocab_only=True))
 
 
 def pool_of(runtime: CausalLM, max_slots: int, max_length: int) -> Pool:
@@ -44,27 +84,13 @@ def pool_of(runtime: CausalLM, max_slots: int, max_length: int) -> Pool:
     return runtime.pool(max_slots, max_length)
 
 
-def runtime_class(backend: str) -> type:
-    """The class that runs a settled ``--backend`` (lean, fused, llama.cpp): what it declares can be asked before
-    anything loads."""
-    import importlib
-
-    wing, name = {"lean": ("lean", "LeanRuntime"), "fused": ("fused", "FusedRuntime"),
-                  "llama.cpp": ("llamacpp", "LlamaCppLM")}[backend]
-    return getattr(importlib.import_module(f"specdec.backends.{wing}"), name)
-
-
 def runtime_of(loaded, precision: str | None = None) -> CausalLM:
-    """The backend that runs a loaded model: llama.cpp's runtime where it was loaded on llama.cpp, the fused runtime
-    where it was loaded for it (its own weights, whatever ``precision``), else one built from its transformers module
-    (``make_backend``)."""
+    """The backend that runs a loaded model: the runtime read from its file where one was (llama.cpp's; the fused
+    runtime's from a GGUF alone), else the one its ``--backend`` builds over its transformers module
+    (``over_model``; ``precision`` as ``make_backend`` takes it)."""
     if loaded.runtime is not None:
         return loaded.runtime
-    if loaded.backend == "fused":
-        from specdec.backends.fused import FusedRuntime
-
-        return FusedRuntime(loaded.model, gguf=loaded.gguf)
-    return make_backend(loaded.model, precision)
+    return over_model(kind(loaded.backend), loaded.model, loaded.gguf, precision)
 
 
 def target_backend(loaded, precision: str | None = None) -> CausalLM:
@@ -82,14 +108,6 @@ def precision_of(backend: CausalLM) -> str:
     return backend.precision_label
 
 
-def _auto_precisions(model):
-    if next(model.parameters()).device.type != "cpu":
-        return None  # on CUDA the model's own dtype, as loaded
-    from specdec.backends.lean.precision import auto_precisions
-
-    return auto_precisions(model)
-
-
 # class -> module
 _LAZY = {"FusedRuntime": "fused", "HFCausalLM": "hf", "LeanRuntime": "lean", "PassPrecisions": "linear"}
 
@@ -102,5 +120,6 @@ def __getattr__(name: str):  # the runtimes' classes, imported when first asked 
     return getattr(importlib.import_module(f"specdec.backends.{_LAZY[name]}"), name)
 
 
-__all__ = ["BACKENDS", "CausalLM", "FusedRuntime", "HFCausalLM", "LeanRuntime", "PassPrecisions", "Pool",
-           "make_backend", "pool_of", "precision_of", "runtime_of", "sync", "target_backend"]
+__all__ = ["BACKENDS", "DEFAULT", "CausalLM", "FusedRuntime", "HFCausalLM", "LeanRuntime", "PassPrecisions", "Pool",
+           "RuntimeKind", "gguf_tokenizer", "kind", "kinds", "make_backend", "over_model", "pool_of", "precision_of",
+           "runtime_of", "sync", "target_backend"]

@@ -2,8 +2,10 @@
 
 A drafter is one module here: its proposer class (``name``, ``propose``, ``clear_cache``; ``propose_tree`` where it
 drafts trees), ``make(target, source, datastore)``, which builds it, and, where it needs more of the target's backend
-than the CausalLM protocol, ``NEEDS`` (the capability, checked before anything loads). ``--drafter`` offers every
-such module (``choices.DRAFTERS``, read from this folder's file names); docs/architecture.md shows how to add one.
+than the CausalLM protocol, ``NEEDS`` (the capability, checked before anything loads), and beside it ``ROLE``
+(:class:`Role`: whether it drafts with a draft model, a datastore or trained weights), which the loading layer and
+the server ask through :func:`role`. ``--drafter`` offers every such module (``choices.DRAFTERS``, read from this
+folder's file names); docs/architecture.md shows how to add one.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from types import ModuleType
 from specdec.backends.base import CausalLM
 from specdec.choices import DRAFTERS, check_datastore_drafter
 from specdec.errors import UsageError
-from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer
+from specdec.proposers.base import EMPTY_DRAFT, Draft, Proposer, Role
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.eagle import EagleProposer
 from specdec.proposers.early_exit import EarlyExitProposer
@@ -35,15 +37,26 @@ DRAFTER_MODULES = {name: drafter_module(name) for name in DRAFTERS}
 # (loading.draft_source) is what drafts: a CausalLM for draft-model, a trained network for mtp, eagle, early-exit
 PROPOSERS: dict[str, Callable[[CausalLM, object, ContinuationIndex | None], Proposer]] = {
     name: module.make for name, module in DRAFTER_MODULES.items()}
-# the capability a drafter needs of the target's backend, beyond CausalLM
-CAPABILITY_NEEDED = {name: module.NEEDS for name, module in DRAFTER_MODULES.items() if hasattr(module, "NEEDS")}
+
+
+def role(name: str) -> Role:
+    """What --drafter ``name`` drafts with, as its module declares it (``ROLE``, beside ``NEEDS``; a module that
+    declares neither drafts from the context alone); one line naming the drafters for any other name."""
+    if name not in DRAFTER_MODULES:
+        raise UsageError(f"unknown drafter {name!r}; choose from {', '.join(DRAFTER_MODULES)}")
+    module = DRAFTER_MODULES[name]
+    return getattr(module, "ROLE", None) or Role(needs=getattr(module, "NEEDS", None))
+
+
+def drafters_where(declared: Callable[[Role], bool]) -> tuple[str, ...]:
+    """The drafters whose role says so (``drafters_where(lambda r: r.trained)``), as --drafter names them."""
+    return tuple(name for name in DRAFTER_MODULES if declared(role(name)))
 
 
 def make_proposer(name: str, target: CausalLM, source=None, datastore: ContinuationIndex | None = None
                   ) -> Proposer:
     """The proposer of --drafter ``name`` for ``target``, drafting with ``source`` (see PROPOSERS)."""
-    if name not in PROPOSERS:
-        raise UsageError(f"unknown drafter {name!r}; choose from {', '.join(PROPOSERS)}")
+    role(name)  # one line for an unknown name
     check_datastore_drafter(name, datastore is not None)
     return PROPOSERS[name](target, source, datastore)
 
@@ -60,5 +73,8 @@ __all__ = [
     "PromptLookupProposer",
     "Proposer",
     "RetrievalProposer",
+    "Role",
+    "drafters_where",
     "make_proposer",
+    "role",
 ]

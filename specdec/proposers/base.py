@@ -40,6 +40,18 @@ class Draft:
 EMPTY_DRAFT = Draft(tokens=[])
 
 
+@dataclass(frozen=True)
+class Role:
+    """What a drafter drafts with beyond the context, declared in its module beside ``NEEDS`` (``ROLE``; a module
+    that declares none drafts from the context alone): the loading layer, the API and the server ask it
+    (``proposers.role``), never the drafter's name."""
+
+    needs_draft_model: bool = False  # a second model drafts: --draft-model PATH on a runtime of its own, or trained
+    reads_datastore: bool = False  # it copies from a retrieval datastore (--datastore; the server's learned answers)
+    trained: bool = False  # its weights are trained (specdec train --method): --drafter-path DIR, or those shipped
+    needs: type | None = None  # the capability of the target's backend it needs beyond CausalLM (its NEEDS)
+
+
 class Proposer(Protocol):
     """Drafts up to k tokens to follow ``context`` (prompt and everything emitted so far)."""
 

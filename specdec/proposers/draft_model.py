@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from specdec.backends.base import CausalLM, sync
 from specdec.choices import CROSS_VOCABULARY_METHODS
 from specdec.errors import UsageError
-from specdec.proposers.base import EMPTY_DRAFT, CatchesUp, Draft, TreeProposer, draft_of, spine_tree
+from specdec.proposers.base import EMPTY_DRAFT, CatchesUp, Draft, Role, TreeProposer, draft_of, spine_tree
 from specdec.sampling import SamplingParams, draft_token, ranked
 from specdec.vocabularies import LOW_OVERLAP, ContextBridge, SharedTokens
 
@@ -209,6 +209,10 @@ class ForeignDraftProposer(TreeProposer, CatchesUp):
             if i < len(widths) - 1:
                 logits = self.model.extend([self.shared.draft_of[token]], num_logits=1)[0]
         return tokens, rows, alternatives
+
+
+# a second model drafts: --draft-model PATH (its own runtime, any tokenizer), or a trained draft LM (specdec train)
+ROLE = Role(needs_draft_model=True, trained=True)
 
 
 def make(target: CausalLM, source: CausalLM | ForeignDraft | None, datastore

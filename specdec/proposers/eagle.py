@@ -17,6 +17,7 @@ from specdec.proposers.base import (
     EMPTY_DRAFT,
     Draft,
     FeatureProposer,
+    Role,
     TreeProposer,
     draft_of,
     spine_tree,
@@ -78,4 +79,5 @@ class EagleProposer(FeatureProposer, TreeProposer):
 
 
 NEEDS = FeatureSource  # of the target's backend: its hidden states, handed over by the engine
+ROLE = Role(trained=True, needs=NEEDS)  # a trained head over the target's hidden states
 make = trained_drafter(EagleProposer, NEEDS)

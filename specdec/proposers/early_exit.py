@@ -13,7 +13,7 @@ import torch
 
 from specdec.backends.base import ShallowRunner
 from specdec.drafters.networks import ExitAdapter, prepare_for_drafting
-from specdec.proposers.base import EMPTY_DRAFT, Draft, draft_of, trained_drafter
+from specdec.proposers.base import EMPTY_DRAFT, Draft, Role, draft_of, trained_drafter
 from specdec.sampling import SamplingParams
 
 
@@ -47,4 +47,5 @@ class EarlyExitProposer:
 
 
 NEEDS = ShallowRunner  # of the target's backend: it runs the target's first layers
+ROLE = Role(trained=True, needs=NEEDS)  # a trained adapter after the target's first layers
 make = trained_drafter(EarlyExitProposer, NEEDS)

@@ -15,6 +15,7 @@ from specdec.proposers.base import (
     EMPTY_DRAFT,
     Draft,
     FeatureProposer,
+    Role,
     TreeProposer,
     draft_of,
     spine_tree,
@@ -69,4 +70,5 @@ class MTPProposer(FeatureProposer, TreeProposer):
 
 
 NEEDS = FeatureSource  # of the target's backend: its hidden states, handed over by the engine
+ROLE = Role(trained=True, needs=NEEDS)  # trained heads over the target's hidden states
 make = trained_drafter(MTPProposer, NEEDS)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from specdec.errors import UsageError
-from specdec.proposers.base import EMPTY_DRAFT, Draft, TreeProposer, trie_draft
+from specdec.proposers.base import EMPTY_DRAFT, Draft, Role, TreeProposer, trie_draft
 from specdec.sampling import SamplingParams
 
 MAX_ORDER = 8  # the longest suffix matched, in tokens
@@ -327,6 +327,9 @@ class RetrievalProposer(TreeProposer):
             self.session = SessionIndex(self.max_order)
             n = 0
         self.session.extend(context[n:])
+
+
+ROLE = Role(reads_datastore=True)  # it copies from a datastore (--datastore), and in the server from learned answers
 
 
 def make(target, source, datastore: ContinuationIndex | None) -> RetrievalProposer:

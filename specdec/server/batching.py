@@ -12,7 +12,7 @@ from specdec.choices import SERVED_DRAFTERS, SPECULATION_MODES, check_datastore_
 from specdec.costs import MeasuredPassCosts
 from specdec.errors import UsageError
 from specdec.logs import notice
-from specdec.proposers import PROPOSERS
+from specdec.proposers import PROPOSERS, role
 from specdec.proposers.retrieval import ChainedIndex, SharedIndex
 from specdec.server.prefixes import prefix_cache
 from specdec.server.scheduler import Scheduler
@@ -52,18 +52,19 @@ def build_scheduler(runtime, settings: BatchSettings, eos_token_ids: set[int], d
     positions cost here. ``draft``: the draft-model drafter's source (``loading.draft_source``: the draft model's
     runtime, or a ``ForeignDraft`` where its tokenizer is another), whose pool gives each request a slot."""
     check_datastore_drafter(settings.drafter, datastore is not None)
-    if settings.drafter == "draft-model" and draft is None:
-        raise UsageError("the server's draft-model drafter needs a draft model: --draft-model PATH")
+    declared = role(settings.drafter)
+    if declared.needs_draft_model and draft is None:
+        raise UsageError(f"the server's {settings.drafter} drafter needs a draft model: --draft-model PATH")
     pool = make_pool(runtime, settings)
     cost = None
     if settings.speculation == "auto":
         cost = MeasuredPassCosts.measure(pool, settings.max_batch_size * (settings.num_draft_tokens + 1))
     factory = PROPOSERS[settings.drafter]
     memory = None
-    if settings.drafter == "retrieval":
+    if declared.reads_datastore:
         memory = LearnedAnswers(settings, runtime.vocab_size)
         datastore = ChainedIndex([memory.index] + ([datastore] if datastore is not None else []))
-    source = (lambda: None) if draft is None or settings.drafter != "draft-model" else per_request(draft, settings)
+    source = per_request(draft, settings) if draft is not None and declared.needs_draft_model else lambda: None
     return Scheduler(pool, lambda: factory(runtime, source(), datastore),
                      SpeculationPlanner(settings.speculation, cost), eos_token_ids,
                      max_draft_tokens=settings.num_draft_tokens, max_waiting=settings.max_waiting,

@@ -7,8 +7,10 @@ import os
 import sys
 from pathlib import Path
 
+from specdec.choices import default_drafter
 from specdec.datastore import HEADER
 from specdec.errors import UsageError
+from specdec.proposers import drafters_where, role
 from specdec.server.batching import BatchSettings
 from specdec.server.serving import ServerOptions, load_server, wait_for_signal
 from specdec.server.settings import ServerSettings
@@ -38,8 +40,8 @@ def run_serve(args) -> int:
     if args.datastore_save and not args.datastore:
         raise UsageError("--datastore-save keeps the shared suffix index in --datastore DIR: give one")
     built = args.datastore is not None and (Path(args.datastore) / HEADER).is_file()
-    batch = BatchSettings(speculation=args.speculation, drafter=args.drafter or (
-        "draft-model" if args.draft_model else "retrieval" if args.datastore else "prompt-lookup"),
+    batch = BatchSettings(speculation=args.speculation,
+        drafter=args.drafter or default_drafter(bool(args.draft_model), bool(args.datastore)),
         num_draft_tokens=args.num_draft_tokens,
         max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
         datastore_capacity=args.datastore_capacity, learn_prompts=args.datastore_learn_prompts,
@@ -54,8 +56,9 @@ def run_serve(args) -> int:
     if args.request_timeout < 0:
         raise UsageError(f"request-timeout must be >= 0 seconds (0: no limit), got {args.request_timeout:g}")
     datastore = args.datastore if built or not args.datastore_save else None  # a directory for the learned index only
-    if args.draft_model and batch.drafter != "draft-model":
-        raise UsageError(f"--draft-model is for --drafter draft-model, not {batch.drafter}")
+    if args.draft_model and not role(batch.drafter).needs_draft_model:
+        drafting = ", ".join(drafters_where(lambda r: r.needs_draft_model))
+        raise UsageError(f"--draft-model is for --drafter {drafting}, not {batch.drafter}")
     options = ServerOptions(args.model, batch, settings, datastore, args.dtype, args.device,
                             args.served_model_name, args.backend, args.threads, args.draft_model,
                             args.cross_vocabulary)

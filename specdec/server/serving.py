@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec.errors import UsageError
+from specdec.proposers import role
 from specdec.server.app import OpenAIServer, bind
 from specdec.server.batching import BatchSettings, build_scheduler
 from specdec.server.settings import ServerSettings
@@ -41,14 +42,15 @@ def load_server(options: ServerOptions, listen: bool = True) -> OpenAIServer:
 
     settings = options.settings
     sock = bind(settings) if listen else None
-    drafts = options.batch.drafter == "draft-model"
+    drafter = options.batch.drafter
+    drafts = role(drafter).needs_draft_model
     try:
         if drafts and options.draft_model is None:
-            raise UsageError("the server's draft-model drafter needs a draft model: --draft-model PATH")
+            raise UsageError(f"the server's {drafter} drafter needs a draft model: --draft-model PATH")
         loaded = load_target(options.model, dtype=options.dtype, device=options.device, backend=options.backend,
                              threads=options.threads, datastore=options.datastore, drafters=(options.batch.drafter,),
                              draft_model=options.draft_model if drafts else None)
-        draft = draft_source("draft-model", loaded.target, loaded.runtime, loaded.draft, loaded.precision,
+        draft = draft_source(drafter, loaded.target, loaded.runtime, loaded.draft, loaded.precision,
                              cross_vocabulary=options.cross_vocabulary) if drafts else None
         scheduler = build_scheduler(loaded.runtime, options.batch, loaded.stop_ids, loaded.datastore, draft)
     except BaseException:

@@ -1,6 +1,12 @@
 """The fused runtime's wing: a llama-family pass in one call into fused.c (``runtime.py``; the C source beside it),
-and its pool (``pool.py``)."""
+and its pool (``pool.py``); and what it is to the loading layer (``KIND``): ``--backend fused``, from a GGUF file
+read alone where it covers the file, else over the transformers module, on the CPU where its C library was built."""
 
+from __future__ import annotations
+
+from pathlib import Path
+
+from specdec.backends.family import FAMILIES
 from specdec.backends.fused.runtime import (
     PRODUCTS,
     PROMPT_POSITIONS,
@@ -11,6 +17,39 @@ from specdec.backends.fused.runtime import (
     quantized8,
     unavailable,
 )
+from specdec.backends.gguf_file import read_gguf
+from specdec.backends.runtime_kind import RuntimeKind
+from specdec.errors import UsageError
+from specdec.logs import notice, verbose
 
-__all__ = ["PRODUCTS", "PROMPT_POSITIONS", "WEIGHTS", "FusedRuntime", "FusedUnavailable", "gguf_unavailable",
-           "quantized8", "unavailable"]
+
+def reads(path: Path) -> bool:
+    """Whether ``path`` is a GGUF file that the fused runtime reads alone (no transformers conversion)."""
+    return path.is_file() and path.suffix.lower() == ".gguf" and gguf_unavailable(read_gguf(path)) is None
+
+
+def from_file(path: Path, threads: int | None = None, max_length: int | None = None) -> FusedRuntime | None:
+    """The runtime read from the GGUF alone; None where it does not read this model directly
+    (``gguf_unavailable``): it then runs from the file's transformers conversion, where the family's code covers
+    the architecture; elsewhere one line says why. (Its team is PyTorch's threads; its cache, the model's length.)"""
+    source = read_gguf(path)
+    reason = gguf_unavailable(source)
+    if reason is None:
+        return FusedRuntime.from_gguf(source)
+    if source.field("general.architecture") not in FAMILIES:  # no conversion would run it
+        raise UsageError(f"--backend fused cannot run {path.name}: {reason}")
+    if verbose():
+        notice(f"the fused runtime runs {path.name} from its transformers conversion: {reason}")
+    return None
+
+
+def _over_model(model, gguf: Path | None, precision: str | None) -> FusedRuntime:
+    return FusedRuntime(model, gguf=gguf)  # its own weights, whatever the precision asked
+
+
+KIND = RuntimeKind(name="fused", label="specdec's fused runtime", runtime=FusedRuntime, from_file=from_file,
+                   reads=reads, from_model=_over_model, unavailable=unavailable, model_unavailable=unavailable,
+                   weights="int8 or float16 weights of its own")
+
+__all__ = ["KIND", "PRODUCTS", "PROMPT_POSITIONS", "WEIGHTS", "FusedRuntime", "FusedUnavailable", "from_file",
+           "gguf_unavailable", "quantized8", "reads", "unavailable"]
