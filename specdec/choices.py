@@ -20,8 +20,6 @@ def _drafter_files() -> tuple[str, ...]:
 # --drafter: the built-in drafters in the order the help lists them, then any other drafter module, by name
 DRAFTERS = BUILT_IN_DRAFTERS + tuple(sorted(set(_drafter_files()) - set(BUILT_IN_DRAFTERS)))
 TRAINED_METHODS = ("draft-model", "mtp", "eagle", "early-exit")  # specdec train --method: drafters it makes
-# drafters the server runs: per-request state, and a draft model in a pool slot of its own per request
-SERVED_DRAFTERS = ("none", "prompt-lookup", "retrieval", "draft-model")
 # --cross-vocabulary: how a draft model with another tokenizer proposes (proposers/draft_model.py)
 CROSS_VOCABULARY_METHODS = ("auto", "text", "intersection")
 SPECULATION_MODES = ("auto", "always", "never")  # specdec serve --speculation

@@ -19,7 +19,6 @@ from specdec.choices import (
     MAX_DRAFT_TOKENS,
     QUANTIZE_TYPES,
     SAMPLING_METHODS,
-    SERVED_DRAFTERS,
     SPECULATION_MODES,
     TRAINED_METHODS,
     canonical_backend,
@@ -218,8 +217,14 @@ def _add_serve_parser(commands) -> None:
     serve = commands.add_parser("serve", help="serve OpenAI-compatible completions, speculating for a few users "
                                 "and batching for many")
     serve.add_argument("--served-model-name", default=None, help="the model id clients ask for")
-    serve.add_argument("--drafter", choices=SERVED_DRAFTERS, default=None,
-                       help="default: draft-model with --draft-model, retrieval with --datastore, else prompt-lookup")
+    serve.add_argument("--drafter", choices=list(DRAFTERS), default=None,
+                       help="default: draft-model with --draft-model, retrieval with --datastore, else prompt-lookup; "
+                       "a drafter that reads the target's hidden states or first layers (eagle, mtp, early-exit) "
+                       "serves one request at a time")
+    serve.add_argument("--drafter-path", default=None, metavar="DIR",
+                       help="a trained drafter (specdec train), or a published EAGLE / Medusa checkpoint")
+    serve.add_argument("--tree", default=None, metavar="W1,W2,...|auto",
+                       help=TREE_HELP + "; trees serve one request at a time")
     serve.add_argument("--draft-model", default=None, metavar="PATH",
                        help="draft-model: a draft model (any tokenizer), a sequence of its own per request")
     serve.add_argument("--cross-vocabulary", choices=CROSS_VOCABULARY_METHODS, default="auto", help=CROSS_HELP)

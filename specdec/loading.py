@@ -81,7 +81,7 @@ def draft_source(drafter: str, target: LoadedModel, backend, draft: LoadedModel 
     network (the other drafters whose role is ``trained``), or None (drafters that copy)."""
     from specdec.drafters.loading import load_trained
     from specdec.drafters.runtime import DraftLMRuntime
-    from specdec.proposers import drafters_where, role
+    from specdec.proposers import check_drafter_path, role
 
     check_backend_serves(drafter, target.backend_name)
     declared = role(drafter)
@@ -90,9 +90,7 @@ def draft_source(drafter: str, target: LoadedModel, backend, draft: LoadedModel 
     if declared.trained:
         network = load_trained(drafter, target.transformers_model(), drafter_path)
         return DraftLMRuntime(network, backend.max_length) if declared.needs_draft_model else network
-    if drafter_path is not None:
-        trained = ", ".join(drafters_where(lambda r: r.trained))
-        raise UsageError(f"--drafter-path is for trained drafters ({trained}), not {drafter}")
+    check_drafter_path(drafter, drafter_path is not None)
     return None
 
 

@@ -129,21 +129,19 @@ def untrained_source(drafter: str, model):
 
 @pytest.mark.parametrize("drafter, tree", [("eagle", None), ("mtp", None), ("early-exit", None), ("ngram", None),
                                            ("prompt-lookup", (2, 2)), ("eagle", "auto")])
-def test_the_scheduler_serves_every_drafter_and_trees_one_request_at_a_time(tiny, drafter, tree):  # noqa: F811
-    """Over a pool of one slot in the runtime's own cache (what a server gives a drafter that reads the target's
-    features or first layers, or a tree), three greedy requests in turn: each answer is plain decoding's, and the
-    drafts were scored."""
-    from specdec.backends.base import FeatureSource, SequencePool, declares
-    from specdec.server.scheduler import Scheduler
-    from specdec.server.speculation import SpeculationPlanner
+def test_the_server_serves_every_drafter_and_trees(tiny, drafter, tree):  # noqa: F811
+    """``serve --drafter eagle`` (mtp, early-exit, ngram) and ``--tree``: the server's scheduler as ``serve`` builds
+    it, over the runtime's own cache one request at a time where the drafter reads the target's features or first
+    layers, or drafts trees (ngram batches); three greedy requests: each answer is plain decoding's, and drafts
+    were scored."""
+    from specdec.backends.base import SequencePool
 
-    model, _ = copy.deepcopy(tiny[0]).float(), tiny[1]
+    model = copy.deepcopy(tiny[0]).float()
     runtime = require_pass_invariant(LeanRuntime(model))
-    if declares(runtime, FeatureSource):
-        runtime.keep_hidden_states()
-    source = untrained_source(drafter, model)
-    scheduler = Scheduler(SequencePool(runtime, 128), lambda: make_proposer(drafter, runtime, source),
-                          SpeculationPlanner("always"), {EOS}, max_draft_tokens=3, tree=tree)
+    settings = BatchSettings(drafter=drafter, speculation="always", num_draft_tokens=3, max_batch_size=4,
+                             max_model_len=128, tree=tree)
+    scheduler = build_scheduler(runtime, settings, {EOS}, draft=untrained_source(drafter, model))
+    assert isinstance(scheduler.pool, SequencePool) == (drafter != "ngram" or tree is not None)
     prompts = [PROMPT, PROMPT[3:] + PROMPT, [7, 3, 7, 3, 7]]
     plain_runtime = LeanRuntime(model)
     plain = [Engine(plain_runtime, make_proposer("none", plain_runtime)).generate(
@@ -159,3 +157,17 @@ def test_the_scheduler_serves_every_drafter_and_trees_one_request_at_a_time(tiny
     assert [tokens for tokens, _, _ in answers] == plain
     assert all(finished.reason == "length" for _, finished, _ in answers)
     assert sum(drafted for *_, drafted in answers) > 0
+
+
+def test_a_tree_or_a_feature_drafter_on_a_runtime_that_cannot_is_refused_in_one_line(tiny):  # noqa: F811
+    """llama.cpp's runtime scores no trees and hands out no hidden states: the server says so before serving."""
+    from specdec.backends.base import CausalLM
+    from specdec.errors import UsageError
+
+    class Plain(CausalLM):  # a runtime that declares nothing beyond CausalLM
+        vocab_size, max_length, device = 64, 128, torch.device("cpu")
+
+    for settings, says in ((BatchSettings(drafter="prompt-lookup", tree="auto"), "--tree needs a TreeScorer"),
+                           (BatchSettings(drafter="eagle"), "--drafter eagle needs a FeatureSource")):
+        with pytest.raises(UsageError, match=says):
+            build_scheduler(Plain(), settings, {EOS}, draft=untrained_source(settings.drafter, tiny[0]))

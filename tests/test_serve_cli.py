@@ -23,8 +23,12 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--drafter", "mtp"], "invalid choice"),
-    (["--drafter", "draft-model"], "needs a draft model"),
+    (["--drafter", "medusa"], "invalid choice"),
+    (["--drafter", "mtp"], "no trained mtp drafter ships for this target"),
+    (["--drafter", "draft-model"], "no trained draft-model drafter ships for this target"),
+    (["--drafter", "prompt-lookup", "--drafter-path", "/no/such/dir"], "--drafter-path is for trained drafters"),
+    (["--tree", "0,2"], "tree widths must be between 1 and"),
+    (["--tree", "wide"], "--tree takes candidates per depth"),
     (["--draft-model", "/no/such/draft"], "not found"),
     (["--datastore-capacity", "0", "--drafter", "retrieval"], "datastore-capacity"),
     (["--datastore-capacity", "-3"], "datastore-capacity"),

@@ -53,6 +53,13 @@ def drafters_where(declared: Callable[[Role], bool]) -> tuple[str, ...]:
     return tuple(name for name in DRAFTER_MODULES if declared(role(name)))
 
 
+def check_drafter_path(name: str, given: bool) -> None:
+    """Refuse, in one line, a trained drafter's path given for a drafter that is not trained."""
+    if given and not role(name).trained:
+        trained = ", ".join(drafters_where(lambda r: r.trained))
+        raise UsageError(f"--drafter-path is for trained drafters ({trained}), not {name}")
+
+
 def make_proposer(name: str, target: CausalLM, source=None, datastore: ContinuationIndex | None = None
                   ) -> Proposer:
     """The proposer of --drafter ``name`` for ``target``, drafting with ``source`` (see PROPOSERS)."""

@@ -7,12 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.backends import pool_of
-from specdec.backends.base import PooledSequence
-from specdec.choices import SERVED_DRAFTERS, SPECULATION_MODES, check_datastore_drafter
+from specdec.backends.base import FeatureSource, Pooled, PooledSequence, SequencePool, TreeScorer, declares, require
+from specdec.choices import SPECULATION_MODES, check_datastore_drafter, check_tree
 from specdec.costs import MeasuredPassCosts
 from specdec.errors import UsageError
 from specdec.logs import notice
 from specdec.proposers import PROPOSERS, role
+from specdec.proposers.base import Role
 from specdec.proposers.retrieval import ChainedIndex, SharedIndex
 from specdec.server.prefixes import prefix_cache
 from specdec.server.scheduler import Scheduler
@@ -32,13 +33,14 @@ class BatchSettings:
     learn_prompts: bool = False
     save_learned: Path | None = None  # where the shared index is kept at shutdown and read back at start
     prefix_cache_mib: int = 1024  # finished prompts' keys and values kept for the prompts they open; 0: none
+    tree: tuple[int, ...] | str | None = None  # draft token trees: candidates per depth, or "auto"; None: chains
 
     def __post_init__(self) -> None:
         if self.speculation not in SPECULATION_MODES:
             raise UsageError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
-        if self.drafter not in SERVED_DRAFTERS:
-            known = f"; {self.drafter} is not batched yet" if self.drafter in PROPOSERS else ""
-            raise UsageError(f"the server drafts with {', '.join(SERVED_DRAFTERS)}{known}")
+        if self.drafter not in PROPOSERS:
+            raise UsageError(f"unknown drafter {self.drafter!r}; choose from {', '.join(PROPOSERS)}")
+        check_tree(self.tree)
         for name, low in (("num_draft_tokens", 1), ("max_batch_size", 1), ("max_model_len", 2), ("max_waiting", 0),
                           ("datastore_capacity", 1), ("prefix_cache_mib", 0)):
             if getattr(self, name) < low:
@@ -48,14 +50,20 @@ class BatchSettings:
 def build_scheduler(runtime, settings: BatchSettings, eos_token_ids: set[int], datastore=None,
                     draft=None) -> Scheduler:
     """A scheduler over a pool of ``max_batch_size`` KV-cache slots on the runtime's weights (specdec's runtime, or
-    llama.cpp's with a ``seq_id`` per slot); ``auto`` first measures what passes over 1 to max_batch_size x (k+1)
-    positions cost here. ``draft``: the draft-model drafter's source (``loading.draft_source``: the draft model's
-    runtime, or a ``ForeignDraft`` where its tokenizer is another), whose pool gives each request a slot."""
+    llama.cpp's with a ``seq_id`` per slot), or, where the drafter or the tree needs more of the target than a
+    batched pool gives (:func:`served_alone`), over the runtime's own cache one request at a time; ``auto`` first
+    measures what passes over 1 to max_batch_size x (k+1) positions cost here. ``draft``: the drafter's source
+    (``loading.draft_source``): a draft model's runtime, or a ``ForeignDraft`` where its tokenizer is another, whose
+    pool gives each request a slot; a trained network."""
     check_datastore_drafter(settings.drafter, datastore is not None)
     declared = role(settings.drafter)
-    if declared.needs_draft_model and draft is None:
-        raise UsageError(f"the server's {settings.drafter} drafter needs a draft model: --draft-model PATH")
-    pool = make_pool(runtime, settings)
+    if (declared.needs_draft_model or declared.trained) and draft is None:
+        raise UsageError(f"the server's {settings.drafter} drafter needs what it drafts with: --draft-model PATH "
+                         "or --drafter-path DIR")
+    alone = served_alone(runtime, settings, declared, draft)
+    if alone:
+        notice(f"serving one request at a time: {alone}")
+    pool = SequencePool(runtime, settings.max_model_len) if alone else make_pool(runtime, settings)
     cost = None
     if settings.speculation == "auto":
         cost = MeasuredPassCosts.measure(pool, settings.max_batch_size * (settings.num_draft_tokens + 1))
@@ -64,12 +72,30 @@ def build_scheduler(runtime, settings: BatchSettings, eos_token_ids: set[int], d
     if declared.reads_datastore:
         memory = LearnedAnswers(settings, runtime.vocab_size)
         datastore = ChainedIndex([memory.index] + ([datastore] if datastore is not None else []))
-    source = per_request(draft, settings) if draft is not None and declared.needs_draft_model else lambda: None
+    source = per_request(draft, settings) if declared.needs_draft_model and not alone else lambda: draft
     return Scheduler(pool, lambda: factory(runtime, source(), datastore),
                      SpeculationPlanner(settings.speculation, cost), eos_token_ids,
                      max_draft_tokens=settings.num_draft_tokens, max_waiting=settings.max_waiting,
                      drafter=settings.drafter, memory=memory,
-                     prefixes=prefix_cache(pool, settings.prefix_cache_mib << 20))
+                     prefixes=prefix_cache(pool, settings.prefix_cache_mib << 20), tree=settings.tree)
+
+
+def served_alone(runtime, settings: BatchSettings, declared: Role, draft) -> str | None:
+    """Why this server's requests run one at a time in the runtime's own cache (as the library's engine runs
+    them), or None where they batch: a drafter that needs a capability of the target that no batched pool gives
+    (its hidden states, its first layers alone), a tree (a batched pool scores chains), a draft model whose runtime
+    batches nothing (a trained draft LM)."""
+    if declared.needs is not None:
+        require(runtime, declared.needs, f"--drafter {settings.drafter}")
+        if declared.needs is FeatureSource:
+            runtime.keep_hidden_states()
+        return f"--drafter {settings.drafter} reads the target's own {declared.needs.__name__}"
+    if settings.tree is not None:
+        require(runtime, TreeScorer, "--tree", "use --backend lean or fused")
+        return "--tree scores token trees"
+    if declared.needs_draft_model and not declares(getattr(draft, "model", draft), Pooled):
+        return f"--drafter {settings.drafter}'s draft model batches nothing"
+    return None
 
 
 def per_request(draft, settings: BatchSettings):

@@ -7,10 +7,10 @@ import os
 import sys
 from pathlib import Path
 
-from specdec.choices import default_drafter
+from specdec.choices import default_drafter, parse_tree
 from specdec.datastore import HEADER
 from specdec.errors import UsageError
-from specdec.proposers import drafters_where, role
+from specdec.proposers import check_drafter_path, drafters_where, role
 from specdec.server.batching import BatchSettings
 from specdec.server.serving import ServerOptions, load_server, wait_for_signal
 from specdec.server.settings import ServerSettings
@@ -45,7 +45,8 @@ def run_serve(args) -> int:
         num_draft_tokens=args.num_draft_tokens,
         max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
         datastore_capacity=args.datastore_capacity, learn_prompts=args.datastore_learn_prompts,
-        save_learned=Path(args.datastore) if args.datastore_save else None, prefix_cache_mib=args.prefix_cache_mib)
+        save_learned=Path(args.datastore) if args.datastore_save else None, prefix_cache_mib=args.prefix_cache_mib,
+        tree=parse_tree(args.tree))
     settings = ServerSettings(host=args.host, port=args.port, max_body_bytes=args.max_body_bytes,
                               api_key=api_key(args.api_key, args.api_key_file), max_header_line=args.max_header_line,
                               max_head_bytes=args.max_head_bytes)
@@ -59,9 +60,10 @@ def run_serve(args) -> int:
     if args.draft_model and not role(batch.drafter).needs_draft_model:
         drafting = ", ".join(drafters_where(lambda r: r.needs_draft_model))
         raise UsageError(f"--draft-model is for --drafter {drafting}, not {batch.drafter}")
+    check_drafter_path(batch.drafter, args.drafter_path is not None)
     options = ServerOptions(args.model, batch, settings, datastore, args.dtype, args.device,
                             args.served_model_name, args.backend, args.threads, args.draft_model,
-                            args.cross_vocabulary)
+                            args.drafter_path, args.cross_vocabulary)
     if args.replicas:
         from specdec.server.replicas import run_replicas
 

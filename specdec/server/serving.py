@@ -8,7 +8,6 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec.errors import UsageError
 from specdec.proposers import role
 from specdec.server.app import OpenAIServer, bind
 from specdec.server.batching import BatchSettings, build_scheduler
@@ -31,6 +30,7 @@ class ServerOptions:
     backend: str = "auto"
     threads: int | None = None
     draft_model: str | None = None  # the draft-model drafter's model (any tokenizer)
+    drafter_path: str | None = None  # a trained drafter (specdec train), or a published EAGLE / Medusa checkpoint
     cross_vocabulary: str = "auto"  # how it proposes where its tokenizer is not the target's
 
 
@@ -43,15 +43,14 @@ def load_server(options: ServerOptions, listen: bool = True) -> OpenAIServer:
     settings = options.settings
     sock = bind(settings) if listen else None
     drafter = options.batch.drafter
-    drafts = role(drafter).needs_draft_model
+    declared = role(drafter)
     try:
-        if drafts and options.draft_model is None:
-            raise UsageError(f"the server's {drafter} drafter needs a draft model: --draft-model PATH")
         loaded = load_target(options.model, dtype=options.dtype, device=options.device, backend=options.backend,
-                             threads=options.threads, datastore=options.datastore, drafters=(options.batch.drafter,),
-                             draft_model=options.draft_model if drafts else None)
+                             threads=options.threads, datastore=options.datastore, drafters=(drafter,),
+                             draft_model=options.draft_model if declared.needs_draft_model else None)
         draft = draft_source(drafter, loaded.target, loaded.runtime, loaded.draft, loaded.precision,
-                             cross_vocabulary=options.cross_vocabulary) if drafts else None
+                             options.drafter_path, options.cross_vocabulary) \
+            if declared.needs_draft_model or declared.trained else None
         scheduler = build_scheduler(loaded.runtime, options.batch, loaded.stop_ids, loaded.datastore, draft)
     except BaseException:
         if sock is not None:
