@@ -47,6 +47,10 @@ def reference_module(path):
     fields = {key[len(arch) + 1 :]: field.contents() for key, field in reader.fields.items()
               if key.startswith(f"{arch}.")}
     names = {t.name for t in reader.tensors}
+    # the file's special tokens: a module's defaults may lie past a small vocabulary (smollm3's are Llama 3's)
+    special = {f"{name}_token_id": reader.fields[f"tokenizer.ggml.{key}_token_id"].contents()
+               for name, key in (("pad", "padding"), ("bos", "bos"), ("eos", "eos"))
+               if f"tokenizer.ggml.{key}_token_id" in reader.fields}
     config_name, model_name = MODULES[arch]
     heads = fields["attention.head_count"]
     config = getattr(transformers, config_name)(
@@ -54,7 +58,8 @@ def reference_module(path):
         intermediate_size=fields["feed_forward_length"], num_hidden_layers=fields["block_count"],
         num_attention_heads=heads, num_key_value_heads=fields.get("attention.head_count_kv", heads),
         rms_norm_eps=fields["attention.layer_norm_rms_epsilon"], max_position_embeddings=fields["context_length"],
-        tie_word_embeddings="output.weight" not in names, dtype=torch.float32, **_architecture_config(arch, fields))
+        tie_word_embeddings="output.weight" not in names, dtype=torch.float32, **special,
+        **_architecture_config(arch, fields))
     layer_names = LAYER_NAMES | ARCH_LAYER_NAMES.get("gemma" if arch.startswith("gemma") else arch, {})
     state = {}
     for tensor in reader.tensors:

@@ -28,6 +28,7 @@ from specdec.backends.base import Pooled
 from specdec.backends.family import (
     LlamaSpec,
     gguf_head_dim,
+    gguf_rope_layers,
     gguf_uncovered,
     head_dim_of,
     spec_of_gguf,
@@ -91,6 +92,8 @@ def unavailable(model=None, weights: str = "float16") -> str | None:
     if weights == "int8" and any(size % Q8_GROUP for size in (config.hidden_size, config.intermediate_size,
                                                               config.num_attention_heads * head_dim)):
         return f"int8 weights need inputs in whole groups of {Q8_GROUP}"
+    if not all(spec_of_module(model).rope_layers):
+        return "its C pass turns every layer by RoPE, and this model has layers without it (NoPE)"
     layer = model.model.layers[0]
     if any(m.bias is not None for m in (layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
                                         layer.mlp.down_proj, model.get_output_embeddings())):
@@ -246,6 +249,8 @@ def gguf_unavailable(source: GGUFFile) -> str | None:
     sizes = (hidden, gguf_head_dim(source), source.field(f"{arch}.feed_forward_length"))
     if any(size % Q8_GROUP for size in sizes[::2]) or sizes[1] % 8 or sizes[1] > MAX_HEAD_DIM:
         return f"its sizes (hidden, head, intermediate: {sizes}) do not fit its int8 tiles"
+    if not all(gguf_rope_layers(source)):
+        return "its C pass turns every layer by RoPE, and this model has layers without it (NoPE)"
     layers = source.field(f"{arch}.block_count")
     names = tensor_names(layers, source.tensors, arch)
     if any(name not in source.tensors for parts in names for name in parts):
