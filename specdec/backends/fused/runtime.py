@@ -26,9 +26,9 @@ import torch
 from specdec.backends import native
 from specdec.backends.base import Pooled
 from specdec.backends.family import (
+    FAMILIES,
     LlamaSpec,
     gguf_head_dim,
-    gguf_rope_layers,
     gguf_uncovered,
     head_dim_of,
     spec_of_gguf,
@@ -83,7 +83,7 @@ def unavailable(model=None, weights: str = "float16") -> str | None:
     if next(model.parameters()).device.type != "cpu":
         return "it runs on the CPU only"
     if not supports(model):
-        return f"it runs llama, mistral and qwen2 models with default RoPE, not {model.config.model_type}"
+        return f"it runs {', '.join(FAMILIES)} models with default RoPE, not {model.config.model_type}"
     config = model.config
     head_dim = head_dim_of(config)
     sizes = (config.hidden_size, head_dim, config.intermediate_size)
@@ -92,8 +92,6 @@ def unavailable(model=None, weights: str = "float16") -> str | None:
     if weights == "int8" and any(size % Q8_GROUP for size in (config.hidden_size, config.intermediate_size,
                                                               config.num_attention_heads * head_dim)):
         return f"int8 weights need inputs in whole groups of {Q8_GROUP}"
-    if not all(spec_of_module(model).rope_layers):
-        return "its C pass turns every layer by RoPE, and this model has layers without it (NoPE)"
     layer = model.model.layers[0]
     if any(m.bias is not None for m in (layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
                                         layer.mlp.down_proj, model.get_output_embeddings())):
@@ -249,8 +247,6 @@ def gguf_unavailable(source: GGUFFile) -> str | None:
     sizes = (hidden, gguf_head_dim(source), source.field(f"{arch}.feed_forward_length"))
     if any(size % Q8_GROUP for size in sizes[::2]) or sizes[1] % 8 or sizes[1] > MAX_HEAD_DIM:
         return f"its sizes (hidden, head, intermediate: {sizes}) do not fit its int8 tiles"
-    if not all(gguf_rope_layers(source)):
-        return "its C pass turns every layer by RoPE, and this model has layers without it (NoPE)"
     layers = source.field(f"{arch}.block_count")
     names = tensor_names(layers, source.tensors, arch)
     if any(name not in source.tensors for parts in names for name in parts):
@@ -398,7 +394,7 @@ class FusedRuntime(LlamaSequence, Pooled):
             struct.input_norm, struct.post_norm = held(input_norm), held(post_norm)
             for name, norm in norms.items():
                 setattr(struct, name, held(norm))
-            struct.window, struct.local_rope = self.windows[i], self.local_rope(i)
+            struct.window, struct.rope = self.windows[i], self._rope_tables(i)
             for name, matrix in zip(MATRIX_NAMES, self._matrices[4 * i : 4 * i + 4]):
                 setattr(struct, name, matrix.struct(self.products))
         self._layer_structs = structs
@@ -407,6 +403,12 @@ class FusedRuntime(LlamaSequence, Pooled):
         return Model(spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, spec.intermediate,
                      head.rows, spec.eps, activation, architecture.attention_scale, architecture.attention_softcap,
                      structs, held(spec.final_norm), head.struct(self.products))
+
+    def _rope_tables(self, index: int) -> int:
+        """fused.h's Layer.rope of layer ``index``: the tables its q and k turn by, or none (a NoPE layer)."""
+        if not self.rope_layers[index]:
+            return native.ROPE_NONE
+        return native.ROPE_LOCAL if self.local_rope(index) else native.ROPE_MAIN
 
     def _cache(self) -> PassCache:
         """What fused.c reads of this sequence's cache, made again after the cache moved."""
