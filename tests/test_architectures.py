@@ -125,15 +125,16 @@ def test_smollm3_on_the_lean_runtime(files):
 
 def test_what_it_does_not_cover_is_said_in_one_line(files, tmp_path, capsys):
     """A RoPE it does not scale (YaRN), or a head only partly turned: gguf_unavailable names it, and an explicit
-    ``--backend fused`` exits 2 with that line."""
+    ``--backend fused`` exits 2 with that line (smollm3's too, whose files transformers does not convert)."""
     import gguf
 
     from specdec.cli import main
 
-    source = gguf.GGUFReader(files("qwen3", "F32"))
-    for name, change, said in (("yarn", {"qwen3.rope.scaling.type": "yarn"}, "its RoPE is scaled by yarn"),
-                               ("partial", {"qwen3.rope.dimension_count": 64}, "turns part of each head")):
-        path = _rewritten(source, tmp_path / f"{name}.gguf", change)
+    yarn = ("rope.scaling.type", "yarn", "its RoPE is scaled by yarn")  # the key, its new value, the line's words
+    partial = ("rope.dimension_count", 64, "turns part of each head")
+    for arch, name, (key, value, said) in (("qwen3", "yarn", yarn), ("qwen3", "partial", partial),
+                                           ("smollm3", "smollm3-yarn", yarn)):
+        path = _rewritten(gguf.GGUFReader(files(arch, "F32")), tmp_path / f"{name}.gguf", {f"{arch}.{key}": value})
         assert said in gguf_unavailable(GGUFFile(path))
         assert main(["generate", "hi", "--model", str(path), "--backend", "fused", "--max-new-tokens", "2"]) == 2
         err = capsys.readouterr().err

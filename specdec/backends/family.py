@@ -19,6 +19,7 @@ from specdec.backends.gguf_file import GGUFFile, Tensor, dequantized
 from specdec.backends.linear import Linear, make_linear
 
 FAMILIES = ("llama", "mistral", "qwen2", "smollm3")  # the transformers modules it computes (``supports``)
+CONVERTED_FAMILIES = ("llama", "mistral", "qwen2")  # those whose GGUF files transformers converts (not smollm3's)
 KEY_BLOCK = 256  # keys attention reduces over at a time; caches hold whole blocks (see blocked_attention)
 
 
