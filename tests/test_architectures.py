@@ -1,7 +1,8 @@
 """The architectures the fused runtime reads from a GGUF beside llama and qwen2 (test_gguf_formats.py): Llama 3's RoPE
 frequencies, qwen3 (q and k normed per head, heads wider than hidden / heads), phi3 (fused q, k, v and gate, up
 tensors), gemma 2 (GELU, a scaled tied embedding, the blocks' outputs normed, soft caps on scores and logits, every
-other layer sliding, heads of 256) and gemma 3 (q and k normed, five layers in six sliding, with RoPE of their own).
+other layer sliding, heads of 256), gemma 3 (q and k normed, five layers in six sliding, with RoPE of their own) and
+smollm3 (llama's tensors, every 4th layer without RoPE; also on the lean runtime, from its transformers module).
 
 Each on a tiny random GGUF of that architecture (tests/tiny_gguf.py), whose 40 test tokens pass the sliding layers'
 window of 8: logits against transformers' float32 module of the same file and against llama.cpp's; rows alone, in a
@@ -24,11 +25,13 @@ from tiny_gguf import WINDOW, write_tiny_gguf
 
 from specdec.backends.fused import PRODUCTS, FusedRuntime, gguf_unavailable
 from specdec.backends.gguf_file import GGUFFile
-from specdec.bench.numerics import reference_module
+from specdec.backends.lean import LeanRuntime
+from specdec.backends.reference import reference_module
 
 BASE = {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "ffn": 512}
 SHAPES = {"llama3": BASE, "qwen3": BASE | {"head_dim": 128}, "phi3": BASE, "gemma2": BASE | {"head_dim": 256},
-          "gemma3": BASE | {"layers": 6}}  # gemma 3's sixth layer is its first global one
+          "gemma3": BASE | {"layers": 6},  # gemma 3's sixth layer is its first global one
+          "smollm3": BASE | {"layers": 4}}  # smollm3's fourth layer is its first without RoPE
 ARCHITECTURES = list(SHAPES)
 IDS = [(37 * i) % 3000 + 10 for i in range(40)]
 assert len(IDS) > 2 * WINDOW
@@ -100,17 +103,38 @@ def test_speculation_keeps_plain_decodings_output(files, arch):
     check_speculation_identity(files(arch, "Q4_K_M"), ("prompt-lookup",))
 
 
+def test_smollm3_on_the_lean_runtime(files):
+    """smollm3's transformers module (what a SmolLM3 directory loads) on the lean runtime: logits within 4x float32's
+    error of the module, and no farther than llama.cpp's of the same file; its 4th layer turns nothing by RoPE (turned,
+    the logits leave the module by far more); rows alone, in a pass and in its pool, bit for bit."""
+    path = files("smollm3", "F32")
+    module = reference_module(path)
+    with torch.no_grad():
+        reference = module(torch.tensor([IDS])).logits[0].float()
+    runtime = LeanRuntime(module, "float32")
+    assert runtime.rope_layers == (True, True, True, False)
+    ours = (runtime.extend(IDS, len(IDS)) - reference).abs().max()
+    theirs = (llama_cpp_logits(path, IDS) - reference).abs().max()
+    bound = 4 * float32_error(module, IDS)
+    assert ours <= bound and ours <= theirs, (ours, theirs)
+    runtime.rollback(0)
+    runtime.rope_layers = (True,) * 4
+    assert (runtime.extend(IDS, len(IDS)) - reference).abs().max() > 100 * bound
+    check_runtime(LeanRuntime(module, "float32"))
+
+
 def test_what_it_does_not_cover_is_said_in_one_line(files, tmp_path, capsys):
     """A RoPE it does not scale (YaRN), or a head only partly turned: gguf_unavailable names it, and an explicit
-    ``--backend fused`` exits 2 with that line."""
+    ``--backend fused`` exits 2 with that line (smollm3's too, whose files transformers does not convert)."""
     import gguf
 
     from specdec.cli import main
 
-    source = gguf.GGUFReader(files("qwen3", "F32"))
-    for name, change, said in (("yarn", {"qwen3.rope.scaling.type": "yarn"}, "its RoPE is scaled by yarn"),
-                               ("partial", {"qwen3.rope.dimension_count": 64}, "turns part of each head")):
-        path = _rewritten(source, tmp_path / f"{name}.gguf", change)
+    yarn = ("rope.scaling.type", "yarn", "its RoPE is scaled by yarn")  # the key, its new value, the line's words
+    partial = ("rope.dimension_count", 64, "turns part of each head")
+    for arch, name, (key, value, said) in (("qwen3", "yarn", yarn), ("qwen3", "partial", partial),
+                                           ("smollm3", "smollm3-yarn", yarn)):
+        path = _rewritten(gguf.GGUFReader(files(arch, "F32")), tmp_path / f"{name}.gguf", {f"{arch}.{key}": value})
         assert said in gguf_unavailable(GGUFFile(path))
         assert main(["generate", "hi", "--model", str(path), "--backend", "fused", "--max-new-tokens", "2"]) == 2
         err = capsys.readouterr().err

@@ -23,7 +23,7 @@ from tiny import float32_error
 
 from specdec.backends.fused import PRODUCTS, FusedRuntime, gguf_unavailable
 from specdec.backends.gguf_file import GGUFFile, dequantized
-from specdec.bench.numerics import reference_module
+from specdec.backends.reference import reference_module
 
 FORMATS = ["Q4_K_M", "Q5_K_M", "Q6_K", "Q5_0", "Q5_1", "F16", "BF16", "F32"]
 SHAPE = {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "ffn": 512}

@@ -22,8 +22,11 @@ import numpy as np
 # stored in the module's row order, as every architecture but llama's); qwen3 (q and k normed per head, heads wider
 # than hidden / heads); phi3 (q, k and v in one tensor, gate and up in one); gemma2 (GELU, a scaled and tied
 # embedding, the blocks' outputs normed, soft caps on scores and logits, every other layer sliding); gemma3 (gemma2's
-# without the caps, with q and k normed, five layers in six sliding with RoPE of their own)
-ARCHITECTURES = ("llama", "llama3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+# without the caps, with q and k normed, five layers in six sliding with RoPE of their own); smollm3 (llama's tensors,
+# every 4th layer without RoPE, as llama.cpp and transformers' SmolLM3 fix it)
+ARCHITECTURES = ("llama", "llama3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "smollm3")
+# whose q and k rows llama.cpp's converter interleaves for its rotary layout (llama_cpp_layout)
+INTERLEAVED_QK = ("llama", "smollm3")
 WINDOW = 8  # the sliding layers' window: a few keys, so that a test's tokens pass it
 GEMMA2_SOFTCAPS = (4.0, 3.0)  # scores', logits': small enough to bite on a random model's (real: 50 and 30)
 GEMMA3_ROPE_FREQ_BASE = 1e6  # its global layers' (the local ones' is 10000)
@@ -144,7 +147,8 @@ def write_tiny_gguf(path: str | Path, *, layers: int = 2, hidden: int = 64, head
     for field in tokenizer:
         writer.add_key_value(field.key, field.value, field.vtype, sub_type=field.sub_type)
     for name, weight in weights.items():
-        _add_tensor(writer, name, llama_cpp_layout(name, weight, shape) if arch == "llama" else weight, weight_type)
+        _add_tensor(writer, name, llama_cpp_layout(name, weight, shape) if arch in INTERLEAVED_QK else weight,
+                    weight_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,4 +1,4 @@
-"""The llama family (llama, mistral, qwen2) as PyTorch computes it: which models it covers, a layer's weights
+"""The llama family (llama, mistral, qwen2, smollm3) as PyTorch computes it: which models it covers, a layer's weights
 (one fused product for q, k and v, one for gate and up, each through the kernel for its precision, ``linear.py``),
 the norms, RoPE, the feed-forward block, and attention that reads whole blocks of keys.
 
@@ -18,7 +18,8 @@ from specdec.backends import native
 from specdec.backends.gguf_file import GGUFFile, Tensor, dequantized
 from specdec.backends.linear import Linear, make_linear
 
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2", "smollm3")  # the transformers modules it computes (``supports``)
+CONVERTED_FAMILIES = ("llama", "mistral", "qwen2")  # those whose GGUF files transformers converts (not smollm3's)
 KEY_BLOCK = 256  # keys attention reduces over at a time; caches hold whole blocks (see blocked_attention)
 
 
@@ -102,6 +103,7 @@ class LlamaSpec:
     rope_factors: torch.Tensor | None = None  # [head_dim / 2]: each frequency divided by its factor (Llama 3's)
     local_rope_theta: float | None = None  # the sliding-window layers' RoPE base, where theirs differs (gemma 3)
     windows: tuple[int, ...] = ()  # per layer: the most keys a query attends, 0 all; () all everywhere
+    rope_layers: tuple[bool, ...] = ()  # per layer: whether it turns q and k by RoPE (smollm3's NoPE: not); () all
 
 
 class StoredRows:
@@ -139,13 +141,15 @@ def spec_of_module(model) -> LlamaSpec:
         max_length=min(config.max_position_embeddings, getattr(config, "sliding_window", None) or 2**62),
         rope_theta=rope_parameters(config).get("rope_theta", getattr(config, "rope_theta", 10000.0)),
         embed=model.get_input_embeddings().weight.detach(), final_norm=model.model.norm.weight.detach(),
-        device=next(model.parameters()).device)
+        device=next(model.parameters()).device,
+        rope_layers=tuple(bool(rotates) for rotates in getattr(config, "no_rope_layers", None) or ()))
 
 
 # the architectures read from a GGUF file directly (spec_of_gguf); mistral's files are llama's
-GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "smollm3")
 GEMMA3_LOCAL_ROPE_THETA = 10000.0  # gemma 3's sliding layers turn by this base, whatever the file's
 GEMMA3_PATTERN = 6  # gemma 3: of every 6 layers, the first 5 slide and the 6th reads everything
+SMOLLM3_NOPE_INTERVAL = 4  # smollm3: every 4th layer turns nothing by RoPE (llama.cpp fixes it, the file says nothing)
 
 
 def gguf_head_dim(source: GGUFFile) -> int:
@@ -196,7 +200,16 @@ def spec_of_gguf(source: GGUFFile) -> LlamaSpec:
         final_norm=tensor("output_norm.weight"), device=torch.device("cpu"),
         architecture=_gguf_architecture(source), rope_factors=rope_factors,
         local_rope_theta=GEMMA3_LOCAL_ROPE_THETA if arch == "gemma3" else None,
-        windows=tuple(window if _slides(arch, i) else 0 for i in range(layers)) if window else ())
+        windows=tuple(window if _slides(arch, i) else 0 for i in range(layers)) if window else (),
+        rope_layers=gguf_rope_layers(source))
+
+
+def gguf_rope_layers(source: GGUFFile) -> tuple[bool, ...]:
+    """Per layer of a GGUF's model, whether it turns q and k by RoPE (smollm3: all but every 4th); () all."""
+    arch = source.field("general.architecture")
+    if arch != "smollm3":
+        return ()
+    return tuple((i + 1) % SMOLLM3_NOPE_INTERVAL != 0 for i in range(source.field(f"{arch}.block_count")))
 
 
 def _slides(arch: str, layer: int) -> bool:
@@ -266,16 +279,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
-def project_qkv(layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
-                head_dim: int, eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def project_qkv(layer: Layer, h: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, heads: int,
+                kv_heads: int, head_dim: int, eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [n, heads, hd], k and v [n, kv_heads, hd] of the normed hidden states h [n, hidden], q and k normed per
-    head where the layer says (with ``eps``), then rotated to the positions whose cos and sin ([n, hd]) are given."""
+    head where the layer says (with ``eps``), then rotated to the positions whose cos and sin ([n, hd]) are given
+    (None: a layer without RoPE, smollm3's NoPE)."""
     n = h.shape[0]
     qkv = layer.qkv(h)  # [n, (heads + 2 * kv_heads) * hd]
     qk = qkv[:, : (heads + kv_heads) * head_dim].view(n, heads + kv_heads, head_dim)
     if layer.q_norm is not None:
         qk = torch.cat([rms_norm(qk[:, :heads], layer.q_norm, eps), rms_norm(qk[:, heads:], layer.k_norm, eps)], 1)
-    qk = _apply_rope(qk, cos, sin)
+    if cos is not None:
+        qk = _apply_rope(qk, cos, sin)
     return qk[:, :heads], qk[:, heads:], qkv[:, (heads + kv_heads) * head_dim :].view(n, kv_heads, head_dim)
 
 

@@ -65,6 +65,7 @@ TILE_OUTPUTS = 8  # weight rows per repacked block
 CHUNK_INPUTS = 8  # inputs per chunk of a block: a float product's inputs come in whole chunks
 MAX_HEAD_DIM = 256  # attend keeps one head's output in 32 registers of 8
 SILU, GELU_TANH = 0, 1  # fused.h's activations of the feed-forward block's gate
+ROPE_MAIN, ROPE_LOCAL, ROPE_NONE = 0, 1, 2  # fused.h's: the RoPE tables a layer's q and k turn by, or none
 
 _p = ctypes.c_void_p
 
@@ -85,7 +86,7 @@ class Matrix(ctypes.Structure):
 
 class Layer(ctypes.Structure):
     _fields_ = [("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p), ("attn_out_norm", _p),
-                ("ffn_out_norm", _p), ("window", ctypes.c_int), ("local_rope", ctypes.c_int), ("qkv", Matrix),
+                ("ffn_out_norm", _p), ("window", ctypes.c_int), ("rope", ctypes.c_int), ("qkv", Matrix),
                 ("out", Matrix), ("gate_up", Matrix),
                 ("down", Matrix)]
 

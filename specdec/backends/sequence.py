@@ -60,6 +60,7 @@ class LlamaSequence(TreeScorer, FeatureSource, ShallowRunner, PromptPasses):
         self.final_norm = spec.final_norm.to(self.dtype)
         self.architecture = spec.architecture
         self.windows = spec.windows or (0,) * spec.layers
+        self.rope_layers = spec.rope_layers or (True,) * spec.layers
         arange = torch.arange(0, self.head_dim, 2, device=self.device).float()
         self.inv_freq = 1.0 / (spec.rope_theta ** (arange / self.head_dim))
         if spec.rope_factors is not None:  # Llama 3's frequencies, each divided by its factor
@@ -118,6 +119,14 @@ class LlamaSequence(TreeScorer, FeatureSource, ShallowRunner, PromptPasses):
     def local_rope(self, index: int) -> bool:
         """Whether layer ``index`` turns its q and k by the local tables (a sliding layer with RoPE of its own)."""
         return self.local_inv_freq is not None and self.windows[index] > 0
+
+    def layer_rope(self, index: int, tables: tuple[torch.Tensor, torch.Tensor],
+                   local: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The cos and sin ([n, head_dim] each) layer ``index`` turns its q and k by, of a pass's ``tables`` and
+        ``local`` ones (:meth:`local_rope`); (None, None) for a layer without RoPE (smollm3's NoPE layers)."""
+        if not self.rope_layers[index]:
+            return None, None
+        return local if self.local_rope(index) else tables
 
     # --- the sequence ------------------------------------------------------------------------------------------------
 
@@ -257,7 +266,7 @@ class LlamaSequence(TreeScorer, FeatureSource, ShallowRunner, PromptPasses):
         reading = self._keys_read(mask, start, x.shape[0], isinstance(positions, torch.Tensor))
         for index in range(first, end):
             layer = layers[index]
-            cos, sin = local if self.local_rope(index) else tables
+            cos, sin = self.layer_rope(index, tables, local)
             attended = self._attention(layer, rms_norm(x, layer.input_norm, self.eps), self._keys[index],
                                        self._values[index], start, cos, sin, reading, self.scoring(index))
             x = added(x, attended, layer.attn_out_norm, self.eps)
@@ -298,7 +307,7 @@ class LlamaSequence(TreeScorer, FeatureSource, ShallowRunner, PromptPasses):
         return len(shallow.tokens) if token_ids[: len(shallow.tokens)] == shallow.tokens else 0
 
     def _attention(self, layer: Layer, h: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                   cos: torch.Tensor, sin: torch.Tensor, reading: KeysRead, scoring: native.Scoring
+                   cos: torch.Tensor | None, sin: torch.Tensor | None, reading: KeysRead, scoring: native.Scoring
                    ) -> torch.Tensor:  # [n, hidden]
         """A chain's queries attend to the cache as it lies; a tree's each to its own keys in its branch's chain
         order (``reading``), so that every node computes what its branch computes as a chain."""

@@ -168,7 +168,7 @@ class SlotPool(FeaturePool, KeepsPrefixes):
             (self._local_cos[layout.positions], self._local_sin[layout.positions])
         x = rt.embedded(layout.token_ids)  # [T, hidden]
         for index, (layer, keys, values) in enumerate(zip(layers[:count], self._keys, self._values)):
-            cos, sin = local if rt.local_rope(index) else tables
+            cos, sin = rt.layer_rope(index, tables, local)
             h = rms_norm(x, layer.input_norm, rt.eps)
             q, k, v = project_qkv(layer, h, cos, sin, rt.heads, rt.kv_heads, rt.head_dim, rt.eps)  # [T, *, hd]
             keys[layout.slot_of_token, :, layout.positions] = k

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specdec.backends.family import FAMILIES
+from specdec.backends.family import CONVERTED_FAMILIES
 from specdec.backends.fused.runtime import (
     PRODUCTS,
     PROMPT_POSITIONS,
@@ -36,7 +36,7 @@ def from_file(path: Path, threads: int | None = None, max_length: int | None = N
     reason = gguf_unavailable(source)
     if reason is None:
         return FusedRuntime.from_gguf(source)
-    if source.field("general.architecture") not in FAMILIES:  # no conversion would run it
+    if source.field("general.architecture") not in CONVERTED_FAMILIES:  # no conversion would run it
         raise UsageError(f"--backend fused cannot run {path.name}: {reason}")
     if verbose():
         notice(f"the fused runtime runs {path.name} from its transformers conversion: {reason}")

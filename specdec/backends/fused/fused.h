@@ -69,13 +69,15 @@ typedef struct {
     const float *attn_out_norm, *ffn_out_norm; /* [hidden] or NULL: attention's and the feed-forward block's
                                                 * outputs RMS-normed before the residual add (gemma's) */
     int window;                           /* the most keys a query attends (a sliding-window layer), or 0: all */
-    int local_rope;                       /* its RoPE from the cache's local tables (gemma 3's sliding layers) */
+    int rope;                             /* the RoPE tables its q and k turn by: ROPE_MAIN, ROPE_LOCAL (gemma 3's
+                                           * sliding layers), or ROPE_NONE: not turned (smollm3's NoPE layers) */
     Matrix qkv;                           /* [(heads + 2 kv_heads) head_dim, hidden], with q, k and v's biases */
     Matrix out;                           /* [hidden, heads head_dim] */
     Matrix gate_up;                       /* [2 inter, hidden]: gate rows, then up rows */
     Matrix down;                          /* [hidden, inter] */
 } Layer;
 
+enum { ROPE_MAIN, ROPE_LOCAL, ROPE_NONE }; /* Layer.rope: the cache's tables, its local tables, or none */
 enum { SILU, GELU_TANH }; /* the feed-forward block's activation of gate, times up */
 
 typedef struct {
@@ -93,7 +95,7 @@ typedef struct {
     float **keys, **values;  /* per layer: the cache's base */
     int64_t head_stride;     /* floats from one kv head to the next (capacity * head_dim) */
     const float *cos, *sin;  /* [capacity, head_dim] */
-    const float *local_cos, *local_sin; /* the local layers' tables (Layer.local_rope), or NULL */
+    const float *local_cos, *local_sin; /* the local layers' tables (Layer.rope ROPE_LOCAL), or NULL */
 } Cache;
 
 typedef struct {

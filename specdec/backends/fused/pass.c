@@ -104,8 +104,8 @@ static void pass_job(void *arg, int thread, int threads) {
         share(qkv_width, 8, thread, threads, &b, &e);
         product(&layer->qkv, p->h, hidden, n, b, e, p->qkv, qkv_width, STORE);
         team_barrier(threads, &sense);
-        const float *cos_table = layer->local_rope ? p->cache->local_cos : p->cache->cos;
-        const float *sin_table = layer->local_rope ? p->cache->local_sin : p->cache->sin;
+        const float *cos_table = layer->rope == ROPE_LOCAL ? p->cache->local_cos : p->cache->cos;
+        const float *sin_table = layer->rope == ROPE_LOCAL ? p->cache->local_sin : p->cache->sin;
         for (int r = thread; r < n; r += threads) {
             float *row = p->qkv + (int64_t)r * qkv_width;
             const float *cos = cos_table + (int64_t)rows->rope[r] * hd, *sin = sin_table + (int64_t)rows->rope[r] * hd;
@@ -113,7 +113,8 @@ static void pass_job(void *arg, int thread, int threads) {
                 for (int head = 0; head < m->heads + m->kv_heads; head++)
                     rms_norm_row(row + head * hd, head < m->heads ? layer->q_norm : layer->k_norm, hd, m->eps,
                                  row + head * hd);
-            for (int head = 0; head < m->heads + m->kv_heads; head++) rope_row(row + head * hd, cos, sin, hd);
+            if (layer->rope != ROPE_NONE)
+                for (int head = 0; head < m->heads + m->kv_heads; head++) rope_row(row + head * hd, cos, sin, hd);
             for (int kv = 0; kv < m->kv_heads; kv++) {
                 int64_t at = rows->base[r] + kv * p->cache->head_stride + (int64_t)rows->column[r] * hd;
                 memcpy(p->cache->keys[li] + at, row + q_width + kv * hd, hd * sizeof(float));

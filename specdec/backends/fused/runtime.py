@@ -26,6 +26,7 @@ import torch
 from specdec.backends import native
 from specdec.backends.base import Pooled
 from specdec.backends.family import (
+    FAMILIES,
     LlamaSpec,
     gguf_head_dim,
     gguf_uncovered,
@@ -82,7 +83,7 @@ def unavailable(model=None, weights: str = "float16") -> str | None:
     if next(model.parameters()).device.type != "cpu":
         return "it runs on the CPU only"
     if not supports(model):
-        return f"it runs llama, mistral and qwen2 models with default RoPE, not {model.config.model_type}"
+        return f"it runs {', '.join(FAMILIES)} models with default RoPE, not {model.config.model_type}"
     config = model.config
     head_dim = head_dim_of(config)
     sizes = (config.hidden_size, head_dim, config.intermediate_size)
@@ -393,7 +394,7 @@ class FusedRuntime(LlamaSequence, Pooled):
             struct.input_norm, struct.post_norm = held(input_norm), held(post_norm)
             for name, norm in norms.items():
                 setattr(struct, name, held(norm))
-            struct.window, struct.local_rope = self.windows[i], self.local_rope(i)
+            struct.window, struct.rope = self.windows[i], self._rope_tables(i)
             for name, matrix in zip(MATRIX_NAMES, self._matrices[4 * i : 4 * i + 4]):
                 setattr(struct, name, matrix.struct(self.products))
         self._layer_structs = structs
@@ -402,6 +403,12 @@ class FusedRuntime(LlamaSequence, Pooled):
         return Model(spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, spec.intermediate,
                      head.rows, spec.eps, activation, architecture.attention_scale, architecture.attention_softcap,
                      structs, held(spec.final_norm), head.struct(self.products))
+
+    def _rope_tables(self, index: int) -> int:
+        """fused.h's Layer.rope of layer ``index``: the tables its q and k turn by, or none (a NoPE layer)."""
+        if not self.rope_layers[index]:
+            return native.ROPE_NONE
+        return native.ROPE_LOCAL if self.local_rope(index) else native.ROPE_MAIN
 
     def _cache(self) -> PassCache:
         """What fused.c reads of this sequence's cache, made again after the cache moved."""

@@ -27,7 +27,7 @@ LAYER_TENSORS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", 
 # phi3's files hold q, k and v in one tensor, and gate and up in one (gate's rows first)
 FUSED_LAYER_TENSORS = {"phi3": (("attn_qkv",), ("attn_output",), ("ffn_up",), ("ffn_down",))}
 FLOAT_STORED = {"F16": "float16", "BF16": "bfloat16"}  # kept as they are; F32, and mixtures, as float32
-PERMUTED_ARCHITECTURES = ("llama",)  # whose q and k rows llama.cpp's converter interleaved (``_unpermuted``)
+PERMUTED_ARCHITECTURES = ("llama", "smollm3")  # whose q and k rows llama.cpp's converter interleaved (``_unpermuted``)
 CHUNK_ROWS = 8192  # rows decoded and packed at a time (a multiple of the tiles' 8)
 # The GGUF types integer products keep in their own bits, and the format each is kept in: Q4_0 and Q4_1 (q under 16)
 # and Q5_0 and Q5_1 (under 32), whose scales and offsets are float16 values, in 4 or 5 bits and float16; the K-quants

@@ -1,5 +1,5 @@
-"""The lean runtime: a llama-family model (llama, mistral, qwen2) run in PyTorch from the weights of a transformers
-model.
+"""The lean runtime: a llama-family model (llama, mistral, qwen2, smollm3) run in PyTorch from the weights of a
+transformers model.
 
 What it saves over calling the transformers module: one fused product for q, k and v and one for gate and up, each
 through the kernel for its weight precision (``linear.py``: on the CPU, specdec's row kernels, which compute each row
@@ -15,7 +15,7 @@ import torch
 
 from specdec.backends import native
 from specdec.backends.base import Pooled, streamed_parameters
-from specdec.backends.family import LINEARS, Layer, build_layers, spec_of_module, supports
+from specdec.backends.family import FAMILIES, LINEARS, Layer, build_layers, spec_of_module, supports
 from specdec.backends.linear import BULK_POSITIONS, DTYPE_OF, Linear, PassPrecisions, activation_dtype, precision_name
 from specdec.backends.sequence import LlamaSequence
 
@@ -37,7 +37,7 @@ class LeanRuntime(LlamaSequence, Pooled):
         if any(activation_dtype(p, device) != dtype for p in precisions.all):
             raise ValueError(f"passes in {precisions} would need two activation dtypes on {device.type}")
         if not supports(model):
-            raise ValueError("the lean runtime runs llama, mistral and qwen2 models with default RoPE")
+            raise ValueError(f"the lean runtime runs {', '.join(FAMILIES)} models with default RoPE")
         super().__init__(spec_of_module(model), dtype)
         self.precisions = precisions
         self.weight_bytes = streamed_parameters(model) * DTYPE_OF[precisions.decode].itemsize
