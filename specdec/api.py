@@ -45,9 +45,9 @@ class SpecDecoder:
     >>> decoder.generate("Write a haiku about the sea", max_new_tokens=32).text
     """
 
-    def __init__(self, target: LoadedModel, drafter: str = "prompt-lookup", draft: LoadedModel | None = None,
-                 precision: str | None = None, datastore=None, drafter_path: str | os.PathLike | None = None,
-                 cross_vocabulary: str = "auto"):
+    def __init__(self, target: LoadedModel, drafter: str = default_drafter(False, False),
+                 draft: LoadedModel | None = None, precision: str | None = None, datastore=None,
+                 drafter_path: str | os.PathLike | None = None, cross_vocabulary: str = "auto"):
         """``precision``: None runs the models in the dtype they were loaded in; "auto" lets the lean runtime pick,
         per kind of pass, the fastest weight precision that keeps the target's outputs (see backends/lean/precision.py).
         ``datastore``: a loaded retrieval datastore (specdec.datastore.load), for the retrieval drafter.

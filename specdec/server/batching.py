@@ -8,7 +8,7 @@ from pathlib import Path
 
 from specdec.backends import pool_of
 from specdec.backends.base import FeatureSource, Pooled, PooledSequence, SequencePool, TreeScorer, declares, require
-from specdec.choices import SPECULATION_MODES, check_datastore_drafter, check_tree
+from specdec.choices import SPECULATION_MODES, check_datastore_drafter, check_tree, default_drafter
 from specdec.costs import MeasuredPassCosts
 from specdec.errors import UsageError
 from specdec.logs import notice
@@ -23,7 +23,7 @@ from specdec.server.speculation import SpeculationPlanner
 @dataclass(frozen=True)
 class BatchSettings:
     speculation: str = "auto"  # auto, always or never
-    drafter: str = "prompt-lookup"
+    drafter: str = default_drafter(draft_model=False, datastore=False)
     num_draft_tokens: int = 4  # the most draft tokens per request per step
     max_batch_size: int = 64  # requests decoded together (KV-cache slots)
     max_model_len: int = 2048  # prompt + output tokens of one request
