@@ -127,9 +127,9 @@ def draft_model_source(target: LoadedModel, draft: LoadedModel, runtime: CausalL
 def check_backend_serves(drafter: str, backend: str) -> None:
     """Refuse, in one line and before anything slow loads, a drafter that needs a capability (its role's ``needs``)
     that the settled backend's runtime does not declare (llama.cpp's declares no ShallowRunner)."""
-    from specdec.proposers import role
+    from specdec.proposers import PROPOSERS, role
 
-    needed = role(drafter).needs
+    needed = role(drafter).needs if drafter in PROPOSERS else None  # bench's own rows (hf-assisted, ...) are none
     if needed is None or needed in kind(backend).runtime.__mro__:
         return
     serving = " or ".join(k.name for k in kinds() if needed in k.runtime.__mro__)

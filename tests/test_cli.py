@@ -45,7 +45,8 @@ def test_json_output(models, capsys, drafter):
     )
     assert code == 0, err
     result = json.loads(out)
-    assert set(result) == {"text", "token_ids", "stats"}
+    assert set(result) == {"text", "token_ids", "finish_reason", "stats"}
+    assert result["finish_reason"] in ("stop", "length")
     assert set(result["stats"]) >= {"rounds", "draft_tokens", "accepted_tokens", "acceptance_rate",
                                     "mean_accepted_length", "new_tokens", "seconds", "tokens_per_second"}
     assert len(result["token_ids"]) == result["stats"]["new_tokens"] <= 12
