@@ -131,9 +131,9 @@ def untrained_source(drafter: str, model):
                                            ("prompt-lookup", (2, 2)), ("eagle", "auto")])
 def test_the_server_serves_every_drafter_and_trees(tiny, drafter, tree):  # noqa: F811
     """``serve --drafter eagle`` (mtp, early-exit, ngram) and ``--tree``: the server's scheduler as ``serve`` builds
-    it, over the runtime's own cache one request at a time where the drafter reads the target's features or first
-    layers, or drafts trees (ngram batches); three greedy requests: each answer is plain decoding's, and drafts
-    were scored."""
+    it: batched where the pool gives what the drafter reads (the target's features: eagle, mtp), over the runtime's
+    own cache one request at a time where it reads the target's first layers (early-exit) or drafts trees; three
+    greedy requests at once: each answer is plain decoding's, and drafts were scored."""
     from specdec.backends.base import SequencePool
 
     model = copy.deepcopy(tiny[0]).float()
@@ -141,7 +141,7 @@ def test_the_server_serves_every_drafter_and_trees(tiny, drafter, tree):  # noqa
     settings = BatchSettings(drafter=drafter, speculation="always", num_draft_tokens=3, max_batch_size=4,
                              max_model_len=128, tree=tree)
     scheduler = build_scheduler(runtime, settings, {EOS}, draft=untrained_source(drafter, model))
-    assert isinstance(scheduler.pool, SequencePool) == (drafter != "ngram" or tree is not None)
+    assert isinstance(scheduler.pool, SequencePool) == (drafter == "early-exit" or tree is not None)
     prompts = [PROMPT, PROMPT[3:] + PROMPT, [7, 3, 7, 3, 7]]
     plain_runtime = LeanRuntime(model)
     plain = [Engine(plain_runtime, make_proposer("none", plain_runtime)).generate(
@@ -171,3 +171,24 @@ def test_a_tree_or_a_feature_drafter_on_a_runtime_that_cannot_is_refused_in_one_
                            (BatchSettings(drafter="eagle"), "--drafter eagle needs a FeatureSource")):
         with pytest.raises(UsageError, match=says):
             build_scheduler(Plain(), settings, {EOS}, draft=untrained_source(settings.drafter, tiny[0]))
+
+
+def test_a_pool_keeps_each_slots_features_as_the_runtime_keeps_its_own(tiny):  # noqa: F811
+    """What eagle and mtp read when they batch: a slot's hidden states at its cached positions are the ones the
+    runtime keeps for the same tokens alone, bit for bit, through rounds cut back to their accepted tokens and
+    after another slot closes and this one moves into its place."""
+    from specdec.backends.base import Row
+
+    model = copy.deepcopy(tiny[0]).float()
+    alone = require_pass_invariant(LeanRuntime(model))
+    alone.keep_hidden_states()
+    pool = LeanRuntime(model).pool(3, 64)
+    pool.keep_features()
+    first, second = pool.open(), pool.open()
+    pool.forward([Row(first, [3, 4, 5, 6], 1), Row(second, PROMPT, 1)])
+    pool.forward([Row(first, [7, 8, 9], 3), Row(second, [11, 12], 2)])
+    second.length -= 1  # a round's last draft token rejected
+    pool.forward([Row(second, [13, 14, 15], 1)])
+    pool.close(first)  # the second slot moves into the first's place
+    alone.extend(PROMPT + [11, 13, 14, 15], 1)
+    assert second.index == 0 and torch.equal(pool.features(second), alone.hidden_states)

@@ -150,7 +150,11 @@ class TreePool(Pool, Protocol):
 
 class SlotFeatures(Pool, Protocol):
     """A pool that hands a drafter the target's final hidden states at a slot's cached positions (what the eagle
-    and mtp heads read)."""
+    and mtp heads read), once asked to keep them."""
+
+    def keep_features(self) -> None:
+        """From now on keep every slot's hidden states at its cached positions."""
+        ...
 
     def features(self, slot: Slot) -> torch.Tensor:  # [slot.length, hidden]
         ...
@@ -304,6 +308,9 @@ class SequencePool(TreePool, SlotFeatures):
     def keep_path(self, slot: Slot, start: int, path: list[int]) -> None:
         self.runtime.keep_path(start, path)
         slot.length = start + len(path)
+
+    def keep_features(self) -> None:
+        self.runtime.keep_hidden_states()
 
     def features(self, slot: Slot) -> torch.Tensor:  # [slot.length, hidden]
         return self.runtime.hidden_states[: slot.length]

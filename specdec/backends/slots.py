@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from specdec.backends import native
-from specdec.backends.base import FeaturePool, KeepsPrefixes, PoolFull, Row, Slot
+from specdec.backends.base import FeaturePool, KeepsPrefixes, PoolFull, Row, Slot, SlotFeatures
 from specdec.backends.family import (
     Layer,
     added,
@@ -31,7 +31,7 @@ from specdec.backends.linear import Linear
 from specdec.backends.sequence import LlamaSequence
 
 
-class SlotPool(FeaturePool, KeepsPrefixes):
+class SlotPool(FeaturePool, KeepsPrefixes, SlotFeatures):
     """KV caches for up to ``max_slots`` sequences of up to ``max_length`` tokens, all extended in one pass. The
     runtime's wing declares how a pass's rows run (:meth:`run_rows`), which LM head reads them (:meth:`head_for`)
     and the fewest new tokens a row runs as a prompt's (``prompt_positions``); :meth:`torch_rows` runs them in
@@ -60,6 +60,7 @@ class SlotPool(FeaturePool, KeepsPrefixes):
         # longest; masked positions weigh 0, but 0 x NaN (never-written memory) is still NaN
         self._written = [0] * max_slots
         self.slot_floats = shape[1] * shape[2] * shape[3]  # from one slot's cache to the next
+        self._features: torch.Tensor | None = None  # [max_slots, max_length, hidden] once keep_features() was called
 
     def open(self) -> Slot:
         if len(self.slots) == self.max_slots:
@@ -75,6 +76,8 @@ class SlotPool(FeaturePool, KeepsPrefixes):
             for pool in (*self._keys, *self._values):
                 pool[slot.index, :, : last.length] = pool[last.index, :, : last.length]
             self._written[slot.index] = max(self._written[slot.index], last.length)
+            if self._features is not None:
+                self._features[slot.index, : last.length] = self._features[last.index, : last.length]
             last.index = slot.index
             self.slots[slot.index] = last
         slot.index = -1
@@ -93,8 +96,28 @@ class SlotPool(FeaturePool, KeepsPrefixes):
         slot.length = length
 
     def forward(self, rows: list[Row]) -> list[torch.Tensor]:  # per row [num_logits, vocab]
-        """Append every row's tokens to its slot in one pass; each row's logits at its last ``num_logits``."""
-        return self.forward_hidden(rows, hidden=False)[0]
+        """Append every row's tokens to its slot in one pass; each row's logits at its last ``num_logits`` (and,
+        where features are kept, each new position's hidden state kept in its slot)."""
+        if self._features is None:
+            return self.forward_hidden(rows, hidden=False)[0]
+        starts = [row.slot.length for row in rows]
+        logits, hidden = self.forward_hidden(rows)
+        for row, start, states in zip(rows, starts, hidden):
+            self._features[row.slot.index, start : start + len(states)] = states
+        return logits
+
+    def keep_features(self) -> None:
+        """From now on keep each new position's final hidden state (normed, as the LM head reads it) in its slot, for
+        drafters that read the target's features: one norm over every new position, not only where logits are
+        wanted. A slot's positions restored from a prefix cache hold none: a server that keeps features keeps no
+        prefixes."""
+        if self._features is None:
+            hidden = self.runtime.embed.shape[1]
+            self._features = torch.empty(self.max_slots, self.max_length, hidden, dtype=self.runtime.dtype,
+                                         device=self.device)
+
+    def features(self, slot: Slot) -> torch.Tensor:  # [slot.length, hidden]
+        return self._features[slot.index, : slot.length]
 
     @torch.inference_mode()
     def forward_hidden(self, rows: list[Row], hidden: bool = True

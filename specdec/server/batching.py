@@ -7,7 +7,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.backends import pool_of
-from specdec.backends.base import FeatureSource, Pooled, PooledSequence, SequencePool, TreeScorer, declares, require
+from specdec.backends.base import (
+    FeatureSource,
+    Pooled,
+    PooledSequence,
+    SequencePool,
+    SlotFeatures,
+    TreeScorer,
+    declares,
+    require,
+)
 from specdec.choices import SPECULATION_MODES, check_datastore_drafter, check_tree, default_drafter
 from specdec.costs import MeasuredPassCosts
 from specdec.errors import UsageError
@@ -60,10 +69,18 @@ def build_scheduler(runtime, settings: BatchSettings, eos_token_ids: set[int], d
     if (declared.needs_draft_model or declared.trained) and draft is None:
         raise UsageError(f"the server's {settings.drafter} drafter needs what it drafts with: --draft-model PATH "
                          "or --drafter-path DIR")
-    alone = served_alone(runtime, settings, declared, draft)
+    if declared.needs is not None:
+        require(runtime, declared.needs, f"--drafter {settings.drafter}")
+    if settings.tree is not None:
+        require(runtime, TreeScorer, "--tree", "use --backend lean or fused")
+    pool = make_pool(runtime, settings)
+    alone = served_alone(pool, settings, declared, draft)
     if alone:
         notice(f"serving one request at a time: {alone}")
-    pool = SequencePool(runtime, settings.max_model_len) if alone else make_pool(runtime, settings)
+        pool = SequencePool(runtime, settings.max_model_len)
+    features = declared.needs is FeatureSource
+    if features:
+        pool.keep_features()
     cost = None
     if settings.speculation == "auto":
         cost = MeasuredPassCosts.measure(pool, settings.max_batch_size * (settings.num_draft_tokens + 1))
@@ -77,21 +94,18 @@ def build_scheduler(runtime, settings: BatchSettings, eos_token_ids: set[int], d
                      SpeculationPlanner(settings.speculation, cost), eos_token_ids,
                      max_draft_tokens=settings.num_draft_tokens, max_waiting=settings.max_waiting,
                      drafter=settings.drafter, memory=memory,
-                     prefixes=prefix_cache(pool, settings.prefix_cache_mib << 20), tree=settings.tree)
+                     prefixes=None if features else prefix_cache(pool, settings.prefix_cache_mib << 20),
+                     tree=settings.tree)
 
 
-def served_alone(runtime, settings: BatchSettings, declared: Role, draft) -> str | None:
+def served_alone(pool, settings: BatchSettings, declared: Role, draft) -> str | None:
     """Why this server's requests run one at a time in the runtime's own cache (as the library's engine runs
-    them), or None where they batch: a drafter that needs a capability of the target that no batched pool gives
-    (its hidden states, its first layers alone), a tree (a batched pool scores chains), a draft model whose runtime
-    batches nothing (a trained draft LM)."""
-    if declared.needs is not None:
-        require(runtime, declared.needs, f"--drafter {settings.drafter}")
-        if declared.needs is FeatureSource:
-            runtime.keep_hidden_states()
+    them), or None where they batch in ``pool``: a drafter that needs a capability of the target that the pool
+    does not give (the target's hidden states where it keeps no features, its first layers alone), a tree (a batched
+    pool scores chains), a draft model whose runtime batches nothing (a trained draft LM)."""
+    if declared.needs is not None and (declared.needs is not FeatureSource or not declares(pool, SlotFeatures)):
         return f"--drafter {settings.drafter} reads the target's own {declared.needs.__name__}"
     if settings.tree is not None:
-        require(runtime, TreeScorer, "--tree", "use --backend lean or fused")
         return "--tree scores token trees"
     if declared.needs_draft_model and not declares(getattr(draft, "model", draft), Pooled):
         return f"--drafter {settings.drafter}'s draft model batches nothing"
