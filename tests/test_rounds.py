@@ -192,3 +192,39 @@ def test_a_pool_keeps_each_slots_features_as_the_runtime_keeps_its_own(tiny):  #
     pool.close(first)  # the second slot moves into the first's place
     alone.extend(PROMPT + [11, 13, 14, 15], 1)
     assert second.index == 0 and torch.equal(pool.features(second), alone.hidden_states)
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "early-exit"])
+def test_serve_loads_a_trained_drafter_from_its_path(tiny, tmp_path, drafter):  # noqa: F811
+    """What ``specdec serve --drafter eagle --drafter-path DIR`` loads (``load_server``: the target, the drafter
+    from its directory, the scheduler built for it): its greedy answers are plain decoding's."""
+    from dataclasses import replace
+
+    from tiny import save_with_tokenizer
+
+    from specdec.drafters import checkpoint
+    from specdec.models import weight_probe
+    from specdec.server.serving import ServerOptions, load_server
+
+    model = copy.deepcopy(tiny[0]).float()
+    path = save_with_tokenizer(model, tmp_path / "target")
+    head = untrained_source(drafter, model)
+    head.config = replace(head.config, target={"name": "tiny", "probe": weight_probe(model)})
+    checkpoint.save(head, tmp_path / drafter)
+    options = ServerOptions(model=str(path), backend="lean", dtype="float32", drafter_path=str(tmp_path / drafter),
+                            batch=BatchSettings(drafter=drafter, speculation="always", max_batch_size=4,
+                                                max_model_len=128))
+    server = load_server(options, listen=False)
+    server.start()
+    try:
+        handles = [server.scheduler.submit(GenerationRequest(prompt_ids=prompt, max_tokens=10, stop_at_eos=False))
+                   for prompt in (PROMPT, PROMPT[2:])]
+        answers = [handle.collect() for handle in handles]
+    finally:
+        server.shutdown(timeout=5)
+    plain_runtime = LeanRuntime(model)
+    for prompt, (tokens, finished, _) in zip((PROMPT, PROMPT[2:]), answers):
+        plain = Engine(plain_runtime, make_proposer("none", plain_runtime)).generate(
+            prompt, GenerationConfig(max_new_tokens=10, num_draft_tokens=1, stop_at_eos=False)).token_ids
+        assert tokens == plain and finished.reason == "length"
+    assert sum(drafted for *_, drafted in answers) > 0
