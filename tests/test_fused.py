@@ -1,4 +1,4 @@
-"""specdec's fused CPU runtime (fused/fused.c through fused/runtime.py): what the lean runtime computes, each
+"""specdec's fused CPU runtime (the C kernels in fused/ through fused/runtime.py): what the lean runtime computes, each
 row as it is alone, and speculation on it gives plain decoding's tokens with every drafter."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def test_the_extension_was_built_and_runs_here():
 
 
 def test_a_library_whose_structures_differ_from_specdecs_declarations_is_refused(monkeypatch):
-    """fused.c reports its structures' sizes; a library built from other sources (ctypes declarations copied by
+    """The C kernels report its structures' sizes; a library built from other sources (ctypes declarations copied by
     hand, gone stale) is named, structure by structure, instead of reading memory it does not hold."""
     from specdec.backends import native
 
@@ -135,7 +135,7 @@ def test_an_engine_keeps_a_cached_prefix_only_where_its_bits_are_a_prefills(kind
     chat's next turn (whose last answer's positions rounds wrote), a short prompt after a long one, the same prompt
     again. ``sync`` keeps the longest shared prefix whatever wrote it (the control): on the lean runtime, where a
     prompt's pass and a round's give a position other bits (a bulk precision of its own), it parts from a fresh
-    prefill somewhere; on the fused runtime, whose prompts run fused.c's pass as rounds do, it never does."""
+    prefill somewhere; on the fused runtime, whose prompts run the C kernels' pass as rounds do, it never does."""
     from specdec.backends.base import prefill, sync
 
     model = tiny_llama(seed=0, init_range=0.5)
@@ -274,7 +274,7 @@ def test_the_server_batches_on_it_and_each_answer_is_its_plain_decoding(tmp_path
 
 
 def test_a_prompt_gives_each_position_plain_decodings_bits_and_what_follows_reads_its_cache(model, weights):
-    """A chain longer than any round (a prompt) runs through fused.c too, PASS_ROWS rows a pass (its products in
+    """A chain longer than any round (a prompt) runs through the C kernels too, PASS_ROWS rows a pass (its products in
     the GEMM tiles where the CPU has them): each position's logits are those plain decoding computes one position a
     pass, bit for bit, and the positions after it read the cache it wrote, in a pass of one or of several alike."""
     from specdec.backends.fused import PROMPT_POSITIONS

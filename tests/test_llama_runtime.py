@@ -107,7 +107,7 @@ def test_logits_match_transformers_for_each_weight_precision(precision, init_ran
 
 
 def test_the_runtime_declares_its_rows_alone_only_on_the_row_kernels(monkeypatch):
-    """On the row kernels (the CPU, built) every product and the attention are fused.c's; float64, or a machine
+    """On the row kernels (the CPU, built) every product and the attention are the C kernels'; float64, or a machine
     where they are not built, computes with the libraries' kernels, and the runtime says its rows may depend on
     the pass."""
     from specdec.backends import native

@@ -174,7 +174,7 @@ def test_the_server_reports_the_cached_tokens_and_answers_alike(model, tmp_path)
 def test_a_prompt_prefilled_after_a_restored_prefix_scores_as_one_prefilled_whole(model, runtime, rest):
     """The logits after a prompt prefilled in one pass equal, bit for bit, those after its first tokens restored
     from another slot's copy and the rest prefilled as the whole prompt's prefill would run: what makes a restored
-    prefix exact. On the fused runtime a prompt's rows run fused.c's pass as a round's do, so a slot whose rest of
+    prefix exact. On the fused runtime a prompt's rows run the C kernels' pass as a round's do, so a slot whose rest of
     five ran as a round holds those bits too."""
     from specdec.backends.base import Row
 

@@ -70,14 +70,14 @@ class Architecture:
 
 @dataclass(frozen=True)
 class KeysRead:
-    """What each query of a pass reads of the cache. For fused.c's attention (``LlamaSequence.row_attention``): how
+    """What each query of a pass reads of the cache. For the C kernels' attention (``LlamaSequence.row_attention``): how
     many keys it reads (``n_keys`` [n]) and, for a tree's node, which cache columns in order (``key_cols`` [n,
     span]; None: the first n_keys), and both as fused.c reads them (``rows``). For :func:`blocked_attention`: its
     ``bias`` over whole blocks and, for a tree, each node's gathered columns (``tree_keys`` [n, span])."""
 
     n_keys: np.ndarray | None = None  # int32
     key_cols: np.ndarray | None = None  # int32
-    rows: native.RowKeys | None = None  # the two above as fused.c's attention reads them, made once per pass
+    rows: native.RowKeys | None = None  # the two above as the C kernels' attention reads them, made once per pass
     bias: torch.Tensor | None = None
     tree_keys: torch.Tensor | None = None
 

@@ -2,7 +2,7 @@
 de-quantised (the format: github.com/ggml-org/ggml, docs/gguf.md).
 
 :func:`q8_rows` turns the block formats whose weights are w = d q + m per 32 values (Q4_0, Q4_1, Q8_0) into one
-byte per weight with a float scale and offset per 32: what fused.c's Q8 tiles hold, so the fused runtime repacks them
+byte per weight with a float scale and offset per 32: what the C Q8 tiles hold, so the fused runtime repacks them
 exactly and without searching for their grid. Shared below the runtimes' wings.
 """
 

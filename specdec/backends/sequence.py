@@ -4,7 +4,7 @@
 written by position (rollback is only a length; no tensor grows per step), RoPE tables computed once, token trees,
 self-speculation's shallow passes and the final hidden states. How a pass's rows go through the layers, and which LM
 head reads them, each runtime declares (:meth:`LlamaSequence.run_layers`, :meth:`LlamaSequence.head_for`): the lean
-runtime in PyTorch (``lean/``), the fused runtime in one call into fused.c (``fused/``). Both may run PyTorch's
+runtime in PyTorch (``lean/``), the fused runtime in one call into the C kernels (``fused/``). Both may run PyTorch's
 layers over this cache (:meth:`LlamaSequence.torch_layers`).
 """
 
@@ -78,7 +78,7 @@ class LlamaSequence(TreeScorer, FeatureSource, ShallowRunner, PromptPasses):
         self._capacity = 0
         self.cache_generation = 0  # counts the cache's reallocations: what points into it must be made again
         self._shallow = _Shallow()  # positions after the cache run through the first layers only (extend_shallow)
-        # on the CPU each query's attention is fused.c's, computed as it is alone; elsewhere blocked_attention
+        # on the CPU each query's attention is the C kernels', computed as it is alone; elsewhere blocked_attention
         self.row_attention = native.covers_attention(self.head_dim, self.dtype, self.device)
 
     # --- what each runtime declares ---------------------------------------------------------------------------------
@@ -315,7 +315,7 @@ class LlamaSequence(TreeScorer, FeatureSource, ShallowRunner, PromptPasses):
         q, k, v = project_qkv(layer, h, cos, sin, heads, self.kv_heads, hd, self.eps)
         keys[:, start : start + n] = k.transpose(0, 1)
         values[:, start : start + n] = v.transpose(0, 1)
-        if reading.rows is not None:  # fused.c's attention, each query alone
+        if reading.rows is not None:  # the C kernels' attention, each query alone
             return layer.out(native.attention(q, keys, values, reading.rows, scoring))
         assert scoring == native.Scoring(), "blocked attention scores as llama does only"
         if reading.tree_keys is None:

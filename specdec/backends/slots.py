@@ -4,7 +4,7 @@ the lean and fused runtimes' wings (each declares its pool on :class:`SlotPool`)
 Each sequence owns a slot; its keys and values sit at ``pool[slot, :, :length]``. A pass takes rows (a slot, its new
 tokens, how many logits it wants): the rows' tokens are packed into one matrix for every product, so the weights
 stream from memory once per pass whatever the number of rows, and each query attends its own slot's positions (on
-the CPU, fused.c's attention, each query alone; elsewhere attention over all rows at once, padded to the longest
+the CPU, the C kernels' attention, each query alone; elsewhere attention over all rows at once, padded to the longest
 row, each query masked). Open slots are kept at the front of the pool (a closed slot takes the last one's cache), so
 a pass over every open slot reads the pool as a view, with no copy.
 
@@ -214,7 +214,7 @@ class SlotPool(FeaturePool, KeepsPrefixes, SlotFeatures):
                    scoring: native.Scoring) -> torch.Tensor:  # [T, heads * hd]
         """Each query over its own slot's keys up to its position; keys and values: one layer's pool."""
         rt = self.runtime
-        if rt.row_attention:  # fused.c's, each query alone
+        if rt.row_attention:  # the C kernels', each query alone
             return native.attention(q, keys, values, layout.rows, scoring)
         assert scoring == native.Scoring(), "blocked attention scores as llama does only"
         keys, values = layout.cached(keys), layout.cached(values)

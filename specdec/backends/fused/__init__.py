@@ -1,4 +1,4 @@
-"""The fused runtime's wing: a llama-family pass in one call into fused.c (``runtime.py``; the C source beside it),
+"""The fused runtime's wing: a llama-family pass in one call into C (``runtime.py``; the C source beside it),
 and its pool (``pool.py``); and what it is to the loading layer (``KIND``): ``--backend fused``, from a GGUF file
 read alone where it covers the file, else over the transformers module, on the CPU where its C library was built."""
 

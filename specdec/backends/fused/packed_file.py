@@ -27,7 +27,7 @@ from specdec.backends.fused.stored import StoredMatrix
 from specdec.cachefile import cache_root
 
 MAGIC = b"SDPACK\x00\x01"
-LAYOUT_VERSION = 8  # fused.c's block_q8x8, block_q8x16, block_q4x8, block_q5x8, super_q4k8, super_q5k8, super_q6x8
+LAYOUT_VERSION = 8  # the C kernels' block_q8x8, block_q8x16, block_q4x8, block_q5x8, super_q4k8, super_q5k8, super_q6x8
 # and float tiles, and which GGUF formats each holds; up it when either changes
 ALIGNMENT = 64
 SAMPLE = 65536  # bytes of each of a matrix's three sampled stretches

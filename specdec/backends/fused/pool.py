@@ -1,4 +1,4 @@
-"""The fused runtime's pool: many sequences' rows in one call into fused.c (a prompt's many rows in several), each
+"""The fused runtime's pool: many sequences' rows in one call into the C kernels (a prompt's many rows in several), each
 row computed as it is alone: a prompt's rows, a round's and a step's are the same bits in any company."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 class FusedPool(SlotPool):
-    """:class:`SlotPool` over a :class:`FusedRuntime`'s weights, read through fused.c."""
+    """:class:`SlotPool` over a :class:`FusedRuntime`'s weights, read through the C kernels."""
 
     runtime: FusedRuntime
 

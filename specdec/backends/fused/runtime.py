@@ -1,11 +1,11 @@
-"""specdec's fused CPU runtime: a llama-family pass in one call into ``fused.c`` (beside this file; built at
+"""specdec's fused CPU runtime: a llama-family pass in one call into the C kernels (``*.c`` beside this file; built at
 install as ``specdec.backends._fused``).
 
 :class:`FusedRuntime` keeps a llama-family sequence's cache (``sequence.py``: rollback, trees, shallow passes, hidden
 states, as the lean runtime does) and computes every layer, and the LM head, in the C pass: int8 or float16
 weights read once per pass whatever the row count, one thread team (PyTorch's OpenMP threads), norms, RoPE and
 attention written around the products, and each row computed as it is alone (batch-invariant by construction, see
-``fused.c``); a prompt runs through the same call, PASS_ROWS rows at a time, its products in the GEMM tiles, so
+``pass.c``); a prompt runs through the same call, PASS_ROWS rows at a time, its products in the GEMM tiles, so
 its positions hold the bits plain decoding would write. Its pool (``pool.py``) runs its rows through the same call.
 
 Where it cannot run (not built, a CPU without AVX2/FMA/F16C, a model it does not cover), :func:`unavailable` says
@@ -53,18 +53,18 @@ from specdec.backends.native import MAX_HEAD_DIM, Layer, Model
 from specdec.backends.sequence import LlamaSequence
 from specdec.choices import MAX_DRAFT_TOKENS
 
-MATRIX_NAMES = ("qkv", "out", "gate_up", "down")  # a layer's matrices, as fused.c's Layer names them
-# the norms some architectures add to a layer: GGUF tensor names, and the names fused.c's Layer gives them
+MATRIX_NAMES = ("qkv", "out", "gate_up", "down")  # a layer's matrices, as the C kernels' Layer names them
+# the norms some architectures add to a layer: GGUF tensor names, and the names the C kernels' Layer gives them
 LAYER_NORMS = {"attn_q_norm": "q_norm", "attn_k_norm": "k_norm", "post_attention_norm": "attn_out_norm",
                "post_ffw_norm": "ffn_out_norm"}
-WEIGHTS = ("float16", "int8")  # how fused.c holds the weights; activations, norms, attention and the cache are float32
+WEIGHTS = ("float16", "int8")  # how the C pass holds the weights; activations, norms, attention and the cache: float32
 # how it multiplies a byte format's weights: integer, each row's inputs quantised to bytes per block of 32 (row-local,
 # so every row keeps its bits in any pass; 2-4x faster on every tile path measured: docs/benchmarks-history.md), or
 # float, each weight converted to float (the bits of a float32 product over the weights, within float32's error)
 PRODUCTS = ("integer", "float")
 Q8_GROUP = 32  # inputs that share an int8 weight's scale and offset
 # A chain pass over more positions than a round can score (k <= MAX_DRAFT_TOKENS drafts and the pending token) holds
-# a prompt. It runs fused.c's pass as rounds and steps do, so its positions hold the bits they would write; the count
+# a prompt. It runs the C pass as rounds and steps do, so its positions hold the bits they would write; the count
 # stays the runtime's PromptPasses count (what a prefix cache keeps is still decided by it).
 PROMPT_POSITIONS = MAX_DRAFT_TOKENS + 2
 PASS_ROWS = 64  # the most rows one C call takes (its scratch grows with them); more run in parts, each row alone
@@ -100,8 +100,8 @@ def unavailable(model=None, weights: str = "float16") -> str | None:
 
 
 def quantized8(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:  # [ceil(out / 8) * in / 32 * 320] uint8
-    """``weight`` [out, in] as fused.c's Q8 reads it: per row and 32 inputs, bytes q with w = d q + m (d, m float32),
-    repacked in blocks of 8 rows (fused.c); and whether every weight is kept exactly. Where the 32 values lie on a
+    """``weight`` [out, in] as the C Q8 tiles read it: per row and 32 inputs, bytes q with w = d q + m (d, m float32),
+    repacked in blocks of 8 rows (fused.h); and whether every weight is kept exactly. Where the 32 values lie on a
     grid of at most 256 steps (a GGUF's Q4_0, Q4_1 and Q8_0 blocks, de-quantised), d is that grid's step and w is
     kept (to float rounding); elsewhere d spans the values' range in 255 steps."""
     out, inputs = weight.shape
@@ -128,7 +128,7 @@ def quantized8(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:  # [ceil(out 
 
 
 def _matrices(layer) -> list[torch.Tensor]:
-    """A layer's weight matrices as fused.c multiplies by them: qkv, out, gate and up, down."""
+    """A layer's weight matrices as the C kernels multiply by them: qkv, out, gate and up, down."""
     attention, mlp = layer.self_attn, layer.mlp
     return [torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]),
             attention.o_proj.weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight]
@@ -139,13 +139,13 @@ class FusedWeights:
     """A model's weights as the fused runtime builds from them, whatever they were read from."""
 
     spec: LlamaSpec
-    # per fused.c matrix (each layer's qkv, out, gate_up and down, then the LM head): a float tensor [out, in] (a
+    # per C matrix (each layer's qkv, out, gate_up and down, then the LM head): a float tensor [out, in] (a
     # module's, held as the runtime chooses), or the matrix as a GGUF stores it
     matrices: list[torch.Tensor | StoredMatrix]
     input_norms: list[torch.Tensor]
     post_norms: list[torch.Tensor]
     qkv_biases: list[torch.Tensor | None]
-    # per layer, the norms an architecture adds, by the name fused.c's Layer gives them (LAYER_NORMS)
+    # per layer, the norms an architecture adds, by the name the C kernels' Layer gives them (LAYER_NORMS)
     layer_norms: list[dict[str, torch.Tensor]]
 
 
@@ -286,10 +286,10 @@ def _qkv_bias(layer) -> torch.Tensor | None:
 
 
 class FusedRuntime(LlamaSequence, Pooled):
-    """The CausalLM protocol for llama-family models, every pass one call into fused.c."""
+    """The CausalLM protocol for llama-family models, every pass one call into the C kernels."""
 
     name = "fused"
-    pass_invariant = True  # fused.c computes each row alone, a prompt's rows too
+    pass_invariant = True  # the C kernels compute each row alone, a prompt's rows too
     prompt_positions = PROMPT_POSITIONS  # a chain of this many is a prompt's (trees and rounds never are)
 
     def __init__(self, model, weights: str = "auto", gguf: str | Path | None = None,
@@ -334,7 +334,7 @@ class FusedRuntime(LlamaSequence, Pooled):
         norms = sum(norm.numel() for norm in source.input_norms + source.post_norms) + source.spec.hidden
         self.weight_bytes = sum(matrix.nbytes for matrix in self._matrices) + 4 * norms
         self.multiply_adds = sum(matrix.rows * matrix.inputs for matrix in self._matrices)  # a row's, per pass
-        self._pass_cache: tuple[int, PassCache] | None = None  # (the cache's generation, what fused.c reads of it)
+        self._pass_cache: tuple[int, PassCache] | None = None  # (the cache's generation, what the C kernels read of it)
         self._head = native.MatrixProduct(self._model.lm_head)
 
     @property
@@ -350,7 +350,7 @@ class FusedRuntime(LlamaSequence, Pooled):
         return "none is needed: it computes each row alone"
 
     def head_for(self, positions: int, chain: bool = True) -> Linear:
-        return self._head  # one LM head: fused.c's product over the held matrix, whatever the pass
+        return self._head  # one LM head: the C kernels' product over the held matrix, whatever the pass
 
     def run_layers(self, x: torch.Tensor, first: int, end: int, start: int, positions: slice | torch.Tensor,
                    mask: torch.Tensor | None) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
@@ -368,12 +368,12 @@ class FusedRuntime(LlamaSequence, Pooled):
         return FusedPool(self, max_slots, max_length)
 
     def _held_matrices(self, source: FusedWeights, weights: str) -> list[StoredMatrix]:
-        """Each matrix as fused.c reads it: as stored, or a module's in ``weights``: int8 (``quantized8``), float16,
+        """Each matrix as the C pass reads it: as stored, or a module's in ``weights``: int8 (``quantized8``), float16,
         or auto: int8 where ``quantized8`` keeps every weight of the matrix exactly, else float16."""
         return [matrix if isinstance(matrix, StoredMatrix) else _held(matrix, weights) for matrix in source.matrices]
 
     def _c_model(self, source: FusedWeights) -> Model:
-        """The C model over the held matrices and copies of the norms and biases (kept here, as fused.c points into
+        """The C model over the held matrices and copies of the norms and biases (kept here, as the C kernels point into
         them)."""
         self._kept = []
 
@@ -411,7 +411,7 @@ class FusedRuntime(LlamaSequence, Pooled):
         return native.ROPE_LOCAL if self.local_rope(index) else native.ROPE_MAIN
 
     def _cache(self) -> PassCache:
-        """What fused.c reads of this sequence's cache, made again after the cache moved."""
+        """What the C kernels read of this sequence's cache, made again after the cache moved."""
         if self._pass_cache is None or self._pass_cache[0] != self.cache_generation:
             self._pass_cache = (self.cache_generation, PassCache(self._keys, self._values,
                                                                  self._capacity * self.head_dim, self._cos, self._sin,

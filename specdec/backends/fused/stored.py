@@ -1,9 +1,9 @@
-"""Weight matrices as fused.c's tiles read them (:class:`StoredMatrix`), and a GGUF's matrices repacked as they are
+"""Weight matrices as the C kernels' tiles read them (:class:`StoredMatrix`), and a GGUF's matrices repacked as they are
 stored: its block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) as bytes with a float scale and offset
 per 32 inputs (16 for Q6_K: ``gguf_file.q8_rows``), F16 and BF16 as they are, F32 as float32. Exact, and with no
 search for each block's grid (``quantized8``: 7 s of the default model's start) and no transformers module.
 
-Each of fused.c's matrices (a layer's q, k and v; its output; gate and up; down; the LM head) is the GGUF tensors of
+Each of the C pass's matrices (a layer's q, k and v; its output; gate and up; down; the LM head) is the GGUF tensors of
 those names, rows concatenated, in the one format that holds each of them exactly: the finer grid where their groups
 differ, float32 where they mix floats and blocks. llama.cpp's converter reorders q's and k's rows for llama models
 (its rotary layout), and that is undone; qwen2's are stored in the module's order.
@@ -22,7 +22,7 @@ from specdec.backends.gguf_file import Q8_STORED, GGUFFile, Tensor, dequantized,
 from specdec.backends.native import FORMAT, INTEGER_FORMAT, Matrix, group_bytes, repacked
 from specdec.errors import UsageError
 
-# fused.c's matrices of layer i, as GGUF tensor names: qkv, out, gate_up, down (``runtime._matrices``' order)
+# the C kernels' matrices of layer i, as GGUF tensor names: qkv, out, gate_up, down (``runtime._matrices``' order)
 LAYER_TENSORS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
 # phi3's files hold q, k and v in one tensor, and gate and up in one (gate's rows first)
 FUSED_LAYER_TENSORS = {"phi3": (("attn_qkv",), ("attn_output",), ("ffn_up",), ("ffn_down",))}
@@ -38,7 +38,7 @@ NARROW = {"Q4_0": "int4", "Q4_1": "int4", "Q5_0": "int5", "Q5_1": "int5", "Q4_K"
 
 @dataclass
 class StoredMatrix:
-    """A weight matrix [outputs, inputs] as fused.c's tiles read it: ``packed`` in ``format`` (native.FORMAT's
+    """A weight matrix [outputs, inputs] as the C kernels' tiles read it: ``packed`` in ``format`` (native.FORMAT's
     names), with its bias (float32 [rows], the parts' together) or None; ``rest``: the rows after these, stored in
     another format (a matrix of GGUF tensors of two formats: a part per format), or None."""
 
@@ -58,8 +58,8 @@ class StoredMatrix:
         return sum(part.outputs for part in self.parts())
 
     def struct(self, products: str = "integer") -> Matrix:
-        """fused.c's Matrix over this one's bytes (which the caller keeps alive with this object), a byte format's
-        multiplied in ``products``: integer (each row's inputs quantised to bytes per block of 32, fused.c's Q8I) or
+        """The C kernels' Matrix over this one's bytes (which the caller keeps alive with this object), a byte format's
+        multiplied in ``products``: integer (each row's inputs quantised to bytes per block of 32, the C pass's Q8I) or
         float (each weight converted to float)."""
         return self._part_struct(products, self.bias, 0)
 
@@ -86,7 +86,7 @@ class StoredMatrix:
 
 def byte_grid(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> StoredMatrix:
     """Bytes q [out, in] with w = scale q + offset per group of 32 or 16 inputs (scale, offset float32
-    [out, in / group]), packed as fused.c's Q8 (Q8H) reads them (:func:`packed_q8`)."""
+    [out, in / group]), packed as the C kernels' Q8 (Q8H) reads them (:func:`packed_q8`)."""
     group = q.shape[1] // scale.shape[1]
     return StoredMatrix("int8" if group == 32 else "int8_group16", q.shape[0], q.shape[1],
                         packed_q8(q, scale.float(), offset.float()))
@@ -98,7 +98,7 @@ def float_matrix(values: torch.Tensor, precision: str) -> StoredMatrix:
 
 
 def packed_q8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int = 8) -> torch.Tensor:  # uint8
-    """Bytes q [out, in] with w = scale q + offset per row and group of 32 (16) inputs as fused.c's Q8 (Q8H) reads
+    """Bytes q [out, in] with w = scale q + offset per row and group of 32 (16) inputs as the C kernels' Q8 (Q8H) reads
     them: blocks of 8 rows (the last padded with zeros), each 32 inputs as 8 quads of 8 rows x 4 bytes, then the 8
     rows' scales, then their offsets, one set of 8 per group (``block_q8x8``, ``block_q8x16``). ``bits`` 4 or 5
     (q < 16 or 32, per 32, scale and offset float16 values): the quads in their bits (:func:`_quads`), the scales and
@@ -112,7 +112,7 @@ def packed_q8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: 
 
 def packed_k(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, d: torch.Tensor,
              dmin: torch.Tensor | None, bits: int) -> torch.Tensor:  # uint8
-    """A K-quant's integers (``gguf_file.k_rows``) as fused.c's K formats read them: per 8 rows (the last padded
+    """A K-quant's integers (``gguf_file.k_rows``) as the C kernels' K formats read them: per 8 rows (the last padded
     with zeros), their super-blocks of 256 inputs, each its 8 blocks' quads in ``bits`` (:func:`_quads`), then per
     block the 8 rows' integer scales (6 bits, mins None: per 16) and mins, then the rows' d and -dmin (Q4KI's
     ``super_q4k8``, Q5KI's ``super_q5k8``, Q6I's ``super_q6x8``)."""

@@ -77,7 +77,7 @@ class LeanRuntime(LlamaSequence, Pooled):
 
     @property
     def pass_invariant(self) -> bool:
-        """Whether every row is computed as it is alone by construction: its products and attention are fused.c's
+        """Whether every row is computed as it is alone by construction: its products and attention are the C kernels'
         row kernels (``native``), as on any x86 CPU with AVX2 where they were built. Where they are not (CUDA, a
         missing build, float64), the libraries' kernels decide, and the load probe measures what they do."""
         linears = [linear for layers, head in self._weights.values()
