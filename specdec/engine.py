@@ -18,7 +18,7 @@ from specdec.choices import check_logprobs, check_max_new_tokens, check_num_draf
 from specdec.errors import UsageError
 from specdec.policy import AUTO_MAX_K, Policy, draft_positions, fitted_depth, make_policy, tree_widths
 from specdec.proposers.base import Draft, FeatureProposer, Proposer, TreeProposer
-from specdec.rounds import Sequence, StopCondition, TokenLogprobs
+from specdec.rounds import Sequence, StopCondition, TokenLogprobs, path_rows, row_parents
 from specdec.sampling import LogitsAdjustment, SamplingParams
 from specdec.step import DraftTotals, PositionCounts, Round, make_generator
 from specdec.verify import TreeVerdict, Verdict
@@ -245,13 +245,13 @@ class Engine:
         if draft.parents is None:
             logits = self.target.extend([pending] + draft.tokens, num_logits=len(draft) + 1)  # [k+1, V]
         else:
-            logits = self.target.extend_tree([pending] + draft.tokens, [-1] + [p + 1 for p in draft.parents])
+            logits = self.target.extend_tree([pending] + draft.tokens, row_parents(draft))
         logits = sequence.adjusted(draft, logits)
         verdict = sequence.verify(draft, logits)
         if draft.parents is None:
             self.target.rollback(cached + 1 + verdict.accepted)
         else:
-            self.target.keep_path(cached, [0] + [node + 1 for node in verdict.path])
+            self.target.keep_path(cached, path_rows(verdict))
         return logits, verdict
 
     def check_tree(self, tree: tuple[int, ...] | str | None) -> None:

@@ -98,7 +98,8 @@ class Sequence:
         extra = {} if features is None else {"features": features}
 
         def propose(forced: list[int], n: int) -> Draft:  # after the grammar's forced tokens
-            return self.proposer.propose(self.context + forced, n, self.sampling, self.generator, **extra)
+            context = self.context + forced if forced else self.context
+            return self.proposer.propose(context, n, self.sampling, self.generator, **extra)
 
         if self.grammar is not None:
             return constrained_draft(self.grammar, k, self.room, propose)
@@ -140,7 +141,7 @@ class Sequence:
         if self.stop is not None:
             round_ = _until_stopped(round_, self.stop)
         if self.logprobs is not None:
-            rows = logits[_path_rows(verdict)[: len(round_.tokens)]]  # [n, vocab]: row i chose token i
+            rows = logits[path_rows(verdict)[: len(round_.tokens)]]  # [n, vocab]: row i chose token i
             round_ = replace(round_, logprobs=token_logprobs(rows, round_.tokens, self.logprobs))
         self.context += round_.tokens
         self.produced += len(round_.tokens)
@@ -159,9 +160,15 @@ class Sequence:
         return None
 
 
-def _path_rows(verdict: Verdict | TreeVerdict) -> list[int]:
+def row_parents(draft: Draft) -> list[int]:
+    """Each token's parent in the pass's row for a tree draft (the pending token, then the nodes): -1 for the pending
+    token (it follows the cache), node i's parent one further on."""
+    return [-1] + [parent + 1 for parent in draft.parents]
+
+
+def path_rows(verdict: Verdict | TreeVerdict) -> list[int]:
     """The rows of the verifying pass that chose the emitted tokens, in order: a chain's first ones; a tree's root
-    row, then the row after each accepted node."""
+    row, then the row after each accepted node (for a tree, also the rows its cache keeps: ``keep_path``)."""
     if isinstance(verdict, TreeVerdict):
         return [0] + [node + 1 for node in verdict.path]
     return list(range(verdict.accepted + 1))

@@ -92,22 +92,12 @@ class LogitsAdjustment:
             logits[:, ids.to(logits.device)] += values.to(logits.device, logits.dtype)
         if self.penalises:
             rows = counts.to(logits.dtype).expand(logits.shape[0], -1).clone()  # [n+1, vocab]
-            for j in range(1, logits.shape[0]):
-                for token in _preceding(draft, parents, j - 1):  # a token drafted twice counts twice
-                    rows[j, token] += 1
+            parents = range(-1, len(draft) - 1) if parents is None else parents  # a chain: each node's is the last
+            for node, (token, parent) in enumerate(zip(draft[: logits.shape[0] - 1], parents)):
+                rows[node + 1] = rows[parent + 1]  # the row after a node counts what its parent's row does, and it
+                rows[node + 1, token] += 1
             logits -= self.frequency_penalty * rows + self.presence_penalty * (rows > 0).to(logits.dtype)
         return logits
-
-
-def _preceding(draft: list[int], parents: list[int] | None, node: int) -> list[int]:
-    """The draft tokens a row after ``node`` follows: the node and those before it on its way from the root."""
-    if parents is None:
-        return draft[: node + 1]
-    path = []
-    while node >= 0:
-        path.append(draft[node])
-        node = parents[node]
-    return path
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -11,6 +11,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from specdec.errors import UsageError
 from specdec.sampling import (
+    LogitsAdjustment,
     SamplingParams,
     TargetChoices,
     gumbel_noise,
@@ -166,3 +167,18 @@ def test_target_choices_take_each_row_alone_and_only_when_read():
 def test_an_unknown_sampling_method_is_refused():
     with pytest.raises(UsageError, match="sampling must be one of invariant, standard"):
         SamplingParams(temperature=1.0, method="gumbel")
+
+
+def test_penalties_on_a_tree_count_each_rows_own_path():
+    """A tree's row after a node is penalised for the tokens on that node's path only: each row is the last row of
+    the same path drafted as a chain (repeated tokens counted twice)."""
+    adjustment = LogitsAdjustment(bias={3: 0.5}, presence_penalty=0.4, frequency_penalty=0.3)
+    logits = torch.randn(6, 10, generator=torch.Generator().manual_seed(0))  # the pending token's row, then a node's
+    counts = torch.zeros(10)
+    counts[2] = 1
+    draft, parents = [2, 5, 2, 7, 5], [-1, 0, 1, -1, 3]
+    tree = adjustment.apply(logits, counts, draft, parents)
+    assert torch.equal(tree[0], adjustment.apply(logits[:1], counts, [])[0])
+    for node, path in enumerate([[2], [2, 5], [2, 5, 2], [7], [7, 5]]):
+        chain_logits = logits[[0] * len(path) + [1 + node]]  # its last row follows the whole path
+        assert torch.equal(tree[1 + node], adjustment.apply(chain_logits, counts, path)[-1]), (node, path)

@@ -107,9 +107,16 @@ def served_alone(pool, settings: BatchSettings, declared: Role, draft) -> str | 
         return f"--drafter {settings.drafter} reads the target's own {declared.needs.__name__}"
     if settings.tree is not None:
         return "--tree scores token trees"
-    if declared.needs_draft_model and not declares(getattr(draft, "model", draft), Pooled):
+    if declared.needs_draft_model and not declares(draft_runtime(draft), Pooled):
         return f"--drafter {settings.drafter}'s draft model batches nothing"
     return None
+
+
+def draft_runtime(draft):
+    """The runtime a draft model's drafts run on: the draft itself, or a ``ForeignDraft``'s model."""
+    from specdec.proposers.draft_model import ForeignDraft
+
+    return draft.model if isinstance(draft, ForeignDraft) else draft
 
 
 def per_request(draft, settings: BatchSettings):
@@ -117,7 +124,7 @@ def per_request(draft, settings: BatchSettings):
     ``ForeignDraft`` over it where the tokenizers differ)."""
     from specdec.proposers.draft_model import ForeignDraft
 
-    runtime = draft.model if isinstance(draft, ForeignDraft) else draft
+    runtime = draft_runtime(draft)
     pool = pool_of(runtime, settings.max_batch_size, settings.max_model_len)
 
     def make():

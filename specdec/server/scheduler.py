@@ -35,7 +35,7 @@ from specdec.errors import UsageError
 from specdec.policy import fitted_depth, make_policy, tree_widths
 from specdec.proposers.base import EMPTY_DRAFT, Draft, FeatureProposer, Proposer
 from specdec.proposers.none import NoProposer
-from specdec.rounds import Sequence, StopCondition
+from specdec.rounds import Sequence, StopCondition, path_rows, row_parents
 from specdec.sampling import LogitsAdjustment, SamplingParams
 from specdec.server.metrics import Metrics
 from specdec.server.prefixes import PrefixCache
@@ -510,7 +510,7 @@ class Scheduler:
         if draft.parents is None:
             r.slot.length = cached + 1 + verdict.accepted
         else:  # the tree's accepted branch moved into place
-            self.pool.keep_path(r.slot, cached, [0] + [node + 1 for node in verdict.path])
+            self.pool.keep_path(r.slot, cached, path_rows(verdict))
         if self.tree_policy is not None:
             self.tree_policy.observe(verdict, *self._round_seconds)
         self._learn_acceptance(r, draft, verdict)
@@ -578,4 +578,4 @@ def _row(slot: Slot, pending: int, draft: Draft) -> Row:
     """A request's share of the pass: its pending token and its draft (a tree with its parents)."""
     if draft.parents is None:
         return Row(slot, [pending] + draft.tokens, len(draft) + 1)
-    return Row(slot, [pending] + draft.tokens, len(draft) + 1, parents=[-1] + [p + 1 for p in draft.parents])
+    return Row(slot, [pending] + draft.tokens, len(draft) + 1, parents=row_parents(draft))
