@@ -7,13 +7,13 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specdec.choices import DEFAULT_SAMPLING_METHOD, MAX_STOP_STRINGS, check_datastore_drafter, default_drafter
+from specdec.choices import DEFAULT_DRAFTER, DEFAULT_SAMPLING_METHOD, MAX_STOP_STRINGS, check_datastore_drafter
 from specdec.engine import Engine, GenerationConfig, GenerationStats
 from specdec.errors import UsageError
 from specdec.grammars import Grammar, GrammarSpec, grammar_for
 from specdec.loading import Loaded, draft_source, encode_prompt, load_target
 from specdec.models import LoadedModel
-from specdec.proposers import make_proposer, role
+from specdec.proposers import make_proposer, takes_draft_model
 from specdec.rounds import TokenLogprobs
 from specdec.sampling import LogitsAdjustment, SamplingParams
 from specdec.step import Round
@@ -45,9 +45,10 @@ class SpecDecoder:
     >>> decoder.generate("Write a haiku about the sea", max_new_tokens=32).text
     """
 
-    def __init__(self, target: LoadedModel, drafter: str = default_drafter(False, False),
+    def __init__(self, target: LoadedModel, drafter: str = DEFAULT_DRAFTER,
                  draft: LoadedModel | None = None, precision: str | None = None, datastore=None,
-                 drafter_path: str | os.PathLike | None = None, cross_vocabulary: str = "auto"):
+                 drafter_path: str | os.PathLike | None = None, cross_vocabulary: str = "auto",
+                 draft_found: bool = False):
         """``precision``: None runs the models in the dtype they were loaded in; "auto" lets the lean runtime pick,
         per kind of pass, the fastest weight precision that keeps the target's outputs (see backends/lean/precision.py).
         ``datastore``: a loaded retrieval datastore (specdec.datastore.load), for the retrieval drafter.
@@ -56,12 +57,14 @@ class SpecDecoder:
         ``cross_vocabulary``: how a draft model with another tokenizer than the target's proposes: "text"
         (string-level exact match), "intersection" (the tokens both vocabularies hold) or "auto" (intersection when
         greedy with a draft that holds half of the target's frequent tokens or more, else text).
+        ``draft_found``: ``draft`` is the default model, found to draft for the hybrid (not given by the user).
         """
         self.target = target
         self.tokenizer = target.tokenizer
         self.drafter = drafter
         loaded = Loaded(target, draft, datastore, precision)
-        source = draft_source(drafter, target, loaded.runtime, draft, precision, drafter_path, cross_vocabulary)
+        source = draft_source(drafter, target, loaded.runtime, draft, precision, drafter_path, cross_vocabulary,
+                              draft_found)
         proposer = make_proposer(drafter, loaded.runtime, source, datastore)
         self.engine = Engine(loaded.runtime, proposer, eos_token_ids=loaded.stop_ids)
         self.stop_ids = loaded.stop_ids
@@ -94,16 +97,17 @@ class SpecDecoder:
 
         if drafter_path is not None and drafter is None:
             drafter = next(iter(parse_drafter_paths([str(drafter_path)])))
-        drafter = drafter or default_drafter(draft_model is not None, datastore is not None)
+        drafter = drafter or DEFAULT_DRAFTER
         if draft_model is not None and drafter_path is not None:
             raise UsageError("give a draft model either as --draft-model (a transformers model) or as "
                              "--drafter-path (a trained drafter), not both")
         check_datastore_drafter(drafter, datastore is not None)
         loaded = load_target(model, dtype=dtype, device=device, backend=backend, threads=threads, datastore=datastore,
-                             draft_model=draft_model if role(drafter).needs_draft_model else None,
+                             draft_model=draft_model if takes_draft_model(drafter) else None,
                              drafters=(drafter,))
         return cls(loaded.target, drafter=drafter, draft=loaded.draft, precision=loaded.precision,
-                   datastore=loaded.datastore, drafter_path=drafter_path, cross_vocabulary=cross_vocabulary)
+                   datastore=loaded.datastore, drafter_path=drafter_path, cross_vocabulary=cross_vocabulary,
+                   draft_found=loaded.draft_found)
 
     def encode(self, prompt: str, chat: bool | None = None) -> list[int]:
         """Token ids of the prompt; ``chat`` applies the chat template (None: when the model has one)."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from specdec.errors import UsageError
 
-BUILT_IN_DRAFTERS = ("none", "prompt-lookup", "retrieval", "draft-model", "mtp", "eagle", "early-exit")
+BUILT_IN_DRAFTERS = ("hybrid", "none", "prompt-lookup", "retrieval", "draft-model", "mtp", "eagle", "early-exit")
 
 
 def _drafter_files() -> tuple[str, ...]:
@@ -115,12 +115,12 @@ def check_seed(seed: int | None) -> None:
         raise UsageError(f"seed must be a 64-bit integer, in [-2^63, 2^64), got {seed}")
 
 
-def default_drafter(draft_model: bool, datastore: bool) -> str:
-    """--drafter left out: the drafter of what was given (a draft model, a datastore), else prompt lookup."""
-    return "draft-model" if draft_model else "retrieval" if datastore else "prompt-lookup"
+DEFAULT_DRAFTER = "hybrid"  # --drafter left out: every source it has (copies, and a draft model given or found)
+DATASTORE_DRAFTERS = ("retrieval", "hybrid")  # the drafters that copy from a datastore (their ROLE says so too)
 
 
 def check_datastore_drafter(drafter: str, datastore_given: bool) -> None:
-    """A datastore is what the retrieval drafter copies from; no other drafter reads one."""
-    if datastore_given and drafter != "retrieval":
-        raise UsageError(f"a datastore drafts only with --drafter retrieval, not {drafter}")
+    """A datastore is what the retrieval drafter (and the hybrid, through it) copies from; no other drafter reads
+    one."""
+    if datastore_given and drafter not in DATASTORE_DRAFTERS:
+        raise UsageError(f"a datastore drafts only with --drafter {' or '.join(DATASTORE_DRAFTERS)}, not {drafter}")

@@ -534,6 +534,10 @@ def _write_html(path: str, pieces: list[str], kinds: list[str], prompt: str, sum
 def summary_line(drafter: str, stats, backend: str) -> str:
     label = drafter if stats.policy == "fixed" else f"{drafter}, k {stats.policy}: mean draft " \
         f"{stats.draft_tokens / max(stats.rounds, 1):.1f}"
+    if stats.sources:
+        shares = stats.source_shares()
+        label += " from " + ", ".join(f"{name} {share['accepted_share']:.0%}" for name, share in shares.items()) \
+            + " of accepted tokens"
     label += f" on {backend}"
     return (
         f"[{label}] {stats.new_tokens} new tokens in {stats.seconds:.2f} s, "

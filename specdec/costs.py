@@ -156,6 +156,16 @@ class Acceptance:
         return (self.accepted + strength * prior) / (self.reached + strength)
 
 
+def chained_rates(positions: list[Acceptance], prior: float, strength: float) -> list[float]:
+    """[i-1]: the estimated chance that draft position i is accepted once position i-1 was, each position's
+    observations shrunk towards the estimate before it (the first's towards ``prior``) with ``strength``."""
+    estimates, estimate = [], prior
+    for position in positions:
+        estimate = position.rate(estimate, strength)
+        estimates.append(estimate)
+    return estimates
+
+
 def survival(acceptances: list[float]) -> list[float]:
     """[j-1]: the chance that draft tokens 1..j are all accepted, given each one's acceptance once the one before
     it was."""

@@ -16,8 +16,8 @@ import torch
 from specdec.backends.base import CausalLM, FeatureSource, TreeScorer, declares, prefill, require
 from specdec.choices import check_logprobs, check_max_new_tokens, check_num_draft_tokens, check_tree
 from specdec.errors import UsageError
-from specdec.policy import AUTO_MAX_K, Policy, draft_positions, fitted_depth, make_policy, tree_widths
-from specdec.proposers.base import Draft, FeatureProposer, Proposer, TreeProposer
+from specdec.policy import AUTO_MAX_K, PlannedByDrafter, Policy, draft_positions, fitted_depth, make_policy, tree_widths
+from specdec.proposers.base import Combines, Draft, FeatureProposer, PlansRounds, Proposer, TreeProposer
 from specdec.rounds import Sequence, StopCondition, TokenLogprobs, path_rows, row_parents
 from specdec.sampling import LogitsAdjustment, SamplingParams
 from specdec.step import DraftTotals, PositionCounts, Round, make_generator
@@ -75,9 +75,15 @@ class GenerationStats(DraftTotals):
     policy: str = "fixed"  # how k was chosen: fixed, heuristic or auto
     chosen_k: dict[int, int] = field(default_factory=dict)  # draft length the policy chose -> rounds
     positions: PositionCounts = field(default_factory=PositionCounts)  # drafted and accepted per draft position
+    # a combined drafter's sources (hybrid): per source, [draft tokens scored, accepted tokens]
+    sources: dict[str, list[int]] = field(default_factory=dict)
 
     def record(self, round_: Round) -> None:
         self.rounds += 1
+        if round_.source:
+            counts = self.sources.setdefault(round_.source, [0, 0])
+            counts[0] += round_.draft_tokens
+            counts[1] += round_.accepted
         self.positions.observe(round_)
         self.chosen_k[round_.asked] = self.chosen_k.get(round_.asked, 0) + 1
         self.draft_nodes += round_.draft_nodes
@@ -131,7 +137,14 @@ class GenerationStats(DraftTotals):
             "policy": self.policy,
             "chosen_k": {str(k): n for k, n in sorted(self.chosen_k.items())},
             "acceptance_by_position": [round(rate, 4) for rate in self.acceptance_by_position],
+            **({"sources": self.source_shares()} if self.sources else {}),
         }
+
+    def source_shares(self) -> dict[str, dict]:
+        """Per source of a combined drafter: its draft tokens, its accepted tokens and their share of all accepted."""
+        accepted = max(self.accepted_tokens, 1)
+        return {name: {"draft_tokens": drafted, "accepted_tokens": taken, "accepted_share": round(taken / accepted, 4)}
+                for name, (drafted, taken) in self.sources.items()}
 
 
 @dataclass
@@ -187,6 +200,8 @@ class Engine:
         strings: ``specdec.stops.StopText``) ends them at the token that meets it."""
         policy = self.policy(config.num_draft_tokens, config.tree)
         stats = GenerationStats(policy=policy.name)
+        if declares(self.proposer, Combines):
+            stats.sources = {name: [0, 0] for name in self.proposer.source_names}
         result = GenerationResult(token_ids=[], stats=stats, kinds=[],
                                   logprobs=None if config.logprobs is None else [])
         start = time.perf_counter()
@@ -229,6 +244,8 @@ class Engine:
             features = self.target.hidden_states if self.reads_features and k else None
             draft = sequence.draft(k, config.tree_widths(k, policy), features)
             drafted = time.perf_counter()
+            if isinstance(policy, PlannedByDrafter):
+                asked = draft.proposed  # the drafter chose the length within the cap
             # 3-5. score the pending token and the draft in one target pass, verify, keep the accepted tokens
             logits, verdict = self._score_and_verify(sequence, draft)
             verified = time.perf_counter()  # verify_* read results on the host: the device has finished
@@ -265,7 +282,12 @@ class Engine:
 
     def policy(self, num_draft_tokens: int | str, tree: tuple[int, ...] | str | None = None) -> Policy:
         """A fixed draft length, or the engine's adaptive policy of that name (kept, so it learns across requests);
-        with ``tree="auto"``, its tree policy (the depth capped at a fixed k)."""
+        with ``tree="auto"``, its tree policy (the depth capped at a fixed k). A drafter that plans its own rounds
+        (the hybrid) drafts up to k (with ``auto``, up to AUTO_MAX_K) as its own cost model chooses."""
+        if declares(self.proposer, PlansRounds) and tree is None:
+            auto = isinstance(num_draft_tokens, str)
+            return PlannedByDrafter(self.proposer, AUTO_MAX_K if auto else num_draft_tokens,
+                                    "auto" if auto else "fixed")
         if isinstance(num_draft_tokens, int) and tree != "auto":
             return make_policy(num_draft_tokens)
         name = "auto-tree" if tree == "auto" else num_draft_tokens

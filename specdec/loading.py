@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from specdec.backends import DEFAULT, CausalLM, kind, kinds, runtime_of, target_backend
 from specdec.errors import UsageError
-from specdec.logs import notice
-from specdec.models import LoadedModel, chat_prompt_ids, eos_token_ids, load_model, model_path
+from specdec.logs import detail, notice
+from specdec.models import LoadedModel, chat_prompt_ids, default_model_path, eos_token_ids, load_model, model_path
 from specdec.runtime_choice import resolve_backend
 
 
@@ -26,6 +26,7 @@ class Loaded:
     draft: LoadedModel | None = None
     datastore: object | None = None
     precision: str | None = None
+    draft_found: bool = False  # the draft model is the default model, found for a hybrid (no --draft-model given)
     _runtime: CausalLM | None = field(default=None, repr=False)
 
     @property
@@ -45,21 +46,50 @@ def load_target(model: str | os.PathLike | None = None, *, dtype: str = "auto", 
                 backend: str = "auto", threads: int | None = None, datastore: str | os.PathLike | None = None,
                 draft_model: str | os.PathLike | None = None, drafters: tuple[str, ...] = ()) -> Loaded:
     """Check what can be checked first (the datastore, that the backend serves ``drafters``), then load the target
-    and the draft model, and check the datastore's vocabulary against the target's."""
+    and the draft model, and check the datastore's vocabulary against the target's. Where no draft model is given
+    and one of ``drafters`` takes one (the hybrid), the default model drafts where it may pay
+    (:func:`found_draft_model`)."""
     from specdec import datastore as datastores
+    from specdec.proposers import role
 
     store = None if datastore is None else datastores.load(datastore)
     resolved = resolve_backend(backend, model, dtype, device, threads)
     for drafter in drafters:
         check_backend_serves(drafter, resolved)
     target = load_model(model, dtype=dtype, device=device, backend=resolved, threads=threads)
-    draft = None
+    loaded = Loaded(target, None, store, "auto" if dtype == "auto" else None)
+    if draft_model is None and any(role(drafter).takes_draft_model for drafter in drafters):
+        draft_model = found_draft_model(target, loaded.runtime)
+        loaded.draft_found = draft_model is not None
     if draft_model is not None:
         draft_resolved = resolve_backend(draft_backend(target, draft_model), draft_model, dtype, device, threads)
-        draft = load_model(draft_model, dtype=dtype, device=device, backend=draft_resolved, threads=threads)
+        loaded.draft = load_model(draft_model, dtype=dtype, device=device, backend=draft_resolved, threads=threads)
     if store is not None:
         store.check_vocabulary(target.vocab_size)
-    return Loaded(target, draft, store, "auto" if dtype == "auto" else None)
+    return loaded
+
+
+MIN_DRAFT_RATIO = 4.0  # the default model drafts for a target whose weights are at least this many times its size
+
+
+def found_draft_model(target: LoadedModel, runtime: CausalLM) -> os.PathLike | None:
+    """The default model (SmolLM2-135M, which ships with specdec) as a hybrid's draft model, where it may pay: for a
+    target whose weights' bytes (what each of its passes streams) are ``MIN_DRAFT_RATIO`` times its file or more
+    (on a smaller target a draft model's pass costs too large a share of the target's). Else None, and why at
+    ``--verbose``. Its vocabulary is checked once loaded (:func:`draft_source`)."""
+    try:
+        path = default_model_path()
+    except UsageError as error:
+        detail(f"the hybrid drafts without a draft model: {error}")
+        return None
+    ratio = runtime.weight_bytes / path.stat().st_size
+    if ratio < MIN_DRAFT_RATIO:
+        detail(f"the hybrid drafts without the default model as draft model: the target's weights are {ratio:.1f}x "
+               f"its size, under {MIN_DRAFT_RATIO:g}x (its passes would cost too much of the target's)")
+        return None
+    detail(f"the default model drafts for the hybrid beside its copies: the target's weights are {ratio:.1f}x its "
+           "size")
+    return path
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool | None = None) -> list[int]:
@@ -75,10 +105,12 @@ def encode_prompt(tokenizer, prompt: str, chat: bool | None = None) -> list[int]
 
 
 def draft_source(drafter: str, target: LoadedModel, backend, draft: LoadedModel | None, precision: str | None,
-                 drafter_path: str | os.PathLike | None = None, cross_vocabulary: str = "auto"):
+                 drafter_path: str | os.PathLike | None = None, cross_vocabulary: str = "auto", found: bool = False):
     """What --drafter ``drafter`` drafts with: a draft model's backend (a transformers model, or a trained draft
     LM; a ``ForeignDraft`` where its tokenizer is not the target's, proposing by ``cross_vocabulary``), a trained
-    network (the other drafters whose role is ``trained``), or None (drafters that copy)."""
+    network (the other drafters whose role is ``trained``), or None (drafters that copy). A drafter that merely
+    takes a draft model (the hybrid) goes on without one it cannot bridge (``found``: the default model, found for
+    it, which says why at --verbose only)."""
     from specdec.drafters.loading import load_trained
     from specdec.drafters.runtime import DraftLMRuntime
     from specdec.proposers import check_drafter_path, role
@@ -87,6 +119,9 @@ def draft_source(drafter: str, target: LoadedModel, backend, draft: LoadedModel 
     declared = role(drafter)
     if declared.needs_draft_model and draft is not None:
         return draft_model_source(target, draft, runtime_of(draft, precision), cross_vocabulary)
+    if declared.takes_draft_model and draft is not None:
+        check_drafter_path(drafter, drafter_path is not None)
+        return bridged_draft(target, draft, runtime_of(draft, precision), cross_vocabulary, found)
     if declared.trained:
         network = load_trained(drafter, target.transformers_model(), drafter_path)
         return DraftLMRuntime(network, backend.max_length) if declared.needs_draft_model else network
@@ -98,16 +133,28 @@ def draft_model_source(target: LoadedModel, draft: LoadedModel, runtime: CausalL
     """The draft model's runtime where it shares the target's vocabulary; else a ``ForeignDraft``: the runtime and
     the bridge between the two tokenizers' texts. A pair that shares under half of the target's frequent tokens gets
     one line saying so (it still drafts exactly; it is accepted less)."""
+    from specdec.vocabularies import LOW_OVERLAP
+
+    source = _bridged(target, draft, runtime, cross_vocabulary)
+    overlap = _overlap(source)
+    if overlap < LOW_OVERLAP:
+        notice(f"the draft model's vocabulary holds {overlap:.0%} of the target's frequent tokens: it drafts across "
+               "tokenizers, exactly, but little of its text may be accepted")
+    return source
+
+
+def _overlap(source) -> float:
+    """The share of the target's frequent tokens a draft model's vocabulary holds (all, where it is the target's)."""
+    from specdec.proposers.draft_model import ForeignDraft
+
+    return source.overlap if isinstance(source, ForeignDraft) else 1.0
+
+
+def _bridged(target: LoadedModel, draft: LoadedModel, runtime: CausalLM, cross_vocabulary: str):
+    """The draft model's runtime, or a ``ForeignDraft`` over it where its tokenizer is not the target's."""
     from specdec.choices import CROSS_VOCABULARY_METHODS
     from specdec.proposers.draft_model import ForeignDraft
-    from specdec.vocabularies import (
-        LOW_OVERLAP,
-        ChatFraming,
-        ContextBridge,
-        TokenText,
-        frequent_overlap,
-        same_vocabulary,
-    )
+    from specdec.vocabularies import ChatFraming, ContextBridge, TokenText, frequent_overlap, same_vocabulary
 
     if cross_vocabulary not in CROSS_VOCABULARY_METHODS:
         raise UsageError(f"--cross-vocabulary must be one of {', '.join(CROSS_VOCABULARY_METHODS)}, "
@@ -117,11 +164,28 @@ def draft_model_source(target: LoadedModel, draft: LoadedModel, runtime: CausalL
     target_text = TokenText(target.tokenizer, target.vocab_size)
     draft_text = TokenText(draft.tokenizer, runtime.vocab_size)
     overlap = frequent_overlap(target_text, draft_text)
-    if overlap < LOW_OVERLAP:
-        notice(f"the draft model's vocabulary holds {overlap:.0%} of the target's frequent tokens: it drafts across "
-               "tokenizers, exactly, but little of its text may be accepted")
     bridge = ContextBridge(target_text, draft_text, ChatFraming.of(target.tokenizer), ChatFraming.of(draft.tokenizer))
     return ForeignDraft(runtime, bridge, cross_vocabulary, overlap=overlap)
+
+
+def bridged_draft(target: LoadedModel, draft: LoadedModel, runtime: CausalLM, cross_vocabulary: str, found: bool):
+    """A draft model beside other sources (the hybrid's): its source where its vocabulary is the target's or can be
+    bridged to it (it holds ``LOW_OVERLAP`` of the target's frequent tokens or more); else None, with one line
+    naming the model and why (at --verbose only where it was ``found``, not given)."""
+    from specdec.vocabularies import LOW_OVERLAP
+
+    say = detail if found else notice
+    try:
+        source = _bridged(target, draft, runtime, cross_vocabulary)
+    except UsageError as error:
+        say(f"the hybrid drafts without {draft.source or draft.path}: {error}")
+        return None
+    overlap = _overlap(source)
+    if overlap < LOW_OVERLAP:
+        say(f"the hybrid drafts without {draft.source or draft.path}: its vocabulary holds {overlap:.0%} of the "
+            f"target's frequent tokens, under {LOW_OVERLAP:.0%}")
+        return None
+    return source
 
 
 def check_backend_serves(drafter: str, backend: str) -> None:

@@ -27,6 +27,7 @@ LLAMA_CPP.setLevel(logging.WARNING)  # what llama.cpp says below this is dropped
 # reach its handlers as any logger's records do.
 LLAMA_CPP.addHandler(logging.NullHandler())
 NOTICES = logging.getLogger("specdec.notice")
+DETAILS = logging.getLogger("specdec.detail")
 
 # ggml_log_level, as llama.cpp 0.3.16's ggml numbers it: NONE, DEBUG, INFO, WARN, ERROR, then CONT (the rest of
 # the previous message)
@@ -68,6 +69,12 @@ def configure(verbose: bool) -> None:
 def notice(message: str) -> None:
     """Say one thing a user must know, once, in specdec's voice."""
     NOTICES.warning(message)
+
+
+def detail(message: str) -> None:
+    """Say why specdec chose as it did, where a user asked to hear it (``--verbose``; a library's ``specdec.detail``
+    logger at INFO)."""
+    DETAILS.info(message)
 
 
 class _LlamaCppLines:

@@ -34,6 +34,7 @@ class Round:
     # per emitted token, where asked: its log-probability and the most likely tokens' at its position
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     finished: str | None = None  # where the sequence ends with this round: "stop" or "length"
+    source: str = ""  # which source of a combined drafter drafted it (hybrid); "" otherwise
 
 
 @dataclass
@@ -129,7 +130,8 @@ def emitted_round(draft: Draft, verdict: Verdict, limit: int, stop_ids: frozense
             cut = i + 1
             break
     return Round(draft_tokens=verdict.num_draft, accepted=verdict.accepted, tokens=tokens[:cut], kinds=kinds[:cut],
-                 draft_seconds=draft_seconds, target_seconds=target_seconds, asked=asked, draft_nodes=len(draft))
+                 draft_seconds=draft_seconds, target_seconds=target_seconds, asked=asked, draft_nodes=len(draft),
+                 source=draft.source if verdict.num_draft else "")
 
 
 def first_tokens(draft: Draft, n: int) -> Draft:
@@ -137,7 +139,7 @@ def first_tokens(draft: Draft, n: int) -> Draft:
     if n == len(draft):
         return draft
     return Draft(tokens=draft.tokens[:n], probs=None if draft.probs is None else draft.probs[:n],
-                 forced=min(draft.forced, n))
+                 forced=min(draft.forced, n), source=draft.source)
 
 
 def constrained_draft(grammar: Grammar, k: int, room: int, propose: Callable[[list[int], int], Draft]) -> Draft:
@@ -158,7 +160,7 @@ def constrained_draft(grammar: Grammar, k: int, room: int, propose: Callable[[li
         points = torch.zeros(len(forced), probs.shape[-1], dtype=probs.dtype, device=probs.device)
         points[torch.arange(len(forced)), torch.tensor(forced, device=probs.device)] = 1
         probs = torch.cat([points, probs])
-    draft = Draft(tokens=forced + drafted.tokens, probs=probs, forced=len(forced))
+    draft = Draft(tokens=forced + drafted.tokens, probs=probs, forced=len(forced), source=drafted.source)
     admitted = grammar.admitted(draft.tokens)
     return first_tokens(draft, admitted + (probs is not None and admitted < len(draft)))
 

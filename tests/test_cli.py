@@ -87,7 +87,7 @@ def test_the_fused_runtime_named_for_a_model_it_does_not_cover_is_one_line_and_e
 def test_auto_passes_the_fused_runtime_by_for_a_model_it_does_not_cover_and_says_why(models, capsys):
     code, out, err = run_cli(capsys, "generate", PROMPT, "--model", str(models["uncovered"]), "--max-new-tokens", "4")
     assert code == 0 and "passes specdec's fused runtime by" in err and "multiples of 8" in err, err
-    assert err.strip().splitlines()[-1].startswith("[prompt-lookup, k auto: mean draft ")
+    assert err.strip().splitlines()[-1].startswith("[hybrid, k auto: mean draft ")
     assert " on lean]" in err.strip().splitlines()[-1]
 
 

@@ -138,7 +138,7 @@ def test_a_datastore_drafts_only_with_retrieval():
     store = datastores.build(np.array([1, 2, 3, 1, 2, 4]), vocab_size=64, sources=[])
     target = LeanRuntime(tiny_llama(seed=0))
     assert isinstance(make_proposer("retrieval", target, None, store), RetrievalProposer)
-    refusal = "a datastore drafts only with --drafter retrieval, not prompt-lookup"
+    refusal = "a datastore drafts only with --drafter retrieval or hybrid, not prompt-lookup"
     with pytest.raises(UsageError, match=refusal):
         make_proposer("prompt-lookup", target, None, store)
     with pytest.raises(UsageError, match=refusal):

@@ -12,10 +12,10 @@ from specdec.backends import kind, kinds, runtime_of
 from specdec.choices import (
     BACKEND_ALIASES,
     BACKENDS,
+    DEFAULT_DRAFTER,
     DRAFTERS,
     TRAINED_METHODS,
     check_datastore_drafter,
-    default_drafter,
 )
 from specdec.cli import main
 from specdec.drafters.networks import NETWORKS
@@ -91,7 +91,7 @@ def test_each_drafters_declared_role_is_what_loading_does_with_it(name, tiny_tar
     else:
         with pytest.raises(UsageError, match="--drafter-path is for trained drafters"):
             draft_source(name, tiny_target, backend, None, None, drafter_path=tmp_path)
-    if declared.needs_draft_model:  # a draft model given drafts, on its own runtime
+    if declared.needs_draft_model or declared.takes_draft_model:  # a draft model given drafts, on its own runtime
         assert type(draft_source(name, tiny_target, backend, tiny_target, None)) is type(backend)
     elif not declared.trained:  # a drafter that copies drafts with nothing loaded
         assert draft_source(name, tiny_target, backend, tiny_target, None) is None
@@ -102,9 +102,8 @@ def test_the_declared_roles_are_the_lists_the_command_line_and_the_drafter_files
     drafter left out is the one of what was given."""
     trained = drafters_where(lambda r: r.trained)
     assert set(trained) == set(TRAINED_METHODS) == set(NETWORKS)
-    assert role(default_drafter(draft_model=True, datastore=False)).needs_draft_model
-    assert role(default_drafter(draft_model=False, datastore=True)).reads_datastore
-    plain = role(default_drafter(draft_model=False, datastore=False))
-    assert not (plain.needs_draft_model or plain.reads_datastore or plain.trained or plain.needs)
+    default = role(DEFAULT_DRAFTER)  # the hybrid: copies, a datastore where given, a draft model where given or found
+    assert default.takes_draft_model and default.reads_datastore
+    assert not (default.needs_draft_model or default.trained or default.needs)
     with pytest.raises(UsageError, match="unknown drafter 'nope'; choose from"):
         role("nope")

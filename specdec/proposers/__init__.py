@@ -53,6 +53,13 @@ def drafters_where(declared: Callable[[Role], bool]) -> tuple[str, ...]:
     return tuple(name for name in DRAFTER_MODULES if declared(role(name)))
 
 
+def takes_draft_model(name: str) -> bool:
+    """Whether --drafter ``name`` drafts with a draft model that is given (--draft-model PATH): one that needs it,
+    or one that drafts with it beside other sources (the hybrid)."""
+    declared = role(name)
+    return declared.needs_draft_model or declared.takes_draft_model
+
+
 def check_drafter_path(name: str, given: bool) -> None:
     """Refuse, in one line, a trained drafter's path given for a drafter that is not trained."""
     if given and not role(name).trained:
@@ -84,4 +91,5 @@ __all__ = [
     "drafters_where",
     "make_proposer",
     "role",
+    "takes_draft_model",
 ]

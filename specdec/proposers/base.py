@@ -27,6 +27,7 @@ class Draft:
     probs: torch.Tensor | None = None  # [k, target vocab] or None
     parents: list[int] | None = None  # a tree: each token's parent (-1: it follows the context); None: a chain
     forced: int = 0  # the leading tokens a grammar forces
+    source: str = ""  # which of a combined drafter's sources drafted it (hybrid); "" for a single drafter
 
     @property
     def proposed(self) -> int:
@@ -47,6 +48,7 @@ class Role:
     (``proposers.role``), never the drafter's name."""
 
     needs_draft_model: bool = False  # a second model drafts: --draft-model PATH on a runtime of its own, or trained
+    takes_draft_model: bool = False  # a draft model drafts beside its other sources where one is given or found
     reads_datastore: bool = False  # it copies from a retrieval datastore (--datastore; the server's learned answers)
     trained: bool = False  # its weights are trained (specdec train --method): --drafter-path DIR, or those shipped
     needs: type | None = None  # the capability of the target's backend it needs beyond CausalLM (its NEEDS)
@@ -75,6 +77,21 @@ class CatchesUp(Protocol):
         """Bring the state up to ``context`` but its last token, which the proposal itself then feeds. The engine
         times this apart: after rounds that drafted nothing it is a backlog of tokens, not the cost of drafting."""
         ...
+
+
+class PlansRounds(Protocol):
+    """A proposer that chooses each round's draft length itself (a combined drafter: which source drafts, and how
+    far), from the target's pass costs it is told: the caller's policy only caps the draft and reports each pass."""
+
+    def observe_pass(self, positions: int, seconds: float) -> None:
+        """The target's pass over ``positions`` positions (the pending token and the draft) took ``seconds``."""
+        ...
+
+
+class Combines(Protocol):
+    """A drafter made of several sources, each round's draft from one of them (``Draft.source`` names it)."""
+
+    source_names: tuple[str, ...]
 
 
 class TreeProposer(Protocol):

@@ -17,7 +17,7 @@ from specdec.backends.base import (
     declares,
     require,
 )
-from specdec.choices import SPECULATION_MODES, check_datastore_drafter, check_tree, default_drafter
+from specdec.choices import DEFAULT_DRAFTER, SPECULATION_MODES, check_datastore_drafter, check_tree
 from specdec.costs import MeasuredPassCosts
 from specdec.errors import UsageError
 from specdec.logs import notice
@@ -32,7 +32,7 @@ from specdec.server.speculation import SpeculationPlanner
 @dataclass(frozen=True)
 class BatchSettings:
     speculation: str = "auto"  # auto, always or never
-    drafter: str = default_drafter(draft_model=False, datastore=False)
+    drafter: str = DEFAULT_DRAFTER
     num_draft_tokens: int = 4  # the most draft tokens per request per step
     max_batch_size: int = 64  # requests decoded together (KV-cache slots)
     max_model_len: int = 2048  # prompt + output tokens of one request
@@ -89,7 +89,8 @@ def build_scheduler(runtime, settings: BatchSettings, eos_token_ids: set[int], d
     if declared.reads_datastore:
         memory = LearnedAnswers(settings, runtime.vocab_size)
         datastore = ChainedIndex([memory.index] + ([datastore] if datastore is not None else []))
-    source = per_request(draft, settings) if declared.needs_draft_model and not alone else lambda: draft
+    drafts_with_model = draft is not None and (declared.needs_draft_model or declared.takes_draft_model)
+    source = per_request(draft, settings) if drafts_with_model and not alone else lambda: draft
     return Scheduler(pool, lambda: factory(runtime, source(), datastore),
                      SpeculationPlanner(settings.speculation, cost), eos_token_ids,
                      max_draft_tokens=settings.num_draft_tokens, max_waiting=settings.max_waiting,
@@ -107,7 +108,8 @@ def served_alone(pool, settings: BatchSettings, declared: Role, draft) -> str | 
         return f"--drafter {settings.drafter} reads the target's own {declared.needs.__name__}"
     if settings.tree is not None:
         return "--tree scores token trees"
-    if declared.needs_draft_model and not declares(draft_runtime(draft), Pooled):
+    if draft is not None and (declared.needs_draft_model or declared.takes_draft_model) \
+            and not declares(draft_runtime(draft), Pooled):
         return f"--drafter {settings.drafter}'s draft model batches nothing"
     return None
 

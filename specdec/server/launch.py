@@ -7,10 +7,10 @@ import os
 import sys
 from pathlib import Path
 
-from specdec.choices import default_drafter, parse_tree
+from specdec.choices import DEFAULT_DRAFTER, parse_tree
 from specdec.datastore import HEADER
 from specdec.errors import UsageError
-from specdec.proposers import check_drafter_path, drafters_where, role
+from specdec.proposers import check_drafter_path, drafters_where, takes_draft_model
 from specdec.server.batching import BatchSettings
 from specdec.server.serving import ServerOptions, load_server, wait_for_signal
 from specdec.server.settings import ServerSettings
@@ -41,7 +41,7 @@ def run_serve(args) -> int:
         raise UsageError("--datastore-save keeps the shared suffix index in --datastore DIR: give one")
     built = args.datastore is not None and (Path(args.datastore) / HEADER).is_file()
     batch = BatchSettings(speculation=args.speculation,
-        drafter=args.drafter or default_drafter(bool(args.draft_model), bool(args.datastore)),
+        drafter=args.drafter or DEFAULT_DRAFTER,
         num_draft_tokens=args.num_draft_tokens,
         max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
         datastore_capacity=args.datastore_capacity, learn_prompts=args.datastore_learn_prompts,
@@ -57,8 +57,8 @@ def run_serve(args) -> int:
     if args.request_timeout < 0:
         raise UsageError(f"request-timeout must be >= 0 seconds (0: no limit), got {args.request_timeout:g}")
     datastore = args.datastore if built or not args.datastore_save else None  # a directory for the learned index only
-    if args.draft_model and not role(batch.drafter).needs_draft_model:
-        drafting = ", ".join(drafters_where(lambda r: r.needs_draft_model))
+    if args.draft_model and not takes_draft_model(batch.drafter):
+        drafting = ", ".join(drafters_where(lambda r: r.needs_draft_model or r.takes_draft_model))
         raise UsageError(f"--draft-model is for --drafter {drafting}, not {batch.drafter}")
     check_drafter_path(batch.drafter, args.drafter_path is not None)
     options = ServerOptions(args.model, batch, settings, datastore, args.dtype, args.device,

@@ -33,7 +33,7 @@ from specdec.backends.base import Pool, Row, Slot, TreePool, declares, require
 from specdec.costs import Acceptance
 from specdec.errors import UsageError
 from specdec.policy import fitted_depth, make_policy, tree_widths
-from specdec.proposers.base import EMPTY_DRAFT, Draft, FeatureProposer, Proposer
+from specdec.proposers.base import EMPTY_DRAFT, Draft, FeatureProposer, PlansRounds, Proposer
 from specdec.proposers.none import NoProposer
 from specdec.rounds import Sequence, StopCondition, path_rows, row_parents
 from specdec.sampling import LogitsAdjustment, SamplingParams
@@ -458,7 +458,11 @@ class Scheduler:
         started = time.perf_counter()
         logits = self._forward(rows, running)  # per request [k+1, vocab]; None for one whose pass failed
         passed = time.perf_counter()
-        self.planner.observe_pass(sum(len(row.token_ids) for row in rows), passed - started)
+        positions = sum(len(row.token_ids) for row in rows)
+        self.planner.observe_pass(positions, passed - started)
+        for r in running:  # a drafter that plans its own rounds (the hybrid) learns what the pass cost
+            if declares(r.sequence.proposer, PlansRounds):
+                r.sequence.proposer.observe_pass(positions, passed - started)
         self._round_seconds = (started - step_started, passed - started)  # drafting, the pass: the tree policy's
         # 4. verify, roll back, emit
         for r, draft, row_logits in zip(running, drafts, logits):

@@ -8,7 +8,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec.proposers import role
+from specdec.proposers import role, takes_draft_model
 from specdec.server.app import OpenAIServer, bind
 from specdec.server.batching import BatchSettings, build_scheduler
 from specdec.server.settings import ServerSettings
@@ -47,10 +47,10 @@ def load_server(options: ServerOptions, listen: bool = True) -> OpenAIServer:
     try:
         loaded = load_target(options.model, dtype=options.dtype, device=options.device, backend=options.backend,
                              threads=options.threads, datastore=options.datastore, drafters=(drafter,),
-                             draft_model=options.draft_model if declared.needs_draft_model else None)
+                             draft_model=options.draft_model if takes_draft_model(drafter) else None)
         draft = draft_source(drafter, loaded.target, loaded.runtime, loaded.draft, loaded.precision,
-                             options.drafter_path, options.cross_vocabulary) \
-            if declared.needs_draft_model or declared.trained else None
+                             options.drafter_path, options.cross_vocabulary, loaded.draft_found) \
+            if takes_draft_model(drafter) or declared.trained else None
         scheduler = build_scheduler(loaded.runtime, options.batch, loaded.stop_ids, loaded.datastore, draft)
     except BaseException:
         if sock is not None:

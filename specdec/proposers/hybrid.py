@@ -1,0 +1,144 @@
+"""The ``hybrid`` drafter, the default: several sources, each round's draft from the one the cost model expects to
+give the most tokens per second, or none.
+
+Its sources: prompt lookup and the suffix index (``retrieval``: the prompt, the history and a datastore where one is
+given), which copy where the text repeats itself and cost next to nothing; and a draft model where one is loaded (a
+``--draft-model``, or the default model, which ships with specdec, drafting across tokenizers for a target several
+times its size: ``loading.hybrid_draft_model``), which writes on where nothing repeats. Each round the copies offer
+their continuations (free), and :class:`SourcePlan` weighs each offer and the draft model against plain decoding,
+from each source's acceptance per draft position, its drafting cost per token and the target's measured pass costs.
+The copies are scored every round against what the target emitted, whoever drafted; the draft model on its own
+rounds, and on one round in 16 while it is not chosen, so that a source that stops paying is dropped and one that
+pays again comes back. Nothing is tuned per kind of text.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specdec.backends.base import declares
+from specdec.proposers.base import EMPTY_DRAFT, CatchesUp, Combines, Draft, PlansRounds, Proposer, Role, TreeProposer
+from specdec.proposers.prompt_lookup import PromptLookupProposer
+from specdec.proposers.retrieval import RetrievalProposer
+from specdec.sampling import SamplingParams
+
+SYNC_CHECK = 16  # tokens compared to tell that a context continues the one a round drafted from
+
+
+class HybridProposer(TreeProposer, PlansRounds, Combines):
+    """Drafts from ``copies`` (drafters whose drafts cost next to nothing, proposing every round) and ``models``
+    (drafters that run a network: drafting only when chosen), each named by its ``name``."""
+
+    name = "hybrid"
+
+    def __init__(self, copies: list[Proposer], models: list[Proposer] = ()) -> None:
+        from specdec.policy import SourcePlan
+
+        self.copies = list(copies)
+        self.models = list(models)
+        self.source_names = tuple(source.name for source in self.copies + self.models)
+        if len(set(self.source_names)) != len(self.source_names):
+            raise ValueError(f"a hybrid's sources need distinct names, got {self.source_names}")
+        self.plan = SourcePlan(self.source_names, frozenset(source.name for source in self.copies))
+        self._offers: dict[str, list[int]] = {}  # the last round's offers, by source, scored at the next round
+        self._offered_at: list[int] = []  # the end of the context they were drafted after (SYNC_CHECK tokens)
+        self._offered_length = 0
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+                ) -> Draft:
+        self._score_offers(context)
+        if k == 0:
+            return EMPTY_DRAFT
+        offers = {source.name: source.propose(context, k, params, generator) for source in self.copies}
+        lengths = {name: len(draft) for name, draft in offers.items()}
+        lengths.update({model.name: k for model in self.models})
+        name, length = self.plan.choose(lengths, k)
+        if name is not None and name not in offers:
+            offers[name] = self._model_draft(self._source(name), context, length, params, generator)
+        self._remember(context, {source: draft.tokens for source, draft in offers.items()})
+        if name is None or not offers[name].tokens:
+            return EMPTY_DRAFT
+        return _first(offers[name], length, name)
+
+    def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
+                     generator: torch.Generator | None) -> Draft:
+        """The tree of the source the plan would choose for a chain as deep, drafted by that source."""
+        self._score_offers(context)
+        depth = len(widths)
+        if depth == 0:
+            return EMPTY_DRAFT
+        chains = {source.name: source.propose(context, depth, params, generator) for source in self.copies}
+        lengths = {name: len(draft) for name, draft in chains.items()}
+        lengths.update({model.name: depth for model in self.models})
+        name, _ = self.plan.choose(lengths, depth)
+        self._remember(context, {source: draft.tokens for source, draft in chains.items()})
+        if name is None:
+            return EMPTY_DRAFT
+        source = self._source(name)
+        if source in self.models and declares(source, CatchesUp):
+            source.catch_up(context)
+        started = time.perf_counter()
+        tree = source.propose_tree(context, widths, params, generator)
+        if source in self.models:
+            self.plan.observe_drafting(name, depth, time.perf_counter() - started)
+        return Draft(tokens=tree.tokens, probs=tree.probs, parents=tree.parents, source=name) if tree.tokens \
+            else EMPTY_DRAFT
+
+    def observe_pass(self, positions: int, seconds: float) -> None:
+        self.plan.observe_pass(positions, seconds)
+
+    def clear_cache(self) -> None:
+        self._offers = {}
+        for source in self.copies + self.models:
+            source.clear_cache()
+
+    def _source(self, name: str) -> Proposer:
+        return next(source for source in self.copies + self.models if source.name == name)
+
+    def _model_draft(self, model: Proposer, context: list[int], k: int, params: SamplingParams,
+                     generator: torch.Generator | None) -> Draft:
+        """The model's draft of k tokens, its cost per token measured (its catching up on rounds it missed, a
+        backlog, apart)."""
+        if declares(model, CatchesUp):
+            model.catch_up(context)
+        started = time.perf_counter()
+        draft = model.propose(context, k, params, generator)
+        self.plan.observe_drafting(model.name, max(len(draft), 1), time.perf_counter() - started)
+        return draft
+
+    def _remember(self, context: list[int], offers: dict[str, list[int]]) -> None:
+        self._offers = {name: tokens for name, tokens in offers.items() if tokens}
+        self._offered_length = len(context)
+        self._offered_at = context[-SYNC_CHECK:]
+
+    def _score_offers(self, context: list[int]) -> None:
+        """Score the last round's offers against what it emitted, where ``context`` continues the one they were
+        drafted after (not a new request's)."""
+        offers, self._offers = self._offers, {}
+        start = self._offered_length
+        if not offers or len(context) <= start or context[start - len(self._offered_at):start] != self._offered_at:
+            return
+        emitted = context[start:]
+        for name, tokens in offers.items():
+            self.plan.observe_offer(name, tokens, emitted)
+
+
+def _first(draft: Draft, n: int, source: str) -> Draft:
+    """The draft's first n tokens (and their distributions), marked as the named source's."""
+    return Draft(tokens=draft.tokens[:n], probs=None if draft.probs is None else draft.probs[:n], source=source)
+
+
+# it copies from a datastore (--datastore) too, and in the server from learned answers; a draft model drafts beside
+# the copies where one is given or found (the default model for a target several times its size)
+ROLE = Role(reads_datastore=True, takes_draft_model=True)
+
+
+def make(target, source, datastore) -> HybridProposer:
+    """The copies (prompt lookup; the suffix index over the context and ``datastore``), and the draft model
+    ``source`` where there is one (``loading.draft_source`` finds it)."""
+    from specdec.proposers.draft_model import make as draft_model
+
+    models = [] if source is None else [draft_model(target, source, None)]
+    return HybridProposer([PromptLookupProposer(), RetrievalProposer(datastore)], models)
