@@ -59,7 +59,7 @@ def load_target(model: str | os.PathLike | None = None, *, dtype: str = "auto", 
     target = load_model(model, dtype=dtype, device=device, backend=resolved, threads=threads)
     loaded = Loaded(target, None, store, "auto" if dtype == "auto" else None)
     if draft_model is None and any(role(drafter).takes_draft_model for drafter in drafters):
-        draft_model = found_draft_model(target, loaded.runtime)
+        draft_model = found_draft_model(target)
         loaded.draft_found = draft_model is not None
     if draft_model is not None:
         draft_resolved = resolve_backend(draft_backend(target, draft_model), draft_model, dtype, device, threads)
@@ -72,17 +72,17 @@ def load_target(model: str | os.PathLike | None = None, *, dtype: str = "auto", 
 MIN_DRAFT_RATIO = 4.0  # the default model drafts for a target whose weights are at least this many times its size
 
 
-def found_draft_model(target: LoadedModel, runtime: CausalLM) -> os.PathLike | None:
+def found_draft_model(target: LoadedModel) -> os.PathLike | None:
     """The default model (SmolLM2-135M, which ships with specdec) as a hybrid's draft model, where it may pay: for a
-    target whose weights' bytes (what each of its passes streams) are ``MIN_DRAFT_RATIO`` times its file or more
-    (on a smaller target a draft model's pass costs too large a share of the target's). Else None, and why at
-    ``--verbose``. Its vocabulary is checked once loaded (:func:`draft_source`)."""
+    target whose weights take ``MIN_DRAFT_RATIO`` times its bytes or more, as stored (on a smaller target a draft
+    model's pass costs too large a share of the target's). Else None, and why at ``--verbose``. Its vocabulary is
+    checked once loaded (:func:`draft_source`)."""
     try:
         path = default_model_path()
     except UsageError as error:
         detail(f"the hybrid drafts without a draft model: {error}")
         return None
-    ratio = runtime.weight_bytes / path.stat().st_size
+    ratio = stored_bytes(target.source or target.path) / stored_bytes(path)
     if ratio < MIN_DRAFT_RATIO:
         detail(f"the hybrid drafts without the default model as draft model: the target's weights are {ratio:.1f}x "
                f"its size, under {MIN_DRAFT_RATIO:g}x (its passes would cost too much of the target's)")
@@ -166,6 +166,14 @@ def _bridged(target: LoadedModel, draft: LoadedModel, runtime: CausalLM, cross_v
     overlap = frequent_overlap(target_text, draft_text)
     bridge = ContextBridge(target_text, draft_text, ChatFraming.of(target.tokenizer), ChatFraming.of(draft.tokenizer))
     return ForeignDraft(runtime, bridge, cross_vocabulary, overlap=overlap)
+
+
+def stored_bytes(path: os.PathLike) -> int:
+    """The bytes of a model's weights as stored: its GGUF file, or a transformers directory's weight files."""
+    path = model_path(path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(file.stat().st_size for pattern in ("*.safetensors", "*.bin", "*.gguf") for file in path.glob(pattern))
 
 
 def bridged_draft(target: LoadedModel, draft: LoadedModel, runtime: CausalLM, cross_vocabulary: str, found: bool):

@@ -19,6 +19,8 @@ import time
 import torch
 
 from specdec.backends.base import declares
+from specdec.errors import UsageError
+from specdec.logs import notice
 from specdec.proposers.base import EMPTY_DRAFT, CatchesUp, Combines, Draft, PlansRounds, Proposer, Role, TreeProposer
 from specdec.proposers.prompt_lookup import PromptLookupProposer
 from specdec.proposers.retrieval import RetrievalProposer
@@ -140,5 +142,10 @@ def make(target, source, datastore) -> HybridProposer:
     ``source`` where there is one (``loading.draft_source`` finds it)."""
     from specdec.proposers.draft_model import make as draft_model
 
-    models = [] if source is None else [draft_model(target, source, None)]
+    models = []
+    if source is not None:
+        try:
+            models.append(draft_model(target, source, None))
+        except UsageError as error:  # a draft model that cannot draft for this target: the copies go on alone
+            notice(f"the hybrid drafts without its draft model: {error}")
     return HybridProposer([PromptLookupProposer(), RetrievalProposer(datastore)], models)

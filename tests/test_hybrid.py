@@ -1,0 +1,210 @@
+"""The hybrid drafter (specdec/proposers/hybrid.py), the default: its cost model over sources (policy.SourcePlan),
+its output (plain decoding's, greedy and seeded, whichever source drafts), its stats by source, and the default
+model found as its draft model for a target several times its size (loading.found_draft_model)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from test_server import EOS, tiny  # noqa: F401
+
+from specdec.backends import LeanRuntime
+from specdec.engine import Engine, GenerationConfig
+from specdec.policy import PlannedByDrafter, SourcePlan
+from specdec.proposers import make_proposer
+from specdec.proposers.base import Draft
+from specdec.proposers.hybrid import HybridProposer
+from specdec.proposers.none import NoProposer
+from specdec.proposers.prompt_lookup import PromptLookupProposer
+from specdec.sampling import SamplingParams
+
+REPEATING = [5, 9, 12, 9, 12, 40, 5, 9, 12, 9, 12, 40, 5, 9, 12, 9]  # copies find continuations here
+
+
+# --- the cost model over sources --------------------------------------------------------------------------------
+
+
+def plan_with_pass_costs(names=("copy", "model"), free=("copy",), one=1.0, slope=0.05, **kwargs) -> SourcePlan:
+    """A plan whose target passes cost ``one`` for one position and ``slope`` more per position (measured: two
+    sizes seen), as the engine reports them."""
+    plan = SourcePlan(tuple(names), frozenset(free), **kwargs)
+    for positions in (1, 2, 3, 5, 9):
+        plan.observe_pass(positions, one + (positions - 1) * slope)
+    return plan
+
+
+def test_an_offer_is_scored_against_what_the_round_emitted():
+    plan = SourcePlan(("copy",), frozenset({"copy"}), decay=1.0)
+    positions = plan.positions["copy"]
+    plan.observe_offer("copy", [1, 2, 3, 4], [1, 2, 7])  # two accepted, the third reached and refused
+    assert [(p.accepted, p.reached) for p in positions[:5]] == [(1, 1), (1, 1), (0, 1), (0, 0), (0, 0)]
+    plan.observe_offer("copy", [1, 2, 3], [1, 2])  # the round emitted two: the third is untested, not refused
+    assert [(p.accepted, p.reached) for p in positions[:3]] == [(2, 2), (2, 2), (0, 1)]
+
+
+def test_the_plan_drafts_from_the_source_that_pays_and_decodes_plainly_where_none_does():
+    plan = plan_with_pass_costs(explore_every=1000)
+    for _ in range(50):  # the copy is accepted whole, the model never
+        plan.observe_offer("copy", [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7])
+    source, k = plan.choose({"copy": 6, "model": 8}, 8)
+    assert source == "copy" and k == 6  # all of the offer: each token accepted, each position nearly free
+    assert plan.choose({"copy": 0, "model": 8}, 8) == ("model", plan.choose({"model": 8}, 8)[1])  # prior: untried
+    for _ in range(50):
+        plan.observe_offer("model", [9, 9, 9], [1, 2])
+        plan.observe_drafting("model", 3, 0.3)  # and it costs 0.1 of a target pass per token
+    assert plan.choose({"copy": 0, "model": 8}, 8) == (None, 0)  # nothing pays: plain decoding
+
+
+def test_a_model_source_that_is_not_chosen_drafts_one_round_in_explore_every():
+    plan = plan_with_pass_costs(explore_every=4)
+    for _ in range(50):
+        plan.observe_offer("model", [9, 9], [1, 2])
+    plan.observe_drafting("model", 2, 0.2)
+    chosen = [plan.choose({"copy": 0, "model": 8}, 8)[0] for _ in range(12)]
+    assert chosen == [None, None, None, "model"] * 3
+
+
+def test_a_source_that_stops_paying_is_dropped_and_one_that_pays_again_comes_back():
+    plan = plan_with_pass_costs(explore_every=1000)
+    accepted = ([1, 2, 3, 4], [1, 2, 3, 4, 5])
+    refused = ([1, 2, 3, 4], [8, 2])
+    for _ in range(30):
+        plan.observe_offer("copy", *accepted)
+    assert plan.choose({"copy": 4}, 8)[0] == "copy"
+    for _ in range(200):  # old rounds fade (by 0.98 a round): what it does now decides
+        plan.observe_offer("copy", *refused)
+    assert plan.choose({"copy": 4}, 8)[0] is None
+    for _ in range(100):
+        plan.observe_offer("copy", *accepted)
+    assert plan.choose({"copy": 4}, 8)[0] == "copy"
+
+
+# --- the drafter on a model ---------------------------------------------------------------------------------------
+
+
+def hybrid_engine(model, draft_model=None) -> Engine:
+    runtime = LeanRuntime(model)
+    source = None if draft_model is None else LeanRuntime(draft_model)
+    return Engine(runtime, make_proposer("hybrid", runtime, source), eos_token_ids={EOS})
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+@pytest.mark.parametrize("with_draft", ["none", "itself", "other"])
+def test_the_hybrid_gives_plain_decodings_tokens(tiny, temperature, with_draft):  # noqa: F811
+    """Greedy, and seeded under the invariant sampler: the tokens plain decoding gives, whichever source drafts (the
+    target itself as draft model is accepted wherever it drafts; another random model rarely)."""
+    from tiny import tiny_llama
+
+    model = tiny[0]
+    draft = {"none": None, "itself": model, "other": tiny_llama(seed=3, init_range=0.5).double()}[with_draft]
+    config = GenerationConfig(max_new_tokens=40, num_draft_tokens="auto", seed=7, stop_at_eos=False,
+                              sampling=SamplingParams(temperature=temperature))
+    plain = Engine(LeanRuntime(model), NoProposer(), eos_token_ids={EOS}).generate(REPEATING, config)
+    engine = hybrid_engine(model, draft)
+    for prompt in (REPEATING, REPEATING[3:] + [7, 7]):  # a second request: the plan goes on learning
+        result = engine.generate(prompt, config)
+        expected = plain.token_ids if prompt is REPEATING else \
+            Engine(LeanRuntime(model), NoProposer(), eos_token_ids={EOS}).generate(prompt, config).token_ids
+        assert result.token_ids == expected
+    stats = result.stats
+    assert set(stats.sources) == {"prompt-lookup", "retrieval"} | ({"draft-model"} if draft is not None else set())
+    assert sum(accepted for _, accepted in stats.sources.values()) == stats.accepted_tokens
+    assert sum(drafted for drafted, _ in stats.sources.values()) == stats.draft_tokens
+    if with_draft == "itself" and temperature == 0.0:
+        drafted, accepted = stats.sources["draft-model"]
+        assert drafted > 0 and accepted == drafted  # the target drafting for itself: every token accepted
+
+
+def test_a_fixed_k_caps_the_hybrids_draft_and_the_policy_reports_each_pass(tiny):  # noqa: F811
+    engine = hybrid_engine(tiny[0], tiny[0])
+    policy = engine.policy(3)
+    assert isinstance(policy, PlannedByDrafter) and policy.next_k(16) == 3
+    result = engine.generate(REPEATING, GenerationConfig(max_new_tokens=24, num_draft_tokens=3, stop_at_eos=False))
+    assert result.stats.positions.drafted and len(result.stats.positions.drafted) <= 3
+    assert engine.proposer.plan.costs.score_seconds  # the passes it was told of
+
+
+def test_the_hybrid_drafts_trees_from_its_chosen_source(tiny):  # noqa: F811
+    runtime = LeanRuntime(tiny[0])
+    engine = Engine(runtime, make_proposer("hybrid", runtime, LeanRuntime(tiny[0])), eos_token_ids={EOS})
+    config = GenerationConfig(max_new_tokens=24, num_draft_tokens=3, tree=(2, 1), stop_at_eos=False)
+    plain = Engine(LeanRuntime(tiny[0]), NoProposer(), eos_token_ids={EOS}).generate(
+        REPEATING, GenerationConfig(max_new_tokens=24, num_draft_tokens=1, stop_at_eos=False))
+    result = engine.generate(REPEATING, config)
+    assert result.token_ids == plain.token_ids and result.stats.draft_nodes > result.stats.draft_tokens
+
+
+def test_a_draft_that_names_its_source_keeps_it_through_the_round():
+    hybrid = HybridProposer([PromptLookupProposer()])
+    hybrid.observe_pass(1, 1.0)
+    hybrid.observe_pass(5, 1.0)
+    draft = hybrid.propose(REPEATING, 4, SamplingParams(), None)
+    assert isinstance(draft, Draft) and draft.source == "prompt-lookup" and draft.tokens == [12, 40, 5, 9]
+
+
+def test_a_draft_model_that_cannot_draft_for_the_target_leaves_the_copies_drafting(caplog):
+    """A draft model whose logits are wider than the target's: one line naming why, and the hybrid goes on."""
+    from tiny import tiny_llama
+
+    target = LeanRuntime(tiny_llama(seed=0, vocab_size=64))
+    wider = LeanRuntime(tiny_llama(seed=1, vocab_size=96))
+    with caplog.at_level(logging.WARNING, logger="specdec.notice"):
+        hybrid = make_proposer("hybrid", target, wider)
+    assert hybrid.source_names == ("prompt-lookup", "retrieval")
+    assert "the hybrid drafts without its draft model: the draft model's logits are wider (96)" in caplog.text
+
+
+# --- the default model as draft model, found for a larger target ---------------------------------------------------
+
+
+@pytest.mark.slow  # two GGUFs converted for transformers: about 15 s
+def test_the_default_model_drafts_for_a_target_several_times_its_size_and_not_for_a_smaller(
+        tmp_path, monkeypatch, caplog):
+    """The rule is the size ratio of the weights: a tiny GGUF stands for the default model, a larger one for the
+    target; where the ratio is under MIN_DRAFT_RATIO, nothing loads and --verbose says why."""
+    from tiny_gguf import write_tiny_gguf
+
+    from specdec import SpecDecoder, loading
+
+    small = write_tiny_gguf(tmp_path / "small.gguf", hidden=32, layers=1, tensor_type="F32")
+    large = write_tiny_gguf(tmp_path / "large.gguf", hidden=96, layers=2, tensor_type="F32")  # 3x its bytes
+    monkeypatch.setattr(loading, "default_model_path", lambda: small)
+    with caplog.at_level(logging.INFO, logger="specdec.detail"):
+        monkeypatch.setattr(loading, "MIN_DRAFT_RATIO", 1.2)
+        found = SpecDecoder.load(str(large), backend="lean", dtype="float32")
+        monkeypatch.setattr(loading, "MIN_DRAFT_RATIO", 1000.0)
+        alone = SpecDecoder.load(str(large), backend="lean", dtype="float32")
+    assert found.engine.proposer.source_names == ("prompt-lookup", "retrieval", "draft-model")
+    assert alone.engine.proposer.source_names == ("prompt-lookup", "retrieval")
+    assert "under 1000x" in caplog.text and "the default model drafts for the hybrid" in caplog.text
+    prompt = "one two three one two three one two"
+    greedy = [SpecDecoder.load(str(large), drafter="none", backend="lean", dtype="float32"), found]
+    outputs = [decoder.generate(prompt, max_new_tokens=16).token_ids for decoder in greedy]
+    assert outputs[0] == outputs[1]
+
+
+def test_hybrid_with_a_draft_model_it_cannot_bridge_says_so_in_one_line_and_goes_on(tiny, tmp_path, capsys):  # noqa: F811
+    """A draft model whose vocabulary holds next to none of the target's frequent tokens (the tiny transformers
+    model's word tokenizer against the default model's): one line naming it and why; the text is generated."""
+    from test_cli import run_cli
+    from tiny import save_with_tokenizer
+    from tiny_gguf import write_tiny_gguf
+
+    target = write_tiny_gguf(tmp_path / "target.gguf", hidden=32, layers=1, tensor_type="F32")
+    draft = save_with_tokenizer(tiny[0], tmp_path / "words")
+    code, out, err = run_cli(capsys, "generate", "Hello there", "--model", str(target), "--draft-model", str(draft),
+                             "--max-new-tokens", "4", "--backend", "lean")
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if "the hybrid drafts without" in line]
+    assert len(lines) == 1 and str(draft) in lines[0] and "frequent tokens" in lines[0], err
+    assert "[hybrid" in err and "draft-model" not in err.splitlines()[-1]
+
+
+def test_the_plan_learns_the_pass_costs_it_is_told():
+    plan = SourcePlan(("copy",), frozenset({"copy"}))
+    plan.observe_pass(1, 0.02)
+    plan.observe_pass(5, 0.03)
+    assert plan.costs.scoring_seconds(1) == pytest.approx(0.02)
+    assert torch.isclose(torch.tensor(plan.costs.scoring_seconds(5)), torch.tensor(0.03))
