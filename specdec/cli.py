@@ -87,8 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="draft model path (a .gguf file or a transformers directory; any tokenizer)")
     gen.add_argument("--cross-vocabulary", choices=CROSS_VOCABULARY_METHODS, default="auto", help=CROSS_HELP)
     gen.add_argument("--drafter", choices=list(DRAFTERS), default=None,
-                     help="how to draft (default: draft-model if --draft-model is given, else prompt-lookup); "
-                     "draft-model, mtp and eagle without a path use the drafter trained for the default model")
+                     help="how to draft (default: hybrid, which drafts each round from the source the cost model "
+                     "expects to pay most: prompt lookup, the suffix index, and a draft model: --draft-model, or "
+                     "the default model for a target 4x its size or more); draft-model, mtp and eagle without a path "
+                     "use the drafter trained for the default model")
     gen.add_argument("--drafter-path", default=None, metavar="DIR",
                      help="a trained drafter (specdec train), or a published EAGLE / Medusa checkpoint")
     gen.add_argument("--num-draft-tokens", "-k", default="auto", metavar="K", help=K_HELP + " (default auto)")
@@ -218,7 +220,8 @@ def _add_serve_parser(commands) -> None:
                                 "and batching for many")
     serve.add_argument("--served-model-name", default=None, help="the model id clients ask for")
     serve.add_argument("--drafter", choices=list(DRAFTERS), default=None,
-                       help="default: draft-model with --draft-model, retrieval with --datastore, else prompt-lookup; "
+                       help="default: hybrid (prompt lookup, the suffix index with --datastore and learned answers, "
+                       "and a draft model: --draft-model, or the default model for a target 4x its size or more); "
                        "a drafter that reads the target's hidden states or first layers (eagle, mtp, early-exit) "
                        "serves one request at a time")
     serve.add_argument("--drafter-path", default=None, metavar="DIR",
