@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 from tiny import perturbed_copy, save_with_tokenizer, tiny_llama
 
 from specdec.bench.contenders import Outcome
-from specdec.bench.report import Run, summarise
+from specdec.bench.report import Run, build_report, markdown, summarise
 from specdec.bench.stats import expected_tokens_per_round, ideal_speedup, median, needed_acceptance, per_prompt_speedups
 from specdec.cli import main
 
@@ -90,6 +90,48 @@ def test_seeded_mismatches_compare_runs_with_the_same_prompt_and_seed():
     fields = summarise(runs, "fast", greedy=False)
     assert fields["seeded_mismatches"] == 1 and fields["greedy_mismatches"] is None
     assert summarise(runs, "none", greedy=False)["seeded_mismatches"] == 0
+
+
+@dataclass
+class Named:
+    """What the report reads of a contender."""
+
+    name: str
+    num_draft_tokens: int = 4
+
+
+def test_source_shares_of_a_combined_drafter_overall_and_per_category():
+    """A hybrid's runs carry per-source counts: the report sums them over runs, overall and per category, into
+    each source's share of the draft tokens and of the accepted ones; a single drafter's runs have none."""
+    plain = dict(rounds=10, draft_tokens=0, accepted_tokens=0, draft_seconds=0.0, target_seconds=1.0)
+    spec = dict(rounds=4, draft_tokens=10, accepted_tokens=4, draft_seconds=0.1, target_seconds=0.4)
+    sources = {"p1": {"prompt-lookup": (8, 4), "retrieval": (2, 0)},
+               "p2": {"prompt-lookup": (2, 2), "retrieval": (6, 2), "draft-model": (2, 0)}}
+    runs = [replace(make_run("none", p, [1, 2], 1.0, **plain), category=p) for p in sources]
+    runs += [replace(make_run("hybrid", p, [1, 2], 0.5, **spec, sources=counts), category=p)
+             for p, counts in sources.items()]
+    runs += [replace(make_run("prompt-lookup", p, [1, 2], 0.5, **spec), category=p) for p in sources]
+    contenders = [Named(name) for name in ("none", "hybrid", "prompt-lookup")]
+    report = build_report(runs, contenders, {"temperature": 0.0})
+    _, hybrid, single = report["configs"]
+    drafted = {name: sum(counts.get(name, (0, 0))[0] for counts in sources.values()) for name in hybrid["sources"]}
+    accepted = {name: sum(counts.get(name, (0, 0))[1] for counts in sources.values()) for name in hybrid["sources"]}
+    for name, fields in hybrid["sources"].items():
+        assert fields["draft_tokens"] == drafted[name] and fields["accepted_tokens"] == accepted[name]
+        assert fields["draft_share"] == pytest.approx(drafted[name] / sum(drafted.values()))
+        assert fields["accepted_share"] == pytest.approx(accepted[name] / sum(accepted.values()))
+    assert set(hybrid["sources"]) == {"prompt-lookup", "retrieval", "draft-model"}
+    for fields in [hybrid, *hybrid["per_category"].values()]:
+        assert sum(s["accepted_share"] for s in fields["sources"].values()) == pytest.approx(1.0)
+        assert sum(s["draft_share"] for s in fields["sources"].values()) == pytest.approx(1.0)
+    assert hybrid["per_category"]["p1"]["sources"]["prompt-lookup"]["accepted_share"] == 1.0  # retrieval: none taken
+    assert "sources" not in single and all("sources" not in c for c in single["per_category"].values())
+    assert "sources" not in report["configs"][0]
+    table = markdown(report)
+    assert "**where the drafts came from**" in table
+    assert "| config | prompts | prompt-lookup | retrieval | draft-model |" in table
+    assert "| hybrid | p1 | 100.0% (80.0%) | 0.0% (20.0%) | — |" in table  # p1 drafted 8 + 2, accepted 4 + 0
+    assert "| prompt-lookup | all |" not in table
 
 
 @pytest.fixture(scope="module")
