@@ -281,11 +281,16 @@ def _add_serve_parser(commands) -> None:
 
 
 def _add_bench_parser(commands) -> None:
-    bench = commands.add_parser("bench", help="compare drafters side by side on a prompt file")
-    bench.add_argument("--prompts", required=True, help="MT-bench / Spec-Bench or HumanEval JSONL (.gz too)")
-    bench.add_argument("--category", default=None)
-    bench.add_argument("--limit", type=int, default=None)
-    bench.add_argument("--drafters", default="none,prompt-lookup",
+    bench = commands.add_parser("bench", help="compare drafters side by side on prompt files")
+    bench.add_argument("--prompts", required=True, action="append", metavar="FILE[,FILE...]",
+                       help="MT-bench / Spec-Bench or HumanEval JSONL (.gz too); repeatable or comma-separated, "
+                            "all in one run")
+    bench.add_argument("--category", default=None, metavar="CAT[,CAT...]",
+                       help="only these categories (comma-separated; HumanEval's is humaneval)")
+    bench.add_argument("--per-category", type=int, default=None, metavar="N",
+                       help="the first N prompts of each category")
+    bench.add_argument("--limit", type=int, default=None, help="at most this many prompts in all")
+    bench.add_argument("--drafters", default="none,hybrid,prompt-lookup",
                        help="comma-separated, each NAME, NAME:K or NAME:K:TREE (K an integer, auto or heuristic; "
                             "default --num-draft-tokens; TREE the candidates per depth joined by '/', as 3/2/1): "
                             f"{', '.join(DRAFTERS)}, hf-prompt-lookup, hf-assisted, llamacpp (llama-cpp-python's own "

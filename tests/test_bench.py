@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 from tiny import perturbed_copy, save_with_tokenizer, tiny_llama
 
 from specdec.bench.contenders import Outcome
-from specdec.bench.report import Run, summarise
+from specdec.bench.report import Run, build_report, markdown, summarise
 from specdec.bench.stats import expected_tokens_per_round, ideal_speedup, median, needed_acceptance, per_prompt_speedups
 from specdec.cli import main
 
@@ -92,6 +92,48 @@ def test_seeded_mismatches_compare_runs_with_the_same_prompt_and_seed():
     assert summarise(runs, "none", greedy=False)["seeded_mismatches"] == 0
 
 
+@dataclass
+class Named:
+    """What the report reads of a contender."""
+
+    name: str
+    num_draft_tokens: int = 4
+
+
+def test_source_shares_of_a_combined_drafter_overall_and_per_category():
+    """A hybrid's runs carry per-source counts: the report sums them over runs, overall and per category, into
+    each source's share of the draft tokens and of the accepted ones; a single drafter's runs have none."""
+    plain = dict(rounds=10, draft_tokens=0, accepted_tokens=0, draft_seconds=0.0, target_seconds=1.0)
+    spec = dict(rounds=4, draft_tokens=10, accepted_tokens=4, draft_seconds=0.1, target_seconds=0.4)
+    sources = {"p1": {"prompt-lookup": (8, 4), "retrieval": (2, 0)},
+               "p2": {"prompt-lookup": (2, 2), "retrieval": (6, 2), "draft-model": (2, 0)}}
+    runs = [replace(make_run("none", p, [1, 2], 1.0, **plain), category=p) for p in sources]
+    runs += [replace(make_run("hybrid", p, [1, 2], 0.5, **spec, sources=counts), category=p)
+             for p, counts in sources.items()]
+    runs += [replace(make_run("prompt-lookup", p, [1, 2], 0.5, **spec), category=p) for p in sources]
+    contenders = [Named(name) for name in ("none", "hybrid", "prompt-lookup")]
+    report = build_report(runs, contenders, {"temperature": 0.0})
+    _, hybrid, single = report["configs"]
+    drafted = {name: sum(counts.get(name, (0, 0))[0] for counts in sources.values()) for name in hybrid["sources"]}
+    accepted = {name: sum(counts.get(name, (0, 0))[1] for counts in sources.values()) for name in hybrid["sources"]}
+    for name, fields in hybrid["sources"].items():
+        assert fields["draft_tokens"] == drafted[name] and fields["accepted_tokens"] == accepted[name]
+        assert fields["draft_share"] == pytest.approx(drafted[name] / sum(drafted.values()))
+        assert fields["accepted_share"] == pytest.approx(accepted[name] / sum(accepted.values()))
+    assert set(hybrid["sources"]) == {"prompt-lookup", "retrieval", "draft-model"}
+    for fields in [hybrid, *hybrid["per_category"].values()]:
+        assert sum(s["accepted_share"] for s in fields["sources"].values()) == pytest.approx(1.0)
+        assert sum(s["draft_share"] for s in fields["sources"].values()) == pytest.approx(1.0)
+    assert hybrid["per_category"]["p1"]["sources"]["prompt-lookup"]["accepted_share"] == 1.0  # retrieval: none taken
+    assert "sources" not in single and all("sources" not in c for c in single["per_category"].values())
+    assert "sources" not in report["configs"][0]
+    table = markdown(report)
+    assert "**where the drafts came from**" in table
+    assert "| config | prompts | prompt-lookup | retrieval | draft-model |" in table
+    assert "| hybrid | p1 | 100.0% (80.0%) | 0.0% (20.0%) | — |" in table  # p1 drafted 8 + 2, accepted 4 + 0
+    assert "| prompt-lookup | all |" not in table
+
+
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench-models")
@@ -100,32 +142,64 @@ def tiny_models(tmp_path_factory):
             save_with_tokenizer(perturbed_copy(target, noise=0.03, seed=1), root / "draft"))
 
 
-def test_bench_smoke_on_tiny_models(tiny_models, tmp_path, capsys):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps(r) for r in [
+def write_prompt_files(folder) -> tuple:
+    """A chat prompt file of two categories (copy: text that repeats; other) and a HumanEval-style one."""
+    chat, code = folder / "prompts.jsonl", folder / "code.jsonl"
+    chat.write_text("\n".join(json.dumps(r) for r in [
         {"question_id": 1, "category": "copy", "turns": ["w5 w9 w12 w9 w12 w40 w5 w9"]},
         {"question_id": 2, "category": "other", "turns": ["w3 w4 w60 w2"]},
         {"question_id": 3, "category": "copy", "turns": ["w7 w7 w8 w7 w7"]},
     ]) + "\n")
+    code.write_text("\n".join(json.dumps({"task_id": f"H/{i}", "prompt": text})
+                              for i, text in enumerate(["w8 w2 w8 w2 w8", "w1 w2 w3"])) + "\n")
+    return chat, code
+
+
+def assert_source_shares(config: dict, names: set[str]) -> None:
+    """A combined drafter's report: its sources, each one's shares of the draft and of the accepted tokens summing to
+    1 over the sources, overall and in each category (None where no source drafted, or none was accepted there: the
+    hybrid's choices follow measured costs); the categories' counts add up to the overall ones."""
+    assert set(config["sources"]) == names, config["drafter"]
+    assert sum(s["accepted_tokens"] for s in config["sources"].values()) > 0  # the copies pay on text that repeats
+    for fields in [config, *config["per_category"].values()]:
+        for tokens, share in (("draft_tokens", "draft_share"), ("accepted_tokens", "accepted_share")):
+            total = sum(s[tokens] for s in fields["sources"].values())
+            if total:
+                assert sum(s[share] for s in fields["sources"].values()) == pytest.approx(1.0)
+                assert all(s[share] == pytest.approx(s[tokens] / total) for s in fields["sources"].values())
+            else:
+                assert all(s[share] is None for s in fields["sources"].values())
+    for name, overall in config["sources"].items():
+        for tokens in ("draft_tokens", "accepted_tokens"):
+            assert overall[tokens] == sum(c["sources"][name][tokens] for c in config["per_category"].values())
+
+
+def test_bench_smoke_on_tiny_models(tiny_models, tmp_path, capsys):
+    chat, code = write_prompt_files(tmp_path)
     out = tmp_path / "report.json"
     target, draft = tiny_models
-    code = main(["bench", "--prompts", str(prompts), "--model", str(target), "--draft-model", str(draft),
-                 "--drafters", "prompt-lookup,draft-model,hf-prompt-lookup,hf-assisted", "--max-new-tokens", "12",
-                 "--repeats", "2", "--out", str(out), "--no-progress", "--dtype", "float32"])
+    status = main(["bench", "--prompts", str(chat), "--prompts", str(code), "--per-category", "1", "--model",
+                 str(target), "--draft-model", str(draft),
+                 "--drafters", "hybrid,prompt-lookup,draft-model,hf-prompt-lookup,hf-assisted", "--max-new-tokens",
+                 "12", "--repeats", "2", "--out", str(out), "--no-progress", "--dtype", "float32"])
     printed = capsys.readouterr().out
-    assert code == 0
+    assert status == 0
     report = json.loads(out.read_text())
+    assert report["settings"]["prompts"] == [str(chat), str(code)] and report["settings"]["num_prompts"] == 3
     names = [c["drafter"] for c in report["configs"]]
-    assert names == ["none", "prompt-lookup", "draft-model", "hf-prompt-lookup", "hf-assisted"]
+    assert names == ["none", "hybrid", "prompt-lookup", "draft-model", "hf-prompt-lookup", "hf-assisted"]
     for config in report["configs"]:
         assert {"drafter", "num_draft_tokens", "temperature", "tokens_per_second", "speedup", "acceptance_rate",
                 "mean_accepted_length", "greedy_mismatches", "per_category"} <= set(config)
-        assert set(config["per_category"]) == {"copy", "other"}
+        assert set(config["per_category"]) == {"copy", "other", "humaneval"}  # the first of each, from both files
         assert config["runs"] == 6 and config["tokens_per_second"] > 0
         assert config["greedy_mismatches"] == 0  # every configuration is exact at temperature 0
-    draft_model = report["configs"][2]
+        assert ("sources" in config) == (config["drafter"] == "hybrid")  # only a combined drafter has sources
+    assert_source_shares(report["configs"][1], {"prompt-lookup", "retrieval", "draft-model"})
+    draft_model = report["configs"][3]
     assert 0 < draft_model["acceptance_rate"] <= 1 and draft_model["ideal_speedup"] > 0
-    assert "| draft-model |" in printed and "**copy**" in printed
+    assert "| draft-model |" in printed and "**copy**" in printed and "**humaneval**" in printed
+    assert "**where the drafts came from**" in printed and "| hybrid | humaneval |" in printed
     roofline = report["roofline"]
     assert sorted(map(int, roofline["score_ratios"])) == list(range(1, 17))
     assert roofline["floor_seconds"] > 0 and roofline["step_seconds"] > 0
@@ -133,23 +207,48 @@ def test_bench_smoke_on_tiny_models(tiny_models, tmp_path, capsys):
     assert "Per-position acceptance a chain needs at these costs" in printed
 
 
-def test_seeded_bench_reports_no_seeded_mismatch(tiny_models, tmp_path):
+def test_bench_by_default_sets_the_hybrid_beside_single_drafters(tiny_models, tmp_path):
+    """No --drafters: plain decoding, the hybrid (the default drafter) and prompt lookup. A tiny target is not
+    several times the default model's size, so the hybrid drafts from its copies alone."""
+    chat, code = write_prompt_files(tmp_path)
+    out = tmp_path / "report.json"
+    assert main(["bench", "--prompts", f"{chat},{code}", "--category", "copy,humaneval", "--limit", "3",
+                 "--model", str(tiny_models[0]), "--max-new-tokens", "12", "--out", str(out), "--no-progress",
+                 "--dtype", "float32"]) == 0
+    report = json.loads(out.read_text())
+    assert [c["drafter"] for c in report["configs"]] == ["none", "hybrid", "prompt-lookup"]
+    assert report["settings"]["categories"] == ["copy", "humaneval"] and report["settings"]["num_prompts"] == 3
+    assert report["settings"]["draft_found"] is False and report["settings"]["draft_model"] is None
+    hybrid = report["configs"][1]
+    assert set(hybrid["per_category"]) == {"copy", "humaneval"} and hybrid["greedy_mismatches"] == 0
+    assert_source_shares(hybrid, {"prompt-lookup", "retrieval"})
+
+
+def test_seeded_bench_reports_no_seeded_mismatch(tiny_models, tmp_path, monkeypatch):
     """At temperature 0.7 the invariant sampler gives every drafter the tokens plain sampling gives for each
-    prompt's seed: the seeded-mismatch column reads 0, with drafts accepted and rejected."""
+    prompt's seed: the seeded-mismatch column reads 0, with drafts accepted and rejected. No --draft-model: the
+    draft model found for the hybrid (here the tiny draft, standing in for the default model beside a target several
+    times its size) drafts for the hybrid and for the draft-model contender alike."""
+    from specdec import loading
+
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"question_id": 1, "category": "copy", "turns": ["w5 w9 w12 w9 w12 w40 w5 w9"]})
                        + "\n" + json.dumps({"question_id": 2, "category": "other", "turns": ["w3 w4 w60 w2"]}) + "\n")
     out = tmp_path / "report.json"
     target, draft = tiny_models
-    assert main(["bench", "--prompts", str(prompts), "--model", str(target), "--draft-model", str(draft),
-                 "--drafters", "prompt-lookup,draft-model,retrieval:auto", "--max-new-tokens", "16", "--repeats", "2",
-                 "--temperature", "0.7", "--out", str(out), "--no-progress", "--dtype", "float32"]) == 0
+    monkeypatch.setattr(loading, "found_draft_model", lambda target, runtime: draft)
+    assert main(["bench", "--prompts", str(prompts), "--model", str(target),
+                 "--drafters", "hybrid,prompt-lookup,draft-model,retrieval:auto", "--max-new-tokens", "16",
+                 "--repeats", "2", "--temperature", "0.7", "--out", str(out), "--no-progress", "--dtype",
+                 "float32"]) == 0
     report = json.loads(out.read_text())
     assert report["settings"]["sampling"] == "invariant"
+    assert report["settings"]["draft_found"] is True and report["settings"]["draft_model"] == str(draft)
     for config in report["configs"]:
         assert config["seeded_mismatches"] == 0 and config["greedy_mismatches"] is None, config["drafter"]
-    draft_model = report["configs"][2]
-    assert 0 < draft_model["acceptance_rate"] < 1
+    assert set(report["configs"][1]["sources"]) == {"prompt-lookup", "retrieval", "draft-model"}
+    draft_model = report["configs"][3]
+    assert draft_model["drafter"] == "draft-model" and 0 < draft_model["acceptance_rate"] < 1
 
 
 def test_the_invariance_bench_finds_every_precision_invariant_and_prices_it(tiny_models, capsys):
@@ -173,6 +272,9 @@ def test_the_invariance_bench_finds_every_precision_invariant_and_prices_it(tiny
     (["--drafters", "retrieval:lots"], "an integer or one of auto, heuristic"),
     (["--drafters", "retrieval", "--datastore", "/nonexistent"], "no datastore at"),
     (["--repeats", "0"], "repeats"),
+    (["--per-category", "0"], "--per-category must be >= 1"),
+    (["--category", "qa,rag"], "of category qa, rag"),
+    (["--prompts", "/nonexistent.jsonl"], "prompt file not found"),
 ])
 def test_bench_bad_input(tiny_models, tmp_path, capsys, args, message):
     prompts = tmp_path / "p.jsonl"

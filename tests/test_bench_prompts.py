@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.bench.prompts import read_prompts
+from specdec.bench.prompts import read_prompts, select_prompts
 from specdec.errors import UsageError
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -46,3 +46,41 @@ def test_missing_file_and_empty_category(tmp_path):
         read_prompts(tmp_path / "nope.jsonl")
     with pytest.raises(UsageError, match="category"):
         read_prompts(DATA / "mt_bench_question.jsonl", category="poetry")
+
+
+KINDS = ["qa", "rag", "summarization", "translation", "writing", "roleplay", "humaneval"]
+
+
+def test_every_kind_of_prompt_from_two_files_the_first_of_each_category():
+    files = [DATA / "spec_bench_question.jsonl", DATA / "HumanEval.jsonl.gz"]
+    prompts = select_prompts(files, categories=KINDS, per_category=2)
+    assert [p.category for p in prompts].count("humaneval") == 2 and len(prompts) == 2 * len(KINDS)
+    for kind in KINDS:
+        source = files[1] if kind == "humaneval" else files[0]
+        first = [p.id for p in read_prompts(source, category=kind, limit=2)]
+        assert [p.id for p in prompts if p.category == kind] == first, kind
+    assert [p.chat for p in prompts] == [p.category != "humaneval" for p in prompts]
+    # --limit caps the whole selection, in file order
+    assert select_prompts(files, categories=KINDS, per_category=2, limit=5) == prompts[:5]
+    # no categories named: the first of every category in both files
+    one_each = select_prompts(files, per_category=1)
+    assert len(one_each) == len({p.category for p in one_each}) and {"qa", "math", "humaneval"} <= {
+        p.category for p in one_each}
+
+
+def test_an_id_an_earlier_file_holds_is_named_by_its_file(tmp_path):
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / name).write_text('{"question_id": 1, "category": "qa", "turns": ["w1"]}\n')
+    prompts = select_prompts([tmp_path / "a.jsonl", tmp_path / "b.jsonl"])
+    assert [p.id for p in prompts] == ["1", "b.jsonl:1"]
+
+
+@pytest.mark.parametrize("files, kwargs, message", [
+    (["spec_bench_question.jsonl"], dict(categories=["qa", "poetry"]), "no prompts of category 'poetry'"),
+    (["spec_bench_question.jsonl", "HumanEval.jsonl.gz"], dict(categories=["qa"]), "HumanEval.jsonl.gz of category qa"),
+    (["spec_bench_question.jsonl", "nope.jsonl"], dict(limit=1), "not found"),
+    (["spec_bench_question.jsonl"], dict(per_category=0), "--per-category must be >= 1"),
+])
+def test_a_selection_that_cannot_be_made_is_refused(files, kwargs, message):
+    with pytest.raises(UsageError, match=message):
+        select_prompts([DATA / name for name in files], **kwargs)

@@ -6,7 +6,7 @@ Every contender decodes one prompt under one GenerationConfig from a cold cache 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -29,6 +29,8 @@ class Outcome:
     target_seconds: float | None = None
     drafted_at: tuple[int, ...] = ()  # per draft position, tokens drafted there (GenerationStats.drafted_at)
     accepted_at: tuple[int, ...] = ()  # per draft position, tokens accepted there
+    # a combined drafter's (the hybrid's) sources: name -> (draft tokens, accepted tokens) (GenerationStats.sources)
+    sources: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class Contender(Protocol):
@@ -58,7 +60,8 @@ class SpecdecContender:
         return Outcome(token_ids=result.token_ids, seconds=s.seconds, rounds=s.rounds, draft_tokens=s.draft_tokens,
                        draft_nodes=s.draft_nodes, accepted_tokens=s.accepted_tokens, draft_seconds=s.draft_seconds,
                        target_seconds=s.target_seconds, drafted_at=tuple(s.drafted_at),
-                       accepted_at=tuple(s.accepted_at))
+                       accepted_at=tuple(s.accepted_at),
+                       sources={name: (drafted, accepted) for name, (drafted, accepted) in s.sources.items()})
 
 
 class TransformersContender:

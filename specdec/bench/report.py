@@ -43,7 +43,26 @@ def summarise(runs: list[Run], config: str, greedy: bool) -> dict:
         fields.update(_acceptance_fields(mine, baseline, fields["speedup"]))
         if not greedy and all(r.seed is not None for r in mine):
             fields["seeded_mismatches"] = _mismatches(mine, baseline)
+    if mine and all(r.outcome.sources for r in mine):  # a combined drafter (the hybrid)
+        fields["sources"] = source_shares(mine)
     return fields
+
+
+def source_shares(runs: list[Run]) -> dict[str, dict]:
+    """Per source of a combined drafter, over the runs: its draft tokens and accepted tokens, and their shares of
+    all sources' (None where no source drafted, or none was accepted)."""
+    totals: dict[str, list[int]] = {}
+    for r in runs:
+        for name, (drafted, accepted) in r.outcome.sources.items():
+            counts = totals.setdefault(name, [0, 0])
+            counts[0] += drafted
+            counts[1] += accepted
+    drafted_total = sum(drafted for drafted, _ in totals.values())
+    accepted_total = sum(accepted for _, accepted in totals.values())
+    return {name: {"draft_tokens": drafted, "accepted_tokens": accepted,
+                   "draft_share": drafted / drafted_total if drafted_total else None,
+                   "accepted_share": accepted / accepted_total if accepted_total else None}
+            for name, (drafted, accepted) in totals.items()}
 
 
 def _acceptance_fields(mine: list[Run], baseline: list[Run], speedup: float) -> dict:
@@ -154,7 +173,36 @@ def markdown(report: dict) -> str:
             cells = [("—" if row.get(key) is None else fmt.format(row[key])) for key, _, fmt in COLUMNS]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+    lines += _sources_markdown(configs)
     return "\n".join(lines)
+
+
+def _sources_markdown(configs: list[dict]) -> list[str]:
+    """Lines of a table of where a combined drafter's drafts came from: per configuration that has sources, over all
+    prompts and per category, each source's share of the accepted draft tokens (of the draft tokens, in brackets).
+    None where no configuration has sources."""
+    combined = [c for c in configs if c.get("sources")]
+    if not combined:
+        return []
+    names = list(dict.fromkeys(name for c in combined for name in c["sources"]))
+    lines = ["**where the drafts came from** (each source's share of the accepted draft tokens; of the draft tokens "
+             "in brackets)", "", "| config | prompts | " + " | ".join(names) + " |", "|---|---|" + "---:|" * len(names)]
+    for c in combined:
+        rows = [("all", c["sources"])] + [(cat, fields["sources"]) for cat, fields in c["per_category"].items()
+                                          if fields.get("sources")]
+        for title, sources in rows:
+            cells = [_share_cell(sources.get(name)) for name in names]
+            lines.append(f"| {c['drafter']} | {title} | " + " | ".join(cells) + " |")
+    lines.append("")
+    return lines
+
+
+def _share_cell(source: dict | None) -> str:
+    """One source's accepted share (draft share): "62.0% (40.1%)"; "—" where it has none."""
+    if source is None:
+        return "—"
+    accepted, drafted = source["accepted_share"], source["draft_share"]
+    return ("—" if accepted is None else f"{accepted:.1%}") + ("" if drafted is None else f" ({drafted:.1%})")
 
 
 def print_json(report: dict, out: str | None) -> int:

@@ -13,7 +13,7 @@ import torch
 
 from specdec.backends import CausalLM, precision_of
 from specdec.bench.contenders import Contender, LlamaCppContender, SpecdecContender, TransformersContender
-from specdec.bench.prompts import read_prompts
+from specdec.bench.prompts import select_prompts
 from specdec.bench.report import BASELINE, Run, build_report, markdown
 from specdec.bench.roofline import measure_roofline, roofline_markdown
 from specdec.choices import CROSS_VOCABULARY_METHODS, parse_num_draft_tokens, parse_tree
@@ -21,7 +21,7 @@ from specdec.drafters.loading import parse_drafter_paths
 from specdec.engine import Engine, GenerationConfig
 from specdec.errors import UsageError
 from specdec.loading import Loaded, draft_source, encode_prompt, load_target
-from specdec.proposers import PROPOSERS, NoProposer, make_proposer
+from specdec.proposers import PROPOSERS, NoProposer, make_proposer, role
 from specdec.sampling import SamplingParams
 
 HF_DEFAULT_PROMPT_LOOKUP_TOKENS = 10  # transformers' own default, for an hf-prompt-lookup asked for an adaptive k
@@ -80,11 +80,12 @@ def build_contenders(specs: list[str], loaded: Loaded, num_draft_tokens: int | s
                      drafter_paths: dict[str, str] | None = None) -> tuple[list[Contender], CausalLM]:
     """One contender per spec (``name`` or ``name:k``), ``none`` (the baseline) first; and the target backend
     specdec's contenders share. Trained drafters come from ``drafter_paths`` (method -> directory), else from
-    those shipped for the target; one drafter serves every spec of its method."""
+    those shipped for the target; one drafter serves every spec of its method. The draft model, given or found
+    for the hybrid (``loaded.draft_found``), drafts for every contender that drafts with one."""
     target, draft, precision, datastore = loaded.target, loaded.draft, loaded.precision, loaded.datastore
     parsed = {spec: parse_contender(spec, num_draft_tokens) for spec in dict.fromkeys(specs) if spec != BASELINE}
     names = {name for name, _, _ in parsed.values()}
-    if draft is None and NEEDS_DRAFT_MODEL & names:
+    if (draft is None or loaded.draft_found) and NEEDS_DRAFT_MODEL & names:  # transformers' assistant: a given one
         raise UsageError("the hf-assisted configuration needs --draft-model PATH")
     if target.model is None and NEEDS_TRANSFORMERS & names:
         raise UsageError(f"{', '.join(sorted(NEEDS_TRANSFORMERS & names))} run transformers: use --backend lean")
@@ -97,15 +98,28 @@ def build_contenders(specs: list[str], loaded: Loaded, num_draft_tokens: int | s
         if name in REFERENCE_CONTENDERS:
             contenders.append(REFERENCE_CONTENDERS[name](spec, target, draft, k, eos))
         else:
-            store = datastore if name == "retrieval" else None
             drafter, _, method = name.partition("/")
+            store = datastore if role(drafter).reads_datastore else None
             if name not in sources:
                 sources[name] = draft_source(drafter, target, backend, draft, precision,
-                                             (drafter_paths or {}).get(drafter), method or "auto")
+                                             (drafter_paths or {}).get(drafter), method or "auto",
+                                             found=loaded.draft_found)
             engine = Engine(backend, make_proposer(drafter, backend, sources[name], store), eos_token_ids=eos)
             engine.check_tree(tree)
             contenders.append(SpecdecContender(spec, engine, k, tree))
     return contenders, backend
+
+
+def specdec_drafters(specs: list[str]) -> tuple[str, ...]:
+    """The specdec drafters the contender specs name (``hybrid`` of ``hybrid:auto``; not the field's references):
+    what ``load_target`` checks the backend against, and finds a draft model for where one of them takes it."""
+    drafters = (spec.partition(":")[0].partition("/")[0] for spec in specs)
+    return tuple(dict.fromkeys(name for name in drafters if name in PROPOSERS))
+
+
+def _comma_separated(values: list[str]) -> list[str]:
+    """The items of flags given once or more, each a comma-separated list, in order."""
+    return [item.strip() for value in values for item in value.split(",") if item.strip()]
 
 
 def run_interleaved(contenders: list[Contender], prompts: list[tuple[str, str, list[int]]],
@@ -134,13 +148,14 @@ def run_bench(args) -> int:
                                                       top_p=args.top_p, method=args.sampling))
     if args.repeats < 1:
         raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
-    names = [n.strip() for n in args.drafters.split(",") if n.strip()]
+    names = _comma_separated([args.drafters])
     drafter_paths = parse_drafter_paths(args.drafter_path)  # checked before the slow model load
-    bench_prompts = read_prompts(args.prompts, category=args.category, limit=args.limit)
+    paths, categories = _comma_separated(args.prompts), _comma_separated([args.category] if args.category else [])
+    bench_prompts = select_prompts(paths, categories or None, args.per_category, args.limit)
 
     loaded = load_target(args.model, dtype=args.dtype, device=args.device, backend=args.backend,
                          threads=args.threads, datastore=args.datastore, draft_model=args.draft_model,
-                         drafters=tuple(name.partition(":")[0].partition("/")[0] for name in names))
+                         drafters=specdec_drafters(names))
     target = loaded.target
     contenders, backend = build_contenders(names, loaded, k, drafter_paths)
     prompts = [(p.id, p.category, encode_prompt(target.tokenizer, p.text, None if p.chat else False))
@@ -150,11 +165,13 @@ def run_bench(args) -> int:
     runs = run_interleaved(contenders, prompts, config, args.repeats, args.seed, progress=not args.no_progress)
     roofline = measure_roofline(backend, prompts[0][2])
     settings = {
-        "prompts": str(args.prompts), "category": args.category, "num_prompts": len(prompts),
+        "prompts": paths, "categories": categories or None, "per_category": args.per_category,
+        "limit": args.limit, "num_prompts": len(prompts),
         "repeats": args.repeats, "max_new_tokens": args.max_new_tokens, "num_draft_tokens": k,
         "temperature": args.temperature, "sampling": args.sampling, "top_k": args.top_k, "top_p": args.top_p,
         "model": args.model or "default",
-        "draft_model": args.draft_model, "drafter_paths": drafter_paths,
+        "draft_model": str(loaded.draft.source or loaded.draft.path) if loaded.draft_found else args.draft_model,
+        "draft_found": loaded.draft_found, "drafter_paths": drafter_paths,
         "dtype": precision_of(backend),
         "device": str(backend.device), "backend": backend.name,
         "threads": _threads_of(target),
