@@ -425,6 +425,8 @@ def test_metrics_parse_as_prometheus_text_and_equal_the_servers_counters(tiny):
             **one("speculation_enabled", int(m.speculating)), **one("running_requests", 0),
             **one("waiting_requests", 0), **one("drafter_errors_total", m.drafter_errors),
             **one("constrained_requests_total", m.constrained_requests), **one("forced_tokens_total", m.forced_tokens),
+            # prompt lookup is one drafter, not a combined one: no round has a source (tests/test_hybrid_server.py)
+            **one("draft_tokens_by_source_total", 0), **one("accepted_tokens_by_source_total", 0),
         }
         assert m.draft_tokens > 0 and samples == expected
         assert {name for name, kind in types.items() if kind == "counter"} == {

@@ -80,6 +80,7 @@ class Tokens:
     kinds: list[str]
     draft_tokens: int  # draft tokens scored for this request in the step
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # per token: its own, the top ones
+    source: str = ""  # the source of a combined drafter (hybrid) that drafted them; "" otherwise (Round.source)
 
 
 @dataclass(frozen=True)
@@ -520,7 +521,7 @@ class Scheduler:
         self._learn_acceptance(r, draft, verdict)
         round_ = sequence.emit(draft, verdict, logits, len(draft))
         self.metrics.observe_round(round_, r.mode)
-        r.handle.put(Tokens(round_.tokens, round_.kinds, round_.draft_tokens, round_.logprobs))
+        r.handle.put(Tokens(round_.tokens, round_.kinds, round_.draft_tokens, round_.logprobs, round_.source))
         if sequence.finished is not None:
             r.finished = Finished(sequence.finished)
 
