@@ -1,6 +1,7 @@
 """The hybrid drafter (the default) in the server (issue 51), on the tiny random model of test_server.py (float64: no
 rounding near-ties): the same greedy tokens as ``--drafter none``, with its copies alone and with a draft model;
-``/metrics`` and the stream counting draft and accepted tokens by the source that drafted them."""
+``/metrics`` and the stream counting draft and accepted tokens by the source that drafted them; one cost model
+(``SourcePlan``) shared by every request's hybrid, so that each request starts from what the earlier ones measured."""
 
 from __future__ import annotations
 
@@ -96,3 +97,64 @@ def test_metrics_and_the_stream_count_accepted_tokens_by_the_source_that_drafted
     accepted = sum(r["accepted"] for r in rounds if r.get("source") in COPIES)
     assert accepted == events[-2]["usage"]["speculation"]["accepted_tokens"] > 0
     assert all(r["k"] == 0 for r in rounds if "source" not in r)  # a round with no source drafted nothing
+
+
+def test_every_requests_hybrid_learns_into_one_plan(tiny):  # noqa: F811
+    """Requests one after another: each one's hybrid is made on the same cost model, which the earlier requests'
+    offers and passes have taught (the first starts cold, each later one where the last left it), and which hears
+    of each target pass once, however many requests share the pass."""
+    runtime = LeanRuntime(tiny[0])
+    scheduler = build_scheduler(runtime, settings(), {EOS})
+    seen: list[tuple[float, int]] = []  # at each request's start: its plan's offers reached, its passes heard
+    passes = []
+    made, make = [], scheduler.new_proposer
+
+    def reached(plan) -> float:
+        return sum(position.reached for name in COPIES for position in plan.positions[name])
+
+    def counting(plan):
+        observe = plan.observe_pass
+
+        def observe_pass(positions: int, seconds: float) -> None:
+            passes.append(positions)
+            observe(positions, seconds)
+        return observe_pass
+
+    def new_proposer():
+        proposer = make()
+        if not made:
+            proposer.plan.observe_pass = counting(proposer.plan)
+        made.append(proposer)
+        seen.append((reached(proposer.plan), len(passes)))
+        return proposer
+
+    scheduler.new_proposer = new_proposer
+    scheduler.start()
+    try:
+        for prompt in PROMPTS[:2]:
+            scheduler.submit(GenerationRequest(prompt_ids=prompt, max_tokens=16, stop_at_eos=False)).collect()
+        steps = scheduler.metrics.steps
+        together = [scheduler.submit(GenerationRequest(prompt_ids=prompt, max_tokens=16, stop_at_eos=False))
+                    for prompt in PROMPTS]
+        for handle in together:
+            handle.collect()
+        final = reached(made[0].plan)
+    finally:
+        scheduler.shutdown(timeout=5)
+    assert len(made) == 2 + len(PROMPTS) and all(proposer.plan is made[0].plan for proposer in made)
+    assert seen[0] == (0.0, 0)  # the first request starts cold
+    assert 0 < seen[1][0] < final and 0 < seen[1][1]  # the second starts where the first left the plan
+    assert len(passes) == scheduler.metrics.steps > steps  # one report per pass, batched or not
+
+
+def test_a_hybrid_refuses_a_shared_plan_over_other_sources():
+    """A plan weighs the sources it was made for: a hybrid with a draft model cannot learn into one without it."""
+    from specdec.proposers import PromptLookupProposer
+    from specdec.proposers.hybrid import HybridProposer
+    from specdec.proposers.retrieval import RetrievalProposer
+
+    copies_only = HybridProposer([PromptLookupProposer(), RetrievalProposer(None)])
+    assert HybridProposer([RetrievalProposer(None), PromptLookupProposer()], plan=copies_only.plan).plan \
+        is copies_only.plan
+    with pytest.raises(ValueError, match="a shared plan weighs the sources"):
+        HybridProposer([PromptLookupProposer()], plan=copies_only.plan)
