@@ -133,6 +133,9 @@ def test_the_page_shows_speculation_live_compares_and_keeps_what_arrived(served,
                      "fig-acceptance": f"{100 * accepted_count / drafted:.1f}%", "fig-mean": f"{tokens / passes:.2f}",
                      "fig-saved": f"{tokens - passes:.0f}"}
     assert float(element("fig-speed").text) > 0 and "position 1:" in element("position-caption").text
+    # the default drafter (the hybrid) names the source of each round: the accepted tokens by source add up
+    sources = re.findall(r"(\S+) (\d+) \(\d+\.\d%\)", element("sources").text)
+    assert element("sources-line").is_displayed() and sum(int(n) for _, n in sources) == accepted_count
     assert len(element("k-rounds").text.split()) == passes
     # 3. compare: the same seeded, sampled request with speculation off and on
     fill("temperature", "0.8")

@@ -94,6 +94,15 @@ class Combines(Protocol):
     source_names: tuple[str, ...]
 
 
+class SharesPlan(Protocol):
+    """A drafter whose cost model (``plan``: what it has measured of its sources and of the target's passes) can
+    outlive one sequence. Its module's ``make`` takes a ``plan=`` keyword: the drafter made then learns into that
+    plan instead of a fresh one, so that drafters made for many sequences (a server's requests) learn together.
+    What belongs to one sequence (drafts awaiting their score) stays each drafter's own."""
+
+    plan: object
+
+
 class TreeProposer(Protocol):
     """A proposer that also drafts token trees."""
 

@@ -15,27 +15,43 @@ pays again comes back. Nothing is tuned per kind of text.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.backends.base import declares
 from specdec.errors import UsageError
 from specdec.logs import notice
-from specdec.proposers.base import EMPTY_DRAFT, CatchesUp, Combines, Draft, PlansRounds, Proposer, Role, TreeProposer
+from specdec.proposers.base import (
+    EMPTY_DRAFT,
+    CatchesUp,
+    Combines,
+    Draft,
+    PlansRounds,
+    Proposer,
+    Role,
+    SharesPlan,
+    TreeProposer,
+)
 from specdec.proposers.prompt_lookup import PromptLookupProposer
 from specdec.proposers.retrieval import RetrievalProposer
 from specdec.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from specdec.policy import SourcePlan
+
 SYNC_CHECK = 16  # tokens compared to tell that a context continues the one a round drafted from
 
 
-class HybridProposer(TreeProposer, PlansRounds, Combines):
+class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
     """Drafts from ``copies`` (drafters whose drafts cost next to nothing, proposing every round) and ``models``
-    (drafters that run a network: drafting only when chosen), each named by its ``name``."""
+    (drafters that run a network: drafting only when chosen), each named by its ``name``. ``plan``: a cost model
+    over the same sources that other hybrids learn into too (a server's requests share one); None: its own."""
 
     name = "hybrid"
 
-    def __init__(self, copies: list[Proposer], models: list[Proposer] = ()) -> None:
+    def __init__(self, copies: list[Proposer], models: list[Proposer] = (), plan: SourcePlan | None = None
+                 ) -> None:
         from specdec.policy import SourcePlan
 
         self.copies = list(copies)
@@ -43,7 +59,10 @@ class HybridProposer(TreeProposer, PlansRounds, Combines):
         self.source_names = tuple(source.name for source in self.copies + self.models)
         if len(set(self.source_names)) != len(self.source_names):
             raise ValueError(f"a hybrid's sources need distinct names, got {self.source_names}")
-        self.plan = SourcePlan(self.source_names, frozenset(source.name for source in self.copies))
+        if plan is not None and set(plan.positions) != set(self.source_names):
+            raise ValueError(f"a shared plan weighs the sources {tuple(plan.positions)}, not {self.source_names}")
+        self.plan = plan if plan is not None else SourcePlan(self.source_names,
+                                                             frozenset(source.name for source in self.copies))
         self._offers: dict[str, list[int]] = {}  # the last round's offers, by source, scored at the next round
         self._offered_at: list[int] = []  # the end of the context they were drafted after (SYNC_CHECK tokens)
         self._offered_length = 0
@@ -137,9 +156,10 @@ def _first(draft: Draft, n: int, source: str) -> Draft:
 ROLE = Role(reads_datastore=True, takes_draft_model=True)
 
 
-def make(target, source, datastore) -> HybridProposer:
+def make(target, source, datastore, plan: SourcePlan | None = None) -> HybridProposer:
     """The copies (prompt lookup; the suffix index over the context and ``datastore``), and the draft model
-    ``source`` where there is one (``loading.draft_source`` finds it)."""
+    ``source`` where there is one (``loading.draft_source`` finds it); learning into ``plan`` where one is given
+    (``SharesPlan``)."""
     from specdec.proposers.draft_model import make as draft_model
 
     models = []
@@ -148,4 +168,4 @@ def make(target, source, datastore) -> HybridProposer:
             models.append(draft_model(target, source, None))
         except UsageError as error:  # a draft model that cannot draft for this target: the copies go on alone
             notice(f"the hybrid drafts without its draft model: {error}")
-    return HybridProposer([PromptLookupProposer(), RetrievalProposer(datastore)], models)
+    return HybridProposer([PromptLookupProposer(), RetrievalProposer(datastore)], models, plan)

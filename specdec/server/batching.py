@@ -3,6 +3,7 @@ over the target runtime's weights, and the scheduler over that pool with its dra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from specdec.costs import MeasuredPassCosts
 from specdec.errors import UsageError
 from specdec.logs import notice
 from specdec.proposers import PROPOSERS, role
-from specdec.proposers.base import Role
+from specdec.proposers.base import Proposer, Role, SharesPlan
 from specdec.proposers.retrieval import ChainedIndex, SharedIndex
 from specdec.server.prefixes import prefix_cache
 from specdec.server.scheduler import Scheduler
@@ -91,7 +92,7 @@ def build_scheduler(runtime, settings: BatchSettings, eos_token_ids: set[int], d
         datastore = ChainedIndex([memory.index] + ([datastore] if datastore is not None else []))
     drafts_with_model = draft is not None and (declared.needs_draft_model or declared.takes_draft_model)
     source = per_request(draft, settings) if drafts_with_model and not alone else lambda: draft
-    return Scheduler(pool, lambda: factory(runtime, source(), datastore),
+    return Scheduler(pool, learning_together(lambda **plan: factory(runtime, source(), datastore, **plan)),
                      SpeculationPlanner(settings.speculation, cost), eos_token_ids,
                      max_draft_tokens=settings.num_draft_tokens, max_waiting=settings.max_waiting,
                      drafter=settings.drafter, memory=memory,
@@ -119,6 +120,22 @@ def draft_runtime(draft):
     from specdec.proposers.draft_model import ForeignDraft
 
     return draft.model if isinstance(draft, ForeignDraft) else draft
+
+
+def learning_together(make: Callable[..., Proposer]) -> Callable[[], Proposer]:
+    """What makes each request's drafter with ``make``: where the drafters share a cost model (``SharesPlan``: the
+    hybrid's), every one after the first is made on the first one's (``make(plan=...)``), so that what earlier
+    requests measured (each source's acceptance, the target's pass costs) carries over to the next, which
+    otherwise would start cold."""
+    shared = None
+
+    def made() -> Proposer:
+        nonlocal shared
+        proposer = make() if shared is None else make(plan=shared)
+        if shared is None and declares(proposer, SharesPlan):
+            shared = proposer.plan
+        return proposer
+    return made
 
 
 def per_request(draft, settings: BatchSettings):

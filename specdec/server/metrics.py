@@ -3,7 +3,8 @@
 The words are those of the rest of specdec: a *draft* is one request's scored draft in one step; *draft tokens*
 are its tokens; *accepted* those that survived verification. Acceptance per draft position i is
 accepted_at_position{i} / draft_tokens_at_position{i}; the mean accepted length is generated tokens per request
-per target pass.
+per target pass. A combined drafter's (the hybrid's) draft and accepted tokens are counted by source as well: the
+share of the accepted tokens each source drafted.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class Metrics(DraftTotals):
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
     finished_by_mode: dict[str, int] = field(default_factory=dict)  # speculation mode -> requests finished
     tokens_by_mode: dict[str, int] = field(default_factory=dict)  # speculation mode -> tokens generated
+    # a combined drafter's (hybrid's) source -> draft tokens it drafted that were scored, and those accepted
+    draft_tokens_by_source: dict[str, int] = field(default_factory=dict)
+    accepted_tokens_by_source: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def observe_round(self, round_: Round, mode: str) -> None:
@@ -46,8 +50,11 @@ class Metrics(DraftTotals):
         with self._lock:
             self.request_rounds += 1
             self.generation_tokens += len(round_.tokens)
-            self.tokens_by_mode[mode] = self.tokens_by_mode.get(mode, 0) + len(round_.tokens)
+            _add(self.tokens_by_mode, mode, len(round_.tokens))
             self.positions.observe(round_)
+            if round_.source:
+                _add(self.draft_tokens_by_source, round_.source, round_.draft_tokens)
+                _add(self.accepted_tokens_by_source, round_.source, round_.accepted)
 
     @property
     def drafts(self) -> int:
@@ -73,8 +80,8 @@ class Metrics(DraftTotals):
 
     def observe_finish(self, reason: str, mode: str) -> None:
         with self._lock:
-            self.finished[reason] = self.finished.get(reason, 0) + 1
-            self.finished_by_mode[mode] = self.finished_by_mode.get(mode, 0) + 1
+            _add(self.finished, reason, 1)
+            _add(self.finished_by_mode, mode, 1)
 
     def observe_constrained(self, forced_tokens: int) -> None:
         """A request under a grammar has finished; its grammar forced this many draft tokens."""
@@ -110,6 +117,11 @@ class Metrics(DraftTotals):
             _family(counter, "drafts", "Drafts scored (one per request per speculative step).", self.drafts),
             _family(counter, "draft_tokens", "Draft tokens scored.", self.draft_tokens),
             _family(counter, "accepted_tokens", "Draft tokens accepted.", self.accepted_tokens),
+            _family(counter, "draft_tokens_by_source", "Draft tokens scored, by the source that drafted them (a "
+                    "combined drafter's: the hybrid's copies and draft model).",
+                    _by_source(self.draft_tokens_by_source)),
+            _family(counter, "accepted_tokens_by_source", "Draft tokens accepted, by the source that drafted them.",
+                    _by_source(self.accepted_tokens_by_source)),
             _family(counter, "draft_tokens_at_position", "Draft tokens scored at each draft position.",
                     _by_position(at.drafted)),
             _family(counter, "accepted_tokens_at_position", "Draft tokens accepted at each draft position.",
@@ -183,6 +195,16 @@ def _family(kind: type[CounterMetricFamily | GaugeMetricFamily], name: str, help
     for label_value, value in values:
         family.add_metric([str(label_value)], value)
     return family
+
+
+def _by_source(values: dict[str, int]) -> float | tuple[str, list[tuple[object, float]]]:
+    """Samples by a combined drafter's source, or 0 (unlabelled) while no source has drafted."""
+    return ("source", sorted(values.items())) if values else 0
+
+
+def _add(counts: dict[str, int], key: str, n: int) -> None:
+    """Count n more under ``key``."""
+    counts[key] = counts.get(key, 0) + n
 
 
 def _by_position(values: list[float]) -> tuple[str, list[tuple[object, float]]]:

@@ -206,8 +206,9 @@ class Answer:
             if self.job.include_speculation:
                 self.unsent_tokens.append((piece, kind))
         if self.job.include_speculation:
-            self.unsent_rounds.append({"k": event.draft_tokens, "accepted": event.kinds.count("accepted"),
-                                       "tokens": len(event.token_ids)})
+            round_ = {"k": event.draft_tokens, "accepted": event.kinds.count("accepted"),
+                      "tokens": len(event.token_ids)}
+            self.unsent_rounds.append({**round_, "source": event.source} if event.source else round_)
         if event.logprobs is not None:
             entries = [TokenLogprob(self._piece(t), lp, [(self._piece(i), v) for i, v in top])
                        for t, (lp, top) in zip(event.token_ids, event.logprobs)]
@@ -229,7 +230,8 @@ class Answer:
         """The chunk, and, when the request asked for ``stream_options.include_speculation``, how its text came
         under a ``specdec`` key: each token's piece of ``piece`` and its kind ("accepted", "recovered", "bonus" or
         "plain"; a token whose text a chunk boundary cut appears in both), the rounds since the last chunk (draft
-        tokens scored, accepted, tokens emitted) and, on the last chunk, the request's totals."""
+        tokens scored, accepted, tokens emitted, and the source that drafted them where a combined drafter did) and,
+        on the last chunk, the request's totals."""
         if not self.job.include_speculation:
             return chunk
         tokens, owed = [], len(piece)

@@ -33,7 +33,7 @@ from specdec.backends.base import Pool, Row, Slot, TreePool, declares, require
 from specdec.costs import Acceptance
 from specdec.errors import UsageError
 from specdec.policy import fitted_depth, make_policy, tree_widths
-from specdec.proposers.base import EMPTY_DRAFT, Draft, FeatureProposer, PlansRounds, Proposer
+from specdec.proposers.base import EMPTY_DRAFT, Draft, FeatureProposer, PlansRounds, Proposer, SharesPlan
 from specdec.proposers.none import NoProposer
 from specdec.rounds import Sequence, StopCondition, path_rows, row_parents
 from specdec.sampling import LogitsAdjustment, SamplingParams
@@ -80,6 +80,7 @@ class Tokens:
     kinds: list[str]
     draft_tokens: int  # draft tokens scored for this request in the step
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # per token: its own, the top ones
+    source: str = ""  # the source of a combined drafter (hybrid) that drafted them; "" otherwise (Round.source)
 
 
 @dataclass(frozen=True)
@@ -460,9 +461,8 @@ class Scheduler:
         passed = time.perf_counter()
         positions = sum(len(row.token_ids) for row in rows)
         self.planner.observe_pass(positions, passed - started)
-        for r in running:  # a drafter that plans its own rounds (the hybrid) learns what the pass cost
-            if declares(r.sequence.proposer, PlansRounds):
-                r.sequence.proposer.observe_pass(positions, passed - started)
+        for planner in _round_planners(running):  # a drafter that plans its own rounds learns what the pass cost
+            planner.observe_pass(positions, passed - started)
         self._round_seconds = (started - step_started, passed - started)  # drafting, the pass: the tree policy's
         # 4. verify, roll back, emit
         for r, draft, row_logits in zip(running, drafts, logits):
@@ -520,7 +520,7 @@ class Scheduler:
         self._learn_acceptance(r, draft, verdict)
         round_ = sequence.emit(draft, verdict, logits, len(draft))
         self.metrics.observe_round(round_, r.mode)
-        r.handle.put(Tokens(round_.tokens, round_.kinds, round_.draft_tokens, round_.logprobs))
+        r.handle.put(Tokens(round_.tokens, round_.kinds, round_.draft_tokens, round_.logprobs, round_.source))
         if sequence.finished is not None:
             r.finished = Finished(sequence.finished)
 
@@ -568,6 +568,17 @@ class Scheduler:
             self.prefixes.keep(r.slot, r.handle.request.prompt_ids)
         except Exception as error:  # a help to later prompts, never a fault of this request
             log.warning("request %d: its prompt was not kept (%r)", r.handle.id, error)
+
+
+def _round_planners(running: list[_Running]) -> list[Proposer]:
+    """The requests' drafters that plan their own rounds (``PlansRounds``: the hybrid), one per cost model where
+    several share one (``SharesPlan``), so that a shared plan counts each pass once."""
+    planners: dict[int, Proposer] = {}
+    for r in running:
+        proposer = r.sequence.proposer
+        if declares(proposer, PlansRounds):
+            planners.setdefault(id(proposer.plan) if declares(proposer, SharesPlan) else id(proposer), proposer)
+    return list(planners.values())
 
 
 def _scored(draft: Draft, n: int) -> Draft:

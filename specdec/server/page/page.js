@@ -190,6 +190,7 @@
     constructor() {
       this.tokens = 0; this.drafted = 0; this.accepted = 0; this.passes = 0;
       this.ks = []; this.draftedAt = []; this.acceptedAt = [];
+      this.bySource = new Map(); // a combined drafter's (the hybrid's) source -> its draft tokens accepted
     }
 
     round(round, result) {
@@ -198,6 +199,7 @@
       this.accepted += round.accepted;
       this.passes += 1;
       this.ks.push(round.k);
+      if (round.source) this.bySource.set(round.source, (this.bySource.get(round.source) || 0) + round.accepted);
       for (let i = 0; i < round.k; i++) {
         this.draftedAt[i] = (this.draftedAt[i] || 0) + 1;
         if (i < round.accepted) this.acceptedAt[i] = (this.acceptedAt[i] || 0) + 1;
@@ -215,7 +217,18 @@
       $("fig-passes").textContent = String(this.passes);
       $("fig-saved").textContent = String(this.tokens - this.passes);
       $("k-rounds").textContent = this.ks.join(" ");
+      this.showSources();
       this.plot();
+    }
+
+    showSources() {
+      const names = [...this.bySource.keys()].sort();
+      $("sources-line").hidden = names.length === 0;
+      $("sources").textContent = names.map((name) => {
+        const accepted = this.bySource.get(name);
+        const share = this.accepted ? (100 * accepted / this.accepted).toFixed(1) + "%" : "–";
+        return name + " " + accepted + " (" + share + ")";
+      }).join(" · ");
     }
 
     plot() {
