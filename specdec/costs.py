@@ -11,6 +11,8 @@ target pass over n positions costs, how often draft tokens are accepted, and the
   line beyond them); ``MeasuredPassCosts`` is the server's curve over up to batch x (k+1) positions, measured at
   start-up (interpolated between points) and only rescaled by the passes it runs, whose sizes are too few to
   move points without bending the curve's shape.
+- ``SourcePlan``: the same model over a combined drafter's sources (the hybrid's): per source, acceptance per
+  draft position and drafting seconds per token; each round, the source and length that pay most, or none.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 
 from specdec.backends.base import Pool, Row
 
+AUTO_MAX_K = 16  # the longest draft the cost-model policies consider
 PRIOR_STRENGTH = 4.0  # draft tokens' worth of weight a prior has in an Acceptance's rate, by default
 COST_LEARNING_RATE = 0.1  # how fast MeasuredPassCosts' scale follows the passes run
 
@@ -182,3 +185,85 @@ def expected_tokens_by_k(acceptances: list[float]) -> list[float]:
     for chance in survival(acceptances):
         totals.append(totals[-1] + chance)
     return totals
+
+
+class SourcePlan:
+    """The cost model of a drafter with several sources (the hybrid): each round, the source and draft length with
+    the best expected tokens per second, from each source's acceptance per draft position (as ``CostModelPolicy``
+    measures it), its drafting seconds per token and the target's pass costs (``PassCosts``); none, plain decoding,
+    where no source pays.
+
+    A source whose drafts cost next to nothing (a copy from the context: ``free``) offers one every round, and each
+    offer is scored against the tokens the round emitted, whichever source drafted: under greedy decoding and the
+    invariant sampler those are the target's own choices whatever was drafted, so the score is what verifying that
+    offer would have given. A model source is scored on its own rounds only; while another choice wins, it drafts
+    one round in ``explore_every`` anyway, so that a source that stopped paying is dropped and one that pays again
+    comes back."""
+
+    def __init__(self, names: tuple[str, ...], free: frozenset[str], max_k: int = AUTO_MAX_K,
+                 explore_every: int = 16, decay: float = 0.98, prior_acceptance: float = 0.5,
+                 prior_weight: float = 2.0) -> None:
+        self.max_k = max_k
+        self.explore_every = explore_every
+        self.decay = decay
+        self.prior_acceptance = prior_acceptance
+        self.prior_weight = prior_weight
+        self.costs = PassCosts()  # the target's passes only: drafting costs are per source, below
+        self.positions = {name: [Acceptance() for _ in range(max_k)] for name in names}
+        self.seconds_per_token: dict[str, float] = {name: 0.0 for name in names}
+        self.idle = {name: 0 for name in names if name not in free}  # rounds since a model source last drafted
+
+    def choose(self, offers: dict[str, int], limit: int) -> tuple[str | None, int]:
+        """(source, draft length) for the round, given the longest draft each source offers (a model source:
+        ``limit``); (None, 0) for plain decoding."""
+        line = self.costs.score_line()
+        best: tuple[float, str | None, int] = (1.0 / self.costs.scoring_seconds(1, line), None, 0)
+        own_best: dict[str, tuple[float, int]] = {}
+        for name, length in offers.items():
+            rate, k = self._best_length(name, min(length, limit, self.max_k), line)
+            own_best[name] = (rate, k)
+            if k and rate > best[0]:
+                best = (rate, name, k)
+        for name in self.idle:
+            self.idle[name] = 0 if best[1] == name else self.idle[name] + 1
+            if self.idle[name] >= self.explore_every and own_best.get(name, (0, 0))[1]:
+                self.idle[name] = 0
+                return name, own_best[name][1]
+        return best[1], best[2]
+
+    def _best_length(self, name: str, most: int, line: tuple[float, float]) -> tuple[float, int]:
+        """(expected tokens per second, k) of the best draft of 1..``most`` tokens from this source; (0, 0) if none."""
+        tokens = expected_tokens_by_k(self.acceptances(name)[:most])
+        per_token = self.seconds_per_token[name]
+        best = (0.0, 0)
+        for k in range(1, most + 1):
+            rate = tokens[k] / (per_token * k + self.costs.scoring_seconds(k + 1, line))
+            if rate > best[0]:
+                best = (rate, k)
+        return best
+
+    def acceptances(self, name: str) -> list[float]:
+        """[i-1]: the source's estimated chance that draft position i is accepted once position i-1 was."""
+        return chained_rates(self.positions[name], self.prior_acceptance, self.prior_weight)
+
+    def observe_offer(self, name: str, offered: list[int], emitted: list[int]) -> None:
+        """Score a draft the source ``offered`` against the tokens the round ``emitted`` from the same place: its
+        matching prefix was accepted; the token after it was reached and refused, unless the round emitted no
+        more (then it is untested)."""
+        if not offered:
+            return
+        accepted = 0
+        while accepted < min(len(offered), len(emitted)) and offered[accepted] == emitted[accepted]:
+            accepted += 1
+        reached = min(len(offered), accepted + (accepted < len(emitted)))
+        for i, position in enumerate(self.positions[name], start=1):
+            position.observe(float(i <= accepted), float(i <= reached), self.decay)
+
+    def observe_drafting(self, name: str, tokens: int, seconds: float) -> None:
+        if tokens:
+            previous = self.seconds_per_token[name]
+            per_token = seconds / tokens
+            self.seconds_per_token[name] = per_token if not previous else 0.8 * previous + 0.2 * per_token
+
+    def observe_pass(self, positions: int, seconds: float) -> None:
+        self.costs.observe(positions, seconds, 0, 0.0)

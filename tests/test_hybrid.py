@@ -11,8 +11,9 @@ import torch
 from test_server import EOS, tiny  # noqa: F401
 
 from specdec.backends import LeanRuntime
+from specdec.costs import SourcePlan
 from specdec.engine import Engine, GenerationConfig
-from specdec.policy import PlannedByDrafter, SourcePlan
+from specdec.policy import PlannedByDrafter
 from specdec.proposers import make_proposer
 from specdec.proposers.base import Draft
 from specdec.proposers.hybrid import HybridProposer

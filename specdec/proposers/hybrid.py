@@ -15,11 +15,11 @@ pays again comes back. Nothing is tuned per kind of text.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.backends.base import declares
+from specdec.costs import SourcePlan
 from specdec.errors import UsageError
 from specdec.logs import notice
 from specdec.proposers.base import (
@@ -37,9 +37,6 @@ from specdec.proposers.prompt_lookup import PromptLookupProposer
 from specdec.proposers.retrieval import RetrievalProposer
 from specdec.sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from specdec.policy import SourcePlan
-
 SYNC_CHECK = 16  # tokens compared to tell that a context continues the one a round drafted from
 
 
@@ -52,7 +49,6 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
 
     def __init__(self, copies: list[Proposer], models: list[Proposer] = (), plan: SourcePlan | None = None
                  ) -> None:
-        from specdec.policy import SourcePlan
 
         self.copies = list(copies)
         self.models = list(models)
