@@ -542,16 +542,17 @@ def _write_html(path: str, pieces: list[str], kinds: list[str], prompt: str, sum
 def summary_line(drafter: str, stats, backend: str) -> str:
     label = drafter if stats.policy == "fixed" else f"{drafter}, k {stats.policy}: mean draft " \
         f"{stats.draft_tokens / max(stats.rounds, 1):.1f}"
-    if stats.sources:
-        shares = stats.source_shares()
-        label += " from " + ", ".join(f"{name} {share['accepted_share']:.0%}" for name, share in shares.items()) \
-            + " of accepted tokens"
     label += f" on {backend}"
-    return (
+    line = (
         f"[{label}] {stats.new_tokens} new tokens in {stats.seconds:.2f} s, "
         f"{stats.tokens_per_second:.1f} tokens/s, acceptance rate {stats.acceptance_rate:.1%}, "
         f"mean accepted length {stats.mean_accepted_length:.2f} tokens per target pass"
     )
+    if stats.sources:  # a combined drafter's sources, each with its share of the accepted tokens
+        shares = stats.source_shares().items()
+        line += "; accepted tokens by source: " + ", ".join(f"{name} {share['accepted_share']:.0%}"
+                                                           for name, share in shares)
+    return line
 
 
 def _print_now(text: str) -> None:

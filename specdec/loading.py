@@ -143,6 +143,13 @@ def draft_model_source(target: LoadedModel, draft: LoadedModel, runtime: CausalL
     return source
 
 
+def check_cross_vocabulary(method: str) -> None:
+    from specdec.choices import CROSS_VOCABULARY_METHODS
+
+    if method not in CROSS_VOCABULARY_METHODS:
+        raise UsageError(f"--cross-vocabulary must be one of {', '.join(CROSS_VOCABULARY_METHODS)}, not {method!r}")
+
+
 def _overlap(source) -> float:
     """The share of the target's frequent tokens a draft model's vocabulary holds (all, where it is the target's)."""
     from specdec.proposers.draft_model import ForeignDraft
@@ -152,13 +159,10 @@ def _overlap(source) -> float:
 
 def _bridged(target: LoadedModel, draft: LoadedModel, runtime: CausalLM, cross_vocabulary: str):
     """The draft model's runtime, or a ``ForeignDraft`` over it where its tokenizer is not the target's."""
-    from specdec.choices import CROSS_VOCABULARY_METHODS
     from specdec.proposers.draft_model import ForeignDraft
     from specdec.vocabularies import ChatFraming, ContextBridge, TokenText, frequent_overlap, same_vocabulary
 
-    if cross_vocabulary not in CROSS_VOCABULARY_METHODS:
-        raise UsageError(f"--cross-vocabulary must be one of {', '.join(CROSS_VOCABULARY_METHODS)}, "
-                         f"not {cross_vocabulary!r}")
+    check_cross_vocabulary(cross_vocabulary)
     if same_vocabulary(target.tokenizer, draft.tokenizer):
         return runtime
     target_text = TokenText(target.tokenizer, target.vocab_size)
@@ -183,6 +187,7 @@ def bridged_draft(target: LoadedModel, draft: LoadedModel, runtime: CausalLM, cr
     from specdec.vocabularies import LOW_OVERLAP
 
     say = detail if found else notice
+    check_cross_vocabulary(cross_vocabulary)  # a bad flag is refused, not a draft model left out
     try:
         source = _bridged(target, draft, runtime, cross_vocabulary)
     except UsageError as error:

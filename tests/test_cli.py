@@ -94,20 +94,20 @@ def test_auto_passes_the_fused_runtime_by_for_a_model_it_does_not_cover_and_says
 def test_the_lean_runtime_answers_to_its_old_name_torch(models, capsys):
     code, out, err = run_cli(capsys, "generate", PROMPT, "--model", str(models["target"]), "--backend", "torch",
                              "--max-new-tokens", "4", "-k", "4")
-    assert code == 0 and err.strip().splitlines()[-1].startswith("[prompt-lookup on lean]"), err
+    assert code == 0 and err.strip().splitlines()[-1].startswith("[hybrid on lean]"), err
 
 
 def test_explicit_fused_runs_and_names_itself(models, capsys):
     code, out, err = run_cli(capsys, "generate", PROMPT, "--model", str(models["target"]), "--backend", "fused",
                              "--max-new-tokens", "6", "-k", "3")
-    assert code == 0 and err.strip().splitlines()[-1].startswith("[prompt-lookup on fused]"), err
+    assert code == 0 and err.strip().splitlines()[-1].startswith("[hybrid on fused]"), err
 
 
 def test_the_draft_length_is_auto_unless_k_is_named(models, capsys):
     """By default each round drafts the length that maximises expected tokens per second (0 where speculation does
     not pay), so the default speculation is never much slower than none; a named k is kept."""
     code, out, err = run_cli(capsys, "generate", PROMPT, "--model", str(models["target"]), "--max-new-tokens", "6")
-    assert code == 0 and err.strip().splitlines()[-1].startswith("[prompt-lookup, k auto: mean draft "), err
+    assert code == 0 and err.strip().splitlines()[-1].startswith("[hybrid, k auto: mean draft "), err
 
 
 def test_seed_makes_sampling_repeatable(models, capsys):
@@ -257,7 +257,7 @@ def test_without_the_extension_auto_says_why_once_and_fused_is_refused(models, c
     args = ["generate", PROMPT, "--model", str(models["draft"]), "--max-new-tokens", "4", "-k", "4"]
     first = run_cli(capsys, *args)
     assert first[0] == 0 and f"passes specdec's fused runtime by: {reason}" in first[2], first[2]
-    assert first[2].strip().splitlines()[-1].startswith("[prompt-lookup on lean]")
+    assert first[2].strip().splitlines()[-1].startswith("[hybrid on lean]")
     from specdec import runtime_choice as choice
 
     choice._passed_by.cache_clear()  # a new process: the choice comes from the cache, and is not said again

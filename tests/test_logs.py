@@ -29,9 +29,10 @@ def generate(model, *flags: str) -> subprocess.CompletedProcess:
 
 
 def is_summary(line: str) -> bool:
-    """specdec's summary line: the default drafter with the default draft length (k auto), on some runtime."""
-    return re.match(r"\[prompt-lookup, k auto: mean draft [0-9.]+ on ", line) is not None \
-        and line.endswith(" tokens per target pass")
+    """specdec's summary line: the default drafter (the hybrid, with its sources' shares) with the default draft
+    length (k auto), on some runtime."""
+    return re.match(r"\[hybrid, k auto: mean draft [0-9.]+ on .* tokens per target pass; accepted tokens by source: "
+                    r"prompt-lookup \d+%, retrieval \d+%$", line) is not None
 
 
 def test_generate_on_a_gguf_says_only_specdecs_lines(long_context_gguf):
