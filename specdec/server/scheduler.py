@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from specdec.backends.base import Pool, Row, Slot, TreePool, declares, require
+from specdec.backends.base import Pool, Row, Slot, TreePool, declares, forward_apart, require
 from specdec.costs import Acceptance
 from specdec.errors import UsageError
 from specdec.policy import fitted_depth, make_policy, tree_widths
@@ -428,20 +428,14 @@ class Scheduler:
     def _forward(self, rows: list[Row], owners: list[_Running]) -> list[torch.Tensor | None]:
         """One pass over every row (row i is owners[i]'s); should it fail, each row again alone, so that a row
         that fails finishes its own request only (its logits None), and the others go on."""
-        try:
-            return self.pool.forward(rows)
-        except Exception as error:
-            if len(rows) == 1:
-                owners[0].finished = self._failure(owners[0].handle, error)
-                return [None]
-        log.warning("a pass over %d requests failed; running each alone", len(rows))
+        results = forward_apart(self.pool, rows, lambda error: log.warning(
+            "a pass over %d requests failed (%r); running each alone", len(rows), error))
         logits: list[torch.Tensor | None] = []
-        for row, owner in zip(rows, owners):
-            try:
-                logits.append(self.pool.forward([row])[0])
-            except Exception as error:
-                owner.finished = self._failure(owner.handle, error)
-                logits.append(None)
+        for result, owner in zip(results, owners):
+            if isinstance(result, Exception):
+                owner.finished = self._failure(owner.handle, result)
+                result = None
+            logits.append(result)
         return logits
 
     def step(self) -> None:
