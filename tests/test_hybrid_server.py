@@ -68,6 +68,7 @@ def test_the_default_drafter_with_a_draft_model_serves_the_tokens_of_no_drafter(
     assert {name for proposer in made for name in proposer.source_names} == COPIES | {"draft-model"}
     drafted = scheduler.metrics.draft_tokens_by_source
     assert drafted.get("draft-model", 0) > 0 and sum(drafted.values()) == scheduler.metrics.draft_tokens
+    assert scheduler.metrics.drafter_errors == 0  # catching up to what its sequence holds is no pass, no fault
 
 
 def test_metrics_and_the_stream_count_accepted_tokens_by_the_source_that_drafted_them(tiny):  # noqa: F811

@@ -269,6 +269,8 @@ class PooledSequence(CausalLM):
         self._slot: Slot | None = None
 
     def extend(self, token_ids: list[int], num_logits: int) -> torch.Tensor:  # [num_logits, vocab]
+        if not token_ids and not num_logits:  # nothing to append (a drafter catching up to what it holds): no pass,
+            return torch.empty(0, self.vocab_size, device=self.device)  # as a runtime's own cache answers it
         if self._slot is None:
             self._slot = self.pool.open()  # PoolFull when every slot is taken: the request decodes plainly
         self._slot.length = len(self.tokens)
