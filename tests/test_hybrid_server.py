@@ -19,17 +19,20 @@ PROMPTS = [[5, 9, 12, 9, 12, 40, 5, 9, 12, 9], [7, 3, 7, 3, 7, 3, 7], [20, 21, 2
 COPIES = {"prompt-lookup", "retrieval"}
 
 
-def served(runtime, settings: BatchSettings, prompts: list[list[int]], draft=None, max_tokens: int = 16):
-    """Greedy answers to ``prompts``, submitted all at once to a scheduler as ``serve`` builds it; the scheduler;
-    each request's drafter as it was made."""
+def served(runtime, settings: BatchSettings, prompts: list[list[int]], draft=None, max_tokens: int = 16,
+           prepare=None):
+    """Greedy answers to ``prompts``, submitted all at once to a scheduler as ``serve`` builds it (``prepare``d
+    before it starts, where given); the scheduler; each request's drafter as it was made."""
     scheduler = build_scheduler(runtime, settings, {EOS}, draft=draft)
     made, make = [], scheduler.new_proposer
     scheduler.new_proposer = lambda: made.append(make()) or made[-1]
+    if prepare is not None:
+        prepare(scheduler)
     scheduler.start()
     try:
         handles = [scheduler.submit(GenerationRequest(prompt_ids=prompt, max_tokens=max_tokens, stop_at_eos=False))
                    for prompt in prompts]
-        answers = [handle.collect() for handle in handles]
+        answers = [handle.collect(timeout=30) for handle in handles]
     finally:
         scheduler.shutdown(timeout=5)
     assert all(finished.reason == "length" for _, finished, _ in answers)
