@@ -19,17 +19,20 @@ PROMPTS = [[5, 9, 12, 9, 12, 40, 5, 9, 12, 9], [7, 3, 7, 3, 7, 3, 7], [20, 21, 2
 COPIES = {"prompt-lookup", "retrieval"}
 
 
-def served(runtime, settings: BatchSettings, prompts: list[list[int]], draft=None, max_tokens: int = 16):
-    """Greedy answers to ``prompts``, submitted all at once to a scheduler as ``serve`` builds it; the scheduler;
-    each request's drafter as it was made."""
+def served(runtime, settings: BatchSettings, prompts: list[list[int]], draft=None, max_tokens: int = 16,
+           prepare=None):
+    """Greedy answers to ``prompts``, submitted all at once to a scheduler as ``serve`` builds it (``prepare``d
+    before it starts, where given); the scheduler; each request's drafter as it was made."""
     scheduler = build_scheduler(runtime, settings, {EOS}, draft=draft)
     made, make = [], scheduler.new_proposer
     scheduler.new_proposer = lambda: made.append(make()) or made[-1]
+    if prepare is not None:
+        prepare(scheduler)
     scheduler.start()
     try:
         handles = [scheduler.submit(GenerationRequest(prompt_ids=prompt, max_tokens=max_tokens, stop_at_eos=False))
                    for prompt in prompts]
-        answers = [handle.collect() for handle in handles]
+        answers = [handle.collect(timeout=30) for handle in handles]
     finally:
         scheduler.shutdown(timeout=5)
     assert all(finished.reason == "length" for _, finished, _ in answers)
@@ -68,6 +71,7 @@ def test_the_default_drafter_with_a_draft_model_serves_the_tokens_of_no_drafter(
     assert {name for proposer in made for name in proposer.source_names} == COPIES | {"draft-model"}
     drafted = scheduler.metrics.draft_tokens_by_source
     assert drafted.get("draft-model", 0) > 0 and sum(drafted.values()) == scheduler.metrics.draft_tokens
+    assert scheduler.metrics.drafter_errors == 0  # catching up to what its sequence holds is no pass, no fault
 
 
 def test_metrics_and_the_stream_count_accepted_tokens_by_the_source_that_drafted_them(tiny):  # noqa: F811

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -102,6 +103,30 @@ class Pool(Protocol):
     def forward(self, rows: list[Row]) -> list[torch.Tensor]:  # per row [num_logits, vocab]
         """Append every row's tokens to its slot in one pass; each row's logits at its last ``num_logits``."""
         ...
+
+
+def forward_apart(pool: Pool, rows: list[Row], split: Callable[[Exception], None] | None = None
+                  ) -> list[torch.Tensor | Exception]:  # per row [num_logits, vocab], or the error of its pass alone
+    """One pass over every row; should it fail, each row again alone, from where its slot stood before the pass, so
+    that a fault in one sequence's share fails that sequence only: its exception in its place, the others' logits
+    beside it. ``split`` is told the pass's error before the rows run alone."""
+    starts = [row.slot.length for row in rows]
+    try:
+        return list(pool.forward(rows))
+    except Exception as error:
+        for row, start in zip(rows, starts):
+            row.slot.length = start
+        if len(rows) == 1:
+            return [error]
+        if split is not None:
+            split(error)
+    results: list[torch.Tensor | Exception] = []
+    for row in rows:
+        try:
+            results.append(pool.forward([row])[0])
+        except Exception as error:
+            results.append(error)
+    return results
 
 
 class KeepsPrefixes(Protocol):
@@ -244,6 +269,8 @@ class PooledSequence(CausalLM):
         self._slot: Slot | None = None
 
     def extend(self, token_ids: list[int], num_logits: int) -> torch.Tensor:  # [num_logits, vocab]
+        if not token_ids and not num_logits:  # nothing to append (a drafter catching up to what it holds): no pass,
+            return torch.empty(0, self.vocab_size, device=self.device)  # as a runtime's own cache answers it
         if self._slot is None:
             self._slot = self.pool.open()  # PoolFull when every slot is taken: the request decodes plainly
         self._slot.length = len(self.tokens)

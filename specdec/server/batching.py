@@ -18,6 +18,7 @@ from specdec.backends.base import (
     declares,
     require,
 )
+from specdec.backends.lockstep import LockstepPool
 from specdec.choices import DEFAULT_DRAFTER, SPECULATION_MODES, check_datastore_drafter, check_tree
 from specdec.costs import MeasuredPassCosts
 from specdec.errors import UsageError
@@ -91,13 +92,14 @@ def build_scheduler(runtime, settings: BatchSettings, eos_token_ids: set[int], d
         memory = LearnedAnswers(settings, runtime.vocab_size)
         datastore = ChainedIndex([memory.index] + ([datastore] if datastore is not None else []))
     drafts_with_model = draft is not None and (declared.needs_draft_model or declared.takes_draft_model)
-    source = per_request(draft, settings) if drafts_with_model and not alone else lambda: draft
+    drafts = draft_pool(draft, settings) if drafts_with_model and not alone else None
+    source = per_request(draft, drafts) if drafts is not None else lambda: draft
     return Scheduler(pool, learning_together(lambda **plan: factory(runtime, source(), datastore, **plan)),
                      SpeculationPlanner(settings.speculation, cost), eos_token_ids,
                      max_draft_tokens=settings.num_draft_tokens, max_waiting=settings.max_waiting,
                      drafter=settings.drafter, memory=memory,
                      prefixes=None if features else prefix_cache(pool, settings.prefix_cache_mib << 20),
-                     tree=settings.tree)
+                     tree=settings.tree, draft_pool=drafts)
 
 
 def served_alone(pool, settings: BatchSettings, declared: Role, draft) -> str | None:
@@ -138,13 +140,18 @@ def learning_together(make: Callable[..., Proposer]) -> Callable[[], Proposer]:
     return made
 
 
-def per_request(draft, settings: BatchSettings):
-    """What makes each request's draft model: a sequence in a slot of one pool over the draft's weights (a
+def draft_pool(draft, settings: BatchSettings) -> LockstepPool:
+    """The pool over the draft model's weights that every request drafts in, a slot each: loaded once, and run in
+    lockstep, so that the requests drafting in one step share one pass per draft position."""
+    return LockstepPool(pool_of(draft_runtime(draft), settings.max_batch_size, settings.max_model_len))
+
+
+def per_request(draft, pool: LockstepPool):
+    """What makes each request's draft model: a sequence in a slot of ``pool``, over the draft's weights (a
     ``ForeignDraft`` over it where the tokenizers differ)."""
     from specdec.proposers.draft_model import ForeignDraft
 
     runtime = draft_runtime(draft)
-    pool = pool_of(runtime, settings.max_batch_size, settings.max_model_len)
 
     def make():
         sequence = PooledSequence(pool, runtime)

@@ -3,7 +3,8 @@
 The step loop, over the requests running now:
 
 1. admit waiting requests into free slots and prefill their prompts (one pass for all of them);
-2. draft for each request (its own drafter: prompt lookup and retrieval keep per-request state);
+2. draft for each request (its own drafter: prompt lookup and retrieval keep per-request state); requests that
+   draft with the server's one draft model draft in lockstep, one pass over all their rows per draft position;
 3. the planner chooses how many of each request's draft tokens to score: all (``always``), none (``never``), or
    what maximises the step's expected tokens per second at this batch size (``auto``);
 4. one target pass scores every request's pending token and its draft tokens;
@@ -25,11 +26,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from specdec.backends.base import Pool, Row, Slot, TreePool, declares, require
+from specdec.backends.base import Pool, Row, Slot, TreePool, declares, forward_apart, require
+from specdec.backends.lockstep import LockstepPool
 from specdec.costs import Acceptance
 from specdec.errors import UsageError
 from specdec.policy import fitted_depth, make_policy, tree_widths
@@ -190,9 +193,11 @@ class Scheduler:
     def __init__(self, pool: Pool, new_proposer: Callable[[], Proposer], planner: SpeculationPlanner,
                  eos_token_ids: frozenset[int] | set[int], max_draft_tokens: int = 4, max_waiting: int = 256,
                  metrics: Metrics | None = None, drafter: str = "", memory: AnswerMemory | None = None,
-                 prefixes: PrefixCache | None = None, tree: tuple[int, ...] | str | None = None) -> None:
+                 prefixes: PrefixCache | None = None, tree: tuple[int, ...] | str | None = None,
+                 draft_pool: LockstepPool | None = None) -> None:
         """``tree``: draft token trees, the candidates at each depth or "auto" (as ``--tree``), on a pool that
-        declares :class:`TreePool`."""
+        declares :class:`TreePool`. ``draft_pool``: the pool over a draft model's weights in which the requests'
+        drafters draft (a slot each), where they share one: their drafting runs in its lockstep."""
         if tree is not None:
             require(pool, TreePool, "--tree in the server", "it serves trees one request at a time")
         self.pool = pool
@@ -202,6 +207,7 @@ class Scheduler:
         self.prefixes = prefixes  # finished requests' prompts' keys and values, restored for prompts they open
         self.memory = memory  # learns every finished answer (the shared suffix index), kept at shutdown
         self.new_proposer = new_proposer
+        self.draft_pool = draft_pool
         self.drafter = drafter  # the drafter's name, as served
         self.planner = planner
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -295,6 +301,8 @@ class Scheduler:
         self._running.clear()
         if self.memory is not None:
             self.memory.close()
+        if self.draft_pool is not None:
+            self.draft_pool.stop()
 
     @property
     def busy(self) -> bool:
@@ -428,20 +436,14 @@ class Scheduler:
     def _forward(self, rows: list[Row], owners: list[_Running]) -> list[torch.Tensor | None]:
         """One pass over every row (row i is owners[i]'s); should it fail, each row again alone, so that a row
         that fails finishes its own request only (its logits None), and the others go on."""
-        try:
-            return self.pool.forward(rows)
-        except Exception as error:
-            if len(rows) == 1:
-                owners[0].finished = self._failure(owners[0].handle, error)
-                return [None]
-        log.warning("a pass over %d requests failed; running each alone", len(rows))
+        results = forward_apart(self.pool, rows, lambda error: log.warning(
+            "a pass over %d requests failed (%r); running each alone", len(rows), error))
         logits: list[torch.Tensor | None] = []
-        for row, owner in zip(rows, owners):
-            try:
-                logits.append(self.pool.forward([row])[0])
-            except Exception as error:
-                owner.finished = self._failure(owner.handle, error)
-                logits.append(None)
+        for result, owner in zip(results, owners):
+            if isinstance(result, Exception):
+                owner.finished = self._failure(owner.handle, result)
+                result = None
+            logits.append(result)
         return logits
 
     def step(self) -> None:
@@ -478,18 +480,28 @@ class Scheduler:
 
     def _draft(self, running: list[_Running]) -> None:
         drafted, started = 0, time.perf_counter()
-        for r in running:
+        for r, outcome in zip(running, self._drafts(running)):  # a grammar's forced tokens are drafted in any mode
             r.draft = EMPTY_DRAFT
-            try:
-                r.draft = self._drafted(r)  # a grammar's forced tokens are drafted in any mode
-            except Exception as error:
+            if isinstance(outcome, Exception):
                 log.warning("request %d: drafter %s raised %r; decoding it plainly from here",
-                            r.handle.id, r.sequence.proposer.name, error)
+                            r.handle.id, r.sequence.proposer.name, outcome)
                 self.metrics.observe_drafter_error()
                 r.speculates = False
                 continue
+            r.draft = outcome
             drafted += len(r.draft)
         self.planner.observe_drafting(drafted, time.perf_counter() - started)
+
+    def _drafts(self, running: list[_Running]) -> list[Draft | Exception]:
+        """Each request's draft, or the error its drafter raised. Where two or more requests may draft with the
+        shared draft model, they draft in lockstep (``draft_pool.run``: one pass over all their rows at each draft
+        position); the rest, and every request where there is no such model, one after another on this thread."""
+        together = [r for r in running if r.speculates and r.mode != "never"] if self.draft_pool is not None else []
+        if len(together) < 2:  # a request alone has nobody to share a pass with: it drafts on this thread
+            together = []
+        drafts = self.draft_pool.run([partial(self._drafted, r) for r in together]) if together else []
+        by_request = dict(zip(map(id, together), drafts))
+        return [by_request[id(r)] if id(r) in by_request else _attempt(partial(self._drafted, r)) for r in running]
 
     def _drafted(self, r: _Running) -> Draft:
         """The request's draft: as deep as it and the server allow (the tree policy's depth, under ``--tree
@@ -568,6 +580,14 @@ class Scheduler:
             self.prefixes.keep(r.slot, r.handle.request.prompt_ids)
         except Exception as error:  # a help to later prompts, never a fault of this request
             log.warning("request %d: its prompt was not kept (%r)", r.handle.id, error)
+
+
+def _attempt(task: Callable[[], Draft]) -> Draft | Exception:
+    """The task's result, or the exception it raised."""
+    try:
+        return task()
+    except Exception as error:
+        return error
 
 
 def _round_planners(running: list[_Running]) -> list[Proposer]:
