@@ -217,10 +217,12 @@ class SourcePlan:
         """(source, draft length) for the round, given the longest draft each source offers (a model source:
         ``limit``); (None, 0) for plain decoding."""
         line = self.costs.score_line()
-        best: tuple[float, str | None, int] = (1.0 / self.costs.scoring_seconds(1, line), None, 0)
+        longest = min(max(offers.values(), default=0), limit, self.max_k)
+        passes = [self.costs.scoring_seconds(n, line) for n in range(1, longest + 2)]  # [n-1]: a pass over n
+        best: tuple[float, str | None, int] = (1.0 / passes[0], None, 0)
         own_best: dict[str, tuple[float, int]] = {}
         for name, length in offers.items():
-            rate, k = self._best_length(name, min(length, limit, self.max_k), line)
+            rate, k = self._best_length(name, min(length, longest), passes)
             own_best[name] = (rate, k)
             if k and rate > best[0]:
                 best = (rate, name, k)
@@ -231,13 +233,16 @@ class SourcePlan:
                 return name, own_best[name][1]
         return best[1], best[2]
 
-    def _best_length(self, name: str, most: int, line: tuple[float, float]) -> tuple[float, int]:
-        """(expected tokens per second, k) of the best draft of 1..``most`` tokens from this source; (0, 0) if none."""
+    def _best_length(self, name: str, most: int, passes: list[float]) -> tuple[float, int]:
+        """(expected tokens per second, k) of the best draft of 1..``most`` tokens from this source, given what a
+        target pass over n positions costs (``passes[n-1]``); (0, 0) if none."""
+        if most < 1:
+            return 0.0, 0
         tokens = expected_tokens_by_k(self.acceptances(name)[:most])
         per_token = self.seconds_per_token[name]
         best = (0.0, 0)
         for k in range(1, most + 1):
-            rate = tokens[k] / (per_token * k + self.costs.scoring_seconds(k + 1, line))
+            rate = tokens[k] / (per_token * k + passes[k])
             if rate > best[0]:
                 best = (rate, k)
         return best
