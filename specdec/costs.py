@@ -198,12 +198,18 @@ class SourcePlan:
     invariant sampler those are the target's own choices whatever was drafted, so the score is what verifying that
     offer would have given. A model source is scored on its own rounds only; while another choice wins, it drafts
     one round in ``explore_every`` anyway, so that a source that stopped paying is dropped and one that pays again
-    comes back."""
+    comes back.
+
+    Acceptance is kept twice: over every sequence the plan served (``positions``), and per sequence (``local()``, a
+    record each sequence keeps), whose estimates shrink towards the first with ``local_weight`` observations' worth:
+    a new sequence starts from what the others taught, and one whose text differs (a translation after summaries)
+    is weighed by its own rounds within a few of them, as the server's planner weighs each request."""
 
     def __init__(self, names: tuple[str, ...], free: frozenset[str], max_k: int = AUTO_MAX_K,
                  explore_every: int = 16, decay: float = 0.98, prior_acceptance: float = 0.5,
-                 prior_weight: float = 2.0) -> None:
+                 prior_weight: float = 2.0, local_weight: float = PRIOR_STRENGTH) -> None:
         self.max_k = max_k
+        self.local_weight = local_weight
         self.explore_every = explore_every
         self.decay = decay
         self.prior_acceptance = prior_acceptance
@@ -213,16 +219,21 @@ class SourcePlan:
         self.seconds_per_token: dict[str, float] = {name: 0.0 for name in names}
         self.idle = {name: 0 for name in names if name not in free}  # rounds since a model source last drafted
 
-    def choose(self, offers: dict[str, int], limit: int) -> tuple[str | None, int]:
+    def local(self) -> dict[str, list[Acceptance]]:
+        """A new sequence's own record of each source's acceptance per draft position."""
+        return {name: [Acceptance() for _ in range(self.max_k)] for name in self.positions}
+
+    def choose(self, offers: dict[str, int], limit: int, local: dict[str, list[Acceptance]] | None = None
+               ) -> tuple[str | None, int]:
         """(source, draft length) for the round, given the longest draft each source offers (a model source:
-        ``limit``); (None, 0) for plain decoding."""
+        ``limit``) and the sequence's own record (``local``); (None, 0) for plain decoding."""
         line = self.costs.score_line()
         longest = min(max(offers.values(), default=0), limit, self.max_k)
         passes = [self.costs.scoring_seconds(n, line) for n in range(1, longest + 2)]  # [n-1]: a pass over n
         best: tuple[float, str | None, int] = (1.0 / passes[0], None, 0)
         own_best: dict[str, tuple[float, int]] = {}
         for name, length in offers.items():
-            rate, k = self._best_length(name, min(length, longest), passes)
+            rate, k = self._best_length(name, min(length, longest), passes, local)
             own_best[name] = (rate, k)
             if k and rate > best[0]:
                 best = (rate, name, k)
@@ -233,12 +244,13 @@ class SourcePlan:
                 return name, own_best[name][1]
         return best[1], best[2]
 
-    def _best_length(self, name: str, most: int, passes: list[float]) -> tuple[float, int]:
+    def _best_length(self, name: str, most: int, passes: list[float], local: dict | None = None
+                     ) -> tuple[float, int]:
         """(expected tokens per second, k) of the best draft of 1..``most`` tokens from this source, given what a
         target pass over n positions costs (``passes[n-1]``); (0, 0) if none."""
         if most < 1:
             return 0.0, 0
-        tokens = expected_tokens_by_k(self.acceptances(name)[:most])
+        tokens = expected_tokens_by_k(self.acceptances(name, local)[:most])
         per_token = self.seconds_per_token[name]
         best = (0.0, 0)
         for k in range(1, most + 1):
@@ -247,22 +259,28 @@ class SourcePlan:
                 best = (rate, k)
         return best
 
-    def acceptances(self, name: str) -> list[float]:
-        """[i-1]: the source's estimated chance that draft position i is accepted once position i-1 was."""
-        return chained_rates(self.positions[name], self.prior_acceptance, self.prior_weight)
+    def acceptances(self, name: str, local: dict[str, list[Acceptance]] | None = None) -> list[float]:
+        """[i-1]: the source's estimated chance that draft position i is accepted once position i-1 was: over every
+        sequence, or, with a sequence's ``local`` record, its own, shrunk towards that."""
+        shared = chained_rates(self.positions[name], self.prior_acceptance, self.prior_weight)
+        if local is None:
+            return shared
+        return [own.rate(prior, self.local_weight) for own, prior in zip(local[name], shared)]
 
-    def observe_offer(self, name: str, offered: list[int], emitted: list[int]) -> None:
+    def observe_offer(self, name: str, offered: list[int], emitted: list[int],
+                      local: dict[str, list[Acceptance]] | None = None) -> None:
         """Score a draft the source ``offered`` against the tokens the round ``emitted`` from the same place: its
         matching prefix was accepted; the token after it was reached and refused, unless the round emitted no
-        more (then it is untested)."""
+        more (then it is untested). Into the sequence's ``local`` record too, where given."""
         if not offered:
             return
         accepted = 0
         while accepted < min(len(offered), len(emitted)) and offered[accepted] == emitted[accepted]:
             accepted += 1
         reached = min(len(offered), accepted + (accepted < len(emitted)))
-        for i, position in enumerate(self.positions[name], start=1):
-            position.observe(float(i <= accepted), float(i <= reached), self.decay)
+        for record in (self.positions, local) if local is not None else (self.positions,):
+            for i, position in enumerate(record[name], start=1):
+                position.observe(float(i <= accepted), float(i <= reached), self.decay)
 
     def observe_drafting(self, name: str, tokens: int, seconds: float) -> None:
         if tokens:

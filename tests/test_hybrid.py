@@ -82,6 +82,20 @@ def test_a_source_that_stops_paying_is_dropped_and_one_that_pays_again_comes_bac
     assert plan.choose({"copy": 4}, 8)[0] == "copy"
 
 
+def test_a_sequence_weighs_its_own_rounds_against_what_the_others_taught():
+    """A new sequence starts from the plan's acceptance over every sequence; its own refusals pull its estimate
+    down within a few rounds while the plan's, learnt from many, moves little."""
+    plan = plan_with_pass_costs(explore_every=1000, slope=0.2)
+    for _ in range(50):
+        plan.observe_offer("copy", [1, 2], [1, 2, 3])
+    local = plan.local()
+    assert plan.acceptances("copy", local)[0] == pytest.approx(plan.acceptances("copy")[0])
+    for _ in range(10):
+        plan.observe_offer("copy", [1, 2], [5, 6], local)
+    assert plan.acceptances("copy")[0] > 0.7 and plan.acceptances("copy", local)[0] < 0.3
+    assert plan.choose({"copy": 2}, 8)[0] == "copy" and plan.choose({"copy": 2}, 8, local)[0] is None
+
+
 # --- the drafter on a model ---------------------------------------------------------------------------------------
 
 

@@ -59,6 +59,7 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
             raise ValueError(f"a shared plan weighs the sources {tuple(plan.positions)}, not {self.source_names}")
         self.plan = plan if plan is not None else SourcePlan(self.source_names,
                                                              frozenset(source.name for source in self.copies))
+        self._local = self.plan.local()  # this sequence's own acceptance by source (a new one's at a new context)
         self._offers: dict[str, list[int]] = {}  # the last round's offers, by source, scored at the next round
         self._offered_at: list[int] = []  # the end of the context they were drafted after (SYNC_CHECK tokens)
         self._offered_length = 0
@@ -71,7 +72,7 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
         offers = {source.name: source.propose(context, k, params, generator) for source in self.copies}
         lengths = {name: len(draft) for name, draft in offers.items()}
         lengths.update({model.name: k for model in self.models})
-        name, length = self.plan.choose(lengths, k)
+        name, length = self.plan.choose(lengths, k, self._local)
         if name is not None and name not in offers:
             offers[name] = self._model_draft(self._source(name), context, length, params, generator)
         self._remember(context, {source: draft.tokens for source, draft in offers.items()})
@@ -89,7 +90,7 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
         chains = {source.name: source.propose(context, depth, params, generator) for source in self.copies}
         lengths = {name: len(draft) for name, draft in chains.items()}
         lengths.update({model.name: depth for model in self.models})
-        name, _ = self.plan.choose(lengths, depth)
+        name, _ = self.plan.choose(lengths, depth, self._local)
         self._remember(context, {source: draft.tokens for source, draft in chains.items()})
         if name is None:
             return EMPTY_DRAFT
@@ -108,6 +109,7 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
 
     def clear_cache(self) -> None:
         self._offers = {}
+        self._local = self.plan.local()
         for source in self.copies + self.models:
             source.clear_cache()
 
@@ -132,14 +134,16 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
 
     def _score_offers(self, context: list[int]) -> None:
         """Score the last round's offers against what it emitted, where ``context`` continues the one they were
-        drafted after (not a new request's)."""
+        drafted after; where it does not (another request), the sequence's own record starts again."""
         offers, self._offers = self._offers, {}
         start = self._offered_length
-        if not offers or len(context) <= start or context[start - len(self._offered_at):start] != self._offered_at:
+        if len(context) <= start or context[start - len(self._offered_at):start] != self._offered_at:
+            if start:
+                self._local = self.plan.local()
             return
         emitted = context[start:]
         for name, tokens in offers.items():
-            self.plan.observe_offer(name, tokens, emitted)
+            self.plan.observe_offer(name, tokens, emitted, self._local)
 
 
 def _first(draft: Draft, n: int, source: str) -> Draft:
