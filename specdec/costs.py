@@ -217,6 +217,9 @@ class SourcePlan:
         self.costs = PassCosts()  # the target's passes only: drafting costs are per source, below
         self.positions = {name: [Acceptance() for _ in range(max_k)] for name in names}
         self.seconds_per_token: dict[str, float] = {name: 0.0 for name in names}
+        # a model source's cost per round beyond its tokens: bringing its cache up to the round's context (the
+        # target's correction, a copy's accepted tokens), measured where it drafted the round before too
+        self.seconds_per_round: dict[str, float] = {name: 0.0 for name in names}
         self.idle = {name: 0 for name in names if name not in free}  # rounds since a model source last drafted
 
     def local(self) -> dict[str, list[Acceptance]]:
@@ -251,10 +254,10 @@ class SourcePlan:
         if most < 1:
             return 0.0, 0
         tokens = expected_tokens_by_k(self.acceptances(name, local)[:most])
-        per_token = self.seconds_per_token[name]
+        per_token, per_round = self.seconds_per_token[name], self.seconds_per_round[name]
         best = (0.0, 0)
         for k in range(1, most + 1):
-            rate = tokens[k] / (per_token * k + passes[k])
+            rate = tokens[k] / (per_round + per_token * k + passes[k])
             if rate > best[0]:
                 best = (rate, k)
         return best
@@ -282,11 +285,19 @@ class SourcePlan:
             for i, position in enumerate(record[name], start=1):
                 position.observe(float(i <= accepted), float(i <= reached), self.decay)
 
-    def observe_drafting(self, name: str, tokens: int, seconds: float) -> None:
+    def observe_drafting(self, name: str, tokens: int, seconds: float, catch_up_seconds: float | None = None) -> None:
+        """A model source drafted ``tokens`` in ``seconds``, after bringing its cache up to the context in
+        ``catch_up_seconds`` (None where that was a backlog of rounds it did not draft, not a round's cost)."""
         if tokens:
-            previous = self.seconds_per_token[name]
-            per_token = seconds / tokens
-            self.seconds_per_token[name] = per_token if not previous else 0.8 * previous + 0.2 * per_token
+            _moving(self.seconds_per_token, name, seconds / tokens)
+        if catch_up_seconds is not None:
+            _moving(self.seconds_per_round, name, catch_up_seconds)
 
     def observe_pass(self, positions: int, seconds: float) -> None:
         self.costs.observe(positions, seconds, 0, 0.0)
+
+
+def _moving(averages: dict[str, float], name: str, value: float, weight: float = 0.2) -> None:
+    """Move ``averages[name]`` towards ``value`` (a first value, where it holds none yet)."""
+    previous = averages[name]
+    averages[name] = value if not previous else (1 - weight) * previous + weight * value

@@ -67,6 +67,19 @@ def test_a_model_source_that_is_not_chosen_drafts_one_round_in_explore_every():
     assert chosen == [None, None, None, "model"] * 3
 
 
+def test_a_models_catching_up_each_round_counts_in_its_cost():
+    """A draft model that drafted the round before pays a pass to take in the target's correction before drafting:
+    a cost per round, beside its cost per token, that can make a marginal source not pay."""
+    plan = plan_with_pass_costs(explore_every=1000, slope=0.02)
+    for _ in range(50):
+        plan.observe_offer("model", [1, 9], [1, 2])  # the first token accepted one round in two
+        plan.observe_offer("model", [9, 9], [1, 2])
+    plan.observe_drafting("model", 1, 0.1)
+    assert plan.choose({"model": 4}, 4)[0] == "model"
+    plan.observe_drafting("model", 1, 0.1, catch_up_seconds=0.5)
+    assert plan.choose({"model": 4}, 4) == (None, 0)
+
+
 def test_a_source_that_stops_paying_is_dropped_and_one_that_pays_again_comes_back():
     plan = plan_with_pass_costs(explore_every=1000)
     accepted = ([1, 2, 3, 4], [1, 2, 3, 4, 5])

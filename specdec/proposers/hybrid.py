@@ -60,6 +60,7 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
         self.plan = plan if plan is not None else SourcePlan(self.source_names,
                                                              frozenset(source.name for source in self.copies))
         self._local = self.plan.local()  # this sequence's own acceptance by source (a new one's at a new context)
+        self._drafted_last: str | None = None  # the source that drafted the last round
         self._offers: dict[str, list[int]] = {}  # the last round's offers, by source, scored at the next round
         self._offered_at: list[int] = []  # the end of the context they were drafted after (SYNC_CHECK tokens)
         self._offered_length = 0
@@ -73,8 +74,9 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
         lengths = {name: len(draft) for name, draft in offers.items()}
         lengths.update({model.name: k for model in self.models})
         name, length = self.plan.choose(lengths, k, self._local)
+        steady, self._drafted_last = name == self._drafted_last, name  # the same source as the round before
         if name is not None and name not in offers:
-            offers[name] = self._model_draft(self._source(name), context, length, params, generator)
+            offers[name] = self._model_draft(self._source(name), context, length, params, generator, steady)
         self._remember(context, {source: draft.tokens for source, draft in offers.items()})
         if name is None or not offers[name].tokens:
             return EMPTY_DRAFT
@@ -117,14 +119,17 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
         return next(source for source in self.copies + self.models if source.name == name)
 
     def _model_draft(self, model: Proposer, context: list[int], k: int, params: SamplingParams,
-                     generator: torch.Generator | None) -> Draft:
-        """The model's draft of k tokens, its cost per token measured (its catching up on rounds it missed, a
-        backlog, apart)."""
+                     generator: torch.Generator | None, steady: bool) -> Draft:
+        """The model's draft of k tokens, its cost measured: per token, and per round the catching up on the round
+        before (the target's correction), where it drafted that round too (``steady``; after rounds it did not
+        draft, that is a backlog, not a round's cost)."""
+        started = time.perf_counter()
         if declares(model, CatchesUp):
             model.catch_up(context)
-        started = time.perf_counter()
+        caught_up = time.perf_counter()
         draft = model.propose(context, k, params, generator)
-        self.plan.observe_drafting(model.name, max(len(draft), 1), time.perf_counter() - started)
+        self.plan.observe_drafting(model.name, max(len(draft), 1), time.perf_counter() - caught_up,
+                                   caught_up - started if steady else None)
         return draft
 
     def _remember(self, context: list[int], offers: dict[str, list[int]]) -> None:
