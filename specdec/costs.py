@@ -208,6 +208,7 @@ class SourcePlan:
     def __init__(self, names: tuple[str, ...], free: frozenset[str], max_k: int = AUTO_MAX_K,
                  explore_every: int = 16, decay: float = 0.98, prior_acceptance: float = 0.5,
                  prior_weight: float = 2.0, local_weight: float = PRIOR_STRENGTH) -> None:
+        self.names = names
         self.max_k = max_k
         self.local_weight = local_weight
         self.explore_every = explore_every
@@ -223,8 +224,15 @@ class SourcePlan:
         self.idle = {name: 0 for name in names if name not in free}  # rounds since a model source last drafted
 
     def local(self) -> dict[str, list[Acceptance]]:
-        """A new sequence's own record of each source's acceptance per draft position."""
-        return {name: [Acceptance() for _ in range(self.max_k)] for name in self.positions}
+        """A new sequence's own record of each source's acceptance per draft position (filled as it drafts)."""
+        return {}
+
+    def _record(self, record: dict[str, list[Acceptance]], name: str) -> list[Acceptance]:
+        """``record``'s acceptance per position for ``name``: a source, or a copy's grade of match (``copy/3``),
+        kept from its first offer on."""
+        if name not in record:
+            record[name] = [Acceptance() for _ in range(self.max_k)]
+        return record[name]
 
     def choose(self, offers: dict[str, int], limit: int, local: dict[str, list[Acceptance]] | None = None
                ) -> tuple[str | None, int]:
@@ -254,7 +262,7 @@ class SourcePlan:
         if most < 1:
             return 0.0, 0
         tokens = expected_tokens_by_k(self.acceptances(name, local)[:most])
-        per_token, per_round = self.seconds_per_token[name], self.seconds_per_round[name]
+        per_token, per_round = self.seconds_per_token.get(name, 0.0), self.seconds_per_round.get(name, 0.0)
         best = (0.0, 0)
         for k in range(1, most + 1):
             rate = tokens[k] / (per_round + per_token * k + passes[k])
@@ -265,10 +273,10 @@ class SourcePlan:
     def acceptances(self, name: str, local: dict[str, list[Acceptance]] | None = None) -> list[float]:
         """[i-1]: the source's estimated chance that draft position i is accepted once position i-1 was: over every
         sequence, or, with a sequence's ``local`` record, its own, shrunk towards that."""
-        shared = chained_rates(self.positions[name], self.prior_acceptance, self.prior_weight)
+        shared = chained_rates(self._record(self.positions, name), self.prior_acceptance, self.prior_weight)
         if local is None:
             return shared
-        return [own.rate(prior, self.local_weight) for own, prior in zip(local[name], shared)]
+        return [own.rate(prior, self.local_weight) for own, prior in zip(self._record(local, name), shared)]
 
     def observe_offer(self, name: str, offered: list[int], emitted: list[int],
                       local: dict[str, list[Acceptance]] | None = None) -> None:
@@ -282,7 +290,7 @@ class SourcePlan:
             accepted += 1
         reached = min(len(offered), accepted + (accepted < len(emitted)))
         for record in (self.positions, local) if local is not None else (self.positions,):
-            for i, position in enumerate(record[name], start=1):
+            for i, position in enumerate(self._record(record, name), start=1):
                 position.observe(float(i <= accepted), float(i <= reached), self.decay)
 
     def observe_drafting(self, name: str, tokens: int, seconds: float, catch_up_seconds: float | None = None) -> None:

@@ -172,6 +172,21 @@ def test_a_draft_that_names_its_source_keeps_it_through_the_round():
     assert isinstance(draft, Draft) and draft.source == "prompt-lookup" and draft.tokens == [12, 40, 5, 9]
 
 
+def test_copies_are_weighed_by_the_length_of_the_match_they_continue():
+    """A copy of what followed a 3-token match and one of what followed a single token are weighed apart (keys
+    ``prompt-lookup/3`` and ``prompt-lookup/1``), and both drafts name the source ``prompt-lookup``."""
+    lookup = PromptLookupProposer()
+    assert lookup.graded([1, 2, 3, 9, 1, 2, 3], 2) == ([9, 1], 3)
+    assert lookup.graded([4, 9, 5, 7, 8, 4], 2) == ([9, 5], 1)
+    hybrid = HybridProposer([lookup])
+    for context in ([1, 2, 3, 9, 1, 2, 3], [1, 2, 3, 9, 1, 2, 3, 9, 1, 2], [4, 9, 5, 7, 8, 4], [4, 9, 5, 7, 8, 4, 9]):
+        draft = hybrid.propose(context, 2, SamplingParams(), None)
+        assert draft.source in ("prompt-lookup", "")
+    assert {"prompt-lookup/3", "prompt-lookup/1"} <= set(hybrid.plan.positions)
+    assert hybrid.plan.positions["prompt-lookup/3"][0].accepted == 1  # [9, 1] after [.., 2, 3]: 9 came
+    assert hybrid.plan.positions["prompt-lookup/1"][0].accepted == 1
+
+
 def test_a_draft_model_that_cannot_draft_for_the_target_leaves_the_copies_drafting(caplog):
     """A draft model whose logits are wider than the target's: one line naming why, and the hybrid goes on."""
     from tiny import tiny_llama

@@ -88,6 +88,15 @@ class PlansRounds(Protocol):
         ...
 
 
+class GradesMatches(Protocol):
+    """A drafter that copies a continuation of a suffix of the context it matched, and says how long that suffix was:
+    a longer match is accepted more often, so a combined drafter weighs each grade of match apart."""
+
+    def graded(self, context: list[int], k: int) -> tuple[list[int], int]:
+        """Up to k tokens copied (none where nothing matches) and the length of the suffix they continue."""
+        ...
+
+
 class Combines(Protocol):
     """A drafter made of several sources, each round's draft from one of them (``Draft.source`` names it)."""
 

@@ -27,6 +27,7 @@ from specdec.proposers.base import (
     CatchesUp,
     Combines,
     Draft,
+    GradesMatches,
     PlansRounds,
     Proposer,
     Role,
@@ -37,6 +38,7 @@ from specdec.proposers.prompt_lookup import PromptLookupProposer
 from specdec.proposers.retrieval import RetrievalProposer
 from specdec.sampling import SamplingParams
 
+MAX_GRADE = 4  # a copy's matches of this many tokens and more are weighed together
 SYNC_CHECK = 16  # tokens compared to tell that a context continues the one a round drafted from
 
 
@@ -55,8 +57,8 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
         self.source_names = tuple(source.name for source in self.copies + self.models)
         if len(set(self.source_names)) != len(self.source_names):
             raise ValueError(f"a hybrid's sources need distinct names, got {self.source_names}")
-        if plan is not None and set(plan.positions) != set(self.source_names):
-            raise ValueError(f"a shared plan weighs the sources {tuple(plan.positions)}, not {self.source_names}")
+        if plan is not None and set(plan.names) != set(self.source_names):
+            raise ValueError(f"a shared plan weighs the sources {plan.names}, not {self.source_names}")
         self.plan = plan if plan is not None else SourcePlan(self.source_names,
                                                              frozenset(source.name for source in self.copies))
         self._local = self.plan.local()  # this sequence's own acceptance by source (a new one's at a new context)
@@ -70,17 +72,15 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
         self._score_offers(context)
         if k == 0:
             return EMPTY_DRAFT
-        offers = {source.name: source.propose(context, k, params, generator) for source in self.copies}
-        lengths = {name: len(draft) for name, draft in offers.items()}
-        lengths.update({model.name: k for model in self.models})
-        name, length = self.plan.choose(lengths, k, self._local)
-        steady, self._drafted_last = name == self._drafted_last, name  # the same source as the round before
-        if name is not None and name not in offers:
-            offers[name] = self._model_draft(self._source(name), context, length, params, generator, steady)
-        self._remember(context, {source: draft.tokens for source, draft in offers.items()})
-        if name is None or not offers[name].tokens:
+        offers, lengths = self._copies_offers(context, k, params, generator)
+        key, length = self.plan.choose(lengths, k, self._local)
+        steady, self._drafted_last = key == self._drafted_last, key  # the same source as the round before
+        if key is not None and key not in offers:
+            offers[key] = self._model_draft(self._source(key), context, length, params, generator, steady)
+        self._remember(context, {offered: draft.tokens for offered, draft in offers.items()})
+        if key is None or not offers[key].tokens:
             return EMPTY_DRAFT
-        return _first(offers[name], length, name)
+        return _first(offers[key], length, _source_name(key))
 
     def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
                      generator: torch.Generator | None) -> Draft:
@@ -89,22 +89,35 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
         depth = len(widths)
         if depth == 0:
             return EMPTY_DRAFT
-        chains = {source.name: source.propose(context, depth, params, generator) for source in self.copies}
-        lengths = {name: len(draft) for name, draft in chains.items()}
-        lengths.update({model.name: depth for model in self.models})
-        name, _ = self.plan.choose(lengths, depth, self._local)
-        self._remember(context, {source: draft.tokens for source, draft in chains.items()})
-        if name is None:
+        chains, lengths = self._copies_offers(context, depth, params, generator)
+        key, _ = self.plan.choose(lengths, depth, self._local)
+        self._remember(context, {offered: draft.tokens for offered, draft in chains.items()})
+        if key is None:
             return EMPTY_DRAFT
-        source = self._source(name)
+        source = self._source(key)
         if source in self.models and declares(source, CatchesUp):
             source.catch_up(context)
         started = time.perf_counter()
         tree = source.propose_tree(context, widths, params, generator)
         if source in self.models:
-            self.plan.observe_drafting(name, depth, time.perf_counter() - started)
-        return Draft(tokens=tree.tokens, probs=tree.probs, parents=tree.parents, source=name) if tree.tokens \
-            else EMPTY_DRAFT
+            self.plan.observe_drafting(key, depth, time.perf_counter() - started)
+        return Draft(tokens=tree.tokens, probs=tree.probs, parents=tree.parents, source=source.name) \
+            if tree.tokens else EMPTY_DRAFT
+
+    def _copies_offers(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+                       ) -> tuple[dict[str, Draft], dict[str, int]]:
+        """The copies' offers, each under its key in the plan (a copy that grades its match: its name and the grade,
+        ``prompt-lookup/3``), and the draft length each key offers, the models' ``k``."""
+        offers: dict[str, Draft] = {}
+        for source in self.copies:
+            if declares(source, GradesMatches):
+                tokens, grade = source.graded(context, k)
+                offers[f"{source.name}/{min(grade, MAX_GRADE)}" if tokens else source.name] = Draft(tokens=tokens)
+            else:
+                offers[source.name] = source.propose(context, k, params, generator)
+        lengths = {key: len(draft) for key, draft in offers.items()}
+        lengths.update({model.name: k for model in self.models})
+        return offers, lengths
 
     def observe_pass(self, positions: int, seconds: float) -> None:
         self.plan.observe_pass(positions, seconds)
@@ -115,7 +128,9 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
         for source in self.copies + self.models:
             source.clear_cache()
 
-    def _source(self, name: str) -> Proposer:
+    def _source(self, key: str) -> Proposer:
+        """The source a key of the plan names (a copy's graded key names the copy)."""
+        name = _source_name(key)
         return next(source for source in self.copies + self.models if source.name == name)
 
     def _model_draft(self, model: Proposer, context: list[int], k: int, params: SamplingParams,
@@ -149,6 +164,12 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
         emitted = context[start:]
         for name, tokens in offers.items():
             self.plan.observe_offer(name, tokens, emitted, self._local)
+
+
+def _source_name(key: str) -> str:
+    """The source a key of the plan names: ``prompt-lookup/3`` (a copy's offers from matches of 3 tokens), or the
+    source's own name."""
+    return key.partition("/")[0]
 
 
 def _first(draft: Draft, n: int, source: str) -> Draft:

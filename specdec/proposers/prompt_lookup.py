@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from specdec.proposers.base import EMPTY_DRAFT, Draft, TreeProposer, trie_draft
+from specdec.proposers.base import EMPTY_DRAFT, Draft, GradesMatches, TreeProposer, trie_draft
 from specdec.sampling import SamplingParams
 
 
-class PromptLookupProposer(TreeProposer):
+class PromptLookupProposer(TreeProposer, GradesMatches):
     name = "prompt-lookup"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
@@ -24,8 +24,17 @@ class PromptLookupProposer(TreeProposer):
     def propose(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
     ) -> Draft:
-        found = self._continuations(context, k, 1)
-        return Draft(tokens=found[0]) if found else EMPTY_DRAFT
+        tokens, _ = self.graded(context, k)
+        return Draft(tokens=tokens) if tokens else EMPTY_DRAFT
+
+    def graded(self, context: list[int], k: int) -> tuple[list[int], int]:
+        """What followed the latest earlier occurrence of the longest tail that occurred before, and its length."""
+        if k:
+            for n in range(self.max_ngram, self.min_ngram - 1, -1):
+                found = continuations_of_matches(context, n, k, 1)
+                if found:
+                    return found[0], n
+        return [], 0
 
     def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
                      generator: torch.Generator | None) -> Draft:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from specdec.errors import UsageError
-from specdec.proposers.base import EMPTY_DRAFT, Draft, Role, TreeProposer, trie_draft
+from specdec.proposers.base import EMPTY_DRAFT, Draft, GradesMatches, Role, TreeProposer, trie_draft
 from specdec.sampling import SamplingParams
 
 MAX_ORDER = 8  # the longest suffix matched, in tokens
@@ -236,11 +236,14 @@ class ChainedIndex:
 
 
 def continuation(indexes: Sequence[ContinuationIndex], context: Sequence[int], k: int,
-                 min_order: int = MIN_ORDER, first: int | None = None) -> list[int]:
-    """Up to k tokens, each the best-supported successor of the longest known suffix; ``first`` forces the first."""
+                 min_order: int = MIN_ORDER, first: int | None = None, graded: bool = False
+                 ) -> list[int] | tuple[list[int], int]:
+    """Up to k tokens, each the best-supported successor of the longest known suffix; ``first`` forces the first.
+    ``graded``: also the length of the suffix the first token continues (0 where none, or forced)."""
     max_order = max(index.max_order for index in indexes)
     window = list(context[-max_order:])
     drafted: list[int] = []
+    order = 0
     while len(drafted) < k:
         if first is not None and not drafted:
             token = first
@@ -248,26 +251,28 @@ def continuation(indexes: Sequence[ContinuationIndex], context: Sequence[int], k
             hit = _longest_match(indexes, window, min_order)
             if hit is None:
                 break
-            token = hit[0]
+            token, n = hit
+            order = order or n
         drafted.append(token)
         window = (window + [token])[-max_order:]
-    return drafted
+    return (drafted, order) if graded else drafted
 
 
 def _longest_match(indexes: Sequence[ContinuationIndex], window: list[int], min_order: int
                    ) -> tuple[int, int] | None:
-    """The first index's hit for the longest suffix of ``window`` (at most as long as the window) any index knows."""
+    """The first index's successor for the longest suffix of ``window`` (at most as long as the window) any index
+    knows, and that suffix's length."""
     for n in range(len(window), min_order - 1, -1):
         suffix = window[-n:]
         for index in indexes:
             if n <= index.max_order:
                 hit = index.best_next(suffix)
                 if hit is not None:
-                    return hit
+                    return hit[0], n
     return None
 
 
-class RetrievalProposer(TreeProposer):
+class RetrievalProposer(TreeProposer, GradesMatches):
     name = "retrieval"
 
     def __init__(self, datastore: ContinuationIndex | None = None, max_order: int = MAX_ORDER,
@@ -281,10 +286,16 @@ class RetrievalProposer(TreeProposer):
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
                 ) -> Draft:
+        tokens, _ = self.graded(context, k)
+        return Draft(tokens=tokens) if tokens else EMPTY_DRAFT
+
+    def graded(self, context: list[int], k: int) -> tuple[list[int], int]:
+        """The continuation, and the length of the suffix its first token continues (0 for none)."""
         if k == 0:
-            return EMPTY_DRAFT
+            return [], 0
         self._follow(context)
-        return Draft(tokens=continuation(self._indexes(), context, k, self.min_order))
+        tokens, order = continuation(self._indexes(), context, k, self.min_order, graded=True)
+        return tokens, order
 
     def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
                      generator: torch.Generator | None) -> Draft:
