@@ -38,6 +38,7 @@ from specdec.proposers.prompt_lookup import PromptLookupProposer
 from specdec.proposers.retrieval import RetrievalProposer
 from specdec.sampling import SamplingParams
 
+BACKLOG = 32  # tokens: a model source's catching up on fewer counts as a cost of its rounds
 MAX_GRADE = 4  # a copy's matches of this many tokens and more are weighed together
 SYNC_CHECK = 16  # tokens compared to tell that a context continues the one a round drafted from
 
@@ -62,7 +63,7 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
         self.plan = plan if plan is not None else SourcePlan(self.source_names,
                                                              frozenset(source.name for source in self.copies))
         self._local = self.plan.local()  # this sequence's own acceptance by source (a new one's at a new context)
-        self._drafted_last: str | None = None  # the source that drafted the last round
+        self._drafted_at: dict[str, int] = {}  # per model source, the context's length when it last drafted
         self._offers: dict[str, list[int]] = {}  # the last round's offers, by source, scored at the next round
         self._offered_at: list[int] = []  # the end of the context they were drafted after (SYNC_CHECK tokens)
         self._offered_length = 0
@@ -74,9 +75,11 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
             return EMPTY_DRAFT
         offers, lengths = self._copies_offers(context, k, params, generator)
         key, length = self.plan.choose(lengths, k, self._local)
-        steady, self._drafted_last = key == self._drafted_last, key  # the same source as the round before
         if key is not None and key not in offers:
+            # catching up on a few rounds is a cost of drafting as often; on a long backlog (the prompt), not
+            steady = len(context) - self._drafted_at.get(key, -BACKLOG) < BACKLOG
             offers[key] = self._model_draft(self._source(key), context, length, params, generator, steady)
+            self._drafted_at[key] = len(context)
         self._remember(context, {offered: draft.tokens for offered, draft in offers.items()})
         if key is None or not offers[key].tokens:
             return EMPTY_DRAFT
@@ -124,7 +127,7 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
 
     def clear_cache(self) -> None:
         self._offers = {}
-        self._local = self.plan.local()
+        self._local, self._drafted_at = self.plan.local(), {}
         for source in self.copies + self.models:
             source.clear_cache()
 
@@ -135,9 +138,9 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
 
     def _model_draft(self, model: Proposer, context: list[int], k: int, params: SamplingParams,
                      generator: torch.Generator | None, steady: bool) -> Draft:
-        """The model's draft of k tokens, its cost measured: per token, and per round the catching up on the round
-        before (the target's correction), where it drafted that round too (``steady``; after rounds it did not
-        draft, that is a backlog, not a round's cost)."""
+        """The model's draft of k tokens, its cost measured: per token, and per round its catching up on the rounds
+        since it last drafted (the target's correction, a copy's tokens), where those were few (``steady``; a long
+        backlog, as the prompt, is no round's cost)."""
         started = time.perf_counter()
         if declares(model, CatchesUp):
             model.catch_up(context)
@@ -159,7 +162,7 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
         start = self._offered_length
         if len(context) <= start or context[start - len(self._offered_at):start] != self._offered_at:
             if start:
-                self._local = self.plan.local()
+                self._local, self._drafted_at = self.plan.local(), {}
             return
         emitted = context[start:]
         for name, tokens in offers.items():
