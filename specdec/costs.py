@@ -31,14 +31,21 @@ class PassCosts:
     """What a round costs, measured as rounds run: the target's pass by the positions it scores (a moving average
     per size, and a line through the sizes seen for the others), and drafting per draft step."""
 
-    def __init__(self, prior_slope: float = 0.05) -> None:
+    def __init__(self, prior_slope: float = 0.05, falls_at_once: bool = False) -> None:
+        """``falls_at_once``: a pass faster than a size's average sets it (a slow pass moves it a fifth of the way):
+        a pass is slowed by what shares the machine, or by a first pass of its size, never sped up, and a size whose
+        average one slow pass inflated would otherwise not be chosen again, so never measured again."""
         self.prior_slope = prior_slope  # extra cost per scored position, relative to one, before two sizes are seen
+        self.falls_at_once = falls_at_once
         self.score_seconds: dict[int, float] = {}  # positions scored -> moving average of the target's pass
         self.draft_seconds_per_step: float | None = None
 
     def observe(self, positions: int, target_seconds: float, draft_steps: int, draft_seconds: float) -> None:
         previous = self.score_seconds.get(positions)
-        self.score_seconds[positions] = target_seconds if previous is None else 0.8 * previous + 0.2 * target_seconds
+        if previous is None or self.falls_at_once and target_seconds < previous:
+            self.score_seconds[positions] = target_seconds
+        else:
+            self.score_seconds[positions] = 0.8 * previous + 0.2 * target_seconds
         if draft_steps:
             per_step = draft_seconds / draft_steps
             previous = self.draft_seconds_per_step
@@ -215,7 +222,8 @@ class SourcePlan:
         self.decay = decay
         self.prior_acceptance = prior_acceptance
         self.prior_weight = prior_weight
-        self.costs = PassCosts()  # the target's passes only: drafting costs are per source, below
+        self.costs = PassCosts(falls_at_once=True)  # the target's passes only: drafting costs are per source, below
+        self.rounds = 0
         self.positions = {name: [Acceptance() for _ in range(max_k)] for name in names}
         self.seconds_per_token: dict[str, float] = {name: 0.0 for name in names}
         # a model source's cost per round beyond its tokens: bringing its cache up to the round's context (the
@@ -253,7 +261,11 @@ class SourcePlan:
             if self.idle[name] >= self.explore_every and own_best.get(name, (0, 0))[1]:
                 self.idle[name] = 0
                 return name, own_best[name][1]
-        return best[1], best[2]
+        self.rounds += 1
+        source, k = best[1], best[2]
+        if source is not None and self.rounds % self.explore_every == 0 and k < min(offers[source], longest):
+            return source, k + 1  # now and then a position more, so that the next size's cost is measured again
+        return source, k
 
     def _best_length(self, name: str, most: int, passes: list[float], local: dict | None = None
                      ) -> tuple[float, int]:

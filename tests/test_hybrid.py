@@ -67,6 +67,21 @@ def test_a_model_source_that_is_not_chosen_drafts_one_round_in_explore_every():
     assert chosen == [None, None, None, "model"] * 3
 
 
+def test_a_size_one_slow_pass_made_dear_is_measured_again_and_falls_at_once():
+    """A first pass over 3 positions ten times as slow as it is (a first pass of its size, a busy machine) would keep
+    the plan from drafting 2 tokens for good; one round in explore_every drafts a token more than the best, and the
+    next fast pass of that size sets its cost at once."""
+    plan = SourcePlan(("copy",), frozenset({"copy"}), explore_every=4)
+    for positions, seconds in ((1, 1.0), (2, 1.02), (3, 10.0), (4, 1.06)):
+        plan.observe_pass(positions, seconds)
+    for _ in range(50):
+        plan.observe_offer("copy", [1, 2], [1, 2, 3])
+    chosen = [plan.choose({"copy": 2}, 2)[1] for _ in range(4)]
+    assert chosen == [1, 1, 1, 2]  # the probe: a position more on the fourth round
+    plan.observe_pass(3, 1.04)
+    assert plan.costs.scoring_seconds(3) == 1.04 and plan.choose({"copy": 2}, 2) == ("copy", 2)
+
+
 def test_a_models_catching_up_each_round_counts_in_its_cost():
     """A draft model that drafted the round before pays a pass to take in the target's correction before drafting:
     a cost per round, beside its cost per token, that can make a marginal source not pay."""
