@@ -23,6 +23,7 @@ import time
 from specdec.backends.base import Pool, Row
 
 AUTO_MAX_K = 16  # the longest draft the cost-model policies consider
+BACKLOG = 32  # tokens: a model source's catching up on fewer is a cost of its rounds, on more a backlog
 PRIOR_STRENGTH = 4.0  # draft tokens' worth of weight a prior has in an Acceptance's rate, by default
 COST_LEARNING_RATE = 0.1  # how fast MeasuredPassCosts' scale follows the passes run
 
@@ -229,6 +230,8 @@ class SourcePlan:
         # a model source's cost per round beyond its tokens: bringing its cache up to the round's context (the
         # target's correction, a copy's accepted tokens), measured where it drafted the round before too
         self.seconds_per_round: dict[str, float] = {name: 0.0 for name in names}
+        # a model source's catching up on a long backlog (the prompt, rounds it did not draft), per token
+        self.seconds_per_backlog_token: dict[str, float] = {name: 0.0 for name in names}
         self.idle = {name: 0 for name in names if name not in free}  # rounds since a model source last drafted
 
     def local(self) -> dict[str, list[Acceptance]]:
@@ -242,23 +245,28 @@ class SourcePlan:
             record[name] = [Acceptance() for _ in range(self.max_k)]
         return record[name]
 
-    def choose(self, offers: dict[str, int], limit: int, local: dict[str, list[Acceptance]] | None = None
-               ) -> tuple[str | None, int]:
+    def choose(self, offers: dict[str, int], limit: int, local: dict[str, list[Acceptance]] | None = None,
+               backlogs: dict[str, int] | None = None) -> tuple[str | None, int]:
         """(source, draft length) for the round, given the longest draft each source offers (a model source:
-        ``limit``) and the sequence's own record (``local``); (None, 0) for plain decoding."""
+        ``limit``), the sequence's own record (``local``) and, per model source, the tokens it would first catch up
+        on (``backlogs``: a long one, the prompt, counts spread over ``explore_every`` rounds); (None, 0) for plain
+        decoding."""
         line = self.costs.score_line()
         longest = min(max(offers.values(), default=0), limit, self.max_k)
         passes = [self.costs.scoring_seconds(n, line) for n in range(1, longest + 2)]  # [n-1]: a pass over n
+        catching_up = {name: self._backlog_seconds(name, tokens) / self.explore_every
+                       for name, tokens in (backlogs or {}).items()}
         best: tuple[float, str | None, int] = (1.0 / passes[0], None, 0)
         own_best: dict[str, tuple[float, int]] = {}
         for name, length in offers.items():
-            rate, k = self._best_length(name, min(length, longest), passes, local)
+            rate, k = self._best_length(name, min(length, longest), passes, local, catching_up.get(name, 0.0))
             own_best[name] = (rate, k)
             if k and rate > best[0]:
                 best = (rate, name, k)
         for name in self.idle:
             self.idle[name] = 0 if best[1] == name else self.idle[name] + 1
-            if self.idle[name] >= self.explore_every and own_best.get(name, (0, 0))[1]:
+            if self.idle[name] >= self.explore_every and own_best.get(name, (0, 0))[1] \
+                    and catching_up.get(name, 0.0) < passes[0]:  # not where trying costs more than a pass a round
                 self.idle[name] = 0
                 return name, own_best[name][1]
         self.rounds += 1
@@ -267,14 +275,20 @@ class SourcePlan:
             return source, k + 1  # now and then a position more, so that the next size's cost is measured again
         return source, k
 
-    def _best_length(self, name: str, most: int, passes: list[float], local: dict | None = None
-                     ) -> tuple[float, int]:
+    def _backlog_seconds(self, name: str, tokens: int) -> float:
+        """What catching up on ``tokens`` would cost the model source: nothing for a round's few (its cost per
+        round holds them)."""
+        return tokens * self.seconds_per_backlog_token.get(name, 0.0) if tokens >= BACKLOG else 0.0
+
+    def _best_length(self, name: str, most: int, passes: list[float], local: dict | None = None,
+                     extra: float = 0.0) -> tuple[float, int]:
         """(expected tokens per second, k) of the best draft of 1..``most`` tokens from this source, given what a
         target pass over n positions costs (``passes[n-1]``); (0, 0) if none."""
         if most < 1:
             return 0.0, 0
         tokens = expected_tokens_by_k(self.acceptances(name, local)[:most])
-        per_token, per_round = self.seconds_per_token.get(name, 0.0), self.seconds_per_round.get(name, 0.0)
+        per_token = self.seconds_per_token.get(name, 0.0)
+        per_round = self.seconds_per_round.get(name, 0.0) + extra
         best = (0.0, 0)
         for k in range(1, most + 1):
             rate = tokens[k] / (per_round + per_token * k + passes[k])
@@ -305,13 +319,19 @@ class SourcePlan:
             for i, position in enumerate(self._record(record, name), start=1):
                 position.observe(float(i <= accepted), float(i <= reached), self.decay)
 
-    def observe_drafting(self, name: str, tokens: int, seconds: float, catch_up_seconds: float | None = None) -> None:
-        """A model source drafted ``tokens`` in ``seconds``, after bringing its cache up to the context in
-        ``catch_up_seconds`` (None where that was a backlog of rounds it did not draft, not a round's cost)."""
+    def observe_drafting(self, name: str, tokens: int, seconds: float, catch_up_seconds: float | None = None,
+                         backlog: int = 0) -> None:
+        """A model source drafted ``tokens`` in ``seconds``, after catching up on the ``backlog`` tokens since it
+        last drafted in ``catch_up_seconds``: a round's cost where they were few (the target's correction, a
+        copy's tokens), a cost per token of backlog where they were many (the prompt)."""
         if tokens:
             _moving(self.seconds_per_token, name, seconds / tokens)
-        if catch_up_seconds is not None:
+        if catch_up_seconds is None:
+            return
+        if backlog < BACKLOG:
             _moving(self.seconds_per_round, name, catch_up_seconds)
+        else:
+            _moving(self.seconds_per_backlog_token, name, catch_up_seconds / backlog)
 
     def observe_pass(self, positions: int, seconds: float) -> None:
         self.costs.observe(positions, seconds, 0, 0.0)

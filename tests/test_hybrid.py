@@ -95,6 +95,17 @@ def test_a_models_catching_up_each_round_counts_in_its_cost():
     assert plan.choose({"model": 4}, 4) == (None, 0)
 
 
+def test_a_long_backlog_to_catch_up_on_weighs_against_trying_a_model():
+    """A model that would first catch up on a long prompt pays for it (spread over explore_every rounds), and is not
+    tried for exploration where that costs more than a plain pass a round; with a short backlog it drafts."""
+    plan = plan_with_pass_costs(explore_every=4)
+    for _ in range(50):
+        plan.observe_offer("model", [1, 2], [1, 2, 3])  # a good model
+    plan.observe_drafting("model", 2, 0.2, catch_up_seconds=35.0, backlog=700)  # 0.05 a token of backlog
+    assert plan.choose({"model": 4}, 4, backlogs={"model": 10})[0] == "model"
+    assert [plan.choose({"model": 4}, 4, backlogs={"model": 700})[0] for _ in range(8)] == [None] * 8
+
+
 def test_a_source_that_stops_paying_is_dropped_and_one_that_pays_again_comes_back():
     plan = plan_with_pass_costs(explore_every=1000)
     accepted = ([1, 2, 3, 4], [1, 2, 3, 4, 5])

@@ -38,7 +38,6 @@ from specdec.proposers.prompt_lookup import PromptLookupProposer
 from specdec.proposers.retrieval import RetrievalProposer
 from specdec.sampling import SamplingParams
 
-BACKLOG = 32  # tokens: a model source's catching up on fewer counts as a cost of its rounds
 MAX_GRADE = 4  # a copy's matches of this many tokens and more are weighed together
 SYNC_CHECK = 16  # tokens compared to tell that a context continues the one a round drafted from
 
@@ -74,11 +73,10 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
         if k == 0:
             return EMPTY_DRAFT
         offers, lengths = self._copies_offers(context, k, params, generator)
-        key, length = self.plan.choose(lengths, k, self._local)
+        backlogs = {model.name: len(context) - self._drafted_at.get(model.name, 0) for model in self.models}
+        key, length = self.plan.choose(lengths, k, self._local, backlogs)
         if key is not None and key not in offers:
-            # catching up on a few rounds is a cost of drafting as often; on a long backlog (the prompt), not
-            steady = len(context) - self._drafted_at.get(key, -BACKLOG) < BACKLOG
-            offers[key] = self._model_draft(self._source(key), context, length, params, generator, steady)
+            offers[key] = self._model_draft(self._source(key), context, length, params, generator, backlogs[key])
             self._drafted_at[key] = len(context)
         self._remember(context, {offered: draft.tokens for offered, draft in offers.items()})
         if key is None or not offers[key].tokens:
@@ -137,17 +135,16 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
         return next(source for source in self.copies + self.models if source.name == name)
 
     def _model_draft(self, model: Proposer, context: list[int], k: int, params: SamplingParams,
-                     generator: torch.Generator | None, steady: bool) -> Draft:
-        """The model's draft of k tokens, its cost measured: per token, and per round its catching up on the rounds
-        since it last drafted (the target's correction, a copy's tokens), where those were few (``steady``; a long
-        backlog, as the prompt, is no round's cost)."""
+                     generator: torch.Generator | None, backlog: int) -> Draft:
+        """The model's draft of k tokens, its costs measured: per token, and its catching up on the ``backlog``
+        tokens since it last drafted (``SourcePlan.observe_drafting``)."""
         started = time.perf_counter()
         if declares(model, CatchesUp):
             model.catch_up(context)
         caught_up = time.perf_counter()
         draft = model.propose(context, k, params, generator)
         self.plan.observe_drafting(model.name, max(len(draft), 1), time.perf_counter() - caught_up,
-                                   caught_up - started if steady else None)
+                                   caught_up - started, backlog)
         return draft
 
     def _remember(self, context: list[int], offers: dict[str, list[int]]) -> None:
