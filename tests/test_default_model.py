@@ -182,8 +182,9 @@ def test_main_job_on_the_default_model():
     assert proc.returncode == 0, proc.stderr
     assert len(proc.stdout.strip()) > 10
     summary = proc.stderr.strip().splitlines()[-1]
-    assert summary.startswith("[prompt-lookup, k auto: mean draft ")  # the default draft length
+    assert summary.startswith("[hybrid, k auto: mean draft ")  # the default drafter and draft length
     assert " on " in summary and "tokens/s" in summary and "mean accepted length" in summary
+    assert "; accepted tokens by source: prompt-lookup " in summary  # its sources (no draft model for its own size)
 
 
 def test_readme_python_example_runs(capsys):
