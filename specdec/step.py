@@ -134,14 +134,6 @@ def emitted_round(draft: Draft, verdict: Verdict, limit: int, stop_ids: frozense
                  source=draft.source if verdict.num_draft else "")
 
 
-def first_tokens(draft: Draft, n: int) -> Draft:
-    """The draft's first n tokens (and their distributions)."""
-    if n == len(draft):
-        return draft
-    return Draft(tokens=draft.tokens[:n], probs=None if draft.probs is None else draft.probs[:n],
-                 forced=min(draft.forced, n), source=draft.source)
-
-
 def constrained_draft(grammar: Grammar, k: int, room: int, propose: Callable[[list[int], int], Draft]) -> Draft:
     """A round's draft under a grammar, of at most ``room`` tokens (and MAX_DRAFT_TOKENS): the tokens it forces
     from here (with no drafter call), then up to k of the drafter's continuation after them (``propose(forced,
@@ -162,7 +154,7 @@ def constrained_draft(grammar: Grammar, k: int, room: int, propose: Callable[[li
         probs = torch.cat([points, probs])
     draft = Draft(tokens=forced + drafted.tokens, probs=probs, forced=len(forced), source=drafted.source)
     admitted = grammar.admitted(draft.tokens)
-    return first_tokens(draft, admitted + (probs is not None and admitted < len(draft)))
+    return draft.first(admitted + (probs is not None and admitted < len(draft)))
 
 
 def constrained_round(grammar: Grammar, round_: Round) -> Round:

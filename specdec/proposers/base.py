@@ -37,6 +37,13 @@ class Draft:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def first(self, n: int) -> Draft:
+        """The draft's first n tokens (their distributions, the forced ones among them, its source); a chain's."""
+        if n == len(self.tokens):
+            return self
+        return Draft(tokens=self.tokens[:n], probs=None if self.probs is None else self.probs[:n],
+                     forced=min(self.forced, n), source=self.source)
+
 
 EMPTY_DRAFT = Draft(tokens=[])
 

@@ -15,6 +15,7 @@ pays again comes back. Nothing is tuned per kind of text.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
@@ -81,7 +82,7 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
         self._remember(context, {offered: draft.tokens for offered, draft in offers.items()})
         if key is None or not offers[key].tokens:
             return EMPTY_DRAFT
-        return _first(offers[key], length, _source_name(key))
+        return replace(offers[key].first(length), source=_source_name(key))
 
     def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
                      generator: torch.Generator | None) -> Draft:
@@ -170,11 +171,6 @@ def _source_name(key: str) -> str:
     """The source a key of the plan names: ``prompt-lookup/3`` (a copy's offers from matches of 3 tokens), or the
     source's own name."""
     return key.partition("/")[0]
-
-
-def _first(draft: Draft, n: int, source: str) -> Draft:
-    """The draft's first n tokens (and their distributions), marked as the named source's."""
-    return Draft(tokens=draft.tokens[:n], probs=None if draft.probs is None else draft.probs[:n], source=source)
 
 
 # it copies from a datastore (--datastore) too, and in the server from learned answers; a draft model drafts beside

@@ -43,7 +43,7 @@ from specdec.sampling import LogitsAdjustment, SamplingParams
 from specdec.server.metrics import Metrics
 from specdec.server.prefixes import PrefixCache
 from specdec.server.speculation import SpeculationPlanner
-from specdec.step import first_tokens, make_generator
+from specdec.step import make_generator
 
 if TYPE_CHECKING:
     from specdec.grammars import Grammar
@@ -606,7 +606,7 @@ def _scored(draft: Draft, n: int) -> Draft:
     and its first n; a tree whole, or nothing."""
     if draft.parents is not None:
         return draft if n else EMPTY_DRAFT
-    return first_tokens(draft, draft.forced + n)
+    return draft.first(draft.forced + n)
 
 
 def _row(slot: Slot, pending: int, draft: Draft) -> Row:
