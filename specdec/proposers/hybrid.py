@@ -4,7 +4,7 @@ give the most tokens per second, or none.
 Its sources: prompt lookup and the suffix index (``retrieval``: the prompt, the history and a datastore where one is
 given), which copy where the text repeats itself and cost next to nothing; and a draft model where one is loaded (a
 ``--draft-model``, or the default model, which ships with specdec, drafting across tokenizers for a target several
-times its size: ``loading.hybrid_draft_model``), which writes on where nothing repeats. Each round the copies offer
+times its size: ``loading.found_draft_model``), which writes on where nothing repeats. Each round the copies offer
 their continuations (free), and :class:`SourcePlan` weighs each offer and the draft model against plain decoding,
 from each source's acceptance per draft position, its drafting cost per token and the target's measured pass costs.
 The copies are scored every round against what the target emitted, whoever drafted; the draft model on its own
@@ -15,6 +15,7 @@ pays again comes back. Nothing is tuned per kind of text.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -74,11 +75,11 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
         if k == 0:
             return EMPTY_DRAFT
         offers, lengths = self._copies_offers(context, k, params, generator)
-        backlogs = {model.name: len(context) - self._drafted_at.get(model.name, 0) for model in self.models}
-        key, length = self.plan.choose(lengths, k, self._local, backlogs)
+        key, length, backlog = self._choose(context, lengths, k)
         if key is not None and key not in offers:
-            offers[key] = self._model_draft(self._source(key), context, length, params, generator, backlogs[key])
-            self._drafted_at[key] = len(context)
+            model = self._source(key)
+            offers[key] = self._model_draft(model, context, backlog,
+                                            lambda: model.propose(context, length, params, generator))
         self._remember(context, {offered: draft.tokens for offered, draft in offers.items()})
         if key is None or not offers[key].tokens:
             return EMPTY_DRAFT
@@ -92,19 +93,21 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
         if depth == 0:
             return EMPTY_DRAFT
         chains, lengths = self._copies_offers(context, depth, params, generator)
-        key, _ = self.plan.choose(lengths, depth, self._local)
+        key, _, backlog = self._choose(context, lengths, depth)
         self._remember(context, {offered: draft.tokens for offered, draft in chains.items()})
         if key is None:
             return EMPTY_DRAFT
         source = self._source(key)
-        if source in self.models and declares(source, CatchesUp):
-            source.catch_up(context)
-        started = time.perf_counter()
-        tree = source.propose_tree(context, widths, params, generator)
-        if source in self.models:
-            self.plan.observe_drafting(key, depth, time.perf_counter() - started)
-        return Draft(tokens=tree.tokens, probs=tree.probs, parents=tree.parents, source=source.name) \
-            if tree.tokens else EMPTY_DRAFT
+        draw = lambda: source.propose_tree(context, widths, params, generator)  # noqa: E731
+        tree = draw() if source in self.copies else self._model_draft(source, context, backlog, draw, steps=depth)
+        return replace(tree, source=source.name) if tree.tokens else EMPTY_DRAFT
+
+    def _choose(self, context: list[int], lengths: dict[str, int], k: int) -> tuple[str | None, int, int]:
+        """The plan's choice (key, draft length) given what each source offers, and the chosen model's backlog (the
+        tokens since it last drafted, which it catches up on first)."""
+        backlogs = {model.name: len(context) - self._drafted_at.get(model.name, 0) for model in self.models}
+        key, length = self.plan.choose(lengths, k, self._local, backlogs)
+        return key, length, backlogs.get(key, 0)
 
     def _copies_offers(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
                        ) -> tuple[dict[str, Draft], dict[str, int]]:
@@ -135,17 +138,18 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
         name = _source_name(key)
         return next(source for source in self.copies + self.models if source.name == name)
 
-    def _model_draft(self, model: Proposer, context: list[int], k: int, params: SamplingParams,
-                     generator: torch.Generator | None, backlog: int) -> Draft:
-        """The model's draft of k tokens, its costs measured: per token, and its catching up on the ``backlog``
-        tokens since it last drafted (``SourcePlan.observe_drafting``)."""
+    def _model_draft(self, model: Proposer, context: list[int], backlog: int, draw: Callable[[], Draft],
+                     steps: int | None = None) -> Draft:
+        """The model's draft (``draw``: a chain, or a tree ``steps`` deep), its costs measured: per draft step, and its
+        catching up on the ``backlog`` tokens since it last drafted (``SourcePlan.observe_drafting``)."""
         started = time.perf_counter()
         if declares(model, CatchesUp):
             model.catch_up(context)
         caught_up = time.perf_counter()
-        draft = model.propose(context, k, params, generator)
-        self.plan.observe_drafting(model.name, max(len(draft), 1), time.perf_counter() - caught_up,
+        draft = draw()
+        self.plan.observe_drafting(model.name, max(steps or len(draft), 1), time.perf_counter() - caught_up,
                                    caught_up - started, backlog)
+        self._drafted_at[model.name] = len(context)
         return draft
 
     def _remember(self, context: list[int], offers: dict[str, list[int]]) -> None:
