@@ -550,7 +550,7 @@ def summary_line(drafter: str, stats, backend: str) -> str:
     )
     if stats.sources:  # a combined drafter's sources, each with its share of the accepted tokens
         shares = stats.source_shares().items()
-        line += "; accepted tokens by source: " + ", ".join(f"{name} {share['accepted_share']:.0%}"
+        line += "; accepted tokens by source: " + ", ".join(f"{name} {share['accepted_share'] or 0:.0%}"
                                                            for name, share in shares)
     return line
 

@@ -141,10 +141,19 @@ class GenerationStats(DraftTotals):
         }
 
     def source_shares(self) -> dict[str, dict]:
-        """Per source of a combined drafter: its draft tokens, its accepted tokens and their share of all accepted."""
-        accepted = max(self.accepted_tokens, 1)
-        return {name: {"draft_tokens": drafted, "accepted_tokens": taken, "accepted_share": round(taken / accepted, 4)}
-                for name, (drafted, taken) in self.sources.items()}
+        """Per source of a combined drafter: its draft and accepted tokens, and their shares (``source_shares``)."""
+        return source_shares(self.sources)
+
+
+def source_shares(counts: dict[str, tuple[int, int] | list[int]]) -> dict[str, dict]:
+    """Per source of a combined drafter, from its (draft tokens, accepted tokens): those, and its shares of all
+    sources' draft and accepted tokens (None where no source drafted, or none was accepted)."""
+    drafted_total = sum(drafted for drafted, _ in counts.values())
+    accepted_total = sum(accepted for _, accepted in counts.values())
+    return {name: {"draft_tokens": drafted, "accepted_tokens": accepted,
+                   "draft_share": drafted / drafted_total if drafted_total else None,
+                   "accepted_share": accepted / accepted_total if accepted_total else None}
+            for name, (drafted, accepted) in counts.items()}
 
 
 @dataclass

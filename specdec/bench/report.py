@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from specdec.bench.contenders import Outcome
 from specdec.bench.stats import ideal_speedup, median, per_prompt_speedups
+from specdec.engine import source_shares
 
 BASELINE = "none"
 
@@ -44,25 +45,20 @@ def summarise(runs: list[Run], config: str, greedy: bool) -> dict:
         if not greedy and all(r.seed is not None for r in mine):
             fields["seeded_mismatches"] = _mismatches(mine, baseline)
     if mine and all(r.outcome.sources for r in mine):  # a combined drafter (the hybrid)
-        fields["sources"] = source_shares(mine)
+        fields["sources"] = run_sources(mine)
     return fields
 
 
-def source_shares(runs: list[Run]) -> dict[str, dict]:
-    """Per source of a combined drafter, over the runs: its draft tokens and accepted tokens, and their shares of
-    all sources' (None where no source drafted, or none was accepted)."""
+def run_sources(runs: list[Run]) -> dict[str, dict]:
+    """Per source of a combined drafter, over the runs: its draft and accepted tokens and their shares
+    (``engine.source_shares``)."""
     totals: dict[str, list[int]] = {}
     for r in runs:
         for name, (drafted, accepted) in r.outcome.sources.items():
             counts = totals.setdefault(name, [0, 0])
             counts[0] += drafted
             counts[1] += accepted
-    drafted_total = sum(drafted for drafted, _ in totals.values())
-    accepted_total = sum(accepted for _, accepted in totals.values())
-    return {name: {"draft_tokens": drafted, "accepted_tokens": accepted,
-                   "draft_share": drafted / drafted_total if drafted_total else None,
-                   "accepted_share": accepted / accepted_total if accepted_total else None}
-            for name, (drafted, accepted) in totals.items()}
+    return source_shares(totals)
 
 
 def _acceptance_fields(mine: list[Run], baseline: list[Run], speedup: float) -> dict:
