@@ -32,25 +32,19 @@ class PassCosts:
     """What a round costs, measured as rounds run: the target's pass by the positions it scores (a moving average
     per size, and a line through the sizes seen for the others), and drafting per draft step."""
 
-    def __init__(self, prior_slope: float = 0.05, falls_at_once: bool = False) -> None:
-        """``falls_at_once``: a pass faster than a size's average sets it (a slow pass moves it a fifth of the way):
-        a pass is slowed by what shares the machine, or by a first pass of its size, never sped up, and a size whose
-        average one slow pass inflated would otherwise not be chosen again, so never measured again."""
+    def __init__(self, prior_slope: float = 0.05) -> None:
         self.prior_slope = prior_slope  # extra cost per scored position, relative to one, before two sizes are seen
-        self.falls_at_once = falls_at_once
         self.score_seconds: dict[int, float] = {}  # positions scored -> moving average of the target's pass
         self.draft_seconds_per_step: float | None = None
 
     def observe(self, positions: int, target_seconds: float, draft_steps: int, draft_seconds: float) -> None:
+        """A pass faster than its size's average sets it; a slower one moves it a fifth of the way. A pass is slowed
+        by what shares the machine, or by the first pass of its size, never sped up; and a size whose average one
+        slow pass inflated would not be chosen again, so never measured again."""
         previous = self.score_seconds.get(positions)
-        if previous is None or self.falls_at_once and target_seconds < previous:
-            self.score_seconds[positions] = target_seconds
-        else:
-            self.score_seconds[positions] = 0.8 * previous + 0.2 * target_seconds
+        self.score_seconds[positions] = min(target_seconds, moved(previous, target_seconds))
         if draft_steps:
-            per_step = draft_seconds / draft_steps
-            previous = self.draft_seconds_per_step
-            self.draft_seconds_per_step = per_step if previous is None else 0.8 * previous + 0.2 * per_step
+            self.draft_seconds_per_step = moved(self.draft_seconds_per_step, draft_seconds / draft_steps)
 
     def round_seconds(self, draft_steps: int, positions: int, line: tuple[float, float] | None = None) -> float:
         return (self.draft_seconds_per_step or 0.0) * draft_steps + self.scoring_seconds(positions, line)
@@ -167,6 +161,11 @@ class Acceptance:
         return (self.accepted + strength * prior) / (self.reached + strength)
 
 
+def moved(average: float | None, value: float, weight: float = 0.2) -> float:
+    """A moving average moved a ``weight`` of the way towards ``value`` (the value itself where there is none yet)."""
+    return value if average is None else (1 - weight) * average + weight * value
+
+
 def chained_rates(positions: list[Acceptance], prior: float, strength: float) -> list[float]:
     """[i-1]: the estimated chance that draft position i is accepted once position i-1 was, each position's
     observations shrunk towards the estimate before it (the first's towards ``prior``) with ``strength``."""
@@ -223,7 +222,7 @@ class SourcePlan:
         self.decay = decay
         self.prior_acceptance = prior_acceptance
         self.prior_weight = prior_weight
-        self.costs = PassCosts(falls_at_once=True)  # the target's passes only: drafting costs are per source, below
+        self.costs = PassCosts()  # the target's passes only: drafting costs are per source, below
         self.rounds = 0
         self.positions = {name: [Acceptance() for _ in range(max_k)] for name in names}
         self.seconds_per_token: dict[str, float] = {name: 0.0 for name in names}
@@ -325,19 +324,14 @@ class SourcePlan:
         last drafted in ``catch_up_seconds``: a round's cost where they were few (the target's correction, a
         copy's tokens), a cost per token of backlog where they were many (the prompt)."""
         if tokens:
-            _moving(self.seconds_per_token, name, seconds / tokens)
+            self.seconds_per_token[name] = moved(self.seconds_per_token[name] or None, seconds / tokens)
         if catch_up_seconds is None:
             return
         if backlog < BACKLOG:
-            _moving(self.seconds_per_round, name, catch_up_seconds)
+            self.seconds_per_round[name] = moved(self.seconds_per_round[name] or None, catch_up_seconds)
         else:
-            _moving(self.seconds_per_backlog_token, name, catch_up_seconds / backlog)
+            per_token = self.seconds_per_backlog_token[name] or None
+            self.seconds_per_backlog_token[name] = moved(per_token, catch_up_seconds / backlog)
 
     def observe_pass(self, positions: int, seconds: float) -> None:
         self.costs.observe(positions, seconds, 0, 0.0)
-
-
-def _moving(averages: dict[str, float], name: str, value: float, weight: float = 0.2) -> None:
-    """Move ``averages[name]`` towards ``value`` (a first value, where it holds none yet)."""
-    previous = averages[name]
-    averages[name] = value if not previous else (1 - weight) * previous + weight * value

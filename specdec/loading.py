@@ -135,6 +135,7 @@ def draft_model_source(target: LoadedModel, draft: LoadedModel, runtime: CausalL
     one line saying so (it still drafts exactly; it is accepted less)."""
     from specdec.vocabularies import LOW_OVERLAP
 
+    check_cross_vocabulary(cross_vocabulary)
     source = _bridged(target, draft, runtime, cross_vocabulary)
     overlap = _overlap(source)
     if overlap < LOW_OVERLAP:
@@ -144,6 +145,7 @@ def draft_model_source(target: LoadedModel, draft: LoadedModel, runtime: CausalL
 
 
 def check_cross_vocabulary(method: str) -> None:
+    """Refuse, in one line, a --cross-vocabulary method there is none of."""
     from specdec.choices import CROSS_VOCABULARY_METHODS
 
     if method not in CROSS_VOCABULARY_METHODS:
@@ -158,11 +160,11 @@ def _overlap(source) -> float:
 
 
 def _bridged(target: LoadedModel, draft: LoadedModel, runtime: CausalLM, cross_vocabulary: str):
-    """The draft model's runtime, or a ``ForeignDraft`` over it where its tokenizer is not the target's."""
+    """The draft model's runtime, or a ``ForeignDraft`` over it (proposing by ``cross_vocabulary``, which the caller
+    checked) where its tokenizer is not the target's."""
     from specdec.proposers.draft_model import ForeignDraft
     from specdec.vocabularies import ChatFraming, ContextBridge, TokenText, frequent_overlap, same_vocabulary
 
-    check_cross_vocabulary(cross_vocabulary)
     if same_vocabulary(target.tokenizer, draft.tokenizer):
         return runtime
     target_text = TokenText(target.tokenizer, target.vocab_size)
