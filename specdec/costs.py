@@ -26,6 +26,7 @@ AUTO_MAX_K = 16  # the longest draft the cost-model policies consider
 BACKLOG = 32  # tokens: a model source's catching up on fewer is a cost of its rounds, on more a backlog
 PRIOR_STRENGTH = 4.0  # draft tokens' worth of weight a prior has in an Acceptance's rate, by default
 COST_LEARNING_RATE = 0.1  # how fast MeasuredPassCosts' scale follows the passes run
+EXPLORE_SHARE = 1 / 16  # the most of the time a SourcePlan spends trying model sources it would not choose
 
 
 class PassCosts:
@@ -204,8 +205,10 @@ class SourcePlan:
     offer is scored against the tokens the round emitted, whichever source drafted: under greedy decoding and the
     invariant sampler those are the target's own choices whatever was drafted, so the score is what verifying that
     offer would have given. A model source is scored on its own rounds only; while another choice wins, it drafts
-    one round in ``explore_every`` anyway, so that a source that stopped paying is dropped and one that pays again
-    comes back.
+    a round anyway once the time since it last drafted is ``1 / explore_share`` times what that round would cost
+    beyond a plain one (its catching up, its drafting, the wider pass), so that a source that stopped paying is
+    dropped and one that pays again comes back, for at most that share of the time: a model that would first catch
+    up on a long prompt is tried seldom, one that is current every few rounds.
 
     Acceptance is kept twice: over every sequence the plan served (``positions``), and per sequence (``local()``, a
     record each sequence keeps), whose estimates shrink towards the first with ``local_weight`` observations' worth:
@@ -214,11 +217,13 @@ class SourcePlan:
 
     def __init__(self, names: tuple[str, ...], free: frozenset[str], max_k: int = AUTO_MAX_K,
                  explore_every: int = 16, decay: float = 0.98, prior_acceptance: float = 0.5,
-                 prior_weight: float = 2.0, local_weight: float = PRIOR_STRENGTH) -> None:
+                 prior_weight: float = 2.0, local_weight: float = PRIOR_STRENGTH,
+                 explore_share: float = EXPLORE_SHARE) -> None:
         self.names = names
         self.max_k = max_k
         self.local_weight = local_weight
-        self.explore_every = explore_every
+        self.explore_every = explore_every  # rounds: a long backlog's cost is spread over these; a longer draft probed
+        self.explore_share = explore_share
         self.decay = decay
         self.prior_acceptance = prior_acceptance
         self.prior_weight = prior_weight
@@ -231,7 +236,8 @@ class SourcePlan:
         self.seconds_per_round: dict[str, float] = {name: 0.0 for name in names}
         # a model source's catching up on a long backlog (the prompt, rounds it did not draft), per token
         self.seconds_per_backlog_token: dict[str, float] = {name: 0.0 for name in names}
-        self.idle = {name: 0 for name in names if name not in free}  # rounds since a model source last drafted
+        # seconds of target passes since a model source last drafted
+        self.idle: dict[str, float] = {name: 0.0 for name in names if name not in free}
 
     def local(self) -> dict[str, list[Acceptance]]:
         """A new sequence's own record of each source's acceptance per draft position (filled as it drafts)."""
@@ -263,16 +269,24 @@ class SourcePlan:
             if k and rate > best[0]:
                 best = (rate, name, k)
         for name in self.idle:
-            self.idle[name] = 0 if best[1] == name else self.idle[name] + 1
-            if self.idle[name] >= self.explore_every and own_best.get(name, (0, 0))[1] \
-                    and catching_up.get(name, 0.0) < passes[0]:  # not where trying costs more than a pass a round
-                self.idle[name] = 0
-                return name, own_best[name][1]
+            trial = own_best.get(name, (0.0, 0))[1]
+            if best[1] == name:
+                self.idle[name] = 0.0
+            elif trial and self.idle[name] * self.explore_share >= self._trial_seconds(name, trial, passes, backlogs):
+                self.idle[name] = 0.0
+                return name, trial
         self.rounds += 1
         source, k = best[1], best[2]
         if source is not None and self.rounds % self.explore_every == 0 and k < min(offers[source], longest):
             return source, k + 1  # now and then a position more, so that the next size's cost is measured again
         return source, k
+
+    def _trial_seconds(self, name: str, k: int, passes: list[float], backlogs: dict[str, int] | None) -> float:
+        """What a round drafting ``k`` from the model source costs beyond a plain round: its catching up (on its
+        backlog, or a round's few tokens), its drafting, and the pass's ``k`` more positions."""
+        backlog = (backlogs or {}).get(name, 0)
+        catching_up = self._backlog_seconds(name, backlog) if backlog >= BACKLOG else self.seconds_per_round[name]
+        return catching_up + self.seconds_per_token[name] * k + passes[k] - passes[0]
 
     def _backlog_seconds(self, name: str, tokens: int) -> float:
         """What catching up on ``tokens`` would cost the model source: nothing for a round's few (its cost per
@@ -335,3 +349,5 @@ class SourcePlan:
 
     def observe_pass(self, positions: int, seconds: float) -> None:
         self.costs.observe(positions, seconds, 0, 0.0)
+        for name in self.idle:
+            self.idle[name] += seconds
