@@ -13,7 +13,7 @@ from specdec.errors import UsageError
 from specdec.grammars import Grammar, GrammarSpec, grammar_for
 from specdec.loading import Loaded, draft_source, encode_prompt, load_target
 from specdec.models import LoadedModel
-from specdec.proposers import make_proposer, takes_draft_model
+from specdec.proposers import make_proposer, role, takes_draft_model
 from specdec.rounds import TokenLogprobs
 from specdec.sampling import LogitsAdjustment, SamplingParams
 from specdec.step import Round
@@ -89,16 +89,17 @@ class SpecDecoder:
         (the GGUF's weights as stored) or auto (on the CPU with ``dtype="auto"`` the one measured fastest for this
         target here, else lean); ``threads``: llama.cpp's CPU threads.
 
-        ``drafter`` defaults to ``draft-model`` when a draft model is given, ``retrieval`` when a datastore is,
-        the method of the drafter at ``drafter_path`` when one is given, else ``prompt-lookup``. A draft model
-        may have any tokenizer (``cross_vocabulary``, as in the constructor).
+        ``drafter`` defaults to the method of the drafter at ``drafter_path`` when one is given, else the hybrid,
+        which drafts with a given draft model, datastore, or (named, with ``drafter_path``) trained eagle or mtp
+        heads beside its copies. A draft model may have any tokenizer (``cross_vocabulary``, as in the
+        constructor).
         """
         from specdec.drafters.loading import parse_drafter_paths
 
         if drafter_path is not None and drafter is None:
             drafter = next(iter(parse_drafter_paths([str(drafter_path)])))
         drafter = drafter or DEFAULT_DRAFTER
-        if draft_model is not None and drafter_path is not None:
+        if draft_model is not None and drafter_path is not None and not role(drafter).takes_heads:
             raise UsageError("give a draft model either as --draft-model (a transformers model) or as "
                              "--drafter-path (a trained drafter), not both")
         check_datastore_drafter(drafter, datastore is not None)

@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "the default model for a target 4x its size or more); draft-model, mtp and eagle without a path "
                      "use the drafter trained for the default model")
     gen.add_argument("--drafter-path", default=None, metavar="DIR",
-                     help="a trained drafter (specdec train), or a published EAGLE / Medusa checkpoint")
+                     help="a trained drafter (specdec train), or a published EAGLE / Medusa checkpoint; with "
+                     "--drafter hybrid, an eagle or mtp drafter that drafts beside its other sources")
     gen.add_argument("--num-draft-tokens", "-k", default="auto", metavar="K", help=K_HELP + " (default auto)")
     gen.add_argument("--tree", default=None, metavar="W1,W2,...|auto", help=TREE_HELP)
     gen.add_argument("--datastore", default=None, metavar="DIR",
@@ -225,7 +226,8 @@ def _add_serve_parser(commands) -> None:
                        "a drafter that reads the target's hidden states or first layers (eagle, mtp, early-exit) "
                        "serves one request at a time")
     serve.add_argument("--drafter-path", default=None, metavar="DIR",
-                       help="a trained drafter (specdec train), or a published EAGLE / Medusa checkpoint")
+                       help="a trained drafter (specdec train), or a published EAGLE / Medusa checkpoint; with "
+                       "--drafter hybrid, an eagle or mtp drafter that drafts beside its other sources")
     serve.add_argument("--tree", default=None, metavar="W1,W2,...|auto",
                        help=TREE_HELP + "; trees serve one request at a time")
     serve.add_argument("--draft-model", default=None, metavar="PATH",

@@ -108,9 +108,10 @@ def draft_source(drafter: str, target: LoadedModel, backend, draft: LoadedModel 
                  drafter_path: str | os.PathLike | None = None, cross_vocabulary: str = "auto", found: bool = False):
     """What --drafter ``drafter`` drafts with: a draft model's backend (a transformers model, or a trained draft
     LM; a ``ForeignDraft`` where its tokenizer is not the target's, proposing by ``cross_vocabulary``), a trained
-    network (the other drafters whose role is ``trained``), or None (drafters that copy). A drafter that merely
-    takes a draft model (the hybrid) goes on without one it cannot bridge (``found``: the default model, found for
-    it, which says why at --verbose only)."""
+    network (the other drafters whose role is ``trained``), or None (drafters that copy); for a drafter that takes
+    a draft model or trained heads beside its copies (the hybrid), its ``HybridSources``: it goes on without a draft
+    model it cannot bridge (``found``: the default model, found for it, which says why at --verbose only) and
+    without heads the target's runtime cannot feed."""
     from specdec.drafters.loading import load_trained
     from specdec.drafters.runtime import DraftLMRuntime
     from specdec.proposers import check_drafter_path, role
@@ -119,14 +120,44 @@ def draft_source(drafter: str, target: LoadedModel, backend, draft: LoadedModel 
     declared = role(drafter)
     if declared.needs_draft_model and draft is not None:
         return draft_model_source(target, draft, runtime_of(draft, precision), cross_vocabulary)
-    if declared.takes_draft_model and draft is not None:
+    if declared.takes_draft_model or declared.takes_heads:
         check_drafter_path(drafter, drafter_path is not None)
-        return bridged_draft(target, draft, runtime_of(draft, precision), cross_vocabulary, found)
+        from specdec.proposers.hybrid import HybridSources
+
+        model = None if draft is None else bridged_draft(target, draft, runtime_of(draft, precision),
+                                                         cross_vocabulary, found)
+        return HybridSources(model, trained_heads(target, backend, drafter_path) if declared.takes_heads else ())
     if declared.trained:
         network = load_trained(drafter, target.transformers_model(), drafter_path)
         return DraftLMRuntime(network, backend.max_length) if declared.needs_draft_model else network
     check_drafter_path(drafter, drafter_path is not None)
     return None
+
+
+HEAD_METHODS = ("eagle", "mtp")  # trained heads over the target's hidden states, which a hybrid drafts with too
+
+
+def trained_heads(target: LoadedModel, backend: CausalLM, drafter_path: str | os.PathLike | None
+                  ) -> tuple[tuple[str, object], ...]:
+    """The trained heads a hybrid drafts with beside its other sources, each (method, network): the eagle or mtp
+    drafter at ``drafter_path``. None are looked for where no path is given (those shipped for the default model
+    included): a head reads the target's embedding and LM head in float32, a copy that takes seconds to make (3.5 s
+    for the default model), for drafters that measured 1.03-1.11x alone there. Where the target's runtime hands over
+    no hidden states, none, with one line saying so."""
+    from specdec.backends.base import FeatureSource, declares
+    from specdec.drafters.loading import load_trained, parse_drafter_paths
+
+    if drafter_path is None:
+        return ()
+    method, directory = next(iter(parse_drafter_paths([str(drafter_path)]).items()))
+    if method not in HEAD_METHODS:
+        raise UsageError(f"--drafter-path {drafter_path} holds a trained {method} drafter; the hybrid drafts with "
+                         f"trained heads ({', '.join(HEAD_METHODS)}) beside its copies: for it, --drafter {method}")
+    if not declares(backend, FeatureSource):
+        notice(f"the hybrid drafts without its {method} heads: {type(backend).__name__} hands over no hidden states of "
+               "the target (--backend lean or fused does)")
+        return ()
+    return ((method, load_trained(method, target.transformers_model(), directory)),)
 
 
 def draft_model_source(target: LoadedModel, draft: LoadedModel, runtime: CausalLM, cross_vocabulary: str = "auto"):

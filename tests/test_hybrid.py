@@ -299,3 +299,71 @@ def test_the_plan_learns_the_pass_costs_it_is_told():
     assert plan.costs.scoring_seconds(5) == pytest.approx(0.8 * 0.03 + 0.2 * 0.05)
     plan.observe_pass(5, 0.02)
     assert plan.costs.scoring_seconds(5) == pytest.approx(0.02)
+
+
+# --- trained heads beside the copies ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["eagle", "mtp"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_trained_heads_draft_beside_the_copies_and_change_no_token(tiny, method, temperature):  # noqa: F811
+    """An eagle head or mtp heads (untrained: they draft badly) as the hybrid's sources: it declares that it reads
+    the target's hidden states, hands them to the head that drafts, and the tokens are plain decoding's, greedy and
+    seeded; the head drafted (before its cost and acceptance are measured it is the longest offer)."""
+    import copy
+
+    from test_rounds import untrained_source
+
+    from specdec.backends.base import declares
+    from specdec.proposers.base import FeatureProposer
+    from specdec.proposers.hybrid import HybridSources
+
+    model = copy.deepcopy(tiny[0]).float()
+    runtime = LeanRuntime(model)
+    hybrid = make_proposer("hybrid", runtime, HybridSources(None, ((method, untrained_source(method, model)),)))
+    assert declares(hybrid, FeatureProposer) and hybrid.source_names == ("prompt-lookup", "retrieval", method)
+    config = GenerationConfig(max_new_tokens=40, num_draft_tokens="auto", seed=7, stop_at_eos=False,
+                              sampling=SamplingParams(temperature=temperature))
+    plain = Engine(LeanRuntime(model), NoProposer(), eos_token_ids={EOS}).generate(REPEATING, config)
+    result = Engine(runtime, hybrid, eos_token_ids={EOS}).generate(REPEATING, config)
+    assert result.token_ids == plain.token_ids
+    assert result.stats.sources[method][0] > 0
+
+
+def test_hybrid_takes_a_trained_heads_path_and_says_where_it_cannot_use_it(tiny, tmp_path, caplog):  # noqa: F811
+    """``--drafter hybrid --drafter-path DIR`` with an eagle drafter: loaded beside the copies, the answer plain
+    decoding's. A path to another kind of trained drafter is refused in one line; on a runtime that hands over no
+    hidden states the hybrid goes on without the head, saying so in one line."""
+    import copy
+    from dataclasses import replace
+
+    from test_rounds import untrained_source
+    from tiny import save_with_tokenizer
+
+    from specdec import SpecDecoder
+    from specdec.backends.base import CausalLM
+    from specdec.drafters import checkpoint
+    from specdec.errors import UsageError
+    from specdec.loading import trained_heads
+    from specdec.models import weight_probe
+
+    model = copy.deepcopy(tiny[0]).float()
+    path = save_with_tokenizer(model, tmp_path / "target")
+    head = untrained_source("eagle", model)
+    head.config = replace(head.config, target={"name": "tiny", "probe": weight_probe(model)})
+    checkpoint.save(head, tmp_path / "eagle")
+    decoder = SpecDecoder.load(str(path), drafter="hybrid", drafter_path=str(tmp_path / "eagle"), backend="lean",
+                               dtype="float32")
+    assert decoder.engine.proposer.source_names == ("prompt-lookup", "retrieval", "eagle")
+    plain = SpecDecoder.load(str(path), drafter="none", backend="lean", dtype="float32")
+    prompt = "w3 w5 w3 w5 w3"
+    assert decoder.generate(prompt, max_new_tokens=12).token_ids == plain.generate(prompt, max_new_tokens=12).token_ids
+    with pytest.raises(UsageError, match="holds a trained early-exit drafter; the hybrid drafts with trained heads"):
+        trained_heads(None, None, f"early-exit={tmp_path}")
+
+    class Plain(CausalLM):  # a runtime that declares nothing beyond CausalLM: no hidden states
+        vocab_size, max_length = 64, 128
+
+    with caplog.at_level(logging.WARNING, logger="specdec.notice"):
+        assert trained_heads(None, Plain(), str(tmp_path / "eagle")) == ()
+    assert "the hybrid drafts without its eagle heads: Plain hands over no hidden states" in caplog.text

@@ -163,3 +163,25 @@ def test_a_hybrid_refuses_a_shared_plan_over_other_sources():
         is copies_only.plan
     with pytest.raises(ValueError, match="a shared plan weighs the sources"):
         HybridProposer([PromptLookupProposer()], plan=copies_only.plan)
+
+
+def test_the_hybrid_with_a_trained_head_batches_and_serves_the_tokens_of_no_drafter(tiny):  # noqa: F811
+    """The hybrid with an eagle head (untrained) beside its copies, in the server: the pool keeps each slot's hidden
+    states, which the head reads, the requests batch, and the greedy tokens are ``--drafter none``'s; the head drafted
+    and /metrics counts it by name."""
+    import copy
+
+    from test_rounds import untrained_source
+    from tiny import require_pass_invariant
+
+    from specdec.backends.base import SequencePool
+    from specdec.proposers.hybrid import HybridSources
+
+    model = copy.deepcopy(tiny[0]).float()
+    runtime = require_pass_invariant(LeanRuntime(model))
+    plain, _, _ = served(runtime, settings("none", speculation="never"), PROMPTS, max_tokens=24)
+    draft = HybridSources(None, (("eagle", untrained_source("eagle", model)),))
+    answers, scheduler, made = served(runtime, settings(), PROMPTS, draft=draft, max_tokens=24)
+    assert answers == plain and not isinstance(scheduler.pool, SequencePool)
+    assert {name for proposer in made for name in proposer.source_names} == COPIES | {"eagle"}
+    assert scheduler.metrics.draft_tokens_by_source.get("eagle", 0) > 0

@@ -88,11 +88,16 @@ def test_each_drafters_declared_role_is_what_loading_does_with_it(name, tiny_tar
     if declared.trained:  # its weights: the ones shipped for the target (none for this one), or --drafter-path
         with pytest.raises(UsageError, match=f"no trained {name} drafter ships for this target"):
             draft_source(name, tiny_target, backend, None, None)
+    elif declared.takes_heads:  # a trained head's path: a directory with no drafter in it is refused in one line
+        with pytest.raises(UsageError, match=f"--drafter-path {tmp_path}: no readable"):
+            draft_source(name, tiny_target, backend, None, None, drafter_path=tmp_path)
     else:
         with pytest.raises(UsageError, match="--drafter-path is for trained drafters"):
             draft_source(name, tiny_target, backend, None, None, drafter_path=tmp_path)
-    if declared.needs_draft_model or declared.takes_draft_model:  # a draft model given drafts, on its own runtime
+    if declared.needs_draft_model:  # a draft model given drafts, on its own runtime
         assert type(draft_source(name, tiny_target, backend, tiny_target, None)) is type(backend)
+    elif declared.takes_draft_model:  # beside the copies: the hybrid's sources hold it
+        assert type(draft_source(name, tiny_target, backend, tiny_target, None).model) is type(backend)
     elif not declared.trained:  # a drafter that copies drafts with nothing loaded
         assert draft_source(name, tiny_target, backend, tiny_target, None) is None
 

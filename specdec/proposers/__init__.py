@@ -61,10 +61,12 @@ def takes_draft_model(name: str) -> bool:
 
 
 def check_drafter_path(name: str, given: bool) -> None:
-    """Refuse, in one line, a trained drafter's path given for a drafter that is not trained."""
-    if given and not role(name).trained:
-        trained = ", ".join(drafters_where(lambda r: r.trained))
-        raise UsageError(f"--drafter-path is for trained drafters ({trained}), not {name}")
+    """Refuse, in one line, a trained drafter's path given for a drafter that neither is trained nor takes trained
+    heads beside its other sources."""
+    if given and not (role(name).trained or role(name).takes_heads):
+        taking = ", ".join(drafters_where(lambda r: r.trained or r.takes_heads))
+        raise UsageError(f"--drafter-path is for trained drafters and the drafters that take their heads ({taking}), "
+                         f"not {name}")
 
 
 def make_proposer(name: str, target: CausalLM, source=None, datastore: ContinuationIndex | None = None

@@ -58,6 +58,7 @@ class Role:
     takes_draft_model: bool = False  # a draft model drafts beside its other sources where one is given or found
     reads_datastore: bool = False  # it copies from a retrieval datastore (--datastore; the server's learned answers)
     trained: bool = False  # its weights are trained (specdec train --method): --drafter-path DIR, or those shipped
+    takes_heads: bool = False  # trained heads (eagle, mtp: --drafter-path DIR) draft beside its other sources
     needs: type | None = None  # the capability of the target's backend it needs beyond CausalLM (its NEEDS)
 
 

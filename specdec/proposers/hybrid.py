@@ -5,7 +5,9 @@ Its sources: prompt lookup and the suffix index (``retrieval``: the prompt, the 
 given), which copy where the text repeats itself and cost next to nothing; and a draft model where one is loaded (a
 ``--draft-model``, or the default model, which ships with specdec, drafting across tokenizers for a target several
 times its size: ``loading.found_draft_model``), which writes on where nothing repeats. Each round the copies offer
-their continuations (free), and :class:`SourcePlan` weighs each offer and the draft model against plain decoding,
+their continuations (free); trained heads over the target's hidden states (eagle, mtp), where given, draft as a
+model does, from the features the engine hands over. :class:`SourcePlan` weighs each offer and each model against
+plain decoding,
 from each source's acceptance per draft position, its drafting cost per token and the target's measured pass costs.
 The copies are scored every round against what the target emitted, whoever drafted; the draft model on its own
 rounds, and on one round in 16 while it is not chosen, so that a source that stops paying is dropped and one that
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,6 +31,7 @@ from specdec.proposers.base import (
     CatchesUp,
     Combines,
     Draft,
+    FeatureProposer,
     GradesMatches,
     PlansRounds,
     Proposer,
@@ -50,6 +53,7 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
     over the same sources that other hybrids learn into too (a server's requests share one); None: its own."""
 
     name = "hybrid"
+    _features = None  # the target's hidden states this round, for sources that draft from them (FeatureHybrid's)
 
     def __init__(self, copies: list[Proposer], models: list[Proposer] = (), plan: SourcePlan | None = None
                  ) -> None:
@@ -78,8 +82,8 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
         key, length, backlog = self._choose(context, lengths, k)
         if key is not None and key not in offers:
             model = self._source(key)
-            offers[key] = self._model_draft(model, context, backlog,
-                                            lambda: model.propose(context, length, params, generator))
+            offers[key] = self._model_draft(model, context, backlog, lambda: model.propose(
+                context, length, params, generator, **self._features_for(model)))
         self._remember(context, {offered: draft.tokens for offered, draft in offers.items()})
         if key is None or not offers[key].tokens:
             return EMPTY_DRAFT
@@ -98,7 +102,7 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
         if key is None:
             return EMPTY_DRAFT
         source = self._source(key)
-        draw = lambda: source.propose_tree(context, widths, params, generator)  # noqa: E731
+        draw = lambda: source.propose_tree(context, widths, params, generator, **self._features_for(source))  # noqa: E731
         tree = draw() if source in self.copies else self._model_draft(source, context, backlog, draw, steps=depth)
         return replace(tree, source=source.name) if tree.tokens else EMPTY_DRAFT
 
@@ -132,6 +136,10 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
         self._local, self._drafted_at = self.plan.local(), {}
         for source in self.copies + self.models:
             source.clear_cache()
+
+    def _features_for(self, source: Proposer) -> dict:
+        """What ``source`` drafts from beyond the context: the target's hidden states for a trained head."""
+        return {"features": self._features} if declares(source, FeatureProposer) else {}
 
     def _source(self, key: str) -> Proposer:
         """The source a key of the plan names (a copy's graded key names the copy)."""
@@ -171,6 +179,36 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
             self.plan.observe_offer(name, tokens, emitted, self._local)
 
 
+class FeatureHybridProposer(HybridProposer, FeatureProposer):
+    """A hybrid with trained heads among its models: it declares that it reads the target's hidden states, which the
+    engine (and the server's scheduler) then hands it each round, and it hands them on to the head that drafts."""
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
+                features: torch.Tensor | None = None) -> Draft:
+        self._features = features
+        return super().propose(context, k, params, generator)
+
+    def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
+                     generator: torch.Generator | None, features: torch.Tensor | None = None) -> Draft:
+        self._features = features
+        return super().propose_tree(context, widths, params, generator)
+
+
+@dataclass(frozen=True)
+class HybridSources:
+    """What a hybrid drafts with beyond its copies (``loading.draft_source`` finds them): a draft model's source (a
+    runtime, or a ``ForeignDraft`` across tokenizers), or None; and trained heads, each (method, network): an eagle
+    head or mtp heads over the target's hidden states."""
+
+    model: object = None
+    heads: tuple[tuple[str, object], ...] = ()
+
+
+def sources_of(source) -> HybridSources:
+    """``source`` as a hybrid's sources: itself, or a bare draft model's source (or None: the copies alone)."""
+    return source if isinstance(source, HybridSources) else HybridSources(source)
+
+
 def _source_name(key: str) -> str:
     """The source a key of the plan names: ``prompt-lookup/3`` (a copy's offers from matches of 3 tokens), or the
     source's own name."""
@@ -178,20 +216,26 @@ def _source_name(key: str) -> str:
 
 
 # it copies from a datastore (--datastore) too, and in the server from learned answers; a draft model drafts beside
-# the copies where one is given or found (the default model for a target several times its size)
-ROLE = Role(reads_datastore=True, takes_draft_model=True)
+# the copies where one is given or found (the default model for a target several times its size), and trained heads
+# where given (--drafter-path)
+ROLE = Role(reads_datastore=True, takes_draft_model=True, takes_heads=True)
 
 
 def make(target, source, datastore, plan: SourcePlan | None = None) -> HybridProposer:
-    """The copies (prompt lookup; the suffix index over the context and ``datastore``), and the draft model
-    ``source`` where there is one (``loading.draft_source`` finds it); learning into ``plan`` where one is given
+    """The copies (prompt lookup; the suffix index over the context and ``datastore``), and the models among
+    ``source``'s (:class:`HybridSources`, or a bare draft model's source): the draft model where there is one
+    (``loading.draft_source`` finds it) and each trained head; learning into ``plan`` where one is given
     (``SharesPlan``)."""
+    from specdec.proposers import drafter_module
     from specdec.proposers.draft_model import make as draft_model
 
+    sources = sources_of(source)
     models = []
-    if source is not None:
+    if sources.model is not None:
         try:
-            models.append(draft_model(target, source, None))
+            models.append(draft_model(target, sources.model, None))
         except UsageError as error:  # a draft model that cannot draft for this target: the copies go on alone
             notice(f"the hybrid drafts without its draft model: {error}")
-    return HybridProposer([PromptLookupProposer(), RetrievalProposer(datastore)], models, plan)
+    models += [drafter_module(method).make(target, network, None) for method, network in sources.heads]
+    hybrid = FeatureHybridProposer if sources.heads else HybridProposer
+    return hybrid([PromptLookupProposer(), RetrievalProposer(datastore)], models, plan)

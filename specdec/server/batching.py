@@ -25,6 +25,7 @@ from specdec.errors import UsageError
 from specdec.logs import notice
 from specdec.proposers import PROPOSERS, role
 from specdec.proposers.base import Proposer, Role, SharesPlan
+from specdec.proposers.hybrid import HybridSources, sources_of
 from specdec.proposers.retrieval import ChainedIndex, SharedIndex
 from specdec.server.prefixes import prefix_cache
 from specdec.server.scheduler import Scheduler
@@ -65,22 +66,28 @@ def build_scheduler(runtime, settings: BatchSettings, eos_token_ids: set[int], d
     batched pool gives (:func:`served_alone`), over the runtime's own cache one request at a time; ``auto`` first
     measures what passes over 1 to max_batch_size x (k+1) positions cost here. ``draft``: the drafter's source
     (``loading.draft_source``): a draft model's runtime, or a ``ForeignDraft`` where its tokenizer is another, whose
-    pool gives each request a slot; a trained network."""
+    pool gives each request a slot; a trained network; the hybrid's ``HybridSources`` (its draft model, and its
+    trained heads, for which the pool keeps each slot's hidden states)."""
     check_datastore_drafter(settings.drafter, datastore is not None)
     declared = role(settings.drafter)
     if (declared.needs_draft_model or declared.trained) and draft is None:
         raise UsageError(f"the server's {settings.drafter} drafter needs what it drafts with: --draft-model PATH "
                          "or --drafter-path DIR")
-    if declared.needs is not None:
-        require(runtime, declared.needs, f"--drafter {settings.drafter}")
+    heads = ()
+    if declared.takes_heads:  # a hybrid's sources: its draft model, its trained heads
+        sources = sources_of(draft)
+        draft, heads = sources.model, sources.heads
+    needs = declared.needs or (FeatureSource if heads else None)
+    if needs is not None:
+        require(runtime, needs, f"--drafter {settings.drafter}")
     if settings.tree is not None:
         require(runtime, TreeScorer, "--tree", "use --backend lean or fused")
     pool = make_pool(runtime, settings)
-    alone = served_alone(pool, settings, declared, draft)
+    alone = served_alone(pool, settings, declared, draft, needs)
     if alone:
         notice(f"serving one request at a time: {alone}")
         pool = SequencePool(runtime, settings.max_model_len)
-    features = declared.needs is FeatureSource
+    features = needs is FeatureSource
     if features:
         pool.keep_features()
     cost = None
@@ -93,7 +100,8 @@ def build_scheduler(runtime, settings: BatchSettings, eos_token_ids: set[int], d
         datastore = ChainedIndex([memory.index] + ([datastore] if datastore is not None else []))
     drafts_with_model = draft is not None and (declared.needs_draft_model or declared.takes_draft_model)
     drafts = draft_pool(draft, settings) if drafts_with_model and not alone else None
-    source = per_request(draft, drafts) if drafts is not None else lambda: draft
+    model = per_request(draft, drafts) if drafts is not None else lambda: draft
+    source = (lambda: HybridSources(model(), heads)) if heads else model
     return Scheduler(pool, learning_together(lambda **plan: factory(runtime, source(), datastore, **plan)),
                      SpeculationPlanner(settings.speculation, cost), eos_token_ids,
                      max_draft_tokens=settings.num_draft_tokens, max_waiting=settings.max_waiting,
@@ -102,13 +110,14 @@ def build_scheduler(runtime, settings: BatchSettings, eos_token_ids: set[int], d
                      tree=settings.tree, draft_pool=drafts)
 
 
-def served_alone(pool, settings: BatchSettings, declared: Role, draft) -> str | None:
+def served_alone(pool, settings: BatchSettings, declared: Role, draft, needs: type | None) -> str | None:
     """Why this server's requests run one at a time in the runtime's own cache (as the library's engine runs
-    them), or None where they batch in ``pool``: a drafter that needs a capability of the target that the pool
-    does not give (the target's hidden states where it keeps no features, its first layers alone), a tree (a batched
-    pool scores chains), a draft model whose runtime batches nothing (a trained draft LM)."""
-    if declared.needs is not None and (declared.needs is not FeatureSource or not declares(pool, SlotFeatures)):
-        return f"--drafter {settings.drafter} reads the target's own {declared.needs.__name__}"
+    them), or None where they batch in ``pool``: a drafter that needs a capability of the target (``needs``: its
+    role's, or the hidden states its trained heads read) that the pool does not give (the target's hidden states
+    where it keeps no features, its first layers alone), a tree (a batched pool scores chains), a draft model whose
+    runtime batches nothing (a trained draft LM)."""
+    if needs is not None and (needs is not FeatureSource or not declares(pool, SlotFeatures)):
+        return f"--drafter {settings.drafter} reads the target's own {needs.__name__}"
     if settings.tree is not None:
         return "--tree scores token trees"
     if draft is not None and (declared.needs_draft_model or declared.takes_draft_model) \
