@@ -7,10 +7,10 @@ target pass over n positions costs, how often draft tokens are accepted, and the
 - ``survival`` and ``expected_tokens_by_k``: the chance a chain's first j draft tokens are all accepted, and the
   expected tokens of a round drafting k: 1 + sum over j <= k of that chance.
 - The pass-cost curve, learnt two ways for the two situations: ``PassCosts`` learns every size a single sequence's
-  rounds score, online (a moving average per size; optimistic steps between sizes, so that a size gets tried; a
-  line beyond them); ``MeasuredPassCosts`` is the server's curve over up to batch x (k+1) positions, measured at
-  start-up (interpolated between points) and only rescaled by the passes it runs, whose sizes are too few to
-  move points without bending the curve's shape.
+  rounds score, online (the fastest of the last few passes per size; optimistic steps between sizes, so that a
+  size gets tried; a line beyond them); ``MeasuredPassCosts`` is the server's curve over up to batch x (k+1)
+  positions, measured at start-up (interpolated between points) and only rescaled by the passes it runs, whose
+  sizes are too few to move points without bending the curve's shape.
 - ``SourcePlan``: the same model over a combined drafter's sources (the hybrid's): per source, acceptance per
   draft position and drafting seconds per token; each round, the source and length that pay most, or none.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections import deque
 
 from specdec.backends.base import Pool, Row
 
@@ -26,24 +27,30 @@ AUTO_MAX_K = 16  # the longest draft the cost-model policies consider
 BACKLOG = 32  # tokens: a model source's catching up on fewer is a cost of its rounds, on more a backlog
 PRIOR_STRENGTH = 4.0  # draft tokens' worth of weight a prior has in an Acceptance's rate, by default
 COST_LEARNING_RATE = 0.1  # how fast MeasuredPassCosts' scale follows the passes run
+RECENT_PASSES = 8  # a pass size's cost is the fastest of its last this many passes (PassCosts)
 EXPLORE_SHARE = 1 / 16  # the most of the time a SourcePlan spends trying model sources it would not choose
 
 
 class PassCosts:
-    """What a round costs, measured as rounds run: the target's pass by the positions it scores (a moving average
-    per size, and a line through the sizes seen for the others), and drafting per draft step."""
+    """What a round costs, measured as rounds run: the target's pass by the positions it scores (the fastest of the
+    last few per size, and a line through the sizes seen for the others), and drafting per draft step."""
 
     def __init__(self, prior_slope: float = 0.05) -> None:
         self.prior_slope = prior_slope  # extra cost per scored position, relative to one, before two sizes are seen
-        self.score_seconds: dict[int, float] = {}  # positions scored -> moving average of the target's pass
+        self.score_seconds: dict[int, float] = {}  # positions scored -> the target's pass: the fastest of the last
+        self._recent: dict[int, deque[float]] = {}  # RECENT_PASSES passes of that size
         self.draft_seconds_per_step: float | None = None
 
     def observe(self, positions: int, target_seconds: float, draft_steps: int, draft_seconds: float) -> None:
-        """A pass faster than its size's average sets it; a slower one moves it a fifth of the way. A pass is slowed
-        by what shares the machine, or by the first pass of its size, never sped up; and a size whose average one
-        slow pass inflated would not be chosen again, so never measured again."""
-        previous = self.score_seconds.get(positions)
-        self.score_seconds[positions] = min(target_seconds, moved(previous, target_seconds))
+        """A size's cost is the fastest of its last ``RECENT_PASSES`` passes. A pass is slowed by what shares the
+        machine, or by the first pass of its size, never sped up, so a faster pass sets the cost at once (a size
+        whose cost one slow pass inflated would not be chosen again, so never measured again); and the same low
+        quantile for every size, however often each is measured, keeps their differences, on which the choice
+        rests: a moving average that a slow pass moved up and a fast one set at once stood higher for the sizes
+        passed most (plain decoding's, on a busy machine), so that a size seldom passed looked cheaper than it is."""
+        recent = self._recent.setdefault(positions, deque(maxlen=RECENT_PASSES))
+        recent.append(target_seconds)
+        self.score_seconds[positions] = min(recent)
         if draft_steps:
             self.draft_seconds_per_step = moved(self.draft_seconds_per_step, draft_seconds / draft_steps)
 

@@ -292,13 +292,38 @@ def test_hybrid_with_a_draft_model_it_cannot_bridge_says_so_in_one_line_and_goes
 
 
 def test_the_plan_learns_the_pass_costs_it_is_told():
-    """A slower pass moves a size's cost a fifth of the way; a faster one sets it."""
+    """A size's cost is the fastest of its last RECENT_PASSES passes: a faster pass sets it at once, a slower one
+    leaves it until the faster has left the window."""
+    from specdec.costs import RECENT_PASSES
+
     plan = SourcePlan(("copy",), frozenset({"copy"}))
     plan.observe_pass(5, 0.03)
     plan.observe_pass(5, 0.05)
-    assert plan.costs.scoring_seconds(5) == pytest.approx(0.8 * 0.03 + 0.2 * 0.05)
+    assert plan.costs.scoring_seconds(5) == 0.03
     plan.observe_pass(5, 0.02)
-    assert plan.costs.scoring_seconds(5) == pytest.approx(0.02)
+    assert plan.costs.scoring_seconds(5) == 0.02
+    for _ in range(RECENT_PASSES - 1):
+        plan.observe_pass(5, 0.04)
+    assert plan.costs.scoring_seconds(5) == 0.02
+    plan.observe_pass(5, 0.04)  # the 0.02 pass is now RECENT_PASSES passes old
+    assert plan.costs.scoring_seconds(5) == 0.04
+
+
+def test_a_busy_machine_leaves_the_pass_sizes_costs_in_their_true_order():
+    """Passes of one size measured often and of another seldom, each slowed now and then by another process (a
+    seeded draw: a quarter of the passes 1.5x as long): the often-passed size, the cheaper, stays the cheaper, and
+    each cost is within the quiet figure's noise-free value and the slowed one. (A moving average that a slow pass
+    moved up and a fast one set stood higher for the size passed most, here above the dearer size's.)"""
+    import random
+
+    draw = random.Random(5)
+    plan = SourcePlan(("copy",), frozenset({"copy"}))
+    quiet = {1: 1.0, 2: 1.05}
+    for round_ in range(400):
+        size = 2 if round_ % 10 == 0 else 1
+        plan.observe_pass(size, quiet[size] * (1.5 if draw.random() < 0.25 else 1.0))
+        assert plan.costs.scoring_seconds(1) < plan.costs.scoring_seconds(2) or round_ < 20
+    assert all(quiet[size] <= plan.costs.scoring_seconds(size) <= 1.5 * quiet[size] for size in quiet)
 
 
 # --- trained heads beside the copies ----------------------------------------------------------------------------
