@@ -23,6 +23,7 @@ from specdec.choices import (
     TRAINED_METHODS,
     canonical_backend,
 )
+from specdec.cores import set_torch_threads
 from specdec.errors import SpecdecError, UsageError
 
 EXIT_USAGE = 2
@@ -49,7 +50,8 @@ BACKEND_HELP = ("what runs the target: lean (specdec's runtime in PyTorch; torch
                 "llama.cpp (a .gguf file's weights as stored, on llama.cpp's CPU kernels), or auto (default: on the "
                 "CPU with --dtype auto, whichever of them runs this target fastest on this machine, measured once "
                 "and cached; lean otherwise)")
-THREADS_HELP = "CPU threads (torch's, and llama.cpp's; default: every core this process may use)"
+THREADS_HELP = ("CPU threads (torch's, and llama.cpp's; default: every core this process may use, its affinity mask "
+                "within its cgroup's CPU quota; more are capped to those, with one line)")
 DTYPE_HELP = ("the weights' precision. auto: bfloat16 on CUDA; on the CPU, for each kind of pass (one position; "
               "several), the fastest precision whose logits stay within 0.1 of float32's, measured once per model "
               "and machine and cached")
@@ -485,7 +487,7 @@ def run_generate(args: argparse.Namespace) -> int:
                                 method=args.sampling),
         seed=args.seed, tree=tree,
     )
-    _set_threads(args.threads)
+    args.threads = set_torch_threads(args.threads)
     decoder = SpecDecoder.load(args.model, args.draft_model, args.drafter, dtype=args.dtype, device=args.device,
                                datastore=args.datastore, drafter_path=args.drafter_path, backend=args.backend,
                                threads=args.threads, cross_vocabulary=args.cross_vocabulary)
@@ -568,20 +570,12 @@ def _runs(module: str, function: str, threads: bool = False) -> Callable[[argpar
 
     def run(args: argparse.Namespace) -> int:
         if threads:
-            _set_threads(args.threads)
+            args.threads = set_torch_threads(args.threads)
         return getattr(importlib.import_module(module), function)(args)
 
     return run
 
 
-def _set_threads(threads: int | None) -> None:
-    if threads is None:
-        return
-    if threads < 1:
-        raise UsageError(f"threads must be >= 1, got {threads}")
-    import torch
-
-    torch.set_num_threads(threads)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,9 +18,8 @@ import statistics
 import sys
 from dataclasses import dataclass
 
-import torch
-
 from specdec.backends import LeanRuntime, PassPrecisions, sync
+from specdec.cores import set_torch_threads
 from specdec.engine import Engine, GenerationConfig
 from specdec.proposers import NoProposer, PromptLookupProposer
 
@@ -123,8 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = prompt_script_parser(__doc__, limit=20)
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args.threads = set_torch_threads(args.threads)
     target = load_model(args.model, dtype="float32", device="cpu")
     prompts = [encode_prompt(target.tokenizer, p.text, p.chat) for p in read_prompts(args.prompts, limit=args.limit)]
     precisions: list[PassPrecisions | str] = ["float32", "float16", "bfloat16"]

@@ -23,6 +23,7 @@ from specdec.backends import native
 from specdec.backends.base import median_pass_seconds
 from specdec.backends.family import project_qkv
 from specdec.backends.lean import LeanRuntime
+from specdec.cores import set_torch_threads
 
 PASS_SIZES = (2, 5, 8)
 OFFSETS = (3, 17, 30)
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from specdec.models import load_model
 
-    torch.set_num_threads(args.threads)
+    args.threads = set_torch_threads(args.threads)
     model = load_model(args.model, dtype="float32").model
     prompt = torch.randint(0, model.config.vocab_size, (160,), generator=torch.Generator().manual_seed(0)).tolist()
     print("| runtime | largest logit difference, alone vs in a pass |\n|---|---:|")

@@ -21,6 +21,7 @@ import torch
 
 from specdec.backends.reference import reference_module
 from specdec.bench.prompts import prompt_script_parser, read_prompts
+from specdec.cores import set_torch_threads
 
 
 def runtime_greedy(runtime, prompt: list[int], steps: int) -> list[int]:
@@ -50,8 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.model is None:
         parser.error("--model FILE.gguf is needed (a llama or qwen2 GGUF)")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args.threads = set_torch_threads(args.threads)
     from specdec.backends.fused import PRODUCTS, FusedRuntime
     from specdec.loading import encode_prompt
     from specdec.models import load_gguf, model_path

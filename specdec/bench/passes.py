@@ -30,6 +30,7 @@ import torch
 from specdec.backends import native
 from specdec.backends.base import median_pass_seconds
 from specdec.bench.roofline import bandwidth_probe
+from specdec.cores import set_torch_threads
 
 POSITIONS = (1, 2, 3, 4, 5, 8, 16, 17, 32, 64)
 PROMPTS = (128, 512, 2048)
@@ -121,8 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="prompt lengths to time (comma-separated; up to 8192); empty: none")
     parser.add_argument("--prompt-repeats", type=int, default=2)
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args.threads = set_torch_threads(args.threads)
     lengths = [int(n) for n in args.prompts.split(",") if n.strip()]
     found = runtimes(args.model, torch.get_num_threads(), args.lean, max(lengths + [args.context + 128]) + 1)
     context = [(100 + 37 * i) % 40000 for i in range(args.context)]

@@ -21,6 +21,7 @@ import time
 import torch
 
 from specdec.bench.prompts import prompt_script_parser, read_prompts
+from specdec.cores import set_torch_threads
 from specdec.engine import GenerationConfig
 
 TRANSFORMERS = "transformers generate"
@@ -74,8 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llamacpp", action="store_true",
                         help="also time specdec's plain decoding on llama.cpp (the GGUF's weights as stored)")
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args.threads = set_torch_threads(args.threads)
 
     target = load_model(args.model, dtype="float32", device="cpu")  # transformers runs the float32 model
     decoders = {f"specdec {p}": SpecDecoder(target, drafter="none", precision=p)

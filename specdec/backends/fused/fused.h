@@ -6,8 +6,8 @@
  *
  * What it does that a chain of PyTorch ops does not:
  * - one thread team (PyTorch's OpenMP threads, else threads of its own that persist) runs the whole pass; the
- *   phases of a layer meet at spin barriers, so no thread is forked or joined per matrix, and Python is not
- *   re-entered per op;
+ *   phases of a layer meet at barriers (a short spin, then asleep on a futex), so no thread is forked or joined
+ *   per matrix, and Python is not re-entered per op;
  * - weights (float16, float32, bfloat16, or bytes with a scale and offset per 32 or 16 inputs: a GGUF's blocks as
  *   stored) are read once per pass whatever the row
  *   count: each block of 8 weight rows is converted in registers and fed by FMA to every row of the pass while it
@@ -335,7 +335,15 @@ typedef void (*JobFn)(void *arg, int thread, int threads);
 
 INTERNAL extern int team_size;           /* the members that take a share of a job */
 INTERNAL extern int has_avx512, has_vnni; /* which tiles this CPU takes (read with the team) */
-INTERNAL extern atomic_int barrier_count, barrier_sense; /* team_barrier's */
+INTERNAL extern atomic_int barrier_count, barrier_sense, barrier_sleepers; /* team_barrier's */
+
+/* Wait while *word == value: a short spin (a partner that is running arrives within microseconds), then asleep on
+ * the word (a futex on Linux, else yielding), so that a member whose partner another process has descheduled gives
+ * its core back instead of spinning through the partner's absence; `sleepers` counts those asleep, for wake. */
+INTERNAL void wait_while(atomic_int *word, int value, atomic_int *sleepers);
+/* Wake whoever sleeps on `word` (after it changed), where `sleepers` says any do. */
+INTERNAL void wake_sleepers(atomic_int *word, atomic_int *sleepers);
+#define WAIT_SPINS 1000 /* pauses before a wait sleeps: some 10-50 us */
 INTERNAL extern pthread_mutex_t pass_lock; /* one pass (product, attention) at a time uses the team */
 
 /* Every member of the team runs fn(arg, its index, team_size); returns when all have. */
@@ -344,15 +352,17 @@ INTERNAL void run_team(JobFn fn, void *arg);
 /* A pass's scratch of `floats` floats, or NULL; under pass_lock. */
 INTERNAL float *scratch_of(size_t floats);
 
-/* All team_size members meet here; members past the team do not call it. */
+/* All team_size members meet here; members past the team do not call it. The last to arrive flips the sense and
+ * wakes any that fell asleep waiting (wait_while). */
 static inline void team_barrier(int threads, int *sense) {
     if (threads == 1) return;
     *sense ^= 1;
     if (atomic_fetch_add(&barrier_count, 1) == threads - 1) {
         atomic_store(&barrier_count, 0);
-        atomic_store_explicit(&barrier_sense, *sense, memory_order_release);
+        atomic_store(&barrier_sense, *sense); /* seq_cst: ordered before the read of the sleepers */
+        wake_sleepers(&barrier_sense, &barrier_sleepers);
     } else {
-        while (atomic_load_explicit(&barrier_sense, memory_order_acquire) != *sense) _mm_pause();
+        wait_while(&barrier_sense, !*sense, &barrier_sleepers);
     }
 }
 

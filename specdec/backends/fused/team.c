@@ -14,8 +14,8 @@ int has_vnni = -1;   /* and the integer tiles AVX512-VNNI */
 static pthread_t team[MAX_THREADS];
 static JobFn job_fn;
 static void *job_arg;
-static atomic_int job_generation, job_done, sleepers;
-atomic_int barrier_count, barrier_sense;
+static atomic_int job_generation, job_done, sleepers, done_sleepers;
+atomic_int barrier_count, barrier_sense, barrier_sleepers;
 static pthread_mutex_t team_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t team_wake = PTHREAD_COND_INITIALIZER;
 pthread_mutex_t pass_lock = PTHREAD_MUTEX_INITIALIZER; /* one pass at a time uses the team */
@@ -27,11 +27,42 @@ typedef void (*GompParallel)(void (*)(void *), void *, unsigned, unsigned);
 static GompParallel gomp_parallel;
 static int (*omp_thread_num)(void), (*omp_num_threads)(void);
 
-/* The team's members meet at team_barrier's spin barrier, cheaper than OpenMP's for a pass's 8 meetings a layer. */
+/* The team's members meet at team_barrier, cheaper than OpenMP's barrier for a pass's 8 meetings a layer. */
 void sd_use_openmp(void *parallel, void *thread_num, void *num_threads) {
     gomp_parallel = (GompParallel)parallel;
     omp_thread_num = (int (*)(void))thread_num;
     omp_num_threads = (int (*)(void))num_threads;
+}
+
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+static void sleep_on(atomic_int *word, int value) { syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, value, NULL, NULL, 0); }
+static void wake_all(atomic_int *word) { syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0); }
+#else
+#include <sched.h>
+static void sleep_on(atomic_int *word, int value) { (void)word, (void)value, sched_yield(); }
+static void wake_all(atomic_int *word) { (void)word; }
+#endif
+
+/* Registered as a sleeper before sleeping, and the kernel sleeps only while the word still holds `value`: a waker
+ * that changed the word (seq_cst) then reads the sleepers either finds this one registered, or this one finds the
+ * word changed and does not sleep. */
+void wait_while(atomic_int *word, int value, atomic_int *sleepers) {
+    for (int spins = 0; atomic_load_explicit(word, memory_order_acquire) == value; spins++) {
+        if (spins < WAIT_SPINS) {
+            _mm_pause();
+            continue;
+        }
+        atomic_fetch_add(sleepers, 1);
+        if (atomic_load(word) == value) sleep_on(word, value);
+        atomic_fetch_sub(sleepers, 1);
+    }
+}
+
+void wake_sleepers(atomic_int *word, atomic_int *sleepers) {
+    if (atomic_load(sleepers) > 0) wake_all(word);
 }
 
 static void *team_member(void *index_ptr) {
@@ -51,7 +82,8 @@ static void *team_member(void *index_ptr) {
         }
         seen = atomic_load(&job_generation);
         job_fn(job_arg, index, team_size);
-        atomic_fetch_add_explicit(&job_done, 1, memory_order_release);
+        atomic_fetch_add(&job_done, 1);
+        wake_sleepers(&job_done, &done_sleepers);
     }
     return NULL;
 }
@@ -110,7 +142,7 @@ void run_team(JobFn fn, void *arg) {
         pthread_mutex_unlock(&team_lock);
     }
     fn(arg, 0, team_size);
-    while (atomic_load_explicit(&job_done, memory_order_acquire) < team_started - 1) _mm_pause();
+    for (int done; (done = atomic_load(&job_done)) < team_started - 1;) wait_while(&job_done, done, &done_sleepers);
 }
 
 /* A pass's scratch: kept and grown, never given back (a fresh allocation of over 128 KiB is a fresh mapping, whose

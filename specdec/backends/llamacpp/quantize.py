@@ -11,8 +11,9 @@ import ctypes
 from pathlib import Path
 
 from specdec.backends.base import rows_are_pass_invariant
-from specdec.backends.llamacpp.runtime import GGUFModel, LlamaCppLM, check_gguf_file, default_threads, llama_cpp
+from specdec.backends.llamacpp.runtime import GGUFModel, LlamaCppLM, check_gguf_file, llama_cpp
 from specdec.choices import QUANTIZE_TYPES
+from specdec.cores import thread_count
 from specdec.errors import UsageError
 
 
@@ -31,7 +32,7 @@ def quantize(source: Path, out: Path, weight_type: str, threads: int | None = No
         raise UsageError(f"cannot convert {source}: the folder {out.parent} does not exist")
     params = lib.llama_model_quantize_default_params()
     params.ftype = getattr(lib, f"LLAMA_FTYPE_MOSTLY_{weight_type}")
-    params.nthread = threads or default_threads()
+    params.nthread = thread_count(threads)
     params.allow_requantize = True  # a quantised source too (converting Q4_1's blocks loses nothing more)
     failed = lib.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params))
     if failed:

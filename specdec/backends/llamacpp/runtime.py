@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from specdec.backends.base import FeatureSource, Pool, Pooled, PoolFull, Row, Slot
+from specdec.cores import thread_count
 from specdec.errors import UsageError
 from specdec.logs import notice, route_llama_cpp_logs
 
@@ -40,11 +41,6 @@ def llama_cpp():
         raise UsageError("--backend llama.cpp needs llama-cpp-python (pip install llama-cpp-python==0.3.16)") from None
     route_llama_cpp_logs(module)
     return module
-
-
-def default_threads() -> int:
-    """The CPU cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def check_gguf_file(path: Path) -> None:
@@ -115,7 +111,7 @@ class LlamaCppContext:
         self.model = model
         self.n_sequences = n_sequences
         self.positions = positions_per_sequence
-        self.threads = threads or default_threads()
+        self.threads = thread_count(threads)  # checked and capped before it reaches C
         self.keeps_states = False
         params = lib.llama_context_default_params()
         params.n_ctx = positions_per_sequence * n_sequences  # split evenly among sequences (kv_unified off)

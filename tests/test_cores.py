@@ -1,0 +1,67 @@
+"""The threads a process runs with (specdec/cores.py): the cores its affinity mask and its cgroup's CPU quota allow,
+``--threads`` refused below 1 and capped above them in one line, never handed to C as given."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from specdec import cores
+from specdec.errors import UsageError
+
+
+def test_a_cgroups_quota_is_read_from_either_version(tmp_path):
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # cgroup v2: 1.5 CPUs
+    assert cores.cgroup_quota(tmp_path) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")  # no limit
+    assert cores.cgroup_quota(tmp_path) is None
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("250000\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cores.cgroup_quota(v1) == 2.5
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")  # v1's no limit
+    assert cores.cgroup_quota(v1) is None
+    assert cores.cgroup_quota(tmp_path / "none") is None
+
+
+def test_the_usable_cores_are_the_affinity_masks_at_most_the_quota_rounded_up(monkeypatch):
+    mask = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(cores, "cgroup_quota", lambda: None)
+    assert cores.usable_cores() == mask
+    monkeypatch.setattr(cores, "cgroup_quota", lambda: 0.5)
+    assert cores.usable_cores() == 1
+    monkeypatch.setattr(cores, "cgroup_quota", lambda: mask + 10.0)
+    assert cores.usable_cores() == mask
+
+
+def test_threads_above_the_usable_cores_are_capped_in_one_line_and_below_one_refused(monkeypatch, caplog):
+    monkeypatch.setattr(cores, "usable_cores", lambda: 2)
+    with caplog.at_level("WARNING", logger="specdec.notice"):
+        assert cores.thread_count(100000) == 2
+    assert [r.getMessage() for r in caplog.records] == ["--threads 100000: this process may run 2 at once; using 2"]
+    assert cores.thread_count(1) == 1 and cores.thread_count(None) == 2
+    for wrong in (0, -3):
+        with pytest.raises(UsageError, match=f"threads must be >= 1, got {wrong}"):
+            cores.thread_count(wrong)
+
+
+def test_generate_with_a_hundred_thousand_threads_runs_on_the_cores_there_are(capsys, tmp_path):
+    """It crashed in C (exit -11, nothing printed): PyTorch's OpenMP runtime was asked for 100,000 threads."""
+    from test_cli import run_cli
+    from tiny_gguf import write_tiny_gguf
+
+    model = write_tiny_gguf(tmp_path / "tiny.gguf", hidden=32, layers=1, tensor_type="F32")
+    before = torch.get_num_threads()
+    try:
+        code, out, err = run_cli(capsys, "generate", "Hello there", "--model", str(model), "--max-new-tokens", "4",
+                                 "--threads", "100000", "--backend", "lean")
+        assert code == 0, err
+        assert f"--threads 100000: this process may run {cores.usable_cores()} at once" in err
+        assert torch.get_num_threads() == cores.usable_cores()
+        code, out, err = run_cli(capsys, "generate", "Hello there", "--model", str(model), "--threads", "0")
+        assert code == 2 and err.strip() == "specdec: error: threads must be >= 1, got 0"
+    finally:
+        torch.set_num_threads(before)
