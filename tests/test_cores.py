@@ -65,3 +65,44 @@ def test_generate_with_a_hundred_thousand_threads_runs_on_the_cores_there_are(ca
         assert code == 2 and err.strip() == "specdec: error: threads must be >= 1, got 0"
     finally:
         torch.set_num_threads(before)
+
+
+# --- the fused team's size, by its passes' times ---------------------------------------------------------------
+
+
+def run_team(team, seconds_on, passes: int) -> list[int]:
+    """``passes`` one-position passes, each taking ``seconds_on(pass, threads)``; the size each ran on."""
+    sizes = []
+    for step in range(passes):
+        size = team.choose()
+        team.observe(size, seconds_on(step, size))
+        sizes.append(size)
+    return sizes
+
+
+def test_on_a_quiet_machine_the_team_runs_on_every_thread_but_for_rare_tries():
+    from specdec.backends.native import TeamSize
+
+    team = TeamSize(2)
+    sizes = run_team(team, lambda step, size: {1: 1.4, 2: 1.0}[size], 2048)
+    assert sizes[0] == 2 and sizes.count(1) <= 1 + 2048 // (4 * team.probe_every)  # one try in 256 after the first
+
+
+def test_a_busy_core_moves_the_team_to_fewer_threads_and_a_quiet_one_back():
+    """Two threads slowed 3x by another process from pass 100 to 400 (one thread: 1.4x the quiet pair): within
+    SLOWED_PROBE passes and one try the team runs on one thread; within probe_every passes of the machine quieting
+    it is back on two. A process started on the busy machine finds one thread after its first try."""
+    from specdec.backends.native import TeamSize
+
+    def busy_between(first, last):
+        return lambda step, size: 1.4 if size == 1 else (3.0 if first <= step < last else 1.0)
+
+    team = TeamSize(2)
+    sizes = run_team(team, busy_between(100, 400), 600)
+    switched = 100 + sizes[100:].index(1)
+    assert switched <= 100 + TeamSize.SLOWED_PROBE + 1 and set(sizes[switched + 1 : 400]) == {1, 2}
+    assert sizes[switched + 1 : 400].count(2) <= (400 - switched) // team.probe_every + 1  # tries of two only
+    back = 400 + sizes[400:].index(2)
+    assert back <= 400 + team.probe_every and sizes[back + 1 :].count(1) <= 1
+    started_busy = run_team(TeamSize(2), busy_between(0, 100), 100)
+    assert started_busy[TeamSize.SLOWED_PROBE + 1 :].count(2) <= 100 // team.probe_every + 1

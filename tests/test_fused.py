@@ -288,3 +288,14 @@ def test_a_prompt_gives_each_position_plain_decodings_bits_and_what_follows_read
     steps = torch.cat([fused.extend([token], 1) for token in (4, 5, 6)])
     fused.rollback(len(prompt))
     assert torch.equal(fused.extend([4, 5, 6], 3), steps)
+
+
+def test_a_decoding_step_gives_the_same_bits_on_any_number_of_the_teams_threads(model, weights):
+    """The team's size follows the passes' times (native.TeamSize: one thread where another process keeps a core
+    busy): a step's logits are the same bits on one thread as on all of them, in prefill and steps."""
+    runtimes = [FusedRuntime(model, weights) for _ in range(2)]
+    runtimes[0].team.choose = lambda: 1  # every step on one thread
+    sequence = list(range(3, 40))
+    outputs = [torch.cat([runtime.extend(sequence[:20], 20)] + [runtime.extend([token], 1) for token in sequence[20:]])
+               for runtime in runtimes]
+    assert runtimes[1].team.size >= 1 and torch.equal(outputs[0], outputs[1])

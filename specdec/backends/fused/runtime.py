@@ -327,6 +327,7 @@ class FusedRuntime(LlamaSequence, Pooled):
         super().__init__(source.spec, torch.float32)
         self._library = native.library()
         self.threads = native.use_threads()
+        self.team = native.TeamSize(self.threads)  # how many of them its passes run on, by their times
         self.stored_matrices = sum(isinstance(m, StoredMatrix) for m in source.matrices)  # repacked as stored
         self._matrices = self._held_matrices(source, weights)
         self.weights = "+".join(sorted({part.format for matrix in self._matrices for part in matrix.parts()}))
@@ -435,7 +436,12 @@ class FusedRuntime(LlamaSequence, Pooled):
                                                     columns.astype(np.int32), n_keys.astype(np.int32))]
         key_cols = None if key_cols is None else np.ascontiguousarray(key_cols, dtype=np.int32)
         rows = native.rows_struct(arrays, key_cols)
+        timed = x.shape[0] == 1 and first == 0 and end == self.num_layers  # a decoding step: the team's measure
+        threads = native.use_threads(self.team.choose() if timed else self.team.size)
+        started = time.perf_counter()
         if self._library.sd_pass(ctypes.byref(self._model), ctypes.byref(cache.struct), ctypes.byref(rows),
                                  x.data_ptr(), first, end) != 0:
             raise MemoryError("the fused pass could not allocate its scratch")
+        if timed:
+            self.team.observe(threads, time.perf_counter() - started)
         return x
