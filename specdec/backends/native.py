@@ -257,7 +257,7 @@ class TeamSize:
     Any size gives the same bits: each value is reduced by one thread in one order, whichever thread that is."""
 
     SLOWED = 1.5
-    SLOWED_PROBE = 8
+    SLOWED_PROBE = 2
 
     def __init__(self, most: int, probe_every: int = 64, weight: float = 0.25) -> None:
         self.most = most
