@@ -221,7 +221,9 @@ def _add_bench_serve_parser(commands) -> None:
 def _add_serve_parser(commands) -> None:
     serve = commands.add_parser("serve", help="serve OpenAI-compatible completions, speculating for a few users "
                                 "and batching for many")
-    serve.add_argument("--served-model-name", default=None, help="the model id clients ask for")
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="the model ids clients ask for: the first the server's own, the others aliases (each "
+                       "listed by /v1/models; any other name is 404 model_not_found); default: the model file's name")
     serve.add_argument("--drafter", choices=list(DRAFTERS), default=None,
                        help="default: hybrid (prompt lookup, the suffix index with --datastore and learned answers, "
                        "and a draft model: --draft-model, or the default model for a target 4x its size or more); "

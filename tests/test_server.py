@@ -450,7 +450,6 @@ def test_metrics_parse_as_prometheus_text_and_equal_the_servers_counters(tiny):
     (json.dumps({"prompt": "w3", "temperature": "hot"}).encode(), "temperature"),
     (json.dumps({"prompt": 3}).encode(), "prompt"),
     (json.dumps({"prompt": "w3", "stream": "yes"}).encode(), "stream"),
-    (json.dumps({"prompt": "w3", "model": "gpt-4"}).encode(), "model"),
     (json.dumps({"prompt": "w3", "max_tokens": 10_000}).encode(), "max_tokens"),
     (json.dumps({"prompt": "w3", "max_tokens": 0}).encode(), "max_tokens"),
     (json.dumps({"prompt": "w3", "temperature": -0.5}).encode(), "temperature"),
@@ -463,6 +462,31 @@ def test_bad_requests_get_400_with_an_openai_error_body(server, raw, param):
     assert status == 400
     assert body["error"]["type"] == "invalid_request_error" and body["error"]["message"]
     assert body["error"]["param"] == param
+
+
+def test_a_model_the_server_does_not_serve_is_404_model_not_found_and_an_alias_is_answered(tiny):  # noqa: F811
+    """As OpenAI and vLLM answer a name they do not serve (400 before: clients that hard-code a name, as
+    ``gpt-3.5-turbo-instruct``, read a 404 as "no such model"); ``--served-model-name NAME ALIAS``: both listed by
+    /v1/models, a request naming the alias is answered under it."""
+    model, tokenizer = tiny
+    scheduler = build_scheduler(LeanRuntime(model), BatchSettings(max_batch_size=4, max_model_len=256), {EOS})
+    server = OpenAIServer(scheduler, tokenizer, [MODEL, "gpt-3.5-turbo-instruct"], ServerSettings(port=0))
+    server.start()
+    try:
+        status, body = post(server, "/v1/completions", {"prompt": "w3", "model": "gpt-4", "max_tokens": 2})
+        assert status == 404 and body["error"]["code"] == "model_not_found" and body["error"]["param"] == "model"
+        assert "'gpt-4' does not exist" in body["error"]["message"]
+        for name in (MODEL, "gpt-3.5-turbo-instruct"):
+            status, body = post(server, "/v1/completions", {"prompt": "w3", "model": name, "max_tokens": 2})
+            assert status == 200 and body["model"] == name, body
+        status, body = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "w3"}],
+                                                              "model": "gpt-4", "max_tokens": 2})
+        assert status == 404 and body["error"]["code"] == "model_not_found"
+        status, listed = get(server, "/v1/models")
+        listed = json.loads(listed)
+        assert [entry["id"] for entry in listed["data"]] == [MODEL, "gpt-3.5-turbo-instruct"]
+    finally:
+        server.shutdown(timeout=5)
 
 
 def test_bad_chat_messages_get_400(server):

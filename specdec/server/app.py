@@ -64,15 +64,19 @@ RETRY_AFTER_SECONDS = 1
 class OpenAIServer:
     """OpenAI-compatible endpoints for one model, served by a scheduler."""
 
-    def __init__(self, scheduler: Scheduler, tokenizer, model_name: str, settings: ServerSettings | None = None,
-                 listen: bool = True, sock: socket.socket | None = None) -> None:
-        """``listen=False``: the app alone, for another server to run (a Ray Serve replica); no socket. ``sock``: a
-        socket already bound and listening (``bind``), else one is bound here."""
+    def __init__(self, scheduler: Scheduler, tokenizer, model_name: str | tuple[str, ...],
+                 settings: ServerSettings | None = None, listen: bool = True, sock: socket.socket | None = None
+                 ) -> None:
+        """``model_name``: the name it answers to, or several (``serve --served-model-name NAME [ALIAS ...]``: the
+        first its own, the others aliases; each listed by /v1/models). ``listen=False``: the app alone, for another
+        server to run (a Ray Serve replica); no socket. ``sock``: a socket already bound and listening (``bind``),
+        else one is bound here."""
         import uvicorn
 
         self.scheduler = scheduler
         self.tokenizer = tokenizer
-        self.model_name = model_name
+        self.model_names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+        self.model_name = self.model_names[0]
         self.settings = settings = settings or ServerSettings()
         self.created = int(time.time())
         self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which process answered (X-Specdec-Instance)
@@ -132,8 +136,9 @@ class OpenAIServer:
         return 200, {"status": "ok"}
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "specdec", "max_model_len": self.scheduler.max_length}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": self.created,
+                                            "owned_by": "specdec", "max_model_len": self.scheduler.max_length}
+                                           for name in self.model_names]}
 
     def speculation(self) -> dict:
         """What the page needs to offer a request's settings: the drafter, the server's speculation mode, the modes
@@ -311,12 +316,12 @@ def build_app(server: OpenAIServer) -> FastAPI:
 
     async def generate(request: Request, chat: bool):
         raw = await read_body(request, server.settings)
-        job = parse_job(parse_body(raw), chat, server.model_name, scheduler.vocab_size,
+        job = parse_job(parse_body(raw), chat, server.model_names, scheduler.vocab_size,
                         getattr(server.tokenizer, "chat_template", None))
         prompt_ids = server.prompt_ids(job)
         handles = server.submit(job, prompt_ids)
         answers = [Answer(job, handle, server.tokenizer, i) for i, handle in enumerate(handles)]
-        response = Response(chat, server.model_name)
+        response = Response(chat, job.model or server.model_name)  # the name asked for: an alias is answered so
         echoed = echo_text(job, server.tokenizer, prompt_ids)
         if job.stream:
             return StreamingResponse(stream(answers, response, len(prompt_ids), echoed),

@@ -382,6 +382,7 @@ class Job:
     grammar: GrammarSpec | None = None  # structured output
     grammar_param: str | None = None  # the field that asked for it (named in a 400)
     tool_calling: ToolCalling | None = None  # the tools, and how the answer calls them
+    model: str | None = None  # the name the request asked for (one the server answers to); None: its own
 
     def generation_request(self, prompt_ids: list[int], max_length: int, choice: int = 0,
                            stop: Callable[[], StopCondition] | None = None,
@@ -411,12 +412,16 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
     return (seed * 0x9E3779B97F4A7C15 + choice) % SEED_RANGE[1]
 
 
-def parse_job(body: dict, chat: bool, model_name: str, vocab_size: int, template: str | None = None) -> Job:
-    """The checked request; ``template``: the model's chat template (whether it can write tool calls)."""
+def parse_job(body: dict, chat: bool, model_names: tuple[str, ...], vocab_size: int, template: str | None = None
+              ) -> Job:
+    """The checked request; ``model_names``: the names the server answers to (the first its own, the others aliases:
+    another is 404 ``model_not_found``, as OpenAI and vLLM answer); ``template``: the model's chat template (whether
+    it can write tool calls)."""
     request = validated(ChatCompletionRequest if chat else CompletionRequest, body)
-    if request.model is not None and request.model != model_name:
-        raise BadRequest(f"the model {request.model!r} does not exist; this server serves {model_name!r}", "model",
-                         "model_not_found")
+    if request.model is not None and request.model not in model_names:
+        served = ", ".join(repr(name) for name in model_names)
+        raise ApiError(f"the model {request.model!r} does not exist; this server serves {served}", "model",
+                       "model_not_found", status=404)
     if chat:
         max_tokens = request.max_tokens if request.max_tokens is not None else request.max_completion_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -451,6 +456,7 @@ def parse_job(body: dict, chat: bool, model_name: str, vocab_size: int, template
         adjustment=_adjustment(request, vocab_size),
         speculation=request.speculation,
         num_draft_tokens=request.num_draft_tokens,
+        model=request.model,
         **_structured_output(request, _tool_calling(request, template) if chat else None),
     )
 

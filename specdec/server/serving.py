@@ -26,7 +26,7 @@ class ServerOptions:
     datastore: str | None = None
     dtype: str = "auto"
     device: str = "auto"
-    served_model_name: str | None = None
+    served_model_name: str | tuple[str, ...] | None = None  # the names it answers to (the first its own)
     backend: str = "auto"
     threads: int | None = None
     draft_model: str | None = None  # the draft-model drafter's model (any tokenizer)
@@ -58,7 +58,7 @@ def load_server(options: ServerOptions, listen: bool = True) -> OpenAIServer:
         raise
     model = options.model
     file_name = DEFAULT_MODEL_NAME if model is None else Path(model).name.removesuffix(".gguf")
-    name = options.served_model_name or file_name
+    name = options.served_model_name or file_name  # the names given (--served-model-name), else the file's
     return OpenAIServer(scheduler, loaded.target.tokenizer, name, settings, listen=listen, sock=sock)
 
 
