@@ -283,7 +283,7 @@ def _add_serve_parser(commands) -> None:
                        help="seconds requests in flight get to finish after SIGINT/SIGTERM")
     add_model_flags(serve)
     serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    serve.set_defaults(run=_runs("specdec.server.launch", "run_serve", threads=True))
+    serve.set_defaults(run=_run_serve)
 
 
 def _add_bench_parser(commands) -> None:
@@ -578,6 +578,15 @@ def _runs(module: str, function: str, threads: bool = False) -> Callable[[argpar
     return run
 
 
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    """``specdec serve``: the port claimed before the heavy imports (a busy port answers at once), unless Ray Serve
+    listens (--replicas); then the server's own run."""
+    from specdec.listening import bind
+
+    args.listening = None if args.replicas else bind(args.host, args.port)
+    return _runs("specdec.server.launch", "run_serve", threads=True)(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -147,3 +147,21 @@ def test_a_busy_port_is_refused_in_one_line_before_the_model_loads(model_dir, ca
         code = main(["serve", "--model", str(model_dir), "--port", str(busy.getsockname()[1])])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "cannot listen on 127.0.0.1" in err and "in use" in err, err
+
+
+def test_a_busy_port_is_refused_in_one_line_before_the_heavy_imports(model_dir):
+    """``specdec serve`` claims the port before it imports the server, PyTorch and the model (a busy port took 6.8 s
+    to answer under load): refused in one line, exit 2, with none of them imported."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        script = ("import sys; from specdec.cli import main; code = main(sys.argv[1:]); "
+                  "heavy = sorted(m for m in ('torch', 'specdec.server', 'fastapi') if m in sys.modules); "
+                  "print(heavy); sys.exit(code)")
+        run = subprocess.run([sys.executable, "-c", script, "serve", "--model", str(model_dir), "--port", str(port)],
+                             capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stdout.strip() == "[]", run
+    assert run.stderr.strip() == f"specdec: error: cannot listen on 127.0.0.1:{port}: Address already in use"

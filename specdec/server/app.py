@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException
 
-from specdec.errors import UsageError
+from specdec import listening
 from specdec.grammars import GrammarError, grammar_for
 from specdec.server.framing import JSON, ClientGone, Framing, InstanceHeader, http_protocol, read_body
 from specdec.server.metrics import MetricsCollector, Refusals
@@ -82,7 +82,7 @@ class OpenAIServer:
         self.instance = f"{socket.gethostname()}:{os.getpid()}"  # which process answered (X-Specdec-Instance)
         self.refusals = Refusals()  # requests refused, by status: counted by the routes and the framing alike
         self.app = build_app(self)
-        self.socket = (sock or _listen(settings.host, settings.port)) if listen else None
+        self.socket = (sock or bind(settings)) if listen else None
         protocol = http_protocol(settings, self.instance.encode(), self.refusals.observe)
         self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, http=protocol, ws="none", lifespan="off",
                                                      log_level="warning", access_log=False, timeout_keep_alive=30,
@@ -218,24 +218,7 @@ class OpenAIServer:
 
 def bind(settings: ServerSettings) -> socket.socket:
     """The server's listening socket, or one line saying why the port cannot be had."""
-    try:
-        return _listen(settings.host, settings.port)
-    except OSError as error:
-        raise UsageError(f"cannot listen on {settings.host}:{settings.port}: {error.strerror or error}") from None
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(1024)  # the backlog: a small one resets connections under a burst of clients
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
+    return listening.bind(settings.host, settings.port)
 
 
 # --- the FastAPI application -----------------------------------------------------------------------------------------

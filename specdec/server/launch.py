@@ -68,7 +68,7 @@ def run_serve(args) -> int:
         from specdec.server.replicas import run_replicas
 
         return run_replicas(args, options)
-    server = load_server(options)
+    server = load_server(options, sock=getattr(args, "listening", None))
     server.start()
     print(f"specdec: serving {server.model_name} at {server.url} (speculation {batch.speculation}, drafter "
           f"{batch.drafter}, up to {batch.max_batch_size} requests per batch"

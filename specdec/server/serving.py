@@ -4,6 +4,7 @@ each Ray Serve replica (``replicas.py``) alike."""
 
 from __future__ import annotations
 
+import socket
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,14 +35,14 @@ class ServerOptions:
     cross_vocabulary: str = "auto"  # how it proposes where its tokenizer is not the target's
 
 
-def load_server(options: ServerOptions, listen: bool = True) -> OpenAIServer:
-    """Claim the port, then load the model (checks first, the slow load last); ``start()`` the server to serve
-    (``listen=False``: the app alone, for Ray Serve to run, and no port). A busy port is refused in one line before
-    anything slow."""
+def load_server(options: ServerOptions, listen: bool = True, sock: socket.socket | None = None) -> OpenAIServer:
+    """Claim the port (``sock``: claimed already, as ``specdec serve`` does before its imports), then load the model
+    (checks first, the slow load last); ``start()`` the server to serve (``listen=False``: the app alone, for Ray
+    Serve to run, and no port). A busy port is refused in one line before anything slow."""
     from specdec.loading import draft_source, load_target
 
     settings = options.settings
-    sock = bind(settings) if listen else None
+    sock = sock if sock is not None or not listen else bind(settings)
     drafter = options.batch.drafter
     declared = role(drafter)
     try:

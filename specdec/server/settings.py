@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.errors import UsageError
+from specdec.listening import MAX_PORT
 
 STALL_SECONDS = 300.0  # /health answers 503 when requests have waited this long without a step finishing
-MAX_PORT = 65535
 
 
 @dataclass(frozen=True)
