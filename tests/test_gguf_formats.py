@@ -10,6 +10,7 @@ whole blocks of 256.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -141,3 +142,52 @@ def test_the_packed_copy_gives_the_sources_logits_and_follows_the_source(files, 
         logits, said = start()
         lines = said.strip().splitlines()
         assert "stale or corrupt" in lines[0] and "packing model.gguf" in said and torch.equal(logits, packed)
+
+
+def test_damage_anywhere_in_a_packed_copy_an_unknown_format_and_a_killed_packing_are_found(files, tmp_path,
+                                                                                          monkeypatch, capsys):
+    """Each of a packed copy's bytes is under its matrix's checksum (a sampled one left 98% of the 1.5B's bytes
+    unchecked: a flipped byte there gave other tokens, exit 0, nothing said); a header whose checksum holds but that
+    names a format the kernels do not know is repacked, not a traceback; the partial file of a packing killed
+    while it wrote is removed at the next start."""
+    import json
+    import zlib
+
+    from specdec.backends.fused import packed_file
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    source = tmp_path / "model.gguf"
+    source.write_bytes(files("qwen2", "Q4_K_M").read_bytes())
+    packed = FusedRuntime.from_gguf(source).extend(IDS, len(IDS))
+    kept = packed_file.packed_path(source)
+    data = bytearray(kept.read_bytes())
+    trailer = packed_file.TRAILER
+    length = int.from_bytes(data[-12:-4], "little")
+    header = json.loads(data[len(data) - trailer - length : len(data) - trailer])
+    largest = max(header["matrices"], key=lambda entry: entry["bytes"])
+    data[largest["offset"] + largest["bytes"] // 3] ^= 0x40  # a third of the way in: no sampled stretch
+    kept.write_bytes(bytes(data))
+    capsys.readouterr()
+    logits = FusedRuntime.from_gguf(source).extend(IDS, len(IDS))
+    said = capsys.readouterr().err
+    assert "a matrix's checksum does not match" in said and "packing model.gguf" in said
+    assert torch.equal(logits, packed)
+
+    data = bytearray(kept.read_bytes())  # the repacked copy, its header rewritten with an unknown format
+    length = int.from_bytes(data[-12:-4], "little")
+    header = json.loads(data[len(data) - trailer - length : len(data) - trailer])
+    header["matrices"][0]["format"] = "q3_z"
+    text = json.dumps(header).encode()
+    end = len(data) - trailer - length
+    kept.write_bytes(bytes(data[:end]) + text + packed_file.MAGIC + len(text).to_bytes(8, "little")
+                     + zlib.crc32(text).to_bytes(4, "little"))
+    logits = FusedRuntime.from_gguf(source).extend(IDS, len(IDS))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert "in format 'q3_z', which the kernels do not know" in lines[0] and torch.equal(logits, packed)
+
+    killed = kept.with_suffix(".999999999.partial")  # no such process
+    killed.write_bytes(bytes(1024))
+    mine = kept.with_suffix(f".{os.getpid()}.partial")  # a packing still running (this process)
+    mine.write_bytes(bytes(16))
+    FusedRuntime.from_gguf(source)
+    assert not killed.exists() and mine.exists()

@@ -5,10 +5,12 @@ A packed file is each matrix's bytes at 64-byte boundaries, written as each is p
 packed matrix at a time, not the model), then a header, then a trailer: an 8-byte magic, the header's length and its
 CRC-32. The header (JSON) names the layout's version, the source file (its resolved path, size and modification
 time: a changed source is another key) and per matrix (per part, for a matrix stored in two formats: each says
-whether the next goes on with its rows) its format, shape, place and a checksum (CRC-32) of sampled stretches of its
-bytes (its first, middle and last 64 KiB). A packed file that is truncated, whose header does not
-parse or whose checksums do not match is stale or corrupt: it is said so in one line, deleted and written anew. Each
-write deletes the kept copies of source files that are gone or changed.
+whether the next goes on with its rows) its format, shape, place and a checksum (CRC-32) of all its bytes, checked
+at every start (the 1.5B's 1.2 GB in about 0.5 s, pages a first pass reads anyway: a checksum of sampled stretches,
+1.7% of its bytes, let damage elsewhere give other tokens unsaid). A packed file that is truncated, whose header does
+not parse, names a format the kernels do not know or whose checksums do not match is stale or corrupt: it is said so
+in one line, deleted and written anew. Each write deletes the kept copies of source files that are gone or changed,
+and each start the partial files of packings that were killed (their process gone).
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ from pathlib import Path
 import torch
 
 from specdec.backends.fused.stored import StoredMatrix
+from specdec.backends.native import FORMAT, INTEGER_FORMAT
 from specdec.cachefile import cache_root
 
 MAGIC = b"SDPACK\x00\x01"
-LAYOUT_VERSION = 8  # the C kernels' block_q8x8, block_q8x16, block_q4x8, block_q5x8, super_q4k8, super_q5k8, super_q6x8
-# and float tiles, and which GGUF formats each holds; up it when either changes
+LAYOUT_VERSION = 9  # the C kernels' block_q8x8, block_q8x16, block_q4x8, block_q5x8, super_q4k8, super_q5k8, super_q6x8
+# and float tiles, and which GGUF formats each holds, and what a checksum covers; up it when any changes
 ALIGNMENT = 64
-SAMPLE = 65536  # bytes of each of a matrix's three sampled stretches
 
 
 def packed_path(source: Path, narrow: bool = True) -> Path:
@@ -43,14 +45,6 @@ def packed_path(source: Path, narrow: bool = True) -> Path:
 def _identity(source: Path) -> dict:
     stat = source.stat()
     return {"path": str(source.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-
-
-def _sampled_crc(data: memoryview | bytes) -> int:
-    size = len(data)
-    middle = max(0, size // 2 - SAMPLE // 2)
-    crc = zlib.crc32(data[:SAMPLE])
-    crc = zlib.crc32(data[middle : middle + SAMPLE], crc)
-    return zlib.crc32(data[max(0, size - SAMPLE) :], crc)
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
@@ -70,7 +64,7 @@ def write(path: Path, source: Path, matrices: Iterable[StoredMatrix]) -> None:
                 data = _bytes_of(part.packed)
                 entries.append({"format": part.format, "outputs": part.outputs, "inputs": part.inputs,
                                 "dtype": str(part.packed.dtype).removeprefix("torch."), "offset": offset,
-                                "bytes": len(data), "crc": _sampled_crc(data), "rest": part.rest is not None})
+                                "bytes": len(data), "crc": zlib.crc32(data), "rest": part.rest is not None})
                 f.seek(offset)
                 f.write(data)
                 offset += -(-len(data) // ALIGNMENT) * ALIGNMENT
@@ -97,9 +91,30 @@ def prune(folder: Path) -> None:
             kept.unlink(missing_ok=True)
 
 
+def remove_killed_partials(folder: Path) -> None:
+    """Delete the partial files in ``folder`` of packings whose process is gone (killed while it wrote: a partial
+    file can hold a whole model's bytes)."""
+    for partial in folder.glob("*.partial"):
+        pid = partial.suffixes[-2][1:] if len(partial.suffixes) >= 2 else ""
+        if not pid.isdigit() or not _running(int(pid)):
+            partial.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def read(path: Path) -> list[StoredMatrix] | None:
     """The matrices kept at ``path`` (their bytes memory-mapped, copy-on-write), or None where there is no packed
-    file; a stale or corrupt one is deleted, with one line saying so."""
+    file; a stale or corrupt one is deleted, with one line saying so. Killed packings' partial files go first."""
+    if path.parent.is_dir():
+        remove_killed_partials(path.parent)
     if not path.is_file():
         return None
     try:
@@ -137,8 +152,9 @@ def _read(path: Path) -> list[StoredMatrix]:
         begin = entry["offset"]
         if begin + entry["bytes"] > layout["end"]:
             raise ValueError("truncated")
-        view = memoryview(mapped)[begin : begin + entry["bytes"]]
-        if _sampled_crc(view) != entry["crc"]:
+        if entry["format"] not in FORMAT and entry["format"] not in INTEGER_FORMAT:
+            raise ValueError(f"a matrix in format {entry['format']!r}, which the kernels do not know")
+        if zlib.crc32(memoryview(mapped)[begin : begin + entry["bytes"]]) != entry["crc"]:
             raise ValueError("a matrix's checksum does not match")
         dtype = getattr(torch, entry["dtype"])
         packed = torch.frombuffer(mapped, dtype=dtype, count=entry["bytes"] // dtype.itemsize, offset=begin)
