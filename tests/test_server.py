@@ -489,6 +489,32 @@ def test_a_model_the_server_does_not_serve_is_404_model_not_found_and_an_alias_i
         server.shutdown(timeout=5)
 
 
+def test_a_requests_own_work_runs_off_the_event_loop(tiny):  # noqa: F811
+    """A request's checking, tokenising and grammar compiling run on a worker thread: while one takes 3 s (a 1 MiB
+    regex took 0.8 s to compile, on the event loop, stalling every stream and /health), /health answers within a
+    second and another request is answered; the slow one then answers too."""
+    server = start_server(tiny, max_batch_size=4)
+    prepared = server.prepared
+
+    def slow(raw, chat):
+        if b"slow" in raw:
+            time.sleep(3.0)
+        return prepared(raw, chat)
+
+    server.prepared = slow
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(post, server, "/v1/completions", {"prompt": "w3", "max_tokens": 2, "user": "slow"})
+            time.sleep(0.5)
+            started = time.perf_counter()
+            status, _ = get(server, "/health")
+            other, _ = post(server, "/v1/completions", {"prompt": "w5", "max_tokens": 2})
+            assert status == 200 and other == 200 and time.perf_counter() - started < 1.0
+            assert not waiting.done() and waiting.result(timeout=60)[0] == 200
+    finally:
+        server.shutdown(timeout=5)
+
+
 def test_bad_chat_messages_get_400(server):
     for messages in ([], [{"content": "w3"}], [{"role": "user", "content": 5}]):
         status, body = post(server, "/v1/chat/completions", {"messages": messages})
