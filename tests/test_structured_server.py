@@ -157,6 +157,27 @@ def test_required_tool_calls_validate_whole_and_streamed(client, parallel):
             [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
 
 
+def test_tool_calls_streamed_carry_the_logprobs_and_the_speculation_summary_of_whole_answers(server, client):
+    """Under tools a streamed answer is held until it ends (it may be calls): its chunk then carries the tokens'
+    log-probabilities, as the whole answer does (48 entries whole, none streamed before), and its last chunk the
+    ``include_speculation`` summary, as without tools."""
+    from test_server import stream
+
+    asked = {"messages": ASK, "tools": [WEATHER, CLOCK], "tool_choice": "required", "max_tokens": 120,
+             "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    whole = client.chat.completions.create(model="tiny", **asked)
+    expected = [(entry.token, entry.logprob) for entry in whole.choices[0].logprobs.content]
+    assert expected and whole.choices[0].finish_reason == "tool_calls"
+    body = {**asked, "model": "tiny", "stream_options": {"include_speculation": True}}
+    events = [event for event in stream(server, "/v1/chat/completions", body) if event != "[DONE]"]
+    streamed = [(entry["token"], entry["logprob"]) for event in events for choice in event["choices"]
+                for entry in ((choice.get("logprobs") or {}).get("content") or [])]
+    assert streamed == expected
+    last = [event for event in events if event["choices"] and event["choices"][0]["finish_reason"]][-1]
+    assert last["choices"][0]["finish_reason"] == "tool_calls"
+    assert last["specdec"]["summary"]["completion_tokens"] == whole.usage.completion_tokens
+
+
 def test_a_named_function_is_called_with_valid_arguments_and_the_conversation_goes_on(client):
     named = {"type": "function", "function": {"name": "get_time"}}
     answer = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, CLOCK], tool_choice=named,

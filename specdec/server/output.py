@@ -108,14 +108,15 @@ async def stream(answers: list[Answer], response: Response, prompt_tokens: int, 
             piece = answer.take(event)
             if answer.error:
                 yield sse_event(ApiError(answer.error, status=answer.error_status).body())
-            elif answer.holds_text:  # calls, or what may yet open one: sent whole once the answer ends
-                if isinstance(event, Finished):
-                    calls = answer.tool_calls()
-                    yield sse_event(response.tool_calls_chunk(calls, answer.index) if calls else
-                                    response.chunk(answer.text, index=answer.index))
-                    yield sse_event(response.chunk(None, "tool_calls" if calls else answer.finish_reason,
-                                                   index=answer.index))
-                continue
+            elif answer.holds_text:  # calls, or what may yet open one: sent whole once the answer ends, with the
+                if not isinstance(event, Finished):  # log-probabilities and the speculation extension held with it
+                    continue
+                calls = answer.tool_calls()
+                logprobs = answer.chunk_logprobs(response.chat)
+                chunk = response.tool_calls_chunk(calls, answer.index, logprobs) if calls else \
+                    response.chunk(answer.text, index=answer.index, logprobs=logprobs)
+                yield sse_event(answer.with_speculation(chunk, answer.text))
+                answer.finish_reason = "tool_calls" if calls else answer.finish_reason
             elif piece or answer.logprobs_sent < len(answer.token_logprobs) or answer.unsent_rounds:
                 chunk = response.chunk(piece, index=answer.index, logprobs=answer.chunk_logprobs(response.chat))
                 yield sse_event(answer.with_speculation(chunk, piece))

@@ -534,10 +534,11 @@ class Response:
             choice["text"] = text
         return choice
 
-    def tool_calls_chunk(self, tool_calls: list[dict], index: int = 0) -> dict:
-        """A stream's delta with the calls whole (each with its index among them, as OpenAI streams them)."""
+    def tool_calls_chunk(self, tool_calls: list[dict], index: int = 0, logprobs: dict | None = None) -> dict:
+        """A stream's delta with the calls whole (each with its index among them, as OpenAI streams them), and the
+        log-probabilities of the tokens that wrote them where asked."""
         delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(tool_calls)]}
-        return self._envelope("chat.completion.chunk", [{"index": index, "finish_reason": None, "logprobs": None,
+        return self._envelope("chat.completion.chunk", [{"index": index, "finish_reason": None, "logprobs": logprobs,
                                                          "delta": delta}])
 
     def whole(self, choices: list[dict], usage: dict) -> dict:
