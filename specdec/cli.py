@@ -253,7 +253,10 @@ def _add_serve_parser(commands) -> None:
                        help="the most draft tokens per request per step (default 4)")
     serve.add_argument("--prefix-cache-mib", type=int, default=1024, metavar="MIB",
                        help="keep finished prompts' keys and values, up to this many MiB, for later prompts that "
-                       "open with the same tokens (their prefill is skipped); 0: off (default 1024)")
+                       "open with the same tokens (their prefill is skipped); 0: off (default 1024); the tokens "
+                       "it holds are said at start, with a warning where that is under one prompt of the context")
+    serve.add_argument("--prefix-cache-tokens", type=int, default=None, metavar="TOKENS",
+                       help="the prefix cache's size in prompt tokens instead (over --prefix-cache-mib)")
     serve.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1: this machine only")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--replicas", type=int, default=0, metavar="N",

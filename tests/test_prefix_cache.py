@@ -96,8 +96,30 @@ def test_a_pool_whose_rows_depend_on_the_pass_keeps_no_prefix(model):
     """Where a row's bits depend on the rows beside it, a restored prefix could change a token: no cache."""
     runtime = LeanRuntime(model, "float64")  # the libraries' kernels, not specdec's row kernels
     assert not runtime.pass_invariant
-    assert prefix_cache(runtime.pool(2, 256), 1 << 20) is None
-    assert prefix_cache(LeanRuntime(model).pool(2, 256), 1 << 20) is not None
+    assert prefix_cache(runtime.pool(2, 256), 1) is None
+    assert prefix_cache(LeanRuntime(model).pool(2, 256), 1) is not None
+
+
+def test_the_cache_is_sized_in_tokens_too_and_warns_where_it_holds_no_whole_prompt(model, caplog):
+    """``--prefix-cache-mib 8`` on the default model at float32 held no 330-token prompt, and nothing said so: the
+    tokens a size holds are said at start (a token's bytes: what a copy of one position takes), with a warning where
+    that is under one prompt of the context's length, naming the size that would be; ``--prefix-cache-tokens``
+    sizes it in tokens."""
+    pool = LeanRuntime(model).pool(2, 256)
+    slot = filled(pool, words(10, 41))
+    copied = pool.copy_out(slot, 40)
+    assert pool.position_bytes * 40 == copied.numel() * copied.element_size()
+    with caplog.at_level("WARNING", logger="specdec.notice"):
+        assert prefix_cache(pool, 0, 1000, context=256).capacity_bytes == 1000 * pool.position_bytes
+        assert not caplog.records
+        small = prefix_cache(pool, 0, 100, context=256)
+    assert small.capacity_bytes == 100 * pool.position_bytes
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the prefix cache holds 100 tokens of prompts ({100 * pool.position_bytes / 2**20:.0f} MiB, "
+        f"{pool.position_bytes} bytes a token): under one prompt of the context's 256 tokens, which needs "
+        f"{-(-256 * pool.position_bytes // 2**20)} MiB (--prefix-cache-mib) or --prefix-cache-tokens 256"]
+    with pytest.raises(UsageError, match="prefix-cache-tokens must be >= 0"):
+        BatchSettings(prefix_cache_tokens=-1)
 
 
 def filled(pool, prompt: list[int]):

@@ -139,6 +139,7 @@ class KeepsPrefixes(Protocol):
 
     pass_invariant: bool
     prompt_positions: int  # the fewest positions a prefill runs as a prompt's
+    position_bytes: int  # the bytes one position's keys and values take in a copy
 
     def copy_out(self, slot: Slot, length: int) -> torch.Tensor:
         """The keys and values of the slot's first ``length`` positions, copied."""

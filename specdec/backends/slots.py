@@ -86,6 +86,12 @@ class SlotPool(FeaturePool, KeepsPrefixes, SlotFeatures):
     def pass_invariant(self) -> bool:
         return self.runtime.pass_invariant
 
+    @property
+    def position_bytes(self) -> int:
+        """A position's keys and values over every layer, in the cache's precision (what copy_out holds of it)."""
+        runtime = self.runtime
+        return 2 * runtime.num_layers * runtime.kv_heads * runtime.head_dim * self._keys[0].element_size()
+
     def copy_out(self, slot: Slot, length: int) -> torch.Tensor:  # [2 * layers, kv_heads, length, head_dim]
         return torch.stack([pool[slot.index, :, :length] for pool in (*self._keys, *self._values)])
 

@@ -45,6 +45,7 @@ class BatchSettings:
     learn_prompts: bool = False
     save_learned: Path | None = None  # where the shared index is kept at shutdown and read back at start
     prefix_cache_mib: int = 1024  # finished prompts' keys and values kept for the prompts they open; 0: none
+    prefix_cache_tokens: int | None = None  # the same capacity in prompt tokens, where given (over the MiB)
     tree: tuple[int, ...] | str | None = None  # draft token trees: candidates per depth, or "auto"; None: chains
 
     def __post_init__(self) -> None:
@@ -54,8 +55,8 @@ class BatchSettings:
             raise UsageError(f"unknown drafter {self.drafter!r}; choose from {', '.join(PROPOSERS)}")
         check_tree(self.tree)
         for name, low in (("num_draft_tokens", 1), ("max_batch_size", 1), ("max_model_len", 2), ("max_waiting", 0),
-                          ("datastore_capacity", 1), ("prefix_cache_mib", 0)):
-            if getattr(self, name) < low:
+                          ("datastore_capacity", 1), ("prefix_cache_mib", 0), ("prefix_cache_tokens", 0)):
+            if getattr(self, name) is not None and getattr(self, name) < low:
                 raise UsageError(f"{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
 
 
@@ -102,11 +103,13 @@ def build_scheduler(runtime, settings: BatchSettings, eos_token_ids: set[int], d
     drafts = draft_pool(draft, settings) if drafts_with_model and not alone else None
     model = per_request(draft, drafts) if drafts is not None else lambda: draft
     source = (lambda: HybridSources(model(), heads)) if heads else model
+    prefixes = None if features else prefix_cache(pool, settings.prefix_cache_mib, settings.prefix_cache_tokens,
+                                                  pool.max_length)
     return Scheduler(pool, learning_together(lambda **plan: factory(runtime, source(), datastore, **plan)),
                      SpeculationPlanner(settings.speculation, cost), eos_token_ids,
                      max_draft_tokens=settings.num_draft_tokens, max_waiting=settings.max_waiting,
                      drafter=settings.drafter, memory=memory,
-                     prefixes=None if features else prefix_cache(pool, settings.prefix_cache_mib << 20),
+                     prefixes=prefixes,
                      tree=settings.tree, draft_pool=drafts)
 
 

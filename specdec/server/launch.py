@@ -46,6 +46,7 @@ def run_serve(args) -> int:
         max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
         datastore_capacity=args.datastore_capacity, learn_prompts=args.datastore_learn_prompts,
         save_learned=Path(args.datastore) if args.datastore_save else None, prefix_cache_mib=args.prefix_cache_mib,
+        prefix_cache_tokens=args.prefix_cache_tokens,
         tree=parse_tree(args.tree))
     settings = ServerSettings(host=args.host, port=args.port, max_body_bytes=args.max_body_bytes,
                               api_key=api_key(args.api_key, args.api_key_file), max_header_line=args.max_header_line,

@@ -17,6 +17,7 @@ from collections import OrderedDict
 import torch
 
 from specdec.backends.base import KeepsPrefixes, Pool, Slot, common_prefix_length, declares
+from specdec.logs import detail, notice
 
 MIN_REUSED = 16  # fewer shared tokens than this are prefilled: a copy is not worth its bookkeeping
 
@@ -76,9 +77,22 @@ class PrefixCache:
         self.bytes -= cache.numel() * cache.element_size()
 
 
-def prefix_cache(pool: Pool, capacity_bytes: int) -> PrefixCache | None:
-    """A prefix cache over the pool, or None where it is off (a capacity of 0), the pool cannot copy its slots, or
-    its rows depend on the pass (a restored prefix could then change a token)."""
-    if capacity_bytes <= 0 or not declares(pool, KeepsPrefixes) or not pool.pass_invariant:
+def prefix_cache(pool: Pool, capacity_mib: int, capacity_tokens: int | None = None, context: int = 0
+                 ) -> PrefixCache | None:
+    """A prefix cache over the pool of ``capacity_tokens`` prompt tokens where given, else ``capacity_mib`` MiB, or
+    None where it is off (a capacity of 0), the pool cannot copy its slots, or its rows depend on the pass (a
+    restored prefix could then change a token). One line says how many tokens it holds, and warns where that is
+    less than one prompt of the ``context``'s length (a cache that holds no prompt never restores one)."""
+    if (capacity_tokens if capacity_tokens is not None else capacity_mib) <= 0 or not declares(pool, KeepsPrefixes) \
+            or not pool.pass_invariant:
         return None
-    return PrefixCache(pool, capacity_bytes)
+    per_token = pool.position_bytes
+    capacity = capacity_tokens * per_token if capacity_tokens is not None else capacity_mib << 20
+    tokens = capacity // per_token
+    said = f"the prefix cache holds {tokens} tokens of prompts ({capacity / 2**20:.0f} MiB, {per_token} bytes a token)"
+    if tokens < context:
+        notice(f"{said}: under one prompt of the context's {context} tokens, which needs "
+               f"{-(-context * per_token // 2**20)} MiB (--prefix-cache-mib) or --prefix-cache-tokens {context}")
+    else:
+        detail(said)
+    return PrefixCache(pool, capacity)
