@@ -20,6 +20,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from specdec.cores import usable_cores
+
 NEEDED_FLAGS = ("avx2", "fma", "f16c")
 
 
@@ -233,10 +235,12 @@ def integer_peak(threads: int, seconds: float = 0.3) -> IntegerPeak:
 
 
 def use_threads(threads: int | None = None) -> int:
-    """Size the kernels' thread team (PyTorch's own threads by default); the size it has."""
+    """Size the kernels' thread team (by default PyTorch's threads, at most the cores this process may run on at
+    once: ``cores.usable_cores``); the size it has."""
     global _team_size
     if threads is None or threads != _team_size:
-        _team_size = library().sd_set_threads(torch.get_num_threads() if threads is None else threads)
+        _team_size = library().sd_set_threads(min(torch.get_num_threads(), usable_cores()) if threads is None
+                                              else threads)
     return _team_size
 
 
