@@ -456,6 +456,25 @@ def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_burst(quantised
         assert in_burst == alone, speculation
 
 
+def test_a_gguf_template_renders_tools_and_dates_as_transformers_does(tiny):
+    """Tool definitions keep their keys' order and their characters (Jinja's own tojson sorted the keys and wrote
+    ``'`` as ``\\u0027``), ``indent`` is honoured, and ``strftime_now`` gives today's date (Llama 3's templates showed
+    "26 Jul 2024" without it)."""
+    import datetime
+    import json
+
+    tokenizer = load_model(str(tiny), backend="llama.cpp").tokenizer
+    tokenizer.__dict__.pop("_template", None)
+    tokenizer.chat_template = ("{{ tools[0] | tojson }}|{{ tools[0] | tojson(indent=2) }}|"
+                               "{{ strftime_now('%d %b %Y') }}{% for m in messages %}"
+                               "{% if loop.index > 1 %}{% break %}{% endif %}|{{ m.content }}{% endfor %}")
+    tool = {"name": "it's", "b": 1, "a": "é"}
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "user", "content": "no"}],
+                                         tokenize=False, tools=[tool])
+    today = datetime.datetime.now().strftime("%d %b %Y")
+    assert text == f"{json.dumps(tool, ensure_ascii=False)}|{json.dumps(tool, ensure_ascii=False, indent=2)}|{today}|hi"
+
+
 def test_the_tokenizer_needs_no_transformers(tiny):
     loaded = load_model(str(tiny), backend="llama.cpp")
     assert loaded.model is None and loaded.tokenizer.eos_token_id is not None

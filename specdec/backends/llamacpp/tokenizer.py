@@ -10,7 +10,9 @@ says so.
 from __future__ import annotations
 
 import ctypes
+import datetime
 import functools
+import json
 
 from specdec.backends.llamacpp.runtime import GGUFModel, llama_cpp
 
@@ -57,14 +59,26 @@ class GGUFTokenizer:
 
     @functools.cached_property
     def _template(self):
-        """The chat template, compiled once in a sandboxed Jinja environment."""
+        """The chat template, compiled once in a sandboxed Jinja environment with what templates written for
+        transformers call: ``raise_exception``, ``strftime_now`` (today's date: Llama 3's templates fall back to
+        "26 Jul 2024" without it), ``tojson`` that keeps the keys' order and the characters as they are (Jinja's own
+        sorts the keys and escapes ``'`` as ``\\u0027``, so tool definitions read otherwise than under transformers
+        and llama.cpp), and the loop controls."""
+        from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> None:
             raise ValueError(message)
 
-        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        def tojson(value, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+                   sort_keys: bool = False) -> str:
+            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                              sort_keys=sort_keys)
+
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         environment.globals["raise_exception"] = raise_exception
+        environment.globals["strftime_now"] = lambda format: datetime.datetime.now().strftime(format)
+        environment.filters["tojson"] = tojson
         return environment.from_string(self.chat_template)
 
     def get_vocab(self) -> dict[str, int]:
