@@ -51,17 +51,17 @@ def test_threads_above_the_usable_cores_are_capped_in_one_line_and_below_one_ref
 def test_generate_with_a_hundred_thousand_threads_runs_on_the_cores_there_are(capsys, tmp_path):
     """It crashed in C (exit -11, nothing printed): PyTorch's OpenMP runtime was asked for 100,000 threads."""
     from test_cli import run_cli
-    from tiny_gguf import write_tiny_gguf
+    from tiny import save_with_tokenizer, tiny_llama
 
-    model = write_tiny_gguf(tmp_path / "tiny.gguf", hidden=32, layers=1, tensor_type="F32")
+    model = save_with_tokenizer(tiny_llama(seed=0), tmp_path / "tiny")
     before = torch.get_num_threads()
     try:
-        code, out, err = run_cli(capsys, "generate", "Hello there", "--model", str(model), "--max-new-tokens", "4",
-                                 "--threads", "100000", "--backend", "lean")
+        code, out, err = run_cli(capsys, "generate", "w3 w4", "--model", str(model), "--max-new-tokens", "4",
+                                 "--threads", "100000", "--backend", "lean", "--dtype", "float32")
         assert code == 0, err
         assert f"--threads 100000: this process may run {cores.usable_cores()} at once" in err
         assert torch.get_num_threads() == cores.usable_cores()
-        code, out, err = run_cli(capsys, "generate", "Hello there", "--model", str(model), "--threads", "0")
+        code, out, err = run_cli(capsys, "generate", "w3 w4", "--model", str(model), "--threads", "0")
         assert code == 2 and err.strip() == "specdec: error: threads must be >= 1, got 0"
     finally:
         torch.set_num_threads(before)
