@@ -13,6 +13,8 @@ Rollback is, as in the single-sequence runtime, only a length: positions past it
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from specdec.backends import native
@@ -29,6 +31,7 @@ from specdec.backends.family import (
 )
 from specdec.backends.linear import Linear
 from specdec.backends.sequence import LlamaSequence
+from specdec.errors import UsageError
 
 
 class SlotPool(FeaturePool, KeepsPrefixes, SlotFeatures):
@@ -50,8 +53,8 @@ class SlotPool(FeaturePool, KeepsPrefixes, SlotFeatures):
         shape = (max_slots, runtime.kv_heads, whole_blocks(self.max_length), runtime.head_dim)  # attention reads
         # whole blocks of keys
         # torch.empty leaves pages untouched until written: memory grows with the positions actually used
-        self._keys = [torch.empty(shape, dtype=runtime.dtype, device=self.device) for _ in range(runtime.num_layers)]
-        self._values = [torch.empty(shape, dtype=runtime.dtype, device=self.device) for _ in range(runtime.num_layers)]
+        self._keys = [self._reserved(shape, runtime.dtype) for _ in range(runtime.num_layers)]
+        self._values = [self._reserved(shape, runtime.dtype) for _ in range(runtime.num_layers)]
         self._cos, self._sin = runtime.rope_tables(self.max_length)  # [max_length, head_dim] each
         self._local_cos, self._local_sin = runtime.rope_tables(self.max_length, local=True) \
             if runtime.local_inv_freq is not None else (None, None)
@@ -61,6 +64,17 @@ class SlotPool(FeaturePool, KeepsPrefixes, SlotFeatures):
         self._written = [0] * max_slots
         self.slot_floats = shape[1] * shape[2] * shape[3]  # from one slot's cache to the next
         self._features: torch.Tensor | None = None  # [max_slots, max_length, hidden] once keep_features() was called
+
+    def _reserved(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised cache tensor, or one line where the machine cannot reserve it (``serve
+        --max-batch-size 1000000`` asked for 1.5 TB: a traceback before)."""
+        try:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        except (RuntimeError, MemoryError):
+            wanted = 2 * self.runtime.num_layers * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            raise UsageError(f"a cache of {self.max_slots} slots of {self.max_length} positions needs "
+                             f"{wanted / 2**30:.1f} GiB, which this machine cannot reserve: lower --max-batch-size "
+                             "or --max-model-len") from None
 
     def open(self) -> Slot:
         if len(self.slots) == self.max_slots:
