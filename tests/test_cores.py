@@ -106,3 +106,16 @@ def test_a_busy_core_moves_the_team_to_fewer_threads_and_a_quiet_one_back():
     assert back <= 400 + team.probe_every and sizes[back + 1 :].count(1) <= 1
     started_busy = run_team(TeamSize(2), busy_between(0, 100), 100)
     assert started_busy[TeamSize.SLOWED_PROBE + 1 :].count(2) <= 100 // team.probe_every + 1
+
+
+def test_a_step_that_slows_as_the_context_grows_brings_few_tries():
+    """On a quiet machine a decoding step slows as the context grows (attention over more keys): here 3x over 1,000
+    steps. A try of one thread fewer comes each time the step is 1.5x slower than at the last try and one step in
+    256, not every few steps (the mark of a slowing is set anew at each try)."""
+    import math
+
+    from specdec.backends.native import TeamSize
+
+    team = TeamSize(2)
+    sizes = run_team(team, lambda step, size: (1.0 + 2.0 * step / 1000) * (1.4 if size == 1 else 1.0), 1000)
+    assert sizes.count(1) <= 1 + 1000 // (4 * team.probe_every) + math.ceil(math.log(3) / math.log(TeamSize.SLOWED))

@@ -253,7 +253,9 @@ class TeamSize:
     ``most`` until others are tried), and now and then one pass on a size beside it, whose time that pass sets: every
     ``probe_every`` passes (4 times as seldom while all ``most`` are fastest: a busy machine shows there as a slowed
     pass), and after ``SLOWED_PROBE`` passes where none was tried yet (a process started on a busy machine) or where
-    the size in use has slowed to ``SLOWED`` times its fastest (another process took a core).
+    the size in use has slowed to ``SLOWED`` times its fastest since the last try (another process took a core; a
+    try sets that mark anew, so a step that slows as the context grows brings a try each time it is 1.5x slower,
+    not every few passes).
 
     On a quiet machine every thread pays (one pass in 256 tries one fewer: about 0.3% of the time); where
     another process keeps a core busy, a team of two meets at its barriers only when both members run, and one
@@ -268,7 +270,7 @@ class TeamSize:
         self.probe_every = probe_every
         self.weight = weight
         self.seconds: dict[int, float] = {}  # size -> moving average of a one-position pass's seconds
-        self.fastest: dict[int, float] = {}  # size -> its fastest pass
+        self.fastest: dict[int, float] = {}  # size -> its fastest pass since the last try (what a slowing is of)
         self.passes = self.probed = self.probes = 0
         self.size = most
 
@@ -285,6 +287,8 @@ class TeamSize:
         slowed = best in self.seconds and self.seconds[best] > self.SLOWED * self.fastest[best]
         if beside and (since >= every or (slowed and since >= self.SLOWED_PROBE)):
             self.probed, self.probes = self.passes, self.probes + 1
+            if best in self.seconds:
+                self.fastest[best] = self.seconds[best]  # slowed from here on is what the next slowing is
             self.size = beside[self.probes % len(beside)]
         else:
             self.size = best
