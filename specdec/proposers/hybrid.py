@@ -7,11 +7,11 @@ given), which copy where the text repeats itself and cost next to nothing; and a
 times its size: ``loading.found_draft_model``), which writes on where nothing repeats. Each round the copies offer
 their continuations (free); trained heads over the target's hidden states (eagle, mtp), where given, draft as a
 model does, from the features the engine hands over. :class:`SourcePlan` weighs each offer and each model against
-plain decoding,
-from each source's acceptance per draft position, its drafting cost per token and the target's measured pass costs.
-The copies are scored every round against what the target emitted, whoever drafted; the draft model on its own
-rounds, and on one round in 16 while it is not chosen, so that a source that stops paying is dropped and one that
-pays again comes back. Nothing is tuned per kind of text.
+plain decoding, from each source's acceptance per draft position, its drafting cost per token and the target's
+measured pass costs. The copies are scored every round against what the target emitted, whoever drafted; a model on
+its own rounds, and, while it is not chosen, on a round now and then (for at most 1/16 of the time, its catching up
+counted), so that a source that stops paying is dropped and one that pays again comes back. Nothing is tuned per
+kind of text.
 """
 
 from __future__ import annotations
