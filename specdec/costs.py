@@ -170,8 +170,9 @@ class Acceptance:
 
 
 def moved(average: float | None, value: float, weight: float = 0.2) -> float:
-    """A moving average moved a ``weight`` of the way towards ``value`` (the value itself where there is none yet)."""
-    return value if average is None else (1 - weight) * average + weight * value
+    """A moving average moved a ``weight`` of the way towards ``value`` (the value itself where there is none yet:
+    None, or the 0 a cost starts from)."""
+    return value if not average else (1 - weight) * average + weight * value
 
 
 def chained_rates(positions: list[Acceptance], prior: float, strength: float) -> list[float]:
@@ -345,14 +346,14 @@ class SourcePlan:
         last drafted in ``catch_up_seconds``: a round's cost where they were few (the target's correction, a
         copy's tokens), a cost per token of backlog where they were many (the prompt)."""
         if tokens:
-            self.seconds_per_token[name] = moved(self.seconds_per_token[name] or None, seconds / tokens)
+            self.seconds_per_token[name] = moved(self.seconds_per_token[name], seconds / tokens)
         if catch_up_seconds is None:
             return
         if backlog < BACKLOG:
-            self.seconds_per_round[name] = moved(self.seconds_per_round[name] or None, catch_up_seconds)
+            self.seconds_per_round[name] = moved(self.seconds_per_round[name], catch_up_seconds)
         else:
-            per_token = self.seconds_per_backlog_token[name] or None
-            self.seconds_per_backlog_token[name] = moved(per_token, catch_up_seconds / backlog)
+            per_token = catch_up_seconds / backlog
+            self.seconds_per_backlog_token[name] = moved(self.seconds_per_backlog_token[name], per_token)
 
     def observe_pass(self, positions: int, seconds: float) -> None:
         self.costs.observe(positions, seconds, 0, 0.0)
