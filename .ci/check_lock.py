@@ -8,7 +8,7 @@ import sys
 from importlib.metadata import distributions
 from pathlib import Path
 
-UNLOCKED = {"pip", "specdec"}  # the installer, and the project installed from this checkout
+UNLOCKED = {"pip", "exactspec"}  # the installer, and the project installed from this checkout
 
 
 def canonical(name: str) -> str:

@@ -4,7 +4,7 @@ import pytest
 @pytest.fixture(autouse=True)
 def private_precision_cache(tmp_path, monkeypatch):
     """``--dtype auto`` keeps its measurements in the user's cache; tests keep theirs apart."""
-    from specdec.backends.lean import precision
+    from exactspec.backends.lean import precision
 
     monkeypatch.setattr(precision.CACHE, "path", lambda: tmp_path / "precisions.json")
 
@@ -18,19 +18,19 @@ def backend_cache_directory(tmp_path_factory):
 def private_backend_cache(backend_cache_directory, monkeypatch):
     """``--backend auto`` keeps its measurements in the user's cache; tests keep theirs apart, in one place for the
     whole session (a model is measured once)."""
-    from specdec import runtime_choice as choice
+    from exactspec import runtime_choice as choice
 
     monkeypatch.setattr(choice.CACHE, "path", lambda: backend_cache_directory / "backends.json")
 
 
 @pytest.fixture(autouse=True)
 def command_line_logging_undone(monkeypatch):
-    """``specdec.cli.main`` run in this process configures logging for a terminal (:func:`specdec.logs.configure`);
+    """``exactspec.cli.main`` run in this process configures logging for a terminal (:func:`exactspec.logs.configure`);
     each test starts from the library's state again."""
     import logging
     import os
 
-    from specdec import logs
+    from exactspec import logs
 
     names = (logs.LLAMA_CPP.name, logs.NOTICES.name)
     saved = {name: (logging.getLogger(name).level, logging.getLogger(name).propagate,

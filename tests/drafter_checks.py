@@ -16,12 +16,12 @@ from collections.abc import Callable
 import torch
 from tiny import require_pass_invariant, structured_llama
 
-from specdec.backends import LeanRuntime
-from specdec.backends.base import declares
-from specdec.engine import Engine, GenerationConfig
-from specdec.proposers import NoProposer
-from specdec.proposers.base import TreeProposer
-from specdec.sampling import SamplingParams
+from exactspec.backends import LeanRuntime
+from exactspec.backends.base import declares
+from exactspec.engine import Engine, GenerationConfig
+from exactspec.proposers import NoProposer
+from exactspec.proposers.base import TreeProposer
+from exactspec.sampling import SamplingParams
 
 PROMPTS = [[5, 9, 17, 5, 9], [40, 41, 42, 43, 40, 41, 42], [7] * 6, [3, 60, 12, 33, 3, 60]]
 NEW_TOKENS = 32

@@ -27,7 +27,7 @@ def tiny_files(folder: Path, shape_of: Callable[[str], dict]) -> Callable[[str, 
 def llama_cpp_logits(path: Path, ids: list[int]) -> torch.Tensor:  # [len(ids), vocab]
     """llama.cpp's logits at every one of ``ids`` on the file, in one pass."""
     pytest.importorskip("llama_cpp")
-    from specdec.backends.llamacpp.runtime import GGUFModel, LlamaCppLM
+    from exactspec.backends.llamacpp.runtime import GGUFModel, LlamaCppLM
 
     runtime = LlamaCppLM(GGUFModel(path), max_length=64, threads=2)
     return torch.as_tensor(np.asarray(runtime.extend(ids, len(ids)))).float()
@@ -36,7 +36,7 @@ def llama_cpp_logits(path: Path, ids: list[int]) -> torch.Tensor:  # [len(ids), 
 def check_speculation_identity(path: Path, drafters: tuple[str, ...]) -> None:
     """Greedy and seeded (the invariant sampler) output with each drafter, at k = 4 and auto, is plain decoding's on
     the fused runtime, token for token."""
-    from specdec.api import SpecDecoder
+    from exactspec.api import SpecDecoder
 
     prompt = "the quick brown fox jumps over the lazy dog " * 4
     outputs = {}

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.backends.base import CausalLM, Pooled, PoolFull, Row, declares, rows_are_pass_invariant
+from exactspec.backends.base import CausalLM, Pooled, PoolFull, Row, declares, rows_are_pass_invariant
 
 
 def _same(a: torch.Tensor, b: torch.Tensor, exact: bool, tolerance: float) -> None:

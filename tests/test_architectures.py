@@ -23,10 +23,10 @@ from runtime_checks import check_runtime
 from tiny import float32_error
 from tiny_gguf import WINDOW, write_tiny_gguf
 
-from specdec.backends.fused import PRODUCTS, FusedRuntime, gguf_unavailable
-from specdec.backends.gguf_file import GGUFFile
-from specdec.backends.lean import LeanRuntime
-from specdec.backends.reference import reference_module
+from exactspec.backends.fused import PRODUCTS, FusedRuntime, gguf_unavailable
+from exactspec.backends.gguf_file import GGUFFile
+from exactspec.backends.lean import LeanRuntime
+from exactspec.backends.reference import reference_module
 
 BASE = {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "ffn": 512}
 SHAPES = {"llama3": BASE, "qwen3": BASE | {"head_dim": 128}, "phi3": BASE, "gemma2": BASE | {"head_dim": 256},
@@ -128,7 +128,7 @@ def test_what_it_does_not_cover_is_said_in_one_line(files, tmp_path, capsys):
     ``--backend fused`` exits 2 with that line (smollm3's too, whose files transformers does not convert)."""
     import gguf
 
-    from specdec.cli import main
+    from exactspec.cli import main
 
     yarn = ("rope.scaling.type", "yarn", "its RoPE is scaled by yarn")  # the key, its new value, the line's words
     partial = ("rope.dimension_count", 64, "turns part of each head")

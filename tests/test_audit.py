@@ -1,4 +1,4 @@
-"""``specdec audit`` on specdec's own server, a tiny structured model (each token has a likely successor, 3:1):
+"""``exactspec audit`` on exactspec's own server, a tiny structured model (each token has a likely successor, 3:1):
 it passes the server speculating against it not speculating, and against the exact distribution; it rejects a
 server whose verifier accepts a draft token with probability min(1, 1.2 p/q); greedy identity; bad input.
 
@@ -21,11 +21,11 @@ from scipy.stats import chi2
 from test_server import start_server
 from tiny import save_with_tokenizer, structured_llama
 
-import specdec.verify
-from specdec.audit import Sampling, chi2_power, chi2_sf, detectable_tv, exact_outcomes, pooled_bins, two_sample
-from specdec.backends import LeanRuntime
-from specdec.cli import main
-from specdec.sampling import SamplingParams
+import exactspec.verify
+from exactspec.audit import Sampling, chi2_power, chi2_sf, detectable_tv, exact_outcomes, pooled_bins, two_sample
+from exactspec.backends import LeanRuntime
+from exactspec.cli import main
+from exactspec.sampling import SamplingParams
 
 N = "800"
 
@@ -72,8 +72,8 @@ def audit(*args: str) -> tuple[int, dict]:
 @pytest.fixture
 def wrong_verifier(monkeypatch):
     """Accept a draft token with probability min(1, 1.2 p/q): a subtly inexact server."""
-    exact = specdec.verify.acceptance_probs
-    monkeypatch.setattr(specdec.verify, "acceptance_probs", lambda *args: (exact(*args) * 1.2).clamp(max=1.0))
+    exact = exactspec.verify.acceptance_probs
+    monkeypatch.setattr(exactspec.verify, "acceptance_probs", lambda *args: (exact(*args) * 1.2).clamp(max=1.0))
 
 
 def test_speculation_always_against_never_passes(servers, prompt, capsys):
@@ -137,7 +137,7 @@ def test_without_scipy_the_audit_refuses_in_one_line(servers, prompt, monkeypatc
     monkeypatch.setitem(sys.modules, "scipy.stats", None)
     assert main(["audit", "--a", "http://127.0.0.1:9", "--b", "http://127.0.0.1:9", "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "needs scipy: pip install 'specdec[audit]'" in err, err  # before any request
+    assert err.count("\n") == 1 and "needs scipy: pip install 'exactspec[audit]'" in err, err  # before any request
     always, never = servers  # temperature 0 compares greedy text: no statistics, no scipy
     assert audit("--a", always.url, "--b", never.url, "--prompt", prompt, "--temperature", "0")[0] == 0
 

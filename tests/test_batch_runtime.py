@@ -6,8 +6,8 @@ import pytest
 import torch
 from tiny import require_pass_invariant, tiny_llama
 
-from specdec.backends import LeanRuntime
-from specdec.backends.base import PoolFull, Row
+from exactspec.backends import LeanRuntime
+from exactspec.backends.base import PoolFull, Row
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Benchmark arithmetic on synthetic timings, and a smoke run of ``specdec bench`` on tiny random models."""
+"""Benchmark arithmetic on synthetic timings, and a smoke run of ``exactspec bench`` on tiny random models."""
 
 from __future__ import annotations
 
@@ -8,10 +8,16 @@ from dataclasses import dataclass, replace
 import pytest
 from tiny import perturbed_copy, save_with_tokenizer, tiny_llama
 
-from specdec.bench.contenders import Outcome
-from specdec.bench.report import Run, build_report, markdown, summarise
-from specdec.bench.stats import expected_tokens_per_round, ideal_speedup, median, needed_acceptance, per_prompt_speedups
-from specdec.cli import main
+from exactspec.bench.contenders import Outcome
+from exactspec.bench.report import Run, build_report, markdown, summarise
+from exactspec.bench.stats import (
+    expected_tokens_per_round,
+    ideal_speedup,
+    median,
+    needed_acceptance,
+    per_prompt_speedups,
+)
+from exactspec.cli import main
 
 
 def test_expected_tokens_per_round():
@@ -229,7 +235,7 @@ def test_seeded_bench_reports_no_seeded_mismatch(tiny_models, tmp_path, monkeypa
     prompt's seed: the seeded-mismatch column reads 0, with drafts accepted and rejected. No --draft-model: the
     draft model found for the hybrid (here the tiny draft, standing in for the default model beside a target several
     times its size) drafts for the hybrid and for the draft-model contender alike."""
-    from specdec import loading
+    from exactspec import loading
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"question_id": 1, "category": "copy", "turns": ["w5 w9 w12 w9 w12 w40 w5 w9"]})
@@ -252,11 +258,11 @@ def test_seeded_bench_reports_no_seeded_mismatch(tiny_models, tmp_path, monkeypa
 
 
 def test_the_invariance_bench_finds_every_precision_invariant_and_prices_it(tiny_models, capsys):
-    from specdec.bench.invariance import main as invariance
+    from exactspec.bench.invariance import main as invariance
 
     invariance(["--model", str(tiny_models[0]), "--precisions", "float32,float16", "--cost", "--sampler"])
     printed = capsys.readouterr().out
-    assert "| specdec float32 | 0 |" in printed and "| specdec float16 | 0 |" in printed
+    assert "| exactspec float32 | 0 |" in printed and "| exactspec float16 | 0 |" in printed
     assert printed.count("the libraries' kernels |") == 2  # measured, whatever they give on this CPU
     assert printed.count("| row kernels |") == 2
     assert printed.count("x) |") == 16  # 2 precisions x 2 references x 4 sizes
@@ -299,7 +305,7 @@ def test_figures_smoke_on_tiny_models(tiny_models, tmp_path, capsys):
 
 
 def test_first_difference_of_two_outputs():
-    from specdec.bench.agreement import first_difference
+    from exactspec.bench.agreement import first_difference
 
     assert first_difference([4, 5, 6], [4, 5, 6]) is None
     assert first_difference([4, 5, 6], [4, 7, 6]) == 1
@@ -307,7 +313,7 @@ def test_first_difference_of_two_outputs():
 
 
 def test_accepted_lengths_are_the_runs_of_agreement_capped_at_k():
-    from specdec.bench.exits import accepted_lengths
+    from exactspec.bench.exits import accepted_lengths
 
     # runs starting at each position: [2, 1, 0, 1] and [0, 3, 2, 1] -> capped at k = 1: 3/4 + 3/4; k = 2: ...
     rows = [[True, True, False, True], [False, True, True, True]]

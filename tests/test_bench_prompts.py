@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from specdec.bench.prompts import read_prompts, select_prompts
-from specdec.errors import UsageError
+from exactspec.bench.prompts import read_prompts, select_prompts
+from exactspec.errors import UsageError
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 from tiny import perturbed_copy, save_with_tokenizer, tiny_llama
 
-from specdec.cli import main
+from exactspec.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def test_the_fused_runtime_named_for_a_model_it_does_not_cover_is_one_line_and_e
 
 def test_auto_passes_the_fused_runtime_by_for_a_model_it_does_not_cover_and_says_why(models, capsys):
     code, out, err = run_cli(capsys, "generate", PROMPT, "--model", str(models["uncovered"]), "--max-new-tokens", "4")
-    assert code == 0 and "passes specdec's fused runtime by" in err and "multiples of 8" in err, err
+    assert code == 0 and "passes exactspec's fused runtime by" in err and "multiples of 8" in err, err
     assert err.strip().splitlines()[-1].startswith("[hybrid, k auto: mean draft ")
     assert " on lean]" in err.strip().splitlines()[-1]
 
@@ -152,13 +152,13 @@ def test_bad_input_is_one_line_and_exit_2(models, capsys, args, message):
     code, out, err = run_cli(capsys, *args, *(["--model", str(models["target"])] if "--model" not in args
                                               and args[0] == "generate" else []))
     assert code == 2
-    assert err.count("\n") == 1 and err.startswith("specdec: error:") and message in err, err
+    assert err.count("\n") == 1 and err.startswith("exactspec: error:") and message in err, err
     assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("argument, stdin", [("-", b"caf\xe9 w5 w9\n"), ("caf\udce9 w5 w9\n", b"")])
 def test_a_prompt_that_is_not_utf8_is_read_with_replacement(models, capsys, monkeypatch, argument, stdin):
-    """Issue 33: ``printf 'caf\\xe9' | specdec generate -`` handed the tokenizer a lone surrogate (standard input read
+    """Issue 33: ``printf 'caf\\xe9' | exactspec generate -`` handed the tokenizer a lone surrogate (standard input read
     with surrogateescape, as Python reads an argument's bytes) and printed a traceback. A byte that is not UTF-8 is
     U+FFFD: the same answer as the prompt written with it."""
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8", errors="surrogateescape"))
@@ -198,7 +198,7 @@ def test_a_draft_model_with_another_vocabulary_drafts_and_changes_no_token(model
 
 def test_the_installed_command_exits_2_without_traceback(tmp_path):
     """The console script itself, as a user runs it: a missing model path."""
-    proc = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "hi", "--model", str(tmp_path / "x")],
+    proc = subprocess.run([sys.executable, "-m", "exactspec.cli", "generate", "hi", "--model", str(tmp_path / "x")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "not found" in proc.stderr and "Traceback" not in proc.stderr
@@ -231,9 +231,9 @@ def test_an_adaptive_draft_length_reports_its_choices(models, capsys):
 
 
 def test_help_and_refused_values_do_not_import_torch():
-    """specdec --help, and a command refused for a bad value, answer before torch or transformers is imported."""
+    """exactspec --help, and a command refused for a bad value, answer before torch or transformers is imported."""
     script = ("import sys, contextlib, io\n"
-              "from specdec.cli import main\n"
+              "from exactspec.cli import main\n"
               "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
               "    codes = [main(args) for args in (['generate', 'hi', '-k', '0'],\n"
               "                                     ['generate', 'hi', '--top-p', '2'],\n"
@@ -250,18 +250,18 @@ def test_help_and_refused_values_do_not_import_torch():
 def test_without_the_extension_auto_says_why_once_and_fused_is_refused(models, capsys, monkeypatch):
     """A failed build at install (or a CPU without AVX2/FMA/F16C): --backend auto runs without the fused runtime
     and says why once, when it measures; --backend fused is one line and exit 2."""
-    from specdec.backends import native
+    from exactspec.backends import native
 
     reason = "its C extension was not built at install (reinstall with a C compiler: pip install -e . prints why)"
     monkeypatch.setattr(native, "library", lambda: reason)
     args = ["generate", PROMPT, "--model", str(models["draft"]), "--max-new-tokens", "4", "-k", "4"]
     first = run_cli(capsys, *args)
-    assert first[0] == 0 and f"passes specdec's fused runtime by: {reason}" in first[2], first[2]
+    assert first[0] == 0 and f"passes exactspec's fused runtime by: {reason}" in first[2], first[2]
     assert first[2].strip().splitlines()[-1].startswith("[hybrid on lean]")
-    from specdec import runtime_choice as choice
+    from exactspec import runtime_choice as choice
 
     choice._passed_by.cache_clear()  # a new process: the choice comes from the cache, and is not said again
     second = run_cli(capsys, *args)
-    assert second[0] == 0 and "passes specdec's fused runtime by" not in second[2], second[2]
+    assert second[0] == 0 and "passes exactspec's fused runtime by" not in second[2], second[2]
     code, _, err = run_cli(capsys, "generate", PROMPT, "--model", str(models["target"]), "--backend", "fused")
     assert code == 2 and err.count("\n") == 1 and reason in err, err

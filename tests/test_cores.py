@@ -1,4 +1,4 @@
-"""The threads a process runs with (specdec/cores.py): the cores its affinity mask and its cgroup's CPU quota allow,
+"""The threads a process runs with (exactspec/cores.py): the cores its affinity mask and its cgroup's CPU quota allow,
 ``--threads`` refused below 1 and capped above them in one line, never handed to C as given."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from specdec import cores
-from specdec.errors import UsageError
+from exactspec import cores
+from exactspec.errors import UsageError
 
 
 def test_a_cgroups_quota_is_read_from_either_version(tmp_path):
@@ -39,7 +39,7 @@ def test_the_usable_cores_are_the_affinity_masks_at_most_the_quota_rounded_up(mo
 
 def test_threads_above_the_usable_cores_are_capped_in_one_line_and_below_one_refused(monkeypatch, caplog):
     monkeypatch.setattr(cores, "usable_cores", lambda: 2)
-    with caplog.at_level("WARNING", logger="specdec.notice"):
+    with caplog.at_level("WARNING", logger="exactspec.notice"):
         assert cores.thread_count(100000) == 2
     assert [r.getMessage() for r in caplog.records] == ["--threads 100000: this process may run 2 at once; using 2"]
     assert cores.thread_count(1) == 1 and cores.thread_count(None) == 2
@@ -62,7 +62,7 @@ def test_generate_with_a_hundred_thousand_threads_runs_on_the_cores_there_are(ca
         assert f"--threads 100000: this process may run {cores.usable_cores()} at once" in err
         assert torch.get_num_threads() == cores.usable_cores()
         code, out, err = run_cli(capsys, "generate", "w3 w4", "--model", str(model), "--threads", "0")
-        assert code == 2 and err.strip() == "specdec: error: threads must be >= 1, got 0"
+        assert code == 2 and err.strip() == "exactspec: error: threads must be >= 1, got 0"
     finally:
         torch.set_num_threads(before)
 
@@ -81,7 +81,7 @@ def run_team(team, seconds_on, passes: int) -> list[int]:
 
 
 def test_on_a_quiet_machine_the_team_runs_on_every_thread_but_for_rare_tries():
-    from specdec.backends.native import TeamSize
+    from exactspec.backends.native import TeamSize
 
     team = TeamSize(2)
     sizes = run_team(team, lambda step, size: {1: 1.4, 2: 1.0}[size], 2048)
@@ -92,7 +92,7 @@ def test_a_busy_core_moves_the_team_to_fewer_threads_and_a_quiet_one_back():
     """Two threads slowed 3x by another process from pass 100 to 400 (one thread: 1.4x the quiet pair): within
     SLOWED_PROBE passes and one try the team runs on one thread; within probe_every passes of the machine quieting
     it is back on two. A process started on the busy machine finds one thread after its first try."""
-    from specdec.backends.native import TeamSize
+    from exactspec.backends.native import TeamSize
 
     def busy_between(first, last):
         return lambda step, size: 1.4 if size == 1 else (3.0 if first <= step < last else 1.0)
@@ -114,7 +114,7 @@ def test_a_step_that_slows_as_the_context_grows_brings_few_tries():
     256, not every few steps (the mark of a slowing is set anew at each try)."""
     import math
 
-    from specdec.backends.native import TeamSize
+    from exactspec.backends.native import TeamSize
 
     team = TeamSize(2)
     sizes = run_team(team, lambda step, size: (1.0 + 2.0 * step / 1000) * (1.4 if size == 1 else 1.0), 1000)

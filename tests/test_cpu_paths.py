@@ -1,7 +1,7 @@
 """The kernel paths that each x86 CPU kind selects, exercised on whichever machine runs the suite.
 
-specdec's row kernels (``fused/*.c``, through ``native.py``) take AVX-512 tiles where the CPU has AVX-512 (a Zen 4 EPYC,
-an Intel Xeon) and AVX2 tiles elsewhere (an AVX2-only EPYC); ``SPECDEC_FUSED_AVX2=1`` forces the AVX2 tiles on any
+exactspec's row kernels (``fused/*.c``, through ``native.py``) take AVX-512 tiles where a CPU has AVX-512 (a Zen 4 EPYC,
+an Intel Xeon) and AVX2 tiles elsewhere (an AVX2-only EPYC); ``EXACTSPEC_FUSED_AVX2=1`` forces the AVX2 tiles on any
 CPU. PyTorch's own kernels (norms, SiLU, the embedding) and its libraries take paths by CPU too:
 ``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA`` and ``MKL_ENABLE_INSTRUCTIONS`` hold them to AVX2. Each path runs
 in a fresh process, as each switch is read once at start.
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from specdec.backends import native
+from exactspec.backends import native
 
 TESTS = Path(__file__).parent
-AVX2_TILES = {"SPECDEC_FUSED_AVX2": "1"}
+AVX2_TILES = {"EXACTSPEC_FUSED_AVX2": "1"}
 AVX2_LIBRARIES = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 PATHS = {
     "this CPU's own": {},
@@ -41,11 +41,11 @@ INVARIANCE_TESTS = [
 # values (4 bits: their bits).
 KERNEL_DIGEST = """
 import hashlib, numpy as np, torch
-from specdec.backends import native
+from exactspec.backends import native
 torch.manual_seed(0)
 digest, alone_everywhere = hashlib.sha256(), True
 x = torch.randn(70, 512)
-from specdec.backends.fused.stored import byte_grid
+from exactspec.backends.fused.stored import byte_grid
 products = [native.RowProduct(torch.randn(45, 512), torch.randn(45), precision)
             for precision in ("float32", "float16", "bfloat16")]
 grids = []  # held: a product reads their bytes
@@ -53,7 +53,7 @@ for group in (32, 16):  # bytes with a scale and offset per group, multiplied in
     grids.append(grid := byte_grid(torch.randint(0, 256, (45, 512), dtype=torch.uint8),
                                    torch.rand(45, 512 // group) / 50, torch.randn(45, 512 // group) / 10))
     products += [native.MatrixProduct(grid.struct(kind)) for kind in ("float", "integer")]
-from specdec.backends.fused.stored import StoredMatrix, packed_k, packed_q8
+from exactspec.backends.fused.stored import StoredMatrix, packed_k, packed_q8
 narrow_as_bytes = True
 def halves(t):  # values a float16 holds
     return t.half().float()

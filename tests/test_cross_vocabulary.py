@@ -19,12 +19,12 @@ from scipy.stats import chisquare
 from tiny_gguf import write_tiny_gguf
 from tiny_vocabularies import sentencepiece_fields, sub_vocabulary
 
-from specdec.api import SpecDecoder
-from specdec.engine import GenerationConfig
-from specdec.errors import UsageError
-from specdec.models import load_tokenizer
-from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.vocabularies import ChatFraming, ContextBridge, TokenText
+from exactspec.api import SpecDecoder
+from exactspec.engine import GenerationConfig
+from exactspec.errors import UsageError
+from exactspec.models import load_tokenizer
+from exactspec.sampling import SamplingParams, logits_to_probs
+from exactspec.vocabularies import ChatFraming, ContextBridge, TokenText
 
 PROMPTS = ("hello world, the python", "write a function\nthat returns héllo", "the prime number is 中")
 
@@ -65,7 +65,7 @@ def test_bytes_come_back_from_their_tokens(paths, name):
 def test_transformers_tokens_are_the_same_bytes_as_llama_cpps(paths):
     """A GGUF's tokenizer converted by transformers (the lean runtime's) gives every token the bytes llama.cpp's
     gives it: the byte-level BPE through GPT-2's alphabet, SentencePiece's pieces, bytes and specials."""
-    from specdec.models import transformers_directory
+    from exactspec.models import transformers_directory
 
     for name in ("bpe", "spm"):
         from pathlib import Path
@@ -158,9 +158,9 @@ def test_the_server_drafts_across_vocabularies_each_request_in_a_slot_of_its_own
     ended request would leave a later one none)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from specdec.loading import draft_source, load_target
-    from specdec.server import BatchSettings, build_scheduler
-    from specdec.server.scheduler import GenerationRequest
+    from exactspec.loading import draft_source, load_target
+    from exactspec.server import BatchSettings, build_scheduler
+    from exactspec.server.scheduler import GenerationRequest
 
     loaded = load_target(paths["spm"], backend="fused", draft_model=paths["sub"], drafters=("draft-model",))
     draft = draft_source("draft-model", loaded.target, loaded.runtime, loaded.draft, None, cross_vocabulary=method)
@@ -227,8 +227,8 @@ def test_standard_sampling_across_vocabularies_draws_the_targets_distribution(pa
 
 @pytest.mark.slow  # about 45 s on 2 cores
 def test_a_server_drafting_across_vocabularies_passes_the_audit(paths, tmp_path):
-    """``specdec serve --drafter draft-model --draft-model`` another vocabulary's model: each request drafts in a
-    pool slot of its own. ``specdec audit`` against the exact distribution (the first two tokens, 800 samples, the
+    """``exactspec serve --drafter draft-model --draft-model`` another vocabulary's model: each request drafts in a
+    pool slot of its own. ``exactspec audit`` against the exact distribution (the first two tokens, 800 samples, the
     standard rule, alpha = 0.001: a correct server fails it with probability 0.1%) passes, greedy output is
     identical, and drafts were accepted. The invariant sampler's draws do not depend on the drafts (a seeded
     request's tokens are plain decoding's: test_greedy_and_seeded_output_is_plain_decodings_across_vocabularies,
@@ -237,10 +237,10 @@ def test_a_server_drafting_across_vocabularies_passes_the_audit(paths, tmp_path)
     against float32 rightly tells apart whether it drafts or not."""
     import json
 
-    from specdec.cli import main
-    from specdec.server.batching import BatchSettings
-    from specdec.server.serving import ServerOptions, load_server
-    from specdec.server.settings import ServerSettings
+    from exactspec.cli import main
+    from exactspec.server.batching import BatchSettings
+    from exactspec.server.serving import ServerOptions, load_server
+    from exactspec.server.settings import ServerSettings
 
     options = ServerOptions(model=paths["spm"], backend="lean", draft_model=paths["sub"],
                             settings=ServerSettings(port=0),

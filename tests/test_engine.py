@@ -13,12 +13,12 @@ import torch
 from scipy.stats import chi2_contingency, chisquare
 from tiny import E2E_PROMPT, e2e_models, e2e_samples, perturbed_copy, tiny_llama
 
-from specdec.backends import HFCausalLM, LeanRuntime
-from specdec.backends.base import sync
-from specdec.engine import Engine, GenerationConfig
-from specdec.errors import UsageError
-from specdec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer, RetrievalProposer
-from specdec.sampling import SamplingParams, logits_to_probs
+from exactspec.backends import HFCausalLM, LeanRuntime
+from exactspec.backends.base import sync
+from exactspec.engine import Engine, GenerationConfig
+from exactspec.errors import UsageError
+from exactspec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer, RetrievalProposer
+from exactspec.sampling import SamplingParams, logits_to_probs
 
 PROMPTS = [[5, 9, 12, 9, 12, 40], [3, 3, 3, 3], [60, 2, 17, 33, 8, 17, 33, 21, 9], [7]]
 
@@ -277,8 +277,8 @@ def test_stats_count_rounds_and_kinds(target_and_draft):
 
 
 def test_acceptance_by_draft_position_counts_each_round():
-    from specdec.engine import GenerationStats
-    from specdec.step import Round
+    from exactspec.engine import GenerationStats
+    from exactspec.step import Round
 
     stats = GenerationStats()
     for drafted, accepted in ((3, 3), (3, 1), (2, 0), (0, 0)):
@@ -408,9 +408,9 @@ def test_bfloat16_speculation_is_plain_bfloat16_greedy(backend_class):
 def test_capabilities_are_declared_and_a_missing_one_is_refused_by_name():
     """Trees, hidden states and shallow runs are capabilities a backend declares; a drafter or a tree that needs
     one its backend lacks is refused in one line naming it."""
-    from specdec.backends.base import FeatureSource, ShallowRunner, TreeScorer, declares
-    from specdec.errors import UsageError
-    from specdec.proposers import make_proposer
+    from exactspec.backends.base import FeatureSource, ShallowRunner, TreeScorer, declares
+    from exactspec.errors import UsageError
+    from exactspec.proposers import make_proposer
 
     model = tiny_llama(seed=0)
     lean, plain = LeanRuntime(model), HFCausalLM(model)

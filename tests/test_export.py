@@ -1,4 +1,4 @@
-"""``specdec export``: trained drafters written in EAGLE-1's and Medusa-1's layouts, read back by specdec with the
+"""``exactspec export``: trained drafters written in EAGLE-1's and Medusa-1's layouts, read back by exactspec with the
 same drafts; refusals in one line."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import pytest
 import torch
 from tiny import save_with_tokenizer, tiny_llama
 
-from specdec.cli import main
-from specdec.drafters import checkpoint
-from specdec.drafters.export import export
-from specdec.drafters.files import DRAFT_VOCAB_FILE
-from specdec.drafters.layers import LayerShape
-from specdec.drafters.networks import DrafterConfig, EagleHead, MTPHeads, TargetParts
-from specdec.models import load_model, weight_probe
+from exactspec.cli import main
+from exactspec.drafters import checkpoint
+from exactspec.drafters.export import export
+from exactspec.drafters.files import DRAFT_VOCAB_FILE
+from exactspec.drafters.layers import LayerShape
+from exactspec.drafters.networks import DrafterConfig, EagleHead, MTPHeads, TargetParts
+from exactspec.models import load_model, weight_probe
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def target(tmp_path_factory):
 
 
 def trained(method: str, target_model, directory, draft_vocab: int = 0, **options):
-    """A drafter as specdec train saves it (random weights, seed 0), over ``draft_vocab`` ids when given."""
+    """A drafter as exactspec train saves it (random weights, seed 0), over ``draft_vocab`` ids when given."""
     torch.manual_seed(0)
     vocab = target_model.config.vocab_size
     config = DrafterConfig(method=method, shape=LayerShape.of(target_model.config), vocab_size=vocab,
@@ -49,11 +49,11 @@ def trained(method: str, target_model, directory, draft_vocab: int = 0, **option
 ])
 def test_an_exported_drafter_loads_back_and_drafts_the_same(target, tmp_path, layout, method, draft_vocab, options):
     model, _ = target
-    original = trained(method, model, tmp_path / "specdec", draft_vocab, **options)
-    written = export(tmp_path / "specdec", layout, tmp_path / layout, model)
+    original = trained(method, model, tmp_path / "exactspec", draft_vocab, **options)
+    written = export(tmp_path / "exactspec", layout, tmp_path / layout, model)
     assert (tmp_path / layout / DRAFT_VOCAB_FILE in written) == bool(draft_vocab)
     config = json.loads((tmp_path / layout / "config.json").read_text())
-    assert config["base_model_name_or_path"] == "tiny" and config["specdec_target"]["probe"]
+    assert config["base_model_name_or_path"] == "tiny" and config["exactspec_target"]["probe"]
     loaded = checkpoint.load(tmp_path / layout, method, model)  # the published layout: no drafter.json
     assert not (tmp_path / layout / checkpoint.CONFIG_FILE).exists()
     assert torch.equal(loaded.vocab.ids, original.vocab.ids)
@@ -74,7 +74,7 @@ def test_export_refusals_are_one_line(target, tmp_path, capsys):
     cases = [
         (["--format", "medusa", "--drafter-path", str(tmp_path / "reading")], "--no-token-input"),
         (["--format", "medusa", "--drafter-path", str(tmp_path / "eagle")], "holds a eagle drafter"),
-        (["--format", "eagle", "--drafter-path", str(tmp_path / "nowhere")], "not a drafter specdec trained"),
+        (["--format", "eagle", "--drafter-path", str(tmp_path / "nowhere")], "not a drafter exactspec trained"),
         (["--format", "eagle"], "no trained eagle drafter ships"),
     ]
     for flags, message in cases:
@@ -88,7 +88,7 @@ def test_export_refusals_are_one_line(target, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_the_shipped_eagle_exports_for_the_default_model_and_reads_back_the_same(tmp_path, capsys):
-    from specdec.drafters.loading import load_trained
+    from exactspec.drafters.loading import load_trained
 
     assert main(["export", str(tmp_path / "eagle"), "--format", "eagle"]) == 0, capsys.readouterr().err
     model = load_model(None, dtype="float32", backend="lean").model

@@ -1,4 +1,4 @@
-"""specdec's fused CPU runtime (the C kernels in fused/ through fused/runtime.py): what the lean runtime computes, each
+"""exactspec's fused CPU runtime (the C kernels in fused/ through fused/runtime.py): the lean runtime's figures, each
 row as it is alone, and speculation on it gives plain decoding's tokens with every drafter."""
 
 from __future__ import annotations
@@ -10,17 +10,17 @@ import torch
 from test_batch_runtime import logits_beside_others
 from tiny import float32_error, perturbed_copy, save_with_tokenizer, tiny_llama
 
-from specdec.backends import LeanRuntime
-from specdec.backends.fused import FusedRuntime, quantized8, unavailable
-from specdec.backends.linear import PassPrecisions
-from specdec.backends.native import repacked
-from specdec.drafters.networks import DrafterConfig, EagleHead, ExitAdapter, LayerShape, MTPHeads, TargetParts
-from specdec.engine import Engine, GenerationConfig
-from specdec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer, RetrievalProposer
-from specdec.proposers.eagle import EagleProposer
-from specdec.proposers.early_exit import EarlyExitProposer
-from specdec.proposers.mtp import MTPProposer
-from specdec.sampling import SamplingParams
+from exactspec.backends import LeanRuntime
+from exactspec.backends.fused import FusedRuntime, quantized8, unavailable
+from exactspec.backends.linear import PassPrecisions
+from exactspec.backends.native import repacked
+from exactspec.drafters.networks import DrafterConfig, EagleHead, ExitAdapter, LayerShape, MTPHeads, TargetParts
+from exactspec.engine import Engine, GenerationConfig
+from exactspec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer, RetrievalProposer
+from exactspec.proposers.eagle import EagleProposer
+from exactspec.proposers.early_exit import EarlyExitProposer
+from exactspec.proposers.mtp import MTPProposer
+from exactspec.sampling import SamplingParams
 
 PROMPTS = [[5, 9, 12, 9, 12, 40], [3, 3, 3, 3], [60, 2, 17, 33, 8, 17, 33, 21, 9], [7]]
 
@@ -30,10 +30,10 @@ def test_the_extension_was_built_and_runs_here():
     assert unavailable() is None
 
 
-def test_a_library_whose_structures_differ_from_specdecs_declarations_is_refused(monkeypatch):
+def test_a_library_whose_structures_differ_from_exactspecs_declarations_is_refused(monkeypatch):
     """The C kernels report its structures' sizes; a library built from other sources (ctypes declarations copied by
     hand, gone stale) is named, structure by structure, instead of reading memory it does not hold."""
-    from specdec.backends import native
+    from exactspec.backends import native
 
     library = native.library()
     assert native._differing_structs(library) == []
@@ -136,7 +136,7 @@ def test_an_engine_keeps_a_cached_prefix_only_where_its_bits_are_a_prefills(kind
     again. ``sync`` keeps the longest shared prefix whatever wrote it (the control): on the lean runtime, where a
     prompt's pass and a round's give a position other bits (a bulk precision of its own), it parts from a fresh
     prefill somewhere; on the fused runtime, whose prompts run the C kernels' pass as rounds do, it never does."""
-    from specdec.backends.base import prefill, sync
+    from exactspec.backends.base import prefill, sync
 
     model = tiny_llama(seed=0, init_range=0.5)
 
@@ -250,8 +250,8 @@ def test_the_server_batches_on_it_and_each_answer_is_its_plain_decoding(tmp_path
     from test_server import EOS, ids_of, post, prompt_text, visible
     from transformers import AutoTokenizer
 
-    from specdec.server import BatchSettings, build_scheduler
-    from specdec.server.app import OpenAIServer, ServerSettings
+    from exactspec.server import BatchSettings, build_scheduler
+    from exactspec.server.app import OpenAIServer, ServerSettings
 
     model = tiny_llama(seed=0, init_range=0.5)
     tokenizer = AutoTokenizer.from_pretrained(save_with_tokenizer(model, tmp_path / "tiny"))
@@ -277,9 +277,9 @@ def test_a_prompt_gives_each_position_plain_decodings_bits_and_what_follows_read
     """A chain longer than any round (a prompt) runs through the C kernels too, PASS_ROWS rows a pass (its products in
     the GEMM tiles where the CPU has them): each position's logits are those plain decoding computes one position a
     pass, bit for bit, and the positions after it read the cache it wrote, in a pass of one or of several alike."""
-    from specdec.backends.fused import PROMPT_POSITIONS
-    from specdec.backends.fused.runtime import PASS_ROWS
-    from specdec.choices import MAX_DRAFT_TOKENS
+    from exactspec.backends.fused import PROMPT_POSITIONS
+    from exactspec.backends.fused.runtime import PASS_ROWS
+    from exactspec.choices import MAX_DRAFT_TOKENS
 
     assert PROMPT_POSITIONS > MAX_DRAFT_TOKENS + 1
     prompt = [(7 * i) % 60 + 3 for i in range(max(PROMPT_POSITIONS, 2 * PASS_ROWS + 5))]  # several chunks

@@ -1,5 +1,5 @@
-"""A GGUF file read as stored (specdec/backends/gguf_file.py), and the fused runtime repacking its Q4_0, Q4_1 and
-Q8_0 blocks as they are (specdec/backends/fused/stored.py): the same weights as gguf-py reads them, the module's
+"""A GGUF file read as stored (exactspec/backends/gguf_file.py), and the fused runtime repacking its Q4_0, Q4_1 and
+Q8_0 blocks as they are (exactspec/backends/fused/stored.py): the same weights as gguf-py reads them, the module's
 logits, and bad files refused in one line."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import torch
 from tiny import float32_error
 from tiny_gguf import write_tiny_gguf
 
-from specdec.backends import LeanRuntime
-from specdec.backends.fused import FusedRuntime, unavailable
-from specdec.backends.fused.stored import stored_q8, tensor_names
-from specdec.backends.gguf_file import GGUFFile, q8_rows
-from specdec.errors import UsageError
-from specdec.models import load_model
+from exactspec.backends import LeanRuntime
+from exactspec.backends.fused import FusedRuntime, unavailable
+from exactspec.backends.fused.stored import stored_q8, tensor_names
+from exactspec.backends.gguf_file import GGUFFile, q8_rows
+from exactspec.errors import UsageError
+from exactspec.models import load_model
 
 STORED_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 
@@ -56,7 +56,7 @@ def test_q8_rows_are_the_stored_weights_exactly(files, kind):
 
 
 def _module(path: Path) -> torch.nn.Module:
-    """The file as specdec converts it for its PyTorch runtimes (a transformers module, in float32)."""
+    """The file as exactspec converts it for its PyTorch runtimes (a transformers module, in float32)."""
     return load_model(str(path), dtype="float32", backend="lean").model
 
 
@@ -130,8 +130,8 @@ def test_what_the_fused_runtime_does_not_read_directly_is_named_and_converted(fi
     """A file whose sizes the tiles for blocks do not fit (a hidden size of 72, not whole groups of 32) is not read
     directly (one reason, in words, said under --verbose); load_model then runs the fused runtime from the file's
     transformers conversion (float16 tiles), and a Q4_1 file from the file alone, with llama.cpp's tokenizer."""
-    from specdec import logs
-    from specdec.backends.fused import gguf_unavailable
+    from exactspec import logs
+    from exactspec.backends.fused import gguf_unavailable
 
     odd = write_tiny_gguf(tmp_path / "tiny-72.gguf", seed=0, tensor_type="F32", hidden=72, heads=3, kv_heads=1,
                           ffn=136)
@@ -152,9 +152,9 @@ def test_auto_measures_without_converting_a_file_the_fused_runtime_reads(files, 
     """--backend auto on a GGUF the fused runtime reads from the file alone times llama.cpp and the fused runtime,
     and converts nothing (the lean runtime, which would need the conversion, is no candidate); it runs the faster."""
     pytest.importorskip("llama_cpp")
-    from specdec import models
-    from specdec import runtime_choice as choice
-    from specdec.api import SpecDecoder
+    from exactspec import models
+    from exactspec import runtime_choice as choice
+    from exactspec.api import SpecDecoder
 
     def no_conversion(path):
         raise AssertionError(f"converted {path}")
@@ -171,8 +171,8 @@ def test_auto_measures_without_converting_a_file_the_fused_runtime_reads(files, 
 def test_a_tensor_whose_shape_the_metadata_contradicts_is_one_line_naming_it(files, tmp_path):
     """A file whose feed-forward size says 96 while its gate, up and down matrices hold 128: the load stops with one
     line naming the file and the first such tensor, before anything runs (and the command exits 2)."""
-    from specdec.backends.fused import gguf_unavailable
-    from specdec.cli import main
+    from exactspec.backends.fused import gguf_unavailable
+    from exactspec.cli import main
 
     data = bytearray(files["Q4_1"].read_bytes())
     key = b"llama.feed_forward_length"

@@ -1,5 +1,5 @@
 """The fused runtime reading GGUF files of every block format and architecture it covers, from the file alone
-(specdec/backends/gguf_file.py, specdec/backends/fused/stored.py): each format's weights as gguf-py de-quantises
+(exactspec/backends/gguf_file.py, exactspec/backends/fused/stored.py): each format's weights as gguf-py de-quantises
 them, bit for bit; logits against a float32 reference (transformers' own module of the same file) and against
 llama.cpp's on the same file; rows alone and in passes; and greedy output with speculation that of plain decoding.
 
@@ -22,9 +22,9 @@ from gguf_checks import check_speculation_identity, llama_cpp_logits, tiny_files
 from runtime_checks import check_runtime
 from tiny import float32_error
 
-from specdec.backends.fused import PRODUCTS, FusedRuntime, gguf_unavailable
-from specdec.backends.gguf_file import GGUFFile, dequantized
-from specdec.backends.reference import reference_module
+from exactspec.backends.fused import PRODUCTS, FusedRuntime, gguf_unavailable
+from exactspec.backends.gguf_file import GGUFFile, dequantized
+from exactspec.backends.reference import reference_module
 
 FORMATS = ["Q4_K_M", "Q5_K_M", "Q6_K", "Q5_0", "Q5_1", "F16", "BF16", "F32"]
 SHAPE = {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "ffn": 512}
@@ -112,14 +112,14 @@ def test_speculation_keeps_plain_decodings_output_on_a_k_quant_file(files, arch)
 
 
 def test_the_packed_copy_gives_the_sources_logits_and_follows_the_source(files, tmp_path, monkeypatch, capsys):
-    """The first start packs the file (one line) and keeps the packed matrices in specdec's cache; the next reads
+    """The first start packs the file (one line) and keeps the packed matrices in exactspec's cache; the next reads
     them memory-mapped, with the same logits bit for bit; a changed source file is packed anew, and its old copy
     deleted; a corrupt or truncated packed copy is said to be so in one line, and packed anew."""
     import os
 
-    from specdec.backends.fused import packed_file
+    from exactspec.backends.fused import packed_file
 
-    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("EXACTSPEC_CACHE", str(tmp_path))
     source = tmp_path / "model.gguf"
     source.write_bytes(files("qwen2", "Q4_K_M").read_bytes())
 
@@ -153,9 +153,9 @@ def test_damage_anywhere_in_a_packed_copy_an_unknown_format_and_a_killed_packing
     import json
     import zlib
 
-    from specdec.backends.fused import packed_file
+    from exactspec.backends.fused import packed_file
 
-    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("EXACTSPEC_CACHE", str(tmp_path))
     source = tmp_path / "model.gguf"
     source.write_bytes(files("qwen2", "Q4_K_M").read_bytes())
     packed = FusedRuntime.from_gguf(source).extend(IDS, len(IDS))

@@ -14,11 +14,11 @@ import torch
 from scipy.stats import chisquare
 from tiny_gguf import write_tiny_gguf
 
-from specdec.api import SpecDecoder
-from specdec.engine import GenerationConfig
-from specdec.errors import UsageError
-from specdec.grammars import GrammarError, GrammarSpec
-from specdec.sampling import SamplingParams, logits_to_probs
+from exactspec.api import SpecDecoder
+from exactspec.engine import GenerationConfig
+from exactspec.errors import UsageError
+from exactspec.grammars import GrammarError, GrammarSpec
+from exactspec.sampling import SamplingParams, logits_to_probs
 
 SCHEMA = {  # enums, a nested object, an array with bounds, an optional field and a $ref
     "$defs": {"tag": {"type": "string", "enum": ["red", "green", "blue"]}},
@@ -120,9 +120,9 @@ def test_a_draft_is_cut_at_its_first_forbidden_token_and_forced_tokens_need_no_d
     """The grammar's forced text opens the draft without asking the drafter, which continues after it; the draft
     is kept up to the first token the grammar forbids (a point mass), or through it (a drawn draft: it is then
     rejected for sure, and the residual keeps the draft's mass on forbidden tokens where it belongs)."""
-    from specdec.choices import MAX_DRAFT_TOKENS
-    from specdec.proposers.base import Draft
-    from specdec.step import constrained_draft
+    from exactspec.choices import MAX_DRAFT_TOKENS
+    from exactspec.proposers.base import Draft
+    from exactspec.step import constrained_draft
 
     decoder = SpecDecoder.load(model, backend="fused")
     encode = decoder.token_text.encode

@@ -1,4 +1,4 @@
-"""The hybrid drafter (specdec/proposers/hybrid.py), the default: its cost model over sources (policy.SourcePlan),
+"""The hybrid drafter (exactspec/proposers/hybrid.py), the default: its cost model over sources (policy.SourcePlan),
 its output (plain decoding's, greedy and seeded, whichever source drafts), its stats by source, and the default
 model found as its draft model for a target several times its size (loading.found_draft_model)."""
 
@@ -9,16 +9,16 @@ import logging
 import pytest
 from test_server import EOS, tiny  # noqa: F401
 
-from specdec.backends import LeanRuntime
-from specdec.costs import SourcePlan
-from specdec.engine import Engine, GenerationConfig
-from specdec.policy import PlannedByDrafter
-from specdec.proposers import make_proposer
-from specdec.proposers.base import Draft
-from specdec.proposers.hybrid import HybridProposer
-from specdec.proposers.none import NoProposer
-from specdec.proposers.prompt_lookup import PromptLookupProposer
-from specdec.sampling import SamplingParams
+from exactspec.backends import LeanRuntime
+from exactspec.costs import SourcePlan
+from exactspec.engine import Engine, GenerationConfig
+from exactspec.policy import PlannedByDrafter
+from exactspec.proposers import make_proposer
+from exactspec.proposers.base import Draft
+from exactspec.proposers.hybrid import HybridProposer
+from exactspec.proposers.none import NoProposer
+from exactspec.proposers.prompt_lookup import PromptLookupProposer
+from exactspec.sampling import SamplingParams
 
 REPEATING = [5, 9, 12, 9, 12, 40, 5, 9, 12, 9, 12, 40, 5, 9, 12, 9]  # copies find continuations here
 
@@ -239,7 +239,7 @@ def test_a_draft_model_that_cannot_draft_for_the_target_leaves_the_copies_drafti
 
     target = LeanRuntime(tiny_llama(seed=0, vocab_size=64))
     wider = LeanRuntime(tiny_llama(seed=1, vocab_size=96))
-    with caplog.at_level(logging.WARNING, logger="specdec.notice"):
+    with caplog.at_level(logging.WARNING, logger="exactspec.notice"):
         hybrid = make_proposer("hybrid", target, wider)
     assert hybrid.source_names == ("prompt-lookup", "retrieval")
     assert "the hybrid drafts without its draft model: the draft model's logits are wider (96)" in caplog.text
@@ -255,12 +255,12 @@ def test_the_default_model_drafts_for_a_target_several_times_its_size_and_not_fo
     target; where the ratio is under MIN_DRAFT_RATIO, nothing loads and --verbose says why."""
     from tiny_gguf import write_tiny_gguf
 
-    from specdec import SpecDecoder, loading
+    from exactspec import SpecDecoder, loading
 
     small = write_tiny_gguf(tmp_path / "small.gguf", hidden=32, layers=1, tensor_type="F32")
     large = write_tiny_gguf(tmp_path / "large.gguf", hidden=96, layers=2, tensor_type="F32")  # 3x its bytes
     monkeypatch.setattr(loading, "default_model_path", lambda: small)
-    with caplog.at_level(logging.INFO, logger="specdec.detail"):
+    with caplog.at_level(logging.INFO, logger="exactspec.detail"):
         monkeypatch.setattr(loading, "MIN_DRAFT_RATIO", 1.2)
         found = SpecDecoder.load(str(large), backend="lean", dtype="float32")
         monkeypatch.setattr(loading, "MIN_DRAFT_RATIO", 1000.0)
@@ -294,7 +294,7 @@ def test_hybrid_with_a_draft_model_it_cannot_bridge_says_so_in_one_line_and_goes
 def test_the_plan_learns_the_pass_costs_it_is_told():
     """A size's cost is the fastest of its last RECENT_PASSES passes: a faster pass sets it at once, a slower one
     leaves it until the faster has left the window."""
-    from specdec.costs import RECENT_PASSES
+    from exactspec.costs import RECENT_PASSES
 
     plan = SourcePlan(("copy",), frozenset({"copy"}))
     plan.observe_pass(5, 0.03)
@@ -339,9 +339,9 @@ def test_trained_heads_draft_beside_the_copies_and_change_no_token(tiny, method,
 
     from test_rounds import untrained_source
 
-    from specdec.backends.base import declares
-    from specdec.proposers.base import FeatureProposer
-    from specdec.proposers.hybrid import HybridSources
+    from exactspec.backends.base import declares
+    from exactspec.proposers.base import FeatureProposer
+    from exactspec.proposers.hybrid import HybridSources
 
     model = copy.deepcopy(tiny[0]).float()
     runtime = LeanRuntime(model)
@@ -365,12 +365,12 @@ def test_hybrid_takes_a_trained_heads_path_and_says_where_it_cannot_use_it(tiny,
     from test_rounds import untrained_source
     from tiny import save_with_tokenizer
 
-    from specdec import SpecDecoder
-    from specdec.backends.base import CausalLM
-    from specdec.drafters import checkpoint
-    from specdec.errors import UsageError
-    from specdec.loading import trained_heads
-    from specdec.models import weight_probe
+    from exactspec import SpecDecoder
+    from exactspec.backends.base import CausalLM
+    from exactspec.drafters import checkpoint
+    from exactspec.errors import UsageError
+    from exactspec.loading import trained_heads
+    from exactspec.models import weight_probe
 
     model = copy.deepcopy(tiny[0]).float()
     path = save_with_tokenizer(model, tmp_path / "target")
@@ -389,6 +389,6 @@ def test_hybrid_takes_a_trained_heads_path_and_says_where_it_cannot_use_it(tiny,
     class Plain(CausalLM):  # a runtime that declares nothing beyond CausalLM: no hidden states
         vocab_size, max_length = 64, 128
 
-    with caplog.at_level(logging.WARNING, logger="specdec.notice"):
+    with caplog.at_level(logging.WARNING, logger="exactspec.notice"):
         assert trained_heads(None, Plain(), str(tmp_path / "eagle")) == ()
     assert "the hybrid drafts without its eagle heads: Plain hands over no hidden states" in caplog.text

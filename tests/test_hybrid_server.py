@@ -9,10 +9,10 @@ import pytest
 from test_server import post, scrape, start_server, stream, tiny  # noqa: F401  (tiny: the model fixture)
 from tiny import perturbed_copy
 
-from specdec.backends import LeanRuntime
-from specdec.choices import DEFAULT_DRAFTER
-from specdec.server import BatchSettings, build_scheduler
-from specdec.server.scheduler import GenerationRequest
+from exactspec.backends import LeanRuntime
+from exactspec.choices import DEFAULT_DRAFTER
+from exactspec.server import BatchSettings, build_scheduler
+from exactspec.server.scheduler import GenerationRequest
 
 EOS = 1
 PROMPTS = [[5, 9, 12, 9, 12, 40, 5, 9, 12, 9], [7, 3, 7, 3, 7, 3, 7], [20, 21, 22, 23, 20, 21, 22], [4, 8, 15, 16]]
@@ -92,12 +92,12 @@ def test_metrics_and_the_stream_count_accepted_tokens_by_the_source_that_drafted
     finally:
         server.shutdown(timeout=5)
     by_source = {kind: {labels[0][1]: value for (name, labels), value in samples.items()
-                        if name == f"specdec_{kind}_tokens_by_source_total"} for kind in ("draft", "accepted")}
+                        if name == f"exactspec_{kind}_tokens_by_source_total"} for kind in ("draft", "accepted")}
     assert set(by_source["accepted"]) <= COPIES and sum(by_source["accepted"].values()) > 0
-    assert sum(by_source["accepted"].values()) == samples[("specdec_accepted_tokens_total", ())]
-    assert sum(by_source["draft"].values()) == samples[("specdec_draft_tokens_total", ())]
-    assert types["specdec_accepted_tokens_by_source"] == types["specdec_draft_tokens_by_source"] == "counter"
-    rounds = [r for event in events[:-1] if "specdec" in event for r in event["specdec"]["rounds"]]
+    assert sum(by_source["accepted"].values()) == samples[("exactspec_accepted_tokens_total", ())]
+    assert sum(by_source["draft"].values()) == samples[("exactspec_draft_tokens_total", ())]
+    assert types["exactspec_accepted_tokens_by_source"] == types["exactspec_draft_tokens_by_source"] == "counter"
+    rounds = [r for event in events[:-1] if "exactspec" in event for r in event["exactspec"]["rounds"]]
     accepted = sum(r["accepted"] for r in rounds if r.get("source") in COPIES)
     assert accepted == events[-2]["usage"]["speculation"]["accepted_tokens"] > 0
     assert all(r["k"] == 0 for r in rounds if "source" not in r)  # a round with no source drafted nothing
@@ -154,9 +154,9 @@ def test_every_requests_hybrid_learns_into_one_plan(tiny):  # noqa: F811
 
 def test_a_hybrid_refuses_a_shared_plan_over_other_sources():
     """A plan weighs the sources it was made for: a hybrid with a draft model cannot learn into one without it."""
-    from specdec.proposers import PromptLookupProposer
-    from specdec.proposers.hybrid import HybridProposer
-    from specdec.proposers.retrieval import RetrievalProposer
+    from exactspec.proposers import PromptLookupProposer
+    from exactspec.proposers.hybrid import HybridProposer
+    from exactspec.proposers.retrieval import RetrievalProposer
 
     copies_only = HybridProposer([PromptLookupProposer(), RetrievalProposer(None)])
     assert HybridProposer([RetrievalProposer(None), PromptLookupProposer()], plan=copies_only.plan).plan \
@@ -174,8 +174,8 @@ def test_the_hybrid_with_a_trained_head_batches_and_serves_the_tokens_of_no_draf
     from test_rounds import untrained_source
     from tiny import require_pass_invariant
 
-    from specdec.backends.base import SequencePool
-    from specdec.proposers.hybrid import HybridSources
+    from exactspec.backends.base import SequencePool
+    from exactspec.proposers.hybrid import HybridSources
 
     model = copy.deepcopy(tiny[0]).float()
     runtime = require_pass_invariant(LeanRuntime(model))

@@ -14,7 +14,7 @@ ROOT = Path(__file__).parent.parent
 
 
 def test_ruff_finds_nothing():
-    run = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "specdec", "tests", "setup.py"],
+    run = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "exactspec", "tests", "setup.py"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-1000:]
 
@@ -34,5 +34,5 @@ def test_every_module_compiles_on_this_python():
     """Every source file parses on the Python the suite runs on (the oldest the project supports in CI): a module no
     test imports, such as a benchmark script, is caught here too."""
     root = Path(__file__).resolve().parent.parent
-    for path in sorted((root / "specdec").rglob("*.py")):
+    for path in sorted((root / "exactspec").rglob("*.py")):
         compile(path.read_text(encoding="utf-8"), str(path), "exec")  # a SyntaxError names the file and line

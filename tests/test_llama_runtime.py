@@ -8,8 +8,8 @@ import torch
 from tiny import float32_error, require_pass_invariant, tiny_llama
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from specdec.backends import HFCausalLM, LeanRuntime, family, make_backend, sequence
-from specdec.backends.linear import BULK_POSITIONS, DTYPE_OF, PassPrecisions
+from exactspec.backends import HFCausalLM, LeanRuntime, family, make_backend, sequence
+from exactspec.backends.linear import BULK_POSITIONS, DTYPE_OF, PassPrecisions
 
 FAMILY_SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.5,
@@ -110,7 +110,7 @@ def test_the_runtime_declares_its_rows_alone_only_on_the_row_kernels(monkeypatch
     """On the row kernels (the CPU, built) every product and the attention are the C kernels'; float64, or a machine
     where they are not built, computes with the libraries' kernels, and the runtime says its rows may depend on
     the pass."""
-    from specdec.backends import native
+    from exactspec.backends import native
 
     model = tiny_llama(seed=0)
     assert LeanRuntime(model, "float16").pass_invariant and LeanRuntime(model, "bfloat16").pass_invariant
@@ -126,7 +126,7 @@ def test_each_kind_of_pass_runs_in_its_own_precision():
     several = runtime.extend(ids[:11], 11)  # [11, vocab] a scoring pass
     one = runtime.extend(ids[11:], 1)  # [1, vocab] a decode pass
     reference32, reference16 = reference_logits(model, ids), reference_logits(rounded_copy(model, "float16"), ids)
-    tolerance = 3 * float32_error(model, ids)  # specdec's float32 against transformers' (tiny.float32_error)
+    tolerance = 3 * float32_error(model, ids)  # exactspec's float32 against transformers' (tiny.float32_error)
     assert (several - reference32[:11]).abs().max() <= tolerance
     # a float16-weight step over a cache of float32-weight keys: near float16's reference, not within float32's
     # rounding of it (its cache is another model's); 1e-2 of the largest logit is 20 units of float16's rounding

@@ -17,19 +17,19 @@ from tiny_gguf import write_tiny_gguf
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from specdec.api import SpecDecoder  # noqa: E402
-from specdec.backends.base import (  # noqa: E402
+from exactspec.api import SpecDecoder  # noqa: E402
+from exactspec.backends.base import (  # noqa: E402
     PoolFull,
     Row,
     rows_are_pass_invariant,  # noqa: E402
 )
-from specdec.backends.llamacpp import GGUFModel, LlamaCppLM, LlamaCppPool  # noqa: E402
-from specdec.cli import main  # noqa: E402
-from specdec.engine import Engine, GenerationConfig  # noqa: E402
-from specdec.errors import UsageError  # noqa: E402
-from specdec.models import load_model  # noqa: E402
-from specdec.proposers import make_proposer  # noqa: E402
-from specdec.sampling import SamplingParams, logits_to_probs  # noqa: E402
+from exactspec.backends.llamacpp import GGUFModel, LlamaCppLM, LlamaCppPool  # noqa: E402
+from exactspec.cli import main  # noqa: E402
+from exactspec.engine import Engine, GenerationConfig  # noqa: E402
+from exactspec.errors import UsageError  # noqa: E402
+from exactspec.models import load_model  # noqa: E402
+from exactspec.proposers import make_proposer  # noqa: E402
+from exactspec.sampling import SamplingParams, logits_to_probs  # noqa: E402
 
 # Two passes over the same tokens that differ only in how llama.cpp groups its work (one row or several, or
 # where the cache's cells lie after a rollback) differ by float rounding only in F32 weights (llama.cpp multiplies
@@ -66,7 +66,7 @@ def quantised(tiny_draft) -> LlamaCppLM:
 
 def test_logits_equal_llama_cpp_pythons_own_eval(tiny, lm):
     reference = llama_cpp.Llama(model_path=str(tiny), n_ctx=512, logits_all=True, verbose=False, n_threads=2,
-                                flash_attn=True)  # as specdec's contexts
+                                flash_attn=True)  # as exactspec's contexts
     reference.eval(PROMPT)
     expected = torch.from_numpy(np.array(reference.scores[: len(PROMPT)]))  # [n, vocab]
     lm.rollback(0)
@@ -88,7 +88,7 @@ def test_rollback_then_extend_equals_a_fresh_pass(lm):
 
 
 def test_sync_reuses_the_cached_prefix(lm):
-    from specdec.backends import sync
+    from exactspec.backends import sync
 
     lm.rollback(0)
     lm.extend(PROMPT, 1)
@@ -141,7 +141,7 @@ def test_bad_input_is_refused_before_llama_cpp_sees_it(lm):
     with pytest.raises(ValueError, match="exceed the context"):
         lm.extend([5] * (lm.max_length + 1), 1)
     assert lm.tokens == []
-    from specdec.backends.llamacpp.runtime import Entry
+    from exactspec.backends.llamacpp.runtime import Entry
 
     with pytest.raises(ValueError, match="position"):
         lm.context.decode([Entry(5, lm.max_length, 0, True)])
@@ -247,7 +247,7 @@ def test_the_api_and_the_default_backend_run_a_gguf_on_the_runtime_measured_fast
     """--backend auto measures llama.cpp and the fused runtime once (the fused runtime reads this F32 file alone, so
     the lean runtime, which needs its transformers conversion, is no candidate), keeps the fastest, and runs it;
     llama.cpp, named, runs the GGUF without a transformers model."""
-    from specdec import runtime_choice as choice
+    from exactspec import runtime_choice as choice
 
     auto = SpecDecoder.load(str(tiny), drafter="prompt-lookup", threads=2)
     (entry,) = [value for key, value in choice.CACHE.entries().items() if str(tiny.resolve()) in key]
@@ -270,7 +270,7 @@ def test_hidden_states_are_the_normed_states_the_lm_head_reads(tiny, tiny_draft)
     """llama.cpp's embeddings are the torch runtime's hidden states (final norm applied), for a prompt pass, single
     positions after it and after a rollback. Keeping them makes every row an output, which changes the last layer's
     grouping of rows: the logits then move by pass rounding only."""
-    from specdec.backends import make_backend
+    from exactspec.backends import make_backend
 
     torch_lm = make_backend(load_model(str(tiny), dtype="float32").model, "float32")
     torch_lm.keep_hidden_states()
@@ -295,8 +295,8 @@ def test_hidden_states_are_the_normed_states_the_lm_head_reads(tiny, tiny_draft)
 
 def random_feature_drafter(method: str, tiny: Path):
     """An untrained eagle head or mtp heads for the tiny GGUF's target (random weights, seed 0)."""
-    from specdec.drafters.layers import LayerShape
-    from specdec.drafters.networks import DrafterConfig, EagleHead, MTPHeads, TargetParts
+    from exactspec.drafters.layers import LayerShape
+    from exactspec.drafters.networks import DrafterConfig, EagleHead, MTPHeads, TargetParts
 
     model = load_model(str(tiny), dtype="float32").model
     torch.manual_seed(0)
@@ -347,7 +347,7 @@ def test_bad_model_files_are_refused_in_one_line(tmp_path, tiny, capsys):
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps({"model_type": "llama"}))
     cases = [
-        (["--model", str(truncated)], "(truncated?)"),  # found by specdec's own reader, before llama.cpp
+        (["--model", str(truncated)], "(truncated?)"),  # found by exactspec's own reader, before llama.cpp
         (["--model", str(not_gguf)], "not a GGUF file"),
         (["--model", str(directory), "--backend", "llama.cpp"], "is not one"),
         (["--model", str(tiny), "--backend", "llama.cpp", "--dtype", "float32"], "--backend lean"),
@@ -359,7 +359,7 @@ def test_bad_model_files_are_refused_in_one_line(tmp_path, tiny, capsys):
 
 
 def test_quantize_makes_a_float_gguf_pass_invariant(tiny, tmp_path, capsys):
-    """The tiny F32 GGUF's rows depend on the pass (its load says so); ``specdec quantize`` writes a Q8_0 copy whose
+    """The tiny F32 GGUF's rows depend on the pass (its load says so); ``exactspec quantize`` writes a Q8_0 copy whose
     rows do not, on which speculation gives plain greedy output."""
     assert not rows_are_pass_invariant(LlamaCppLM.load(tiny))
     out = tmp_path / "copy.gguf"
@@ -398,8 +398,8 @@ def test_the_scheduler_batches_on_llama_cpp_exactly_per_request(quantised):
     """Requests decoded together in one llama.cpp pass per step give each its own greedy output, token for
     token."""
     lm = quantised
-    from specdec.server import BatchSettings, build_scheduler
-    from specdec.server.scheduler import GenerationRequest
+    from exactspec.server import BatchSettings, build_scheduler
+    from exactspec.server.scheduler import GenerationRequest
 
     scheduler = build_scheduler(lm, BatchSettings(speculation="always", max_batch_size=3, max_model_len=128),
                                 set())
@@ -422,7 +422,7 @@ def test_the_scheduler_batches_on_llama_cpp_exactly_per_request(quantised):
 
 def decode_on_scheduler(lm, speculation: str, requests: list) -> list[list[int]]:
     """Each request's tokens, the requests decoded together (up to 16 at once) by a scheduler on ``lm``."""
-    from specdec.server import BatchSettings, build_scheduler
+    from exactspec.server import BatchSettings, build_scheduler
 
     scheduler = build_scheduler(lm, BatchSettings(speculation=speculation, num_draft_tokens=3, max_batch_size=16,
                                                   max_model_len=128), set())
@@ -441,7 +441,7 @@ def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_burst(quantised
     not depend on speculation either: never, always and auto (whose draft lengths follow the load) give plain
     decoding's tokens. The standard rule's draws depend on the drafts, so there each mode is compared with itself
     at a fixed k."""
-    from specdec.server.scheduler import GenerationRequest
+    from exactspec.server.scheduler import GenerationRequest
 
     def request(prompt, seed):
         return GenerationRequest(prompt, max_tokens=24, sampling=SamplingParams(temperature=0.8, method=method),
@@ -486,7 +486,7 @@ def test_the_tokenizer_needs_no_transformers(tiny):
     import subprocess
     import sys
 
-    script = (f"import sys\nfrom specdec.models import load_model\nloaded = load_model({str(tiny)!r}, "
+    script = (f"import sys\nfrom exactspec.models import load_model\nloaded = load_model({str(tiny)!r}, "
               "backend='llama.cpp')\nids = loaded.tokenizer.apply_chat_template([{'role': 'user', 'content': 'hi'}])\n"
               "loaded.tokenizer.decode(ids)\nprint('transformers' in sys.modules)\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -494,7 +494,7 @@ def test_the_tokenizer_needs_no_transformers(tiny):
 
 
 def test_figure_1_draws_llama_cpps_pass_costs_beside_the_torch_runtimes(tiny, tmp_path, capsys):
-    from specdec.bench.figures import POSITIONS, figure_1_runtimes, pass_latency
+    from exactspec.bench.figures import POSITIONS, figure_1_runtimes, pass_latency
 
     target = load_model(str(tiny), dtype="float32")
     runtimes = dict(figure_1_runtimes(target.model, target.gguf, threads=2))
@@ -510,7 +510,7 @@ def test_figure_1_draws_llama_cpps_pass_costs_beside_the_torch_runtimes(tiny, tm
 
 
 def test_figure_1_alone_runs_from_the_gguf_as_stored(tiny, tmp_path, capsys, monkeypatch):
-    from specdec.bench import figures
+    from exactspec.bench import figures
 
     runtimes = dict(figures.stored_runtimes(str(tiny), threads=2))
     assert set(runtimes) == {"llama.cpp (GGUF as stored)", "fused (as stored, integer products)",
@@ -519,7 +519,7 @@ def test_figure_1_alone_runs_from_the_gguf_as_stored(tiny, tmp_path, capsys, mon
     def no_conversion(*args, **kwargs):
         raise AssertionError("figure 1 of a file the fused runtime reads converted it")
 
-    monkeypatch.setattr("specdec.models.transformers_directory", no_conversion)
+    monkeypatch.setattr("exactspec.models.transformers_directory", no_conversion)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"turns": ["Write a haiku about the sea"]}\n')
     args = ["figures", "--out", str(tmp_path / "figs"), "--model", str(tiny), "--prompts", str(prompts),
@@ -533,12 +533,12 @@ def test_figure_1_alone_runs_from_the_gguf_as_stored(tiny, tmp_path, capsys, mon
 
 
 def test_a_gguf_draft_model_runs_beside_a_fused_target_from_its_file(tiny, tiny_draft, monkeypatch):
-    from specdec.loading import load_target
+    from exactspec.loading import load_target
 
     def no_conversion(*args, **kwargs):
         raise AssertionError("the draft GGUF was converted to a transformers model")
 
-    monkeypatch.setattr("specdec.models.transformers_directory", no_conversion)
+    monkeypatch.setattr("exactspec.models.transformers_directory", no_conversion)
     loaded = load_target(str(tiny), backend="fused", draft_model=str(tiny_draft))
     assert loaded.target.backend == "fused" and loaded.draft.backend == "fused"
     assert loaded.draft.runtime.name == "fused"

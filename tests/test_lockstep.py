@@ -14,13 +14,13 @@ from test_hybrid_server import EOS, PROMPTS, served, settings
 from test_server import tiny  # noqa: F401  (the model fixture)
 from tiny import perturbed_copy
 
-from specdec.backends import LeanRuntime
-from specdec.backends.base import Pool, PooledSequence, Row, Slot
-from specdec.backends.fused import FusedRuntime
-from specdec.backends.lockstep import LockstepPool
-from specdec.choices import DEFAULT_DRAFTER
-from specdec.server import build_scheduler
-from specdec.server.scheduler import GenerationRequest
+from exactspec.backends import LeanRuntime
+from exactspec.backends.base import Pool, PooledSequence, Row, Slot
+from exactspec.backends.fused import FusedRuntime
+from exactspec.backends.lockstep import LockstepPool
+from exactspec.choices import DEFAULT_DRAFTER
+from exactspec.server import build_scheduler
+from exactspec.server.scheduler import GenerationRequest
 
 VOCAB = 16
 POISON = 13  # a token whose rows the recording pool refuses to run
@@ -131,7 +131,7 @@ def test_turns_run_one_at_a_time_in_the_order_given_and_workers_persist():
         return name
 
     def workers() -> set[threading.Thread]:
-        return {thread for thread in threading.enumerate() if thread.name == "specdec-drafting"}
+        return {thread for thread in threading.enumerate() if thread.name == "exactspec-drafting"}
 
     before = workers()
     for _ in range(3):

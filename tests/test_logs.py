@@ -1,5 +1,5 @@
-"""Only specdec's voice on the terminal: llama.cpp's log lines go to Python logging (WARNING and above, everything
-with --verbose), what a user must know is one ``specdec:`` line, and ``--verbose`` shows the rest."""
+"""Only exactspec's voice on the terminal: llama.cpp's log lines go to Python logging (WARNING and above, everything
+with --verbose), what a user must know is one ``exactspec:`` line, and ``--verbose`` shows the rest."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from tiny import save_with_tokenizer, tiny_llama
 from tiny_gguf import write_tiny_gguf
 
-from specdec.backends.llamacpp import LlamaCppLM
+from exactspec.backends.llamacpp import LlamaCppLM
 
 LONG_CONTEXT = 32768  # trained positions beyond the 8192 a single-sequence llama.cpp cache keeps
 SHORT_CONTEXT_WARNING = "n_ctx_per_seq (8192) < n_ctx_train (32768)"  # llama.cpp's own warning about it
@@ -24,22 +24,22 @@ def long_context_gguf(tmp_path_factory):  # Q8_0: its rows are the same in any p
 
 
 def generate(model, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "hi", "--model", str(model),
+    return subprocess.run([sys.executable, "-m", "exactspec.cli", "generate", "hi", "--model", str(model),
                            "--max-new-tokens", "4", *flags], capture_output=True, text=True, timeout=300, check=False)
 
 
 def is_summary(line: str) -> bool:
-    """specdec's summary line: the default drafter (the hybrid, with its sources' shares) with the default draft
+    """exactspec's summary line: the default drafter (the hybrid, with its sources' shares) with the default draft
     length (k auto), on some runtime."""
     return re.match(r"\[hybrid, k auto: mean draft [0-9.]+ on .* tokens per target pass; accepted tokens by source: "
                     r"prompt-lookup \d+%, retrieval \d+%$", line) is not None
 
 
-def test_generate_on_a_gguf_says_only_specdecs_lines(long_context_gguf):
+def test_generate_on_a_gguf_says_only_exactspecs_lines(long_context_gguf):
     result = generate(long_context_gguf, "--backend", "llama.cpp")
     assert result.returncode == 0, result.stderr
     lines = result.stderr.splitlines()
-    assert lines[0] == "specdec: long.gguf was trained on 32768 positions; prompt and answer together get 8192 here"
+    assert lines[0] == "exactspec: long.gguf was trained on 32768 positions; prompt and answer together get 8192 here"
     assert len(lines) == 2 and is_summary(lines[1]), result.stderr
 
 
@@ -59,14 +59,14 @@ def test_llama_cpp_warnings_reach_python_logging_and_its_info_does_not(long_cont
     assert any(r.levelno == logging.WARNING and SHORT_CONTEXT_WARNING in r.getMessage() for r in from_llama_cpp)
     assert all(r.levelno >= logging.WARNING for r in from_llama_cpp)  # the loader's INFO lines are dropped at source
     assert all("\n" not in r.getMessage() for r in from_llama_cpp)  # one record a line
-    notices = [r.getMessage() for r in caplog.records if r.name == "specdec.notice"]
+    notices = [r.getMessage() for r in caplog.records if r.name == "exactspec.notice"]
     assert notices == ["long.gguf was trained on 32768 positions; prompt and answer together get 8192 here"]
 
 
 def test_through_the_library_llama_cpp_says_nothing_unless_logging_is_configured(long_context_gguf):
-    """The Python API with no logging configured: specdec's notice reaches stderr, llama.cpp's warnings do not
+    """The Python API with no logging configured: exactspec's notice reaches stderr, llama.cpp's warnings do not
     (Python's last-resort handler printed them); configured, they reach its handlers."""
-    load = ("import logging, sys\nfrom specdec.api import SpecDecoder\n"
+    load = ("import logging, sys\nfrom exactspec.api import SpecDecoder\n"
             "if len(sys.argv) > 1: logging.basicConfig(level=logging.WARNING)\n"
             f"SpecDecoder.load(model={str(long_context_gguf)!r}, backend='llama.cpp')\n")
     quiet, configured = (subprocess.run([sys.executable, "-c", load, *flag], capture_output=True, text=True,
@@ -88,7 +88,7 @@ def test_auto_on_a_gguf_says_nothing_of_the_candidates_it_measured(tmp_path):
     chosen = summary.split("]")[0].rsplit(" on ", 1)[1]
     # the one notice the chosen runtime may give of itself: llama.cpp's rows of F32 weights depend on the pass
     assert notices == [] or (chosen == "llama.cpp" and len(notices) == 1
-                             and notices[0].startswith("specdec: measured.gguf: llama.cpp")), result.stderr
+                             and notices[0].startswith("exactspec: measured.gguf: llama.cpp")), result.stderr
 
 
 def test_a_gguf_whose_rows_depend_on_the_pass_is_named_in_one_notice(tmp_path):
@@ -96,8 +96,8 @@ def test_a_gguf_whose_rows_depend_on_the_pass_is_named_in_one_notice(tmp_path):
     result = generate(write_tiny_gguf(tmp_path / "f32.gguf", context=512), "--backend", "llama.cpp")
     assert result.returncode == 0, result.stderr
     notice, summary = result.stderr.splitlines()
-    assert notice.startswith("specdec: f32.gguf: llama.cpp (F32 weights, this build) computes a position's logits "
-                             "differently alone and in a pass of several") and "specdec quantize" in notice
+    assert notice.startswith("exactspec: f32.gguf: llama.cpp (F32 weights, this build) computes a position's logits "
+                             "differently alone and in a pass of several") and "exactspec quantize" in notice
     assert "--backend fused" in notice
     assert is_summary(summary)
 
@@ -113,7 +113,7 @@ def test_generate_on_a_transformers_directory_says_only_its_summary(tmp_path):
 
 @pytest.mark.slow
 def test_generate_on_the_default_model_says_only_its_summary():
-    result = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "Write a haiku about the sea",
+    result = subprocess.run([sys.executable, "-m", "exactspec.cli", "generate", "Write a haiku about the sea",
                              "--max-new-tokens", "8"], capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr
     lines = result.stderr.splitlines()

@@ -1,4 +1,4 @@
-"""Larger real models from their PyPI parts (specdec/model_parts.py): a short name assembles the parts once into the
+"""Larger real models from their PyPI parts (exactspec/model_parts.py): a short name assembles the parts once into the
 cache and checks the sha256; a missing or wrong part is one line and writes nothing; and (slow) greedy speculation
 on the real Qwen2.5-Coder-0.5B Q4_K_M, read by the fused runtime from the file alone, keeps plain decoding's tokens."""
 
@@ -11,10 +11,10 @@ import shutil
 
 import pytest
 
-from specdec import model_parts
-from specdec.errors import UsageError
-from specdec.model_parts import PartedModel, assembled_path
-from specdec.models import model_path
+from exactspec import model_parts
+from exactspec.errors import UsageError
+from exactspec.model_parts import PartedModel, assembled_path
+from exactspec.models import model_path
 
 PARTS = [bytes(range(256)) * 40, b"middle part" * 1000, b"the end"]
 
@@ -29,7 +29,7 @@ def fake(tmp_path, monkeypatch):
         (package / "__init__.py").write_text("")
         (package / "data" / f"part{number:02d}.bin").write_bytes(data)
     monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("EXACTSPEC_CACHE", str(tmp_path / "cache"))
     whole = b"".join(PARTS)
     model = PartedModel("fake.gguf", "fake-extra", "fakepart", 3, len(whole), hashlib.sha256(whole).hexdigest())
     monkeypatch.setitem(model_parts.PARTED_MODELS, "fake-model", model)
@@ -50,7 +50,7 @@ def test_a_missing_or_wrong_part_is_one_line_and_writes_nothing(fake):
     (site / "fakepart2" / "data" / "part02.bin").unlink()
     with pytest.raises(UsageError, match=r"part 2 of 3 \(fakepart2\) lacks data/part02.bin") as error:
         assembled_path("fake-model")
-    assert "\n" not in str(error.value) and "specdec[fake-extra]" in str(error.value)
+    assert "\n" not in str(error.value) and "exactspec[fake-extra]" in str(error.value)
     (site / "fakepart2" / "data" / "part02.bin").write_bytes(PARTS[1][:-1] + b"X")  # one byte off
     with pytest.raises(UsageError, match="do not make its file"):
         assembled_path("fake-model")
@@ -66,7 +66,7 @@ def test_a_missing_or_wrong_part_is_one_line_and_writes_nothing(fake):
 def test_speculation_on_the_real_0_5b_keeps_plain_decodings_tokens():
     """Qwen2.5-Coder-0.5B-Instruct Q4_K_M (Q5_0, Q8_0, Q4_K and Q6_K matrices, qwen2's biases), on the fused runtime
     from the file alone: greedy prompt lookup and retrieval at k = 4 and auto give plain decoding's 48 tokens."""
-    from specdec.api import SpecDecoder
+    from exactspec.api import SpecDecoder
 
     try:
         path = str(model_path("qwen2.5-coder-0.5b"))

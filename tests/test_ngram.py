@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from drafter_checks import check_drafter
 
-from specdec.proposers import make_proposer
-from specdec.sampling import SamplingParams
+from exactspec.proposers import make_proposer
+from exactspec.sampling import SamplingParams
 
 
 def test_ngram_keeps_plain_decodings_tokens():

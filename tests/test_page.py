@@ -12,7 +12,7 @@ import openai
 import pytest
 from test_server import MODEL, get, get_with_type, post, start_server, tiny  # noqa: F401  (tiny: the model fixture)
 
-from specdec.view import KIND_STYLES
+from exactspec.view import KIND_STYLES
 
 REPETITIVE = "w3 w4 w5 w3 w4 w5 w3 w4 w5 w3 w4"  # prompt lookup drafts, and some drafts are accepted
 KINDS = set(KIND_STYLES)
@@ -99,7 +99,7 @@ def without_ids(chunk: dict) -> dict:
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_without_the_option_the_chunks_are_those_with_it_less_the_extension_byte_for_byte(server, path):
-    """The same seeded request with and without include_speculation: drop the ``specdec`` key and the chunks
+    """The same seeded request with and without include_speculation: drop the ``exactspec`` key and the chunks
     that carry no text (only rounds) from the one with it, and what is left is, byte for byte, the one without it
     (but for the answer's id and time)."""
     body = request("always")
@@ -108,10 +108,10 @@ def test_without_the_option_the_chunks_are_those_with_it_less_the_extension_byte
     plain = raw_stream(server, body, path)
     extended = chunks(raw_stream(server, {**body, "stream_options": {"include_usage": True,
                                                                        "include_speculation": True}}, path))
-    assert b'"specdec"' not in plain
+    assert b'"exactspec"' not in plain
     kept = []
     for chunk in extended:
-        extension = chunk.pop("specdec", None)
+        extension = chunk.pop("exactspec", None)
         choice = chunk["choices"][0] if chunk["choices"] else {}
         only_rounds = extension is not None and choice["finish_reason"] is None and \
             not (choice.get("text") or choice.get("delta", {}).get("content"))
@@ -131,12 +131,12 @@ def test_each_chunk_says_how_its_text_came_and_the_totals_are_the_servers(server
     usage = usage_chunk["usage"]
     tokens, rounds = [], []
     for chunk in answer:
-        extension = chunk["specdec"]
+        extension = chunk["exactspec"]
         assert "".join(t["text"] for t in extension["tokens"]) == chunk["choices"][0]["text"]
         tokens += extension["tokens"]
         rounds += extension["rounds"]
     assert {t["kind"] for t in tokens} <= KINDS and {"accepted", "recovered"} & {t["kind"] for t in tokens}
-    summary = answer[-1]["specdec"]["summary"]
+    summary = answer[-1]["exactspec"]["summary"]
     assert summary == {"speculation": "always", "completion_tokens": usage["completion_tokens"],
                        "draft_tokens": usage["speculation"]["draft_tokens"],
                        "accepted_tokens": usage["speculation"]["accepted_tokens"], "target_passes": len(rounds)}
@@ -156,7 +156,7 @@ def test_the_openai_client_parses_the_extended_chunks(server):
     for chunk in stream:
         if chunk.choices:
             text += chunk.choices[0].delta.content or ""
-            extension = chunk.model_extra.get("specdec", {"tokens": []})  # the first chunk (the role) has none
+            extension = chunk.model_extra.get("exactspec", {"tokens": []})  # the first chunk (the role) has none
             pieces += "".join(t["text"] for t in extension["tokens"])
     assert text and pieces == text and chunk.usage.completion_tokens == 12
 
@@ -181,7 +181,7 @@ def test_a_request_asks_for_speculation_never_auto_or_always_and_gets_the_same_s
 
 def test_num_draft_tokens_bounds_each_round(server):
     received = chunks(raw_stream(server, request("always", include=True, num_draft_tokens=1)))
-    rounds = [r for chunk in received[:-1] for r in chunk["specdec"]["rounds"]]
+    rounds = [r for chunk in received[:-1] for r in chunk["exactspec"]["rounds"]]
     assert max(r["k"] for r in rounds) == 1
 
 

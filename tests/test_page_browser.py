@@ -1,6 +1,6 @@
-"""The live page in a real browser (issue 27): `specdec serve` on the default model, driven in Debian's headless
+"""The live page in a real browser (issue 27): `exactspec serve` on the default model, driven in Debian's headless
 Chromium through its own chromedriver (selenium is pointed at both binaries and downloads nothing; .ci/run
-installs them). Set SPECDEC_PAGE_SCREENSHOT=PATH to keep the screenshot (docs/figures/page.png is made so)."""
+installs them). Set EXACTSPEC_PAGE_SCREENSHOT=PATH to keep the screenshot (docs/figures/page.png is made so)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.view import KIND_STYLES
+from exactspec.view import KIND_STYLES
 
 pytestmark = pytest.mark.slow
 
@@ -28,11 +28,11 @@ COUNTERS = ("generation_tokens_total", "draft_tokens_total", "accepted_tokens_to
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """`specdec serve` on the default model, with an API key: its URL and process."""
+    """`exactspec serve` on the default model, with an API key: its URL and process."""
     folder = tmp_path_factory.mktemp("serve")
     (folder / "key").write_text(KEY + "\n")
     log = (folder / "serve.log").open("w+")
-    process = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--port", "0", "--max-batch-size", "4",
+    process = subprocess.Popen([sys.executable, "-m", "exactspec.cli", "serve", "--port", "0", "--max-batch-size", "4",
                                 "--api-key-file", str(folder / "key")], stderr=log, stdout=log, text=True)
     try:
         deadline = time.monotonic() + 300
@@ -67,7 +67,7 @@ def counters(url: str) -> dict[str, float]:
     """The server's own counters, from /metrics."""
     request = urllib.request.Request(url + "metrics", headers={"Authorization": f"Bearer {KEY}"})
     text = urllib.request.urlopen(request, timeout=30).read().decode()
-    return {name: float(re.search(rf"^specdec_{name} (\S+)$", text, re.M).group(1)) for name in COUNTERS}
+    return {name: float(re.search(rf"^exactspec_{name} (\S+)$", text, re.M).group(1)) for name in COUNTERS}
 
 
 def complete(url: str, body: dict) -> dict:
@@ -148,8 +148,8 @@ def test_the_page_shows_speculation_live_compares_and_keeps_what_arrived(served,
     assert element("compare-off").get_attribute("textContent") == element("compare-on").get_attribute("textContent")
     screenshot = tmp_path / "page.png"
     assert browser.save_screenshot(str(screenshot)) and screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    if os.environ.get("SPECDEC_PAGE_SCREENSHOT"):
-        shutil.copy(screenshot, os.environ["SPECDEC_PAGE_SCREENSHOT"])
+    if os.environ.get("EXACTSPEC_PAGE_SCREENSHOT"):
+        shutil.copy(screenshot, os.environ["EXACTSPEC_PAGE_SCREENSHOT"])
     # 4. a request the server refuses: its own message
     fill("max-tokens", "100000")
     assert "max_tokens is 100000" in status_after("send")

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from specdec.policy import CostModelPolicy, FixedDraftLength, HeuristicDraftLength, TreePolicy, make_policy
-from specdec.verify import TreeVerdict, Verdict
+from exactspec.policy import CostModelPolicy, FixedDraftLength, HeuristicDraftLength, TreePolicy, make_policy
+from exactspec.verify import TreeVerdict, Verdict
 
 
 def verdict(num_draft: int, accepted: int) -> Verdict:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from tiny import tiny_llama
 
-from specdec.backends import LeanRuntime, make_backend
-from specdec.backends.base import streamed_parameters
-from specdec.backends.lean import precision as auto
-from specdec.backends.linear import PassPrecisions
-from specdec.bench.roofline import measure_roofline
+from exactspec.backends import LeanRuntime, make_backend
+from exactspec.backends.base import streamed_parameters
+from exactspec.backends.lean import precision as auto
+from exactspec.backends.linear import PassPrecisions
+from exactspec.bench.roofline import measure_roofline
 
 
 def test_a_decode_pass_streams_every_weight_but_the_input_embedding():

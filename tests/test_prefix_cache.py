@@ -10,15 +10,15 @@ import pytest
 import torch
 from tiny import save_with_tokenizer, tiny_llama
 
-from specdec.backends import LeanRuntime
-from specdec.backends.fused import FusedRuntime
-from specdec.engine import Engine, GenerationConfig
-from specdec.errors import UsageError
-from specdec.proposers import NoProposer
-from specdec.sampling import SamplingParams
-from specdec.server import BatchSettings, build_scheduler
-from specdec.server.prefixes import MIN_REUSED, PrefixCache, prefix_cache
-from specdec.server.scheduler import GenerationRequest
+from exactspec.backends import LeanRuntime
+from exactspec.backends.fused import FusedRuntime
+from exactspec.engine import Engine, GenerationConfig
+from exactspec.errors import UsageError
+from exactspec.proposers import NoProposer
+from exactspec.sampling import SamplingParams
+from exactspec.server import BatchSettings, build_scheduler
+from exactspec.server.prefixes import MIN_REUSED, PrefixCache, prefix_cache
+from exactspec.server.scheduler import GenerationRequest
 
 EOS = 1
 RUNTIMES = {"fused": FusedRuntime, "lean": LeanRuntime}
@@ -94,7 +94,7 @@ def test_a_negative_size_is_refused():
 
 def test_a_pool_whose_rows_depend_on_the_pass_keeps_no_prefix(model):
     """Where a row's bits depend on the rows beside it, a restored prefix could change a token: no cache."""
-    runtime = LeanRuntime(model, "float64")  # the libraries' kernels, not specdec's row kernels
+    runtime = LeanRuntime(model, "float64")  # the libraries' kernels, not exactspec's row kernels
     assert not runtime.pass_invariant
     assert prefix_cache(runtime.pool(2, 256), 1) is None
     assert prefix_cache(LeanRuntime(model).pool(2, 256), 1) is not None
@@ -109,7 +109,7 @@ def test_the_cache_is_sized_in_tokens_too_and_warns_where_it_holds_no_whole_prom
     slot = filled(pool, words(10, 41))
     copied = pool.copy_out(slot, 40)
     assert pool.position_bytes * 40 == copied.numel() * copied.element_size()
-    with caplog.at_level("WARNING", logger="specdec.notice"):
+    with caplog.at_level("WARNING", logger="exactspec.notice"):
         assert prefix_cache(pool, 0, 1000, context=256).capacity_bytes == 1000 * pool.position_bytes
         assert not caplog.records
         small = prefix_cache(pool, 0, 100, context=256)
@@ -130,7 +130,7 @@ def filled(pool, prompt: list[int]):
 
 
 def _row(slot, tokens):
-    from specdec.backends.base import Row
+    from exactspec.backends.base import Row
 
     return Row(slot, tokens, 0)
 
@@ -171,7 +171,7 @@ def test_the_server_reports_the_cached_tokens_and_answers_alike(model, tmp_path)
     from test_server import post, prompt_text
     from transformers import AutoTokenizer
 
-    from specdec.server.app import OpenAIServer, ServerSettings
+    from exactspec.server.app import OpenAIServer, ServerSettings
 
     tokenizer = AutoTokenizer.from_pretrained(save_with_tokenizer(model, tmp_path / "tiny"))
     settings = BatchSettings(max_batch_size=2, max_model_len=256, drafter="prompt-lookup")
@@ -198,7 +198,7 @@ def test_a_prompt_prefilled_after_a_restored_prefix_scores_as_one_prefilled_whol
     from another slot's copy and the rest prefilled as the whole prompt's prefill would run: what makes a restored
     prefix exact. On the fused runtime a prompt's rows run the C kernels' pass as a round's do, so a slot whose rest of
     five ran as a round holds those bits too."""
-    from specdec.backends.base import Row
+    from exactspec.backends.base import Row
 
     pool = RUNTIMES[runtime](model).pool(3, 256)
     prompt = words(7, 160)

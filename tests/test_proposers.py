@@ -6,10 +6,10 @@ import pytest
 import torch
 from tiny import tiny_llama
 
-from specdec.backends import HFCausalLM, LeanRuntime
-from specdec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer, make_proposer
-from specdec.proposers.base import trie_draft
-from specdec.sampling import SamplingParams, logits_to_probs
+from exactspec.backends import HFCausalLM, LeanRuntime
+from exactspec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer, make_proposer
+from exactspec.proposers.base import trie_draft
+from exactspec.sampling import SamplingParams, logits_to_probs
 
 GREEDY = SamplingParams()
 

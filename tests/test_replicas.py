@@ -1,4 +1,4 @@
-"""``specdec serve --replicas``: the OpenAI app on Ray Serve, a local Ray instance on loopback with 2 replicas of a
+"""``exactspec serve --replicas``: the OpenAI app on Ray Serve, a local Ray instance on loopback with 2 replicas of a
 tiny model. Slow: Ray takes its time to start."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from tiny import save_with_tokenizer, tiny_llama
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from specdec.server import BatchSettings  # noqa: E402
-from specdec.server.replicas import APP_NAME, proxy_options, serve_app  # noqa: E402
-from specdec.server.serving import ServerOptions  # noqa: E402
+from exactspec.server import BatchSettings  # noqa: E402
+from exactspec.server.replicas import APP_NAME, proxy_options, serve_app  # noqa: E402
+from exactspec.server.serving import ServerOptions  # noqa: E402
 
 pytestmark = pytest.mark.slow
 REQUEST_TIMEOUT = 20.0  # seconds Ray's proxy lets a request go unanswered; the client waits three times that
@@ -58,7 +58,7 @@ def complete(port: int, prompt: list[int], max_tokens: int = 8) -> tuple[int, di
         response = connection.getresponse()
         body = response.read()
         return response.status, json.loads(body) if response.status == 200 else None, \
-            response.getheader("X-Specdec-Instance")
+            response.getheader("X-Exactspec-Instance")
     except (ConnectionError, http.client.HTTPException):
         return 0, None, None
     finally:
@@ -106,13 +106,13 @@ def test_the_live_page_works_behind_rays_proxy(port):
     response = connection.getresponse()
     chunks = [json.loads(line[len("data: "):]) for line in response.read().decode().split("\n\n")
               if line.startswith("data: {")]
-    assert sum(r["tokens"] for c in chunks for r in c["specdec"]["rounds"]) == 6
+    assert sum(r["tokens"] for c in chunks for r in c["exactspec"]["rounds"]) == 6
     connection.close()
 
 
 def replica_count() -> int:
     application = serve.status().applications[APP_NAME]
-    return application.deployments["SpecdecReplica"].replica_states.get("RUNNING", 0)
+    return application.deployments["ExactspecReplica"].replica_states.get("RUNNING", 0)
 
 
 def test_a_replica_killed_mid_run_is_replaced_and_no_request_hangs(port):
@@ -121,7 +121,7 @@ def test_a_replica_killed_mid_run_is_replaced_and_no_request_hangs(port):
         while sum(f.done() for f in futures) < 10:
             time.sleep(0.01)
         victim = next(actor for actor in ray.util.list_named_actors(all_namespaces=True)
-                      if "SpecdecReplica" in actor["name"])
+                      if "ExactspecReplica" in actor["name"])
         ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
         assert sum(f.done() for f in futures) < 60  # killed mid-run
         statuses = [future.result(timeout=120)[0] for future in futures]  # none hangs

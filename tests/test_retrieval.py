@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from tiny import save_with_tokenizer, tiny_llama
 
-from specdec import datastore as datastores
-from specdec.backends import LeanRuntime
-from specdec.cli import main
-from specdec.errors import UsageError
-from specdec.proposers.retrieval import RetrievalProposer, SessionIndex, continuation
-from specdec.sampling import SamplingParams
+from exactspec import datastore as datastores
+from exactspec.backends import LeanRuntime
+from exactspec.cli import main
+from exactspec.errors import UsageError
+from exactspec.proposers.retrieval import RetrievalProposer, SessionIndex, continuation
+from exactspec.sampling import SamplingParams
 
 GREEDY = SamplingParams()
 
@@ -131,9 +131,9 @@ def test_retrieval_drafts_from_the_datastore_when_the_session_has_nothing():
 def test_a_datastore_drafts_only_with_retrieval():
     """The rule lives in one place (choices.check_datastore_drafter); the proposers' factory and the server's
     scheduler ask it, and the Python API asks it before it loads anything."""
-    from specdec.api import SpecDecoder
-    from specdec.proposers import make_proposer
-    from specdec.server import BatchSettings, build_scheduler
+    from exactspec.api import SpecDecoder
+    from exactspec.proposers import make_proposer
+    from exactspec.server import BatchSettings, build_scheduler
 
     store = datastores.build(np.array([1, 2, 3, 1, 2, 4]), vocab_size=64, sources=[])
     target = LeanRuntime(tiny_llama(seed=0))
@@ -193,14 +193,14 @@ def test_datastore_command_builds_describes_and_drafts(tmp_path, capsys):
 def test_a_datastore_for_a_gguf_is_tokenized_as_its_runtimes_tokenize(tmp_path, capsys, monkeypatch):
     from tiny_gguf import write_tiny_gguf
 
-    from specdec.models import load_model
+    from exactspec.models import load_model
 
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", seed=0)
 
     def no_conversion(*args, **kwargs):
         raise AssertionError("the GGUF was converted to a transformers model for its tokenizer")
 
-    monkeypatch.setattr("specdec.models.transformers_directory", no_conversion)
+    monkeypatch.setattr("exactspec.models.transformers_directory", no_conversion)
     text = "def add(a, b):\n    return a + b\n"
     (tmp_path / "corpus.py").write_text(text)
     assert main(["datastore", "build", "--from", str(tmp_path / "corpus.py"), "--out", str(tmp_path / "store"),

@@ -1,4 +1,4 @@
-"""One round for the library and the server (specdec/rounds.py): a request gives the same tokens, log-probabilities
+"""One round for the library and the server (exactspec/rounds.py): a request gives the same tokens, log-probabilities
 and finish through the library's engine and through the server's scheduler, with a drafter, logit bias, penalties
 and stop strings; and the Python API takes ``stop`` and ``logprobs`` as the server does. On the tiny random model of
 test_server.py, in float32 (where the runtime computes each row as it is alone: the same bits in any pass)."""
@@ -13,15 +13,15 @@ import torch
 from test_server import EOS, prompt_text, tiny  # noqa: F401
 from tiny import require_pass_invariant
 
-from specdec import SpecDecoder
-from specdec.backends import LeanRuntime
-from specdec.engine import Engine, GenerationConfig
-from specdec.models import load_model
-from specdec.proposers import make_proposer
-from specdec.sampling import LogitsAdjustment, SamplingParams
-from specdec.server import BatchSettings, build_scheduler
-from specdec.server.scheduler import GenerationRequest
-from specdec.stops import StopText
+from exactspec import SpecDecoder
+from exactspec.backends import LeanRuntime
+from exactspec.engine import Engine, GenerationConfig
+from exactspec.models import load_model
+from exactspec.proposers import make_proposer
+from exactspec.sampling import LogitsAdjustment, SamplingParams
+from exactspec.server import BatchSettings, build_scheduler
+from exactspec.server.scheduler import GenerationRequest
+from exactspec.stops import StopText
 
 PROMPT = [5, 9, 12, 9, 12, 40, 5, 9, 12, 9]
 ADJUSTMENT = LogitsAdjustment(bias={9: 1.5, 12: -0.5}, presence_penalty=0.4, frequency_penalty=0.3)
@@ -112,10 +112,10 @@ def test_the_python_api_takes_stop_and_logprobs(tiny, tmp_path):  # noqa: F811
 
 
 def untrained_source(drafter: str, model):
-    """A drafter's network as ``specdec train`` makes it, before training (random heads draft badly; the answer
+    """A drafter's network as ``exactspec train`` makes it, before training (random heads draft badly; the answer
     must not change)."""
-    from specdec.drafters.layers import LayerShape
-    from specdec.drafters.networks import DrafterConfig, EagleHead, ExitAdapter, MTPHeads, TargetParts
+    from exactspec.drafters.layers import LayerShape
+    from exactspec.drafters.networks import DrafterConfig, EagleHead, ExitAdapter, MTPHeads, TargetParts
 
     torch.manual_seed(0)
     shape, parts = LayerShape.of(model.config), TargetParts.of(model)
@@ -135,7 +135,7 @@ def test_the_server_serves_every_drafter_and_trees(tiny, drafter, tree):  # noqa
     it: batched where the pool gives what the drafter reads (the target's features: eagle, mtp), over the runtime's
     own cache one request at a time where it reads the target's first layers (early-exit) or drafts trees; three
     greedy requests at once: each answer is plain decoding's, and drafts were scored."""
-    from specdec.backends.base import SequencePool
+    from exactspec.backends.base import SequencePool
 
     model = copy.deepcopy(tiny[0]).float()
     runtime = require_pass_invariant(LeanRuntime(model))
@@ -162,8 +162,8 @@ def test_the_server_serves_every_drafter_and_trees(tiny, drafter, tree):  # noqa
 
 def test_a_tree_or_a_feature_drafter_on_a_runtime_that_cannot_is_refused_in_one_line(tiny):  # noqa: F811
     """llama.cpp's runtime scores no trees and hands out no hidden states: the server says so before serving."""
-    from specdec.backends.base import CausalLM
-    from specdec.errors import UsageError
+    from exactspec.backends.base import CausalLM
+    from exactspec.errors import UsageError
 
     class Plain(CausalLM):  # a runtime that declares nothing beyond CausalLM
         vocab_size, max_length, device = 64, 128, torch.device("cpu")
@@ -178,7 +178,7 @@ def test_a_pool_keeps_each_slots_features_as_the_runtime_keeps_its_own(tiny):  #
     """What eagle and mtp read when they batch: a slot's hidden states at its cached positions are the ones the
     runtime keeps for the same tokens alone, bit for bit, through rounds cut back to their accepted tokens and
     after another slot closes and this one moves into its place."""
-    from specdec.backends.base import Row
+    from exactspec.backends.base import Row
 
     model = copy.deepcopy(tiny[0]).float()
     alone = require_pass_invariant(LeanRuntime(model))
@@ -197,15 +197,15 @@ def test_a_pool_keeps_each_slots_features_as_the_runtime_keeps_its_own(tiny):  #
 
 @pytest.mark.parametrize("drafter", ["eagle", "early-exit"])
 def test_serve_loads_a_trained_drafter_from_its_path(tiny, tmp_path, drafter):  # noqa: F811
-    """What ``specdec serve --drafter eagle --drafter-path DIR`` loads (``load_server``: the target, the drafter
+    """What ``exactspec serve --drafter eagle --drafter-path DIR`` loads (``load_server``: the target, the drafter
     from its directory, the scheduler built for it): its greedy answers are plain decoding's."""
     from dataclasses import replace
 
     from tiny import save_with_tokenizer
 
-    from specdec.drafters import checkpoint
-    from specdec.models import weight_probe
-    from specdec.server.serving import ServerOptions, load_server
+    from exactspec.drafters import checkpoint
+    from exactspec.models import weight_probe
+    from exactspec.server.serving import ServerOptions, load_server
 
     model = copy.deepcopy(tiny[0]).float()
     path = save_with_tokenizer(model, tmp_path / "target")

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from tiny import save_with_tokenizer, tiny_llama
 
-from specdec.api import SpecDecoder
-from specdec.backends import kind, kinds, runtime_of
-from specdec.choices import (
+from exactspec.api import SpecDecoder
+from exactspec.backends import kind, kinds, runtime_of
+from exactspec.choices import (
     BACKEND_ALIASES,
     BACKENDS,
     DEFAULT_DRAFTER,
@@ -17,12 +17,12 @@ from specdec.choices import (
     TRAINED_METHODS,
     check_datastore_drafter,
 )
-from specdec.cli import main
-from specdec.drafters.networks import NETWORKS
-from specdec.errors import UsageError
-from specdec.loading import check_backend_serves, draft_source
-from specdec.models import check_backend, load_model
-from specdec.proposers import DRAFTER_MODULES, drafters_where, role
+from exactspec.cli import main
+from exactspec.drafters.networks import NETWORKS
+from exactspec.errors import UsageError
+from exactspec.loading import check_backend_serves, draft_source
+from exactspec.models import check_backend, load_model
+from exactspec.proposers import DRAFTER_MODULES, drafters_where, role
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def test_each_drafters_declared_role_is_what_loading_does_with_it(name, tiny_tar
 
 
 def test_the_declared_roles_are_the_lists_the_command_line_and_the_drafter_files_offer():
-    """specdec train --method offers the trained drafters, and a drafter.json names one of their networks; the
+    """exactspec train --method offers the trained drafters, and a drafter.json names one of their networks; the
     drafter left out is the one of what was given."""
     trained = drafters_where(lambda r: r.trained)
     assert set(trained) == set(TRAINED_METHODS) == set(NETWORKS)

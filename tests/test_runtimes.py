@@ -8,9 +8,9 @@ from runtime_checks import check_runtime
 from tiny import require_pass_invariant, tiny_llama
 from tiny_gguf import write_tiny_gguf
 
-from specdec.backends import FusedRuntime, HFCausalLM, LeanRuntime
-from specdec.backends.base import rows_are_pass_invariant
-from specdec.backends.fused import unavailable
+from exactspec.backends import FusedRuntime, HFCausalLM, LeanRuntime
+from exactspec.backends.base import rows_are_pass_invariant
+from exactspec.backends.fused import unavailable
 
 
 @pytest.mark.parametrize("precision", ["float32", "float16", "bfloat16"])
@@ -39,7 +39,7 @@ def test_the_transformers_runtime():
 
 def test_the_llama_cpp_runtime(tmp_path):
     pytest.importorskip("llama_cpp")
-    from specdec.backends.llamacpp import LlamaCppLM
+    from exactspec.backends.llamacpp import LlamaCppLM
 
     runtime = LlamaCppLM.load(write_tiny_gguf(tmp_path / "tiny.gguf", context=512, seed=0, tensor_type="Q8_0"),
                               threads=2)

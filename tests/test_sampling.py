@@ -9,8 +9,8 @@ import torch
 from scipy.stats import chi2_contingency, chisquare
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from specdec.errors import UsageError
-from specdec.sampling import (
+from exactspec.errors import UsageError
+from exactspec.sampling import (
     LogitsAdjustment,
     SamplingParams,
     TargetChoices,

@@ -7,10 +7,10 @@ import torch
 from scipy.stats import chisquare
 from tiny import tiny_llama
 
-from specdec.backends import LeanRuntime
-from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.server import BatchSettings, build_scheduler
-from specdec.server.scheduler import GenerationRequest
+from exactspec.backends import LeanRuntime
+from exactspec.sampling import SamplingParams, logits_to_probs
+from exactspec.server import BatchSettings, build_scheduler
+from exactspec.server.scheduler import GenerationRequest
 
 PROMPT = [3, 4, 3, 4, 3]  # prompt lookup drafts "4 3" after it: drafts are verified, some accepted, some not
 PARAMS = SamplingParams(temperature=1.0)
@@ -54,13 +54,13 @@ def test_sampling_in_a_batch_with_speculation_draws_from_the_target():
 
 def test_a_runtime_that_batches_nothing_is_refused_in_one_line():
     """The pool is the backends' to choose (backends.pool_of): a transformers module (here a qwen2 with a sliding
-    window, which specdec's runtime does not cover) has none, and the server says so."""
+    window, which exactspec's runtime does not cover) has none, and the server says so."""
     import pytest
     from test_llama_runtime import FAMILY_SHAPE
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from specdec.backends import HFCausalLM, make_backend
-    from specdec.errors import UsageError
+    from exactspec.backends import HFCausalLM, make_backend
+    from exactspec.errors import UsageError
 
     model = Qwen2ForCausalLM(Qwen2Config(**FAMILY_SHAPE, use_sliding_window=True, sliding_window=8)).eval()
     runtime = make_backend(model)

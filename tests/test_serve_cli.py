@@ -1,4 +1,4 @@
-"""``specdec serve`` and ``specdec bench-serve`` as a user runs them, on a tiny saved model."""
+"""``exactspec serve`` and ``exactspec bench-serve`` as a user runs them, on a tiny saved model."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from tiny import save_with_tokenizer, tiny_llama
 
-from specdec.bench.serve import Result, auto_ratios, sample_trace, table
-from specdec.cli import main
+from exactspec.bench.serve import Result, auto_ratios, sample_trace, table
+from exactspec.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +51,13 @@ def model_dir(tmp_path_factory):
 def test_bad_serve_settings_are_one_line_and_exit_2(model_dir, capsys, args, message):
     code = main(["serve", *(["--model", str(model_dir)] if "--model" not in args else []), *args])
     err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and err.startswith("specdec: error:") and message in err, err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("exactspec: error:") and message in err, err
 
 
 def test_serve_answers_then_drains_on_sigterm(model_dir, tmp_path):
     key = tmp_path / "key"
     key.write_text("sesame\n")
-    process = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--model", str(model_dir),
+    process = subprocess.Popen([sys.executable, "-m", "exactspec.cli", "serve", "--model", str(model_dir),
                                 "--port", "0", "--speculation", "always", "--api-key-file", str(key)],
                                stderr=subprocess.PIPE, text=True)
     try:
@@ -136,7 +136,7 @@ def test_bench_serve_replays_a_trace_against_a_server_per_mode(model_dir, tmp_pa
 def test_a_busy_port_is_refused_in_one_line_before_the_model_loads(model_dir, capsys, monkeypatch):
     import socket
 
-    from specdec import loading
+    from exactspec import loading
 
     def never(*args, **kwargs):
         raise AssertionError("the model was loaded before the port was claimed")
@@ -151,7 +151,7 @@ def test_a_busy_port_is_refused_in_one_line_before_the_model_loads(model_dir, ca
 
 
 def test_a_busy_port_is_refused_in_one_line_before_the_heavy_imports(model_dir):
-    """``specdec serve`` claims the port before it imports the server, PyTorch and the model (a busy port took 6.8 s
+    """``exactspec serve`` claims the port before it imports the server, PyTorch and the model (a busy port took 6.8 s
     to answer under load): refused in one line, exit 2, with none of them imported."""
     import socket
 
@@ -159,10 +159,10 @@ def test_a_busy_port_is_refused_in_one_line_before_the_heavy_imports(model_dir):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        script = ("import sys; from specdec.cli import main; code = main(sys.argv[1:]); "
-                  "heavy = sorted(m for m in ('torch', 'specdec.server', 'fastapi') if m in sys.modules); "
+        script = ("import sys; from exactspec.cli import main; code = main(sys.argv[1:]); "
+                  "heavy = sorted(m for m in ('torch', 'exactspec.server', 'fastapi') if m in sys.modules); "
                   "print(heavy); sys.exit(code)")
         run = subprocess.run([sys.executable, "-c", script, "serve", "--model", str(model_dir), "--port", str(port)],
                              capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stdout.strip() == "[]", run
-    assert run.stderr.strip() == f"specdec: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    assert run.stderr.strip() == f"exactspec: error: cannot listen on 127.0.0.1:{port}: Address already in use"

@@ -18,14 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from tiny import save_with_tokenizer, tiny_llama
 
-from specdec.backends import LeanRuntime
-from specdec.engine import Engine, GenerationConfig
-from specdec.errors import UsageError
-from specdec.proposers import NoProposer, PromptLookupProposer
-from specdec.server import BatchSettings, build_scheduler
-from specdec.server.app import OpenAIServer, ServerSettings
-from specdec.server.protocol import ChatCompletionRequest, CompletionRequest
-from specdec.server.scheduler import NotOffered, QueueFull, ShuttingDown
+from exactspec.backends import LeanRuntime
+from exactspec.engine import Engine, GenerationConfig
+from exactspec.errors import UsageError
+from exactspec.proposers import NoProposer, PromptLookupProposer
+from exactspec.server import BatchSettings, build_scheduler
+from exactspec.server.app import OpenAIServer, ServerSettings
+from exactspec.server.protocol import ChatCompletionRequest, CompletionRequest
+from exactspec.server.scheduler import NotOffered, QueueFull, ShuttingDown
 
 MODEL = "tiny"
 EOS = 1
@@ -232,7 +232,7 @@ def test_a_stream_ended_by_a_stop_string_finishes_each_choice_once(server, tiny,
             **({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})}
     events = stream(server, "/v1/chat/completions" if chat else "/v1/completions", body)
     assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 2 * through
-    chunks = [(choice, event.get("specdec", {})) for event in events[:-2] for choice in event["choices"]]
+    chunks = [(choice, event.get("exactspec", {})) for event in events[:-2] for choice in event["choices"]]
     for index in (0, 1):
         mine = [(choice, extension) for choice, extension in chunks if choice["index"] == index]
         assert [choice["finish_reason"] for choice, _ in mine if choice["finish_reason"]] == ["stop"]
@@ -265,7 +265,7 @@ def test_a_stop_string_finish_is_metered_as_stop_with_the_tokens_usage_counts(se
         _, after, _ = scrape(server)
 
         def grew(name, labels=(), after=after, before=before):
-            return after.get((f"specdec_{name}", labels), 0) - before.get((f"specdec_{name}", labels), 0)
+            return after.get((f"exactspec_{name}", labels), 0) - before.get((f"exactspec_{name}", labels), 0)
 
         assert grew("requests_total", (("finish_reason", "stop"),)) == 1
         assert grew("requests_total", (("finish_reason", "cancelled"),)) == 0
@@ -274,7 +274,7 @@ def test_a_stop_string_finish_is_metered_as_stop_with_the_tokens_usage_counts(se
 
 def before_finished(samples: dict) -> float:
     """Requests finished, by any reason, in a scrape."""
-    return sum(value for (name, _), value in samples.items() if name == "specdec_requests_total")
+    return sum(value for (name, _), value in samples.items() if name == "exactspec_requests_total")
 
 
 # --- the error table: each scheduler refusal's status, on every route ------------------------------------------------
@@ -321,9 +321,9 @@ def test_what_a_server_does_not_offer_is_refused_naming_the_field(server):
 def test_a_whole_answer_is_its_choices_or_a_failed_choices_error_and_frees_every_slot(tiny):
     """output.whole: every choice's text after the echoed prompt, its finish and the usage; where one choice failed,
     that choice's error (its status), with every handle cancelled either way."""
-    from specdec.server.output import Answer, whole
-    from specdec.server.protocol import ApiError, Response, parse_job
-    from specdec.server.scheduler import Finished, GenerationRequest, Handle, Tokens
+    from exactspec.server.output import Answer, whole
+    from exactspec.server.protocol import ApiError, Response, parse_job
+    from exactspec.server.scheduler import Finished, GenerationRequest, Handle, Tokens
 
     class Connected:
         async def is_disconnected(self) -> bool:
@@ -364,10 +364,10 @@ def test_models_health_and_metrics(server):
     for name in ("requests_total{finish_reason=\"length\"}", "prompt_tokens_total", "generation_tokens_total",
                  "drafts_total", "draft_tokens_total", "accepted_tokens_total", "mean_accepted_length",
                  "batch_size", "speculation_enabled", "acceptance_rate_at_position{position=\"1\"}"):
-        assert f"specdec_{name}" in values, name
-    assert values["specdec_draft_tokens_total"] >= values["specdec_accepted_tokens_total"] > 0
-    per_position = sum(v for k, v in values.items() if k.startswith("specdec_accepted_tokens_at_position_total"))
-    assert per_position == values["specdec_accepted_tokens_total"]
+        assert f"exactspec_{name}" in values, name
+    assert values["exactspec_draft_tokens_total"] >= values["exactspec_accepted_tokens_total"] > 0
+    per_position = sum(v for k, v in values.items() if k.startswith("exactspec_accepted_tokens_at_position_total"))
+    assert per_position == values["exactspec_accepted_tokens_total"]
 
 
 def scrape(server) -> tuple[str, dict, dict]:
@@ -397,18 +397,18 @@ def test_metrics_parse_as_prometheus_text_and_equal_the_servers_counters(tiny):
         assert content_type == CONTENT_TYPE_PLAIN_0_0_4
 
         def one(name, value):
-            return {(f"specdec_{name}", ()): value}
+            return {(f"exactspec_{name}", ()): value}
 
         def by_position(name, values):
-            return {(f"specdec_{name}", (("position", str(i + 1)),)): v for i, v in enumerate(values)}
+            return {(f"exactspec_{name}", (("position", str(i + 1)),)): v for i, v in enumerate(values)}
 
         expected = {
-            **{("specdec_requests_total", (("finish_reason", r),)): n for r, n in m.finished.items()},
-            ("specdec_requests_rejected_total", (("status", "404"),)): 1,
-            ("specdec_requests_by_speculation_total", (("speculation", "always"),)): 1,
-            ("specdec_requests_by_speculation_total", (("speculation", "never"),)): 1,
-            ("specdec_generation_tokens_by_speculation_total", (("speculation", "never"),)): 8,
-            ("specdec_generation_tokens_by_speculation_total", (("speculation", "always"),)): m.generation_tokens - 8,
+            **{("exactspec_requests_total", (("finish_reason", r),)): n for r, n in m.finished.items()},
+            ("exactspec_requests_rejected_total", (("status", "404"),)): 1,
+            ("exactspec_requests_by_speculation_total", (("speculation", "always"),)): 1,
+            ("exactspec_requests_by_speculation_total", (("speculation", "never"),)): 1,
+            ("exactspec_generation_tokens_by_speculation_total", (("speculation", "never"),)): 8,
+            ("exactspec_generation_tokens_by_speculation_total", (("speculation", "always"),)): m.generation_tokens - 8,
             **one("prompt_tokens_total", m.prompt_tokens), **one("generation_tokens_total", m.generation_tokens),
             **one("cached_prompt_tokens_total", m.cached_prompt_tokens),
             **one("drafts_total", m.positions.drafted[0]), **one("draft_tokens_total", sum(m.positions.drafted)),
@@ -435,7 +435,7 @@ def test_metrics_parse_as_prometheus_text_and_equal_the_servers_counters(tiny):
 
         odd = 'a "quoted"\\reason\nover two lines'  # no label is free text today: a finish reason is the likeliest
         m.observe_finish(odd, "auto")
-        assert scrape(server)[1][("specdec_requests_total", (("finish_reason", odd),))] == 1
+        assert scrape(server)[1][("exactspec_requests_total", (("finish_reason", odd),))] == 1
     finally:
         server.shutdown(timeout=5)
 
@@ -524,7 +524,7 @@ def test_bad_chat_messages_get_400(server):
 @pytest.mark.parametrize("chat", [False, True])
 def test_null_is_the_default_for_every_optional_field(server, chat):
     """Issue 33: ``"sampling": null`` was refused while ``"speculation": null`` was taken. As in OpenAI's API, an
-    optional field sent as null is not sent: its default, for OpenAI's fields and specdec's alike (nested ones too),
+    optional field sent as null is not sent: its default, for OpenAI's fields and exactspec's alike (nested ones too),
     and the OpenAPI schema says each takes null."""
     model = ChatCompletionRequest if chat else CompletionRequest
     path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -541,7 +541,7 @@ def test_null_is_the_default_for_every_optional_field(server, chat):
         if name not in body:  # the answer without it
             assert answer["choices"] == expected["choices"] and answer["usage"] == expected["usage"], name
     events = stream(server, path, {**body, "stream_options": {"include_usage": None, "include_speculation": None}})
-    assert all("usage" not in event and "specdec" not in event for event in events[:-1])
+    assert all("usage" not in event and "exactspec" not in event for event in events[:-1])
     schema = json.loads(get(server, "/openapi.json")[1])["components"]["schemas"][model.__name__]
     for name in optional:
         options = schema["properties"][name].get("anyOf", [schema["properties"][name]])

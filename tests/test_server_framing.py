@@ -59,7 +59,7 @@ def assert_one_refusal(received: bytes, status: int, words: str) -> None:
     code, headers, body = answered[0]
     assert code == status and headers.get("connection") == "close", received
     assert headers["content-type"].startswith("application/json") and words in body["error"]["message"], body
-    assert set(body["error"]) == {"message", "type", "param", "code"} and "x-specdec-instance" in headers
+    assert set(body["error"]) == {"message", "type", "param", "code"} and "x-exactspec-instance" in headers
 
 
 @pytest.mark.parametrize("headers", [(f"Content-Length: {len(CHUNKED)}", "Transfer-Encoding: chunked"),
@@ -103,8 +103,8 @@ def test_framing_the_parser_cannot_read_is_refused_at_once(server, raw, words):
 
 
 def rejected(server, status: int) -> float:
-    """specdec_requests_rejected_total for one status, from /metrics."""
-    label = f'specdec_requests_rejected_total{{status="{status}"}} '
+    """exactspec_requests_rejected_total for one status, from /metrics."""
+    label = f'exactspec_requests_rejected_total{{status="{status}"}} '
     return sum(float(line[len(label):]) for line in get(server, "/metrics")[1].splitlines() if line.startswith(label))
 
 
@@ -240,9 +240,9 @@ def test_framing_stands_alone_on_the_authoriser_and_counter_it_is_handed():
     the page), each refusal is counted by the counter it is handed, and what passes reaches the app unchanged."""
     import asyncio
 
-    from specdec.server.framing import Framing
-    from specdec.server.protocol import ApiError
-    from specdec.server.settings import ServerSettings
+    from exactspec.server.framing import Framing
+    from exactspec.server.protocol import ApiError
+    from exactspec.server.settings import ServerSettings
 
     checked, counted, reached = [], [], []
 

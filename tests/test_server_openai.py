@@ -30,9 +30,9 @@ from test_server import (  # noqa: F401
     wait_for,
 )
 
-from specdec.backends import LeanRuntime
-from specdec.sampling import LogitsAdjustment, SamplingParams, logits_to_probs
-from specdec.server.scheduler import GenerationRequest
+from exactspec.backends import LeanRuntime
+from exactspec.sampling import LogitsAdjustment, SamplingParams, logits_to_probs
+from exactspec.server.scheduler import GenerationRequest
 
 PROMPT = [5, 9, 12, 9, 12, 40, 5, 9]
 
@@ -212,7 +212,7 @@ def test_a_request_whose_pass_fails_ends_alone_with_a_500(tiny):
             assert status == 200 and ids_of(body["choices"][0]["text"]) == visible(plain_greedy(tiny, [4 + i, 9], 12))
         assert wait_for(lambda: server.scheduler.running == 0) and pool.slots == []
         assert server.scheduler.metrics.finished.get("error") == 1
-        assert 'specdec_requests_rejected_total{status="500"}' in get(server, "/metrics")[1]
+        assert 'exactspec_requests_rejected_total{status="500"}' in get(server, "/metrics")[1]
     finally:
         pool.forward = forward
         server.shutdown(timeout=5)
@@ -306,7 +306,7 @@ def test_penalised_and_biased_sampling_follows_the_adjusted_target_exactly(tiny)
     prompt lookup on a repetitive prompt (drafts accepted and rejected), against the exact joint distribution
     computed from the adjusted logits: 4,000 samples, one chi-square test at alpha = 0.001 (a correct engine
     fails it with probability 0.1%; the seeds are fixed)."""
-    from specdec.server import BatchSettings, build_scheduler
+    from exactspec.server import BatchSettings, build_scheduler
 
     model, _ = tiny
     adjustment = LogitsAdjustment(bias={9: 2.0, 12: -1.5, 40: -100.0}, presence_penalty=1.2, frequency_penalty=0.7)

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from specdec.errors import UsageError
-from specdec.server.settings import ServerSettings
+from exactspec.errors import UsageError
+from exactspec.server.settings import ServerSettings
 
 
 def test_the_defaults_and_the_edges_of_each_range_are_taken():

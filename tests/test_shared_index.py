@@ -9,12 +9,12 @@ import threading
 import pytest
 from tiny import tiny_llama
 
-from specdec.backends import LeanRuntime
-from specdec.errors import UsageError
-from specdec.proposers.retrieval import SharedIndex
-from specdec.sampling import SamplingParams
-from specdec.server import BatchSettings, build_scheduler
-from specdec.server.scheduler import GenerationRequest
+from exactspec.backends import LeanRuntime
+from exactspec.errors import UsageError
+from exactspec.proposers.retrieval import SharedIndex
+from exactspec.sampling import SamplingParams
+from exactspec.server import BatchSettings, build_scheduler
+from exactspec.server.scheduler import GenerationRequest
 
 
 def documents(seed: int, count: int) -> list[list[int]]:

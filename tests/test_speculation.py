@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.costs import MeasuredPassCosts as PassCost
-from specdec.server.speculation import SpeculationPlanner
+from exactspec.costs import MeasuredPassCosts as PassCost
+from exactspec.server.speculation import SpeculationPlanner
 
 FLAT = PassCost({1: 1.0, 1024: 1.0})  # weight streaming dominates: more positions are free
 LINEAR = PassCost({1: 1.0, 1024: 1024.0})  # arithmetic dominates: every position costs the same

@@ -15,13 +15,13 @@ from pydantic import BaseModel, Field
 from test_grammars import SCHEMA
 from tiny_gguf import write_tiny_gguf
 
-from specdec.api import SpecDecoder
-from specdec.engine import GenerationConfig
-from specdec.grammars import GrammarSpec
-from specdec.loading import load_target
-from specdec.sampling import SamplingParams
-from specdec.server import BatchSettings, build_scheduler
-from specdec.server.app import OpenAIServer, ServerSettings
+from exactspec.api import SpecDecoder
+from exactspec.engine import GenerationConfig
+from exactspec.grammars import GrammarSpec
+from exactspec.loading import load_target
+from exactspec.sampling import SamplingParams
+from exactspec.server import BatchSettings, build_scheduler
+from exactspec.server.app import OpenAIServer, ServerSettings
 
 PROMPTS = ["Describe a lamp as JSON.", "An item:", "{\"name\": \"cup\"}", "Give me JSON about a chair."]
 
@@ -175,7 +175,7 @@ def test_tool_calls_streamed_carry_the_logprobs_and_the_speculation_summary_of_w
     assert streamed == expected
     last = [event for event in events if event["choices"] and event["choices"][0]["finish_reason"]][-1]
     assert last["choices"][0]["finish_reason"] == "tool_calls"
-    assert last["specdec"]["summary"]["completion_tokens"] == whole.usage.completion_tokens
+    assert last["exactspec"]["summary"]["completion_tokens"] == whole.usage.completion_tokens
 
 
 def test_a_named_function_is_called_with_valid_arguments_and_the_conversation_goes_on(client):
@@ -228,7 +228,7 @@ def test_auto_on_a_template_with_tool_calls_is_text_or_calls_under_their_schemas
     """tool_choice auto on Qwen2.5's template (a random model over its vocabulary): the answer is text, or, once
     it opens ``<tool_call>`` (a bias makes it), calls under their functions' schemas, returned as tool_calls.
     Streamed, text comes as it is generated (its first characters show it is no call), a call whole."""
-    from specdec.models import model_path
+    from exactspec.models import model_path
 
     try:
         qwen = model_path("qwen2.5-coder-0.5b")
@@ -281,7 +281,7 @@ def test_auto_on_a_template_with_llama3_json_calls_is_text_or_one_call(tmp_path)
 
     from tiny_gguf import tokenizer_fields
 
-    from specdec.models import default_model_path
+    from exactspec.models import default_model_path
 
     fields = tuple(replace(f, value=LLAMA3_STYLE_TEMPLATE) if f.key == "tokenizer.chat_template" else f
                    for f in tokenizer_fields(str(default_model_path())))

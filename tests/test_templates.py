@@ -1,6 +1,6 @@
 """The contributor's templates (tests/templates/, docs/architecture.md) stay true to the house: each, with its names
 filled in, is Python that loads, and the drafter template is a drafter the house's checks take. Every drafter
-module in specdec/proposers/ is offered by --drafter and built by its own ``make``."""
+module in exactspec/proposers/ is offered by --drafter and built by its own ``make``."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from drafter_checks import check_drafts
 
-from specdec.choices import DRAFTERS
-from specdec.proposers import DRAFTER_MODULES, PROPOSERS
+from exactspec.choices import DRAFTERS
+from exactspec.proposers import DRAFTER_MODULES, PROPOSERS
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -49,16 +49,16 @@ def test_every_drafter_module_is_offered_and_made_by_its_own_make():
 
 @pytest.fixture
 def template_wing(tmp_path, monkeypatch):
-    """The runtime template with its names filled in, as a wing beside the others (a folder on specdec/backends/'s
-    search path): what copying it to specdec/backends/template_check/ makes, and nothing else edited."""
-    from specdec import backends
+    """The runtime template with its names filled in, as a wing beside the others (a folder on exactspec/backends/'s
+    search path): what copying it to exactspec/backends/template_check/ makes, and nothing else edited."""
+    from exactspec import backends
 
     wing = tmp_path / "wings" / "template_check"
     wing.mkdir(parents=True)
     (wing / "__init__.py").write_text(rendered("runtime/__init__.py.tmpl"))
     monkeypatch.setattr(backends, "__path__", [*backends.__path__, str(wing.parent)])
-    yield importlib.import_module("specdec.backends.template_check")
-    sys.modules.pop("specdec.backends.template_check", None)
+    yield importlib.import_module("exactspec.backends.template_check")
+    sys.modules.pop("exactspec.backends.template_check", None)
 
 
 def test_a_runtime_made_from_the_template_registers_itself_and_loads(template_wing, tmp_path):
@@ -67,10 +67,10 @@ def test_a_runtime_made_from_the_template_registers_itself_and_loads(template_wi
     until it asks to be measured."""
     from tiny import save_with_tokenizer, tiny_llama
 
-    from specdec.backends import kind, runtime_of
-    from specdec.errors import UsageError
-    from specdec.loading import load_target
-    from specdec.runtime_choice import candidates
+    from exactspec.backends import kind, runtime_of
+    from exactspec.errors import UsageError
+    from exactspec.loading import load_target
+    from exactspec.runtime_choice import candidates
 
     assert kind("template_check") is template_wing.KIND
     directory = save_with_tokenizer(tiny_llama(seed=0), tmp_path / "tiny")

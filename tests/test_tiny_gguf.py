@@ -47,7 +47,7 @@ def _llama(path: Path, kv_type: int) -> llama_cpp.Llama:
 #   layers of about ten), so it stays below about 1e3 * u = 6e-5 of the values' size: 1e-4 of the largest logit
 #   bounds it (measured: about 5e-7). A weight or hyperparameter the two read differently moves logits by about
 #   their spread, 2.
-# - F16 KV cache (llama.cpp's default, the one specdec's runtime uses): K and V are stored rounded to half
+# - F16 KV cache (llama.cpp's default, the one exactspec's runtime uses): K and V are stored rounded to half
 #   precision (2**-11 = 4.9e-4 relative), and llama.cpp's CPU product with a half-precision operand rounds the
 #   other one (the queries, the attention weights) to half as well; about four such roundings per layer, on
 #   attention outputs of the residual stream's size, give at most 4 * 2**-11 = 2e-3 of the logits' size

@@ -15,15 +15,15 @@ from safetensors.torch import save_file
 from scipy.stats import chisquare
 from tiny import save_with_tokenizer, structured_llama, tiny_llama, trained_samples
 
-from specdec.api import SpecDecoder
-from specdec.cli import main
-from specdec.drafters import checkpoint
-from specdec.drafters.layers import LayerShape
-from specdec.drafters.networks import METHODS, DrafterConfig, ExitAdapter, TargetParts
-from specdec.engine import GenerationConfig
-from specdec.errors import UsageError
-from specdec.models import load_model
-from specdec.sampling import SamplingParams
+from exactspec.api import SpecDecoder
+from exactspec.cli import main
+from exactspec.drafters import checkpoint
+from exactspec.drafters.layers import LayerShape
+from exactspec.drafters.networks import METHODS, DrafterConfig, ExitAdapter, TargetParts
+from exactspec.engine import GenerationConfig
+from exactspec.errors import UsageError
+from exactspec.models import load_model
+from exactspec.sampling import SamplingParams
 
 TRAIN_ARGS = ["--prompts", "160", "--max-new-tokens", "24", "--epochs", "8", "--batch-tokens", "512",
               "--eval-every", "20", "--draft-vocab", "48", "--heldout", "16", "--layers", "1", "--lr", "3e-3",
@@ -93,9 +93,9 @@ def test_an_untrained_exit_adapter_is_the_plain_exit():
 
 
 def test_token_reading_mtp_heads_start_as_feature_heads_and_read_the_token():
-    """specdec's mtp heads read [embedding of token t+1; feature t]; untrained, they are Medusa's heads on the
+    """exactspec's mtp heads read [embedding of token t+1; feature t]; untrained, they are Medusa's heads on the
     feature alone (the same blocks give the same logits), and once the input layer learns, the token matters."""
-    from specdec.drafters.networks import MTPHeads
+    from exactspec.drafters.networks import MTPHeads
 
     model = tiny_llama(4)
     parts = TargetParts.of(model)
@@ -147,7 +147,7 @@ def test_self_speculation_runs_each_position_once_through_the_shared_layers(trai
     """The early exit drafts with the target's first layer; the verifying pass starts past it for the drafted
     positions. Over a whole generation, as many positions pass the first layer as pass the last (none twice),
     and drafts were both kept and refused."""
-    from specdec.backends.lean import LeanRuntime
+    from exactspec.backends.lean import LeanRuntime
 
     through = {"first": 0, "last": 0}
     layers = LeanRuntime.run_layers
@@ -216,7 +216,7 @@ def test_save_and_load_round_trip(trained, method, tmp_path):
     assert set(p.name for p in trained[method].iterdir()) <= {"drafter.json", "drafter.safetensors",
                                                                "checkpoint.json", "checkpoint.safetensors"}
     training = json.loads((trained[method] / "drafter.json").read_text())["training"]
-    assert training["command"].startswith("specdec train --method " + method)
+    assert training["command"].startswith("exactspec train --method " + method)
     assert training["data"]["seed"] == 0 and training["settings"]["seed"] == 0
 
 
@@ -289,8 +289,8 @@ def test_the_datas_own_answers_are_fed_to_the_target_as_written(tmp_path):
     """``answers="data"``: each sequence is a prompt followed by the record's own answer (cut, or closed by the stop
     id); its features and log-sum-exp are the target's own at every fed position; the exchanges come from the far
     end of the shuffled data, apart from the prompts the target answers."""
-    from specdec.backends import make_backend
-    from specdec.train import loop, targetdata
+    from exactspec.backends import make_backend
+    from exactspec.train import loop, targetdata
 
     target_dir = save_with_tokenizer(structured_llama(0), tmp_path / "target")
     target = load_model(str(target_dir))
@@ -395,8 +395,8 @@ def test_pickled_checkpoints_are_refused(tmp_path):
 
 
 def test_the_draft_vocabulary_is_the_most_frequent_answer_tokens():
-    from specdec.train.command import draft_vocabulary
-    from specdec.train.loop import Sequence
+    from exactspec.train.command import draft_vocabulary
+    from exactspec.train.loop import Sequence
 
     tokens = torch.tensor([9, 9, 5, 5, 5, 7, 7, 7, 7, 8])
     sequence = Sequence(tokens=tokens, features=torch.zeros(10, 2), lse=torch.zeros(10), prompt_length=2)
@@ -406,7 +406,7 @@ def test_the_draft_vocabulary_is_the_most_frequent_answer_tokens():
 
 
 def test_the_bigram_baseline_drafts_each_tokens_most_frequent_successor():
-    from specdec.train.loop import Sequence, bigram_agreement
+    from exactspec.train.loop import Sequence, bigram_agreement
 
     def sequence(tokens: list[int]) -> Sequence:
         return Sequence(tokens=torch.tensor(tokens), features=torch.zeros(len(tokens), 2),
@@ -418,7 +418,7 @@ def test_the_bigram_baseline_drafts_each_tokens_most_frequent_successor():
 
 
 def test_learning_curves_are_drawn_from_the_drafters_files(trained, tmp_path):
-    from specdec.bench.figures import plot_learning_curves
+    from exactspec.bench.figures import plot_learning_curves
 
     path = plot_learning_curves([trained[m] for m in METHODS], tmp_path / "curves.png")
     assert path.stat().st_size > 10_000

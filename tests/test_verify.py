@@ -8,8 +8,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.verify import (
+from exactspec.sampling import SamplingParams, logits_to_probs
+from exactspec.verify import (
     acceptance_probs,
     candidate_outcomes,
     residual_probs,

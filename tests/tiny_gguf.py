@@ -108,7 +108,7 @@ def write_tiny_gguf(path: str | Path, *, layers: int = 2, hidden: int = 64, head
     computes what it does on the tokens they share.
     """
     if tensor_type in LLAMA_CPP_TYPES:
-        from specdec.backends.llamacpp.quantize import quantize
+        from exactspec.backends.llamacpp.quantize import quantize
 
         source = write_tiny_gguf(Path(path).with_suffix(".f32.gguf"), layers=layers, hidden=hidden, heads=heads,
                                  kv_heads=kv_heads, ffn=ffn, context=context, seed=seed, vocab_from=vocab_from,
@@ -157,7 +157,7 @@ def write_tiny_gguf(path: str | Path, *, layers: int = 2, hidden: int = 64, head
 
 
 def _default_gguf() -> Path:
-    from specdec.models import default_model_path
+    from exactspec.models import default_model_path
 
     return default_model_path()
 

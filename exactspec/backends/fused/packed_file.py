@@ -1,0 +1,169 @@
+"""The fused runtime's matrices of a GGUF file, repacked once and kept in exactspec's cache (``packed/`` under
+``cache_root()``), memory-mapped on later starts: no block is decoded again.
+
+A packed file is each matrix's bytes at 64-byte boundaries, written as each is packed (so a first start holds one
+packed matrix at a time, not the model), then a header, then a trailer: an 8-byte magic, the header's length and its
+CRC-32. The header (JSON) names the layout's version, the source file (its resolved path, size and modification
+time: a changed source is another key) and per matrix (per part, for a matrix stored in two formats: each says
+whether the next goes on with its rows) its format, shape, place and a checksum (CRC-32) of all its bytes, checked
+at every start (the 1.5B's 1.2 GB in about 0.5 s, pages a first pass reads anyway: a checksum of sampled stretches,
+1.7% of its bytes, let damage elsewhere give other tokens unsaid). A packed file that is truncated, whose header does
+not parse, names a format the kernels do not know or whose checksums do not match is stale or corrupt: it is said so
+in one line, deleted and written anew. Each write deletes the kept copies of source files that are gone or changed,
+and each start the partial files of packings that were killed (their process gone).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import sys
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from exactspec.backends.fused.stored import StoredMatrix
+from exactspec.backends.native import FORMAT, INTEGER_FORMAT
+from exactspec.cachefile import cache_root
+
+MAGIC = b"SDPACK\x00\x01"
+LAYOUT_VERSION = 9  # the C kernels' block_q8x8, block_q8x16, block_q4x8, block_q5x8, super_q4k8, super_q5k8, super_q6x8
+# and float tiles, and which GGUF formats each holds, and what a checksum covers; up it when any changes
+ALIGNMENT = 64
+
+
+def packed_path(source: Path, narrow: bool = True) -> Path:
+    """Where the packed matrices of ``source`` are kept: named after the file and its identity, and whether its
+    4-bit and 6-bit formats are kept in 4 and 6 bits (for integer products; float products read them as bytes)."""
+    identity = "|".join(map(str, _identity(source).values())) + f"|v{LAYOUT_VERSION}{'' if narrow else '|bytes'}"
+    return cache_root() / "packed" / f"{source.stem}-{zlib.crc32(identity.encode()):08x}.sdpack"
+
+
+def _identity(source: Path) -> dict:
+    stat = source.stat()
+    return {"path": str(source.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+def write(path: Path, source: Path, matrices: Iterable[StoredMatrix]) -> None:
+    """Write the matrices' packed bytes (their biases stay with the source) as they come, each let go once written,
+    then the header; atomically. Copies of gone or changed sources are deleted first."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prune(path.parent)
+    entries, offset = [], 0
+    partial = path.with_suffix(f".{os.getpid()}.partial")
+    try:
+        with partial.open("wb") as f:
+            for part in (part for matrix in matrices for part in matrix.parts()):
+                data = _bytes_of(part.packed)
+                entries.append({"format": part.format, "outputs": part.outputs, "inputs": part.inputs,
+                                "dtype": str(part.packed.dtype).removeprefix("torch."), "offset": offset,
+                                "bytes": len(data), "crc": zlib.crc32(data), "rest": part.rest is not None})
+                f.seek(offset)
+                f.write(data)
+                offset += -(-len(data) // ALIGNMENT) * ALIGNMENT
+            header = json.dumps({"version": LAYOUT_VERSION, "source": _identity(source),
+                                 "matrices": entries}).encode()
+            f.seek(offset)
+            f.write(header + MAGIC + len(header).to_bytes(8, "little") + zlib.crc32(header).to_bytes(4, "little"))
+            f.truncate()
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def prune(folder: Path) -> None:
+    """Delete the packed copies in ``folder`` whose source file is gone or changed since (and unreadable ones)."""
+    for kept in folder.glob("*.sdpack"):
+        try:
+            with kept.open("rb") as f:
+                source = _header(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))["source"]
+            stale = not Path(source["path"]).is_file() or _identity(Path(source["path"])) != source
+        except (OSError, ValueError, KeyError, TypeError):
+            stale = True
+        if stale:
+            kept.unlink(missing_ok=True)
+
+
+def remove_killed_partials(folder: Path) -> None:
+    """Delete the partial files in ``folder`` of packings whose process is gone (killed while it wrote: a partial
+    file can hold a whole model's bytes)."""
+    for partial in folder.glob("*.partial"):
+        pid = partial.suffixes[-2][1:] if len(partial.suffixes) >= 2 else ""
+        if not pid.isdigit() or not _running(int(pid)):
+            partial.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: running
+        pass
+    return True
+
+
+def read(path: Path) -> list[StoredMatrix] | None:
+    """The matrices kept at ``path`` (their bytes memory-mapped, copy-on-write), or None where there is no packed
+    file; a stale or corrupt one is deleted, with one line saying so. Killed packings' partial files go first."""
+    if path.parent.is_dir():
+        remove_killed_partials(path.parent)
+    if not path.is_file():
+        return None
+    try:
+        return _read(path)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        print(f"exactspec: the packed copy {path.name} is stale or corrupt ({error}); packing it again",
+              file=sys.stderr)
+        path.unlink(missing_ok=True)
+        return None
+
+
+TRAILER = len(MAGIC) + 12  # the magic, the header's length (8 bytes) and its CRC-32 (4)
+
+
+def _header(mapped: mmap.mmap) -> dict:
+    """A packed file's header, its trailer and checksum checked; ``end``: where the matrices' bytes end."""
+    if len(mapped) < TRAILER or mapped[-TRAILER : -TRAILER + len(MAGIC)] != MAGIC:
+        raise ValueError("not a packed file, or truncated")
+    length = int.from_bytes(mapped[-12:-4], "little")
+    header = mapped[len(mapped) - TRAILER - length : len(mapped) - TRAILER]
+    if len(header) != length or zlib.crc32(header) != int.from_bytes(mapped[-4:], "little"):
+        raise ValueError("its header's checksum does not match")
+    layout = json.loads(header)
+    if layout["version"] != LAYOUT_VERSION:
+        raise ValueError(f"layout version {layout['version']}, not {LAYOUT_VERSION}")
+    return layout | {"end": len(mapped) - TRAILER - length}
+
+
+def _read(path: Path) -> list[StoredMatrix]:
+    with path.open("rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    layout = _header(mapped)
+    matrices, continued = [], False  # continued: the last entry's rows go on in this one (StoredMatrix.rest)
+    for entry in layout["matrices"]:
+        begin = entry["offset"]
+        if begin + entry["bytes"] > layout["end"]:
+            raise ValueError("truncated")
+        if entry["format"] not in FORMAT and entry["format"] not in INTEGER_FORMAT:
+            raise ValueError(f"a matrix in format {entry['format']!r}, which the kernels do not know")
+        if zlib.crc32(memoryview(mapped)[begin : begin + entry["bytes"]]) != entry["crc"]:
+            raise ValueError("a matrix's checksum does not match")
+        dtype = getattr(torch, entry["dtype"])
+        packed = torch.frombuffer(mapped, dtype=dtype, count=entry["bytes"] // dtype.itemsize, offset=begin)
+        part = StoredMatrix(entry["format"], entry["outputs"], entry["inputs"], packed)
+        if continued:
+            matrices[-1].parts()[-1].rest = part
+        else:
+            matrices.append(part)
+        continued = entry["rest"]
+    if continued:
+        raise ValueError("its last matrix's parts end early")
+    return matrices

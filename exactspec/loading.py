@@ -1,0 +1,258 @@
+"""Loading what a run needs, one recipe for the Python API, the server, the audit and the benchmarks: the datastore
+(checked before the slow load), the target, a draft model on the right backend (its vocabulary the target's or its
+own, bridged by text), the target's runtime and stop ids (:class:`Loaded`); what each drafter drafts with; and prompts
+as token ids.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from exactspec.backends import DEFAULT, CausalLM, kind, kinds, runtime_of, target_backend
+from exactspec.errors import UsageError
+from exactspec.logs import detail, notice
+from exactspec.models import LoadedModel, chat_prompt_ids, default_model_path, eos_token_ids, load_model, model_path
+from exactspec.runtime_choice import resolve_backend
+
+
+@dataclass
+class Loaded:
+    """A run's models: the target, a draft model (or None), the retrieval datastore (or None), and the precision
+    flag the runtimes take ("auto": measured per kind of pass; None: as loaded); and what every caller runs the
+    target with: its runtime (built once, when first asked for) and its stop ids."""
+
+    target: LoadedModel
+    draft: LoadedModel | None = None
+    datastore: object | None = None
+    precision: str | None = None
+    draft_found: bool = False  # the draft model is the default model, found for a hybrid (no --draft-model given)
+    _runtime: CausalLM | None = field(default=None, repr=False)
+
+    @property
+    def runtime(self) -> CausalLM:
+        """The runtime that computes the target's tokens, probed for pass invariance as it is built."""
+        if self._runtime is None:
+            self._runtime = target_backend(self.target, self.precision)
+        return self._runtime
+
+    @property
+    def stop_ids(self) -> set[int]:
+        """The target's end-of-sequence ids: a round's emitted tokens are cut after the first."""
+        return eos_token_ids(self.target)
+
+
+def load_target(model: str | os.PathLike | None = None, *, dtype: str = "auto", device: str = "auto",
+                backend: str = "auto", threads: int | None = None, datastore: str | os.PathLike | None = None,
+                draft_model: str | os.PathLike | None = None, drafters: tuple[str, ...] = ()) -> Loaded:
+    """Check what can be checked first (the datastore, that the backend serves ``drafters``), then load the target
+    and the draft model, and check the datastore's vocabulary against the target's. Where no draft model is given
+    and one of ``drafters`` takes one (the hybrid), the default model drafts where it may pay
+    (:func:`found_draft_model`)."""
+    from exactspec import datastore as datastores
+    from exactspec.proposers import role
+
+    store = None if datastore is None else datastores.load(datastore)
+    resolved = resolve_backend(backend, model, dtype, device, threads)
+    for drafter in drafters:
+        check_backend_serves(drafter, resolved)
+    target = load_model(model, dtype=dtype, device=device, backend=resolved, threads=threads)
+    loaded = Loaded(target, None, store, "auto" if dtype == "auto" else None)
+    if draft_model is None and any(role(drafter).takes_draft_model for drafter in drafters):
+        draft_model = found_draft_model(target)
+        loaded.draft_found = draft_model is not None
+    if draft_model is not None:
+        draft_resolved = resolve_backend(draft_backend(target, draft_model), draft_model, dtype, device, threads)
+        loaded.draft = load_model(draft_model, dtype=dtype, device=device, backend=draft_resolved, threads=threads)
+    if store is not None:
+        store.check_vocabulary(target.vocab_size)
+    return loaded
+
+
+MIN_DRAFT_RATIO = 4.0  # the default model drafts for a target whose weights are at least this many times its size
+
+
+def found_draft_model(target: LoadedModel) -> os.PathLike | None:
+    """The default model (SmolLM2-135M, which ships with exactspec) as a hybrid's draft model, where it may pay: for a
+    target whose weights take ``MIN_DRAFT_RATIO`` times its bytes or more, as stored (on a smaller target a draft
+    model's pass costs too large a share of the target's). Else None, and why at ``--verbose``. Its vocabulary is
+    checked once loaded (:func:`draft_source`)."""
+    try:
+        path = default_model_path()
+    except UsageError as error:
+        detail(f"the hybrid drafts without a draft model: {error}")
+        return None
+    ratio = stored_bytes(target.source or target.path) / stored_bytes(path)
+    if ratio < MIN_DRAFT_RATIO:
+        detail(f"the hybrid drafts without the default model as draft model: the target's weights are {ratio:.1f}x "
+               f"its size, under {MIN_DRAFT_RATIO:g}x (its passes would cost too much of the target's)")
+        return None
+    detail(f"the default model drafts for the hybrid beside its copies: the target's weights are {ratio:.1f}x its "
+           "size")
+    return path
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool | None = None) -> list[int]:
+    """Token ids of the prompt; ``chat`` applies the chat template (None: when the model has one)."""
+    if not prompt or not prompt.strip():
+        raise UsageError("the prompt is empty")
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    if chat and not has_template:
+        raise UsageError("--chat: this model's tokenizer has no chat template")
+    if chat or (chat is None and has_template):
+        return chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
+    return list(tokenizer.encode(prompt))
+
+
+def draft_source(drafter: str, target: LoadedModel, backend, draft: LoadedModel | None, precision: str | None,
+                 drafter_path: str | os.PathLike | None = None, cross_vocabulary: str = "auto", found: bool = False):
+    """What --drafter ``drafter`` drafts with: a draft model's backend (a transformers model, or a trained draft
+    LM; a ``ForeignDraft`` where its tokenizer is not the target's, proposing by ``cross_vocabulary``), a trained
+    network (the other drafters whose role is ``trained``), or None (drafters that copy); for a drafter that takes
+    a draft model or trained heads beside its copies (the hybrid), its ``HybridSources``: it goes on without a draft
+    model it cannot bridge (``found``: the default model, found for it, which says why at --verbose only) and
+    without heads the target's runtime cannot feed."""
+    from exactspec.drafters.loading import load_trained
+    from exactspec.drafters.runtime import DraftLMRuntime
+    from exactspec.proposers import check_drafter_path, role
+
+    check_backend_serves(drafter, target.backend_name)
+    declared = role(drafter)
+    if declared.needs_draft_model and draft is not None:
+        return draft_model_source(target, draft, runtime_of(draft, precision), cross_vocabulary)
+    if declared.takes_draft_model or declared.takes_heads:
+        check_drafter_path(drafter, drafter_path is not None)
+        from exactspec.proposers.hybrid import HybridSources
+
+        model = None if draft is None else bridged_draft(target, draft, runtime_of(draft, precision),
+                                                         cross_vocabulary, found)
+        return HybridSources(model, trained_heads(target, backend, drafter_path) if declared.takes_heads else ())
+    if declared.trained:
+        network = load_trained(drafter, target.transformers_model(), drafter_path)
+        return DraftLMRuntime(network, backend.max_length) if declared.needs_draft_model else network
+    check_drafter_path(drafter, drafter_path is not None)
+    return None
+
+
+HEAD_METHODS = ("eagle", "mtp")  # trained heads over the target's hidden states, which a hybrid drafts with too
+
+
+def trained_heads(target: LoadedModel, backend: CausalLM, drafter_path: str | os.PathLike | None
+                  ) -> tuple[tuple[str, object], ...]:
+    """The trained heads a hybrid drafts with beside its other sources, each (method, network): the eagle or mtp
+    drafter at ``drafter_path``. None are looked for where no path is given (those shipped for the default model
+    included): a head reads the target's embedding and LM head in float32, a copy that takes seconds to make (3.5 s
+    for the default model), for drafters that measured 1.03-1.11x alone there. Where the target's runtime hands over
+    no hidden states, none, with one line saying so."""
+    from exactspec.backends.base import FeatureSource, declares
+    from exactspec.drafters.loading import load_trained, parse_drafter_paths
+
+    if drafter_path is None:
+        return ()
+    method, directory = next(iter(parse_drafter_paths([str(drafter_path)]).items()))
+    if method not in HEAD_METHODS:
+        raise UsageError(f"--drafter-path {drafter_path} holds a trained {method} drafter; the hybrid drafts with "
+                         f"trained heads ({', '.join(HEAD_METHODS)}) beside its copies: for it, --drafter {method}")
+    if not declares(backend, FeatureSource):
+        notice(f"the hybrid drafts without its {method} heads: {type(backend).__name__} hands over no hidden states of "
+               "the target (--backend lean or fused does)")
+        return ()
+    return ((method, load_trained(method, target.transformers_model(), directory)),)
+
+
+def draft_model_source(target: LoadedModel, draft: LoadedModel, runtime: CausalLM, cross_vocabulary: str = "auto"):
+    """The draft model's runtime where it shares the target's vocabulary; else a ``ForeignDraft``: the runtime and
+    the bridge between the two tokenizers' texts. A pair that shares under half of the target's frequent tokens gets
+    one line saying so (it still drafts exactly; it is accepted less)."""
+    from exactspec.vocabularies import LOW_OVERLAP
+
+    check_cross_vocabulary(cross_vocabulary)
+    source = _bridged(target, draft, runtime, cross_vocabulary)
+    overlap = _overlap(source)
+    if overlap < LOW_OVERLAP:
+        notice(f"the draft model's vocabulary holds {overlap:.0%} of the target's frequent tokens: it drafts across "
+               "tokenizers, exactly, but little of its text may be accepted")
+    return source
+
+
+def check_cross_vocabulary(method: str) -> None:
+    """Refuse, in one line, a --cross-vocabulary method there is none of."""
+    from exactspec.choices import CROSS_VOCABULARY_METHODS
+
+    if method not in CROSS_VOCABULARY_METHODS:
+        raise UsageError(f"--cross-vocabulary must be one of {', '.join(CROSS_VOCABULARY_METHODS)}, not {method!r}")
+
+
+def _overlap(source) -> float:
+    """The share of the target's frequent tokens a draft model's vocabulary holds (all, where it is the target's)."""
+    from exactspec.proposers.draft_model import ForeignDraft
+
+    return source.overlap if isinstance(source, ForeignDraft) else 1.0
+
+
+def _bridged(target: LoadedModel, draft: LoadedModel, runtime: CausalLM, cross_vocabulary: str):
+    """The draft model's runtime, or a ``ForeignDraft`` over it (proposing by ``cross_vocabulary``, which the caller
+    checked) where its tokenizer is not the target's."""
+    from exactspec.proposers.draft_model import ForeignDraft
+    from exactspec.vocabularies import ChatFraming, ContextBridge, TokenText, frequent_overlap, same_vocabulary
+
+    if same_vocabulary(target.tokenizer, draft.tokenizer):
+        return runtime
+    target_text = TokenText(target.tokenizer, target.vocab_size)
+    draft_text = TokenText(draft.tokenizer, runtime.vocab_size)
+    overlap = frequent_overlap(target_text, draft_text)
+    bridge = ContextBridge(target_text, draft_text, ChatFraming.of(target.tokenizer), ChatFraming.of(draft.tokenizer))
+    return ForeignDraft(runtime, bridge, cross_vocabulary, overlap=overlap)
+
+
+def stored_bytes(path: os.PathLike) -> int:
+    """The bytes of a model's weights as stored: its GGUF file, or a transformers directory's weight files."""
+    path = model_path(path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(file.stat().st_size for pattern in ("*.safetensors", "*.bin", "*.gguf") for file in path.glob(pattern))
+
+
+def bridged_draft(target: LoadedModel, draft: LoadedModel, runtime: CausalLM, cross_vocabulary: str, found: bool):
+    """A draft model beside other sources (the hybrid's): its source where its vocabulary is the target's or can be
+    bridged to it (it holds ``LOW_OVERLAP`` of the target's frequent tokens or more); else None, with one line
+    naming the model and why (at --verbose only where it was ``found``, not given)."""
+    from exactspec.vocabularies import LOW_OVERLAP
+
+    say = detail if found else notice
+    check_cross_vocabulary(cross_vocabulary)  # a bad flag is refused, not a draft model left out
+    try:
+        source = _bridged(target, draft, runtime, cross_vocabulary)
+    except UsageError as error:
+        say(f"the hybrid drafts without {draft.source or draft.path}: {error}")
+        return None
+    overlap = _overlap(source)
+    if overlap < LOW_OVERLAP:
+        say(f"the hybrid drafts without {draft.source or draft.path}: its vocabulary holds {overlap:.0%} of the "
+            f"target's frequent tokens, under {LOW_OVERLAP:.0%}")
+        return None
+    return source
+
+
+def check_backend_serves(drafter: str, backend: str) -> None:
+    """Refuse, in one line and before anything slow loads, a drafter that needs a capability (its role's ``needs``)
+    that the settled backend's runtime does not declare (llama.cpp's declares no ShallowRunner)."""
+    from exactspec.proposers import PROPOSERS, role
+
+    needed = role(drafter).needs if drafter in PROPOSERS else None  # bench's own rows (hf-assisted, ...) are none
+    if needed is None or needed in kind(backend).runtime.__mro__:
+        return
+    serving = " or ".join(k.name for k in kinds() if needed in k.runtime.__mro__)
+    raise UsageError(f"--drafter {drafter} needs a {needed.__name__}, which {backend}'s runtime is not: use "
+                     f"--backend {serving}")
+
+
+def draft_backend(target: LoadedModel, draft_model: str | os.PathLike) -> str:
+    """Where a draft model runs: where --backend auto measures it fastest beside a target whose runtime declares so
+    (``measures_drafts``: llama.cpp, for a GGUF draft too); on the target's runtime where that reads the draft's
+    file alone (the fused runtime: no conversion, the draft's passes cost what its weights' bytes do); else on the
+    default runtime."""
+    runtime = kind(target.backend_name)
+    if runtime.measures_drafts:
+        return "auto"
+    return runtime.name if runtime.reads(model_path(draft_model)) else DEFAULT

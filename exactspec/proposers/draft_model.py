@@ -1,0 +1,227 @@
+"""The ``draft-model`` drafter: a smaller causal LM drafts autoregressively, with the target's vocabulary or its own.
+
+It keeps its own KV cache. Before each proposal the cache is cut back to the longest prefix it shares with the
+context (:func:`sync`), so that rejected draft tokens are forgotten without the engine telling it what
+happened.
+
+A draft model with another tokenizer (:class:`ForeignDraftProposer`) reads the target's context as text in its own
+tokens (``vocabularies.ContextBridge``) and proposes target tokens in one of two ways (Timor et al., ICML 2025):
+``text``, string-level exact match (its text re-encoded by the target's tokenizer, the part whose tokens are
+settled), or ``intersection``, its distribution restricted to the tokens both vocabularies hold, so that it drafts
+target tokens with a proper q.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from exactspec.backends.base import CausalLM, sync
+from exactspec.choices import CROSS_VOCABULARY_METHODS
+from exactspec.errors import UsageError
+from exactspec.proposers.base import EMPTY_DRAFT, CatchesUp, Draft, Role, TreeProposer, draft_of, spine_tree
+from exactspec.sampling import SamplingParams, draft_token, ranked
+from exactspec.vocabularies import LOW_OVERLAP, ContextBridge, SharedTokens
+
+
+class DraftModelProposer(TreeProposer, CatchesUp):
+    name = "draft-model"
+
+    def __init__(self, model: CausalLM, target_vocab_size: int) -> None:
+        if model.vocab_size > target_vocab_size:
+            raise UsageError(
+                f"the draft model's logits are wider ({model.vocab_size}) than the target's ({target_vocab_size})"
+            )
+        self.model = model
+        self.target_vocab_size = target_vocab_size
+
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Draft:
+        tokens, rows, _ = self._chain(context, [1] * k, params, generator)
+        return draft_of(tokens, rows)
+
+    def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
+                     generator: torch.Generator | None) -> Draft:
+        """The draft model's chain, and beside each of its tokens the next best, widths[d] candidates at depth d."""
+        tokens, rows, alternatives = self._chain(context, widths, params, generator)
+        return spine_tree(tokens, rows, alternatives) if tokens else EMPTY_DRAFT
+
+    def _chain(self, context: list[int], widths: list[int], params: SamplingParams,
+               generator: torch.Generator | None) -> tuple[list[int], list, list[list[int]]]:
+        """len(widths) tokens drafted autoregressively (and their distributions), with the ``widths[d] - 1`` tokens
+        the draft model ranks next at each."""
+        if not widths or not self._embeds(context):
+            return [], [], []
+        logits = sync(self.model, context, num_logits=1)[0]  # [vocab_d]: rejected draft tokens are dropped here
+        tokens: list[int] = []
+        rows: list[torch.Tensor | None] = []
+        alternatives: list[list[int]] = []
+        for i, width in enumerate(widths):
+            token, probs = draft_token(logits, params, generator, len(context) + i)
+            tokens.append(token)
+            rows.append(None if probs is None else self._pad(probs))
+            alternatives.append(ranked(logits, width - 1, exclude=token) if width > 1 else [])
+            if i < len(widths) - 1:
+                logits = self.model.extend([token], num_logits=1)[0]
+        return tokens, rows, alternatives
+
+    def catch_up(self, context: list[int]) -> None:
+        if self._embeds(context):
+            sync(self.model, context[:-1], num_logits=0)
+
+    def _embeds(self, context: list[int]) -> bool:
+        """Whether the draft model can embed every id of ``context`` (a wider target's may lie past its own)."""
+        return max(context) < self.model.vocab_size
+
+    def clear_cache(self) -> None:
+        self.model.rollback(0)
+
+    def _pad(self, probs: torch.Tensor) -> torch.Tensor:  # [vocab_d] -> [target vocab]
+        """Draft probabilities over the target's logit width; ids the draft model lacks get q = 0."""
+        return F.pad(probs, (0, self.target_vocab_size - probs.shape[-1]))
+
+
+@dataclass(frozen=True)
+class ForeignDraft:
+    """A draft model with another tokenizer than the target's: the model, the bridge between the two texts, and how
+    it proposes (``CROSS_VOCABULARY_METHODS``)."""
+
+    model: CausalLM
+    bridge: ContextBridge
+    method: str = "auto"
+    shared: SharedTokens | None = None  # the tokens both vocabularies hold (made once, when not given)
+    overlap: float = 1.0  # the share of the target's frequent tokens the draft holds (vocabularies.frequent_overlap)
+
+    def __post_init__(self) -> None:
+        if self.shared is None:
+            object.__setattr__(self, "shared", SharedTokens.of(self.bridge.target, self.bridge.draft))
+
+    def on(self, model: CausalLM) -> ForeignDraft:
+        """The same draft for another sequence (a server's request): ``model`` over the same weights, a bridge of
+        its own (it remembers its sequence's prompt), the tokenizers and shared tokens read once."""
+        return replace(self, model=model, bridge=self.bridge.fresh())
+
+
+class ForeignDraftProposer(TreeProposer, CatchesUp):
+    """A draft model with its own vocabulary: ``text`` proposes the target's tokens of its text (the draft's mode,
+    point masses); ``intersection`` drafts among the tokens both vocabularies hold, sampled as a same-vocabulary
+    draft is (a proper q; under the invariant sampler, noise keyed by the target's ids and positions). ``auto``, as
+    measured on the 1.5B (docs/benchmarks.md, issue 36): greedy, the shared tokens, where the draft holds at least
+    half of the target's frequent tokens (each proposed token one draft pass, where text needs one more a round to
+    settle its last token); when sampling, text (a small draft's mode, re-encoded, is accepted more often than its
+    draw among the shared tokens, coupled noise or not); text too where the draft holds under half. Trees draft
+    among the shared tokens."""
+
+    name = "draft-model"
+
+    def __init__(self, source: ForeignDraft, target_vocab_size: int) -> None:
+        if source.method not in CROSS_VOCABULARY_METHODS:
+            raise UsageError(f"the cross-vocabulary method must be one of {', '.join(CROSS_VOCABULARY_METHODS)}, "
+                             f"not {source.method!r}")
+        self.model = source.model
+        self.bridge = source.bridge
+        self.method = source.method
+        self.target_vocab_size = target_vocab_size
+        self.shared = source.shared
+        self.overlap = source.overlap
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+                ) -> Draft:
+        if k == 0:
+            return EMPTY_DRAFT
+        if self.method == "text" or (self.method == "auto" and (not params.greedy or self.overlap < LOW_OVERLAP)):
+            return self._text_draft(context, k)
+        tokens, rows, _ = self._shared_chain(context, [1] * k, params, generator)
+        return draft_of(tokens, rows)
+
+    def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
+                     generator: torch.Generator | None) -> Draft:
+        tokens, rows, alternatives = self._shared_chain(context, widths, params, generator)
+        return spine_tree(tokens, rows, alternatives) if tokens else EMPTY_DRAFT
+
+    def catch_up(self, context: list[int]) -> None:
+        ids, _ = self.bridge.draft_context(context, self.model.tokens)
+        if len(ids) > 1:
+            sync(self.model, ids[:-1], num_logits=0)
+
+    def clear_cache(self) -> None:
+        self.model.rollback(0)
+
+    def _text_draft(self, context: list[int], k: int) -> Draft:
+        """String-level exact match: the draft model writes on greedily (its text is proposed as point masses,
+        each accepted with the target's probability of it: the draft's mode is its best guess at any temperature)
+        until its text holds k target tokens whose tokenisation is settled (all but the last, unless its text
+        ended), at most 2(k+1) of its own tokens; the target's tokenizer reads that text past what the target has
+        written."""
+        ids, pending = self.bridge.draft_context(context, self.model.tokens)
+        if not ids:
+            return EMPTY_DRAFT
+        logits = sync(self.model, ids, num_logits=1)[0]  # [vocab_d]
+        drafted: list[int] = []
+        proposal: list[int] = []
+        while True:
+            token = int(logits.argmax())  # a point mass is accepted with the target's probability of it: the mode
+            drafted.append(token)
+            ended = token in self.bridge.draft.control
+            proposal = self._settled(self.bridge.draft.text_of(drafted), pending, ended)
+            if ended or len(proposal) >= k or len(drafted) >= 2 * (k + 1):
+                break
+            logits = self.model.extend([token], num_logits=1)[0]
+        return Draft(tokens=proposal[:k])
+
+    def _settled(self, text: bytes, pending: bytes, ended: bool) -> list[int]:
+        """The target's tokens of the draft's ``text`` past ``pending`` (what the target wrote that the draft's
+        context did not hold): none if the text does not begin with it; the last left out unless the text ended,
+        since more text could merge into it."""
+        if not text.startswith(pending):
+            return []
+        new = text[len(pending):]
+        tokens, consumed = self.bridge.target.encode(new, final=ended)
+        if not (ended and consumed == len(new)):
+            tokens = tokens[:-1]
+        valid = 0
+        while valid < len(tokens) and 0 <= tokens[valid] < self.target_vocab_size:
+            valid += 1
+        return tokens[:valid]
+
+    def _shared_chain(self, context: list[int], widths: list[int], params: SamplingParams,
+                      generator: torch.Generator | None) -> tuple[list[int], list, list[list[int]]]:
+        """Token-level intersection: len(widths) target tokens drafted from the draft's distribution over the
+        shared tokens (renormalised, the target's sampling settings applied, at the target's positions), with the
+        ``widths[d] - 1`` shared tokens it ranks next at each depth."""
+        ids, pending = self.bridge.draft_context(context, self.model.tokens)
+        if not ids or pending:  # the draft's context must reach the target's last byte
+            return [], [], []
+        logits = sync(self.model, ids, num_logits=1)[0]  # [vocab_d]
+        tokens: list[int] = []
+        rows: list[torch.Tensor | None] = []
+        alternatives: list[list[int]] = []
+        for i, width in enumerate(widths):
+            over_target = self.shared.target_logits(logits, self.target_vocab_size)  # [target vocab]
+            token, probs = draft_token(over_target, params, generator, len(context) + i)
+            tokens.append(token)
+            rows.append(probs)
+            others = ranked(over_target, width - 1, exclude=token) if width > 1 else []
+            alternatives.append([t for t in others if over_target[t] > float("-inf")])
+            if i < len(widths) - 1:
+                logits = self.model.extend([self.shared.draft_of[token]], num_logits=1)[0]
+        return tokens, rows, alternatives
+
+
+# a second model drafts: --draft-model PATH (its own runtime, any tokenizer), or a trained draft LM (exactspec train)
+ROLE = Role(needs_draft_model=True, trained=True)
+
+
+def make(target: CausalLM, source: CausalLM | ForeignDraft | None, datastore
+         ) -> DraftModelProposer | ForeignDraftProposer:
+    """A draft model's proposer: ``source`` is the draft model (loading.draft_source finds it), or a
+    :class:`ForeignDraft` where its tokenizer is not the target's."""
+    if source is None:
+        raise UsageError("--drafter draft-model needs a draft model: --draft-model PATH, --drafter-path DIR, or the "
+                         "default target (whose trained draft model ships with exactspec)")
+    if isinstance(source, ForeignDraft):
+        return ForeignDraftProposer(source, target_vocab_size=target.vocab_size)
+    return DraftModelProposer(source, target_vocab_size=target.vocab_size)

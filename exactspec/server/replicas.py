@@ -1,0 +1,96 @@
+"""``exactspec serve --replicas N``: the same OpenAI app on Ray Serve, one engine (model, scheduler, KV caches) per
+replica, Ray's HTTP proxy in front routing each request to a replica.
+
+Every replica is the single-machine server's app (:func:`exactspec.server.app.build_app`) built inside the replica
+process: the same routes, streaming, refusals and metrics (``/metrics`` is the answering replica's own; the
+``X-Exactspec-Instance`` header names it). Ray restarts a replica that dies or whose scheduler stops serving
+(its health check is ``/health``'s).
+
+On one machine ``exactspec serve --replicas 2`` starts a local Ray instance. On a cluster, start Ray on each node
+(``ray start --head`` on one, ``ray start --address HEAD:6379`` on the others) and pass ``--ray-address auto`` (or
+the head's address): replicas are then spread over the nodes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+
+from exactspec.errors import UsageError
+from exactspec.server.serving import ServerOptions, load_server, wait_for_signal
+
+APP_NAME = "exactspec"
+_REPLICA = {}  # the server this replica process built: its health check reads it
+
+
+def serve_app(options: ServerOptions | None = None, replicas: int = 1, shutdown_timeout: float = 30.0):
+    """The Ray Serve application: ``replicas`` copies of exactspec's OpenAI app, for ``serve.run`` (or Ray's own
+    ``serve run exactspec.server.replicas:app_builder replicas=2 model=PATH``)."""
+    from ray import serve
+
+    if replicas < 1:
+        raise UsageError(f"replicas must be >= 1, got {replicas}")
+    options = options or ServerOptions()
+
+    def build():
+        server = load_server(options, listen=False)
+        server.start()  # its scheduler: Ray Serve's HTTP runs the app
+        _REPLICA["server"] = server
+        return server.app
+
+    @serve.ingress(build)
+    class ExactspecReplica:
+        def check_health(self) -> None:
+            server = _REPLICA.get("server")
+            if server is not None:
+                status, body = server.health()
+                if body.get("status") == "stalled":  # not a replica that is shutting down
+                    raise RuntimeError(body.get("reason", "unhealthy"))
+
+    deployment = serve.deployment(
+        ExactspecReplica, name="ExactspecReplica", num_replicas=replicas,
+        ray_actor_options={"num_cpus": 0},  # a replica's threads are its own (--threads); Ray need not count them
+        max_ongoing_requests=options.batch.max_batch_size + options.batch.max_waiting,
+        health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=shutdown_timeout)
+    return deployment.bind()
+
+
+def app_builder(args: dict):
+    """For ``serve run exactspec.server.replicas:app_builder KEY=VALUE ...``: replicas, model, backend, threads."""
+    known = {"replicas", "model", "backend", "threads"}
+    if set(args) - known:
+        raise UsageError(f"unknown arguments {sorted(set(args) - known)}; known: {sorted(known)}")
+    options = ServerOptions(model=args.get("model"), backend=args.get("backend", "auto"),
+                             threads=int(args["threads"]) if "threads" in args else None)
+    return serve_app(options, int(args.get("replicas", 1)))
+
+
+def proxy_options(host: str, port: int, request_timeout: float) -> dict:
+    """Ray's HTTP proxy: where it listens, and how long it lets a request go unanswered (0: no limit). The limit
+    is end to end, at the proxy: it bounds a request whatever holds it, Ray's routing included (Ray Serve 2.60
+    was seen holding a request it rerouted from a killed replica for over a minute)."""
+    return {"host": host, "port": port, "request_timeout_s": request_timeout or None}
+
+
+def run_replicas(args, options: ServerOptions) -> int:
+    """Start (or join) Ray, deploy the replicas behind Ray's proxy at --host:--port, serve until a signal."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise UsageError("--replicas needs Ray Serve: pip install 'ray[serve]'") from None
+    threads = options.threads or max(1, (os.cpu_count() or 1) // args.replicas)
+    options = replace(options, threads=threads)
+    ray.init(address=args.ray_address, include_dashboard=False, logging_level="warning",
+             **({} if args.ray_address else {"num_cpus": max(os.cpu_count() or 1, args.replicas)}))
+    serve.start(http_options=proxy_options(args.host, args.port, args.request_timeout))
+    serve.run(serve_app(options, args.replicas, args.shutdown_timeout), name=APP_NAME, route_prefix="/")
+    print(f"exactspec: serving at http://{args.host}:{args.port} on Ray Serve, {args.replicas} replicas of "
+          f"{threads} threads; the live page at http://{args.host}:{args.port}/; Ctrl-C to stop", file=sys.stderr,
+          flush=True)
+    wait_for_signal()
+    print("exactspec: shutting down the replicas", file=sys.stderr, flush=True)
+    serve.shutdown()
+    ray.shutdown()
+    return 0

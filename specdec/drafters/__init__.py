@@ -1,2 +1,0 @@
-"""Trained drafters: the networks (``networks``), their files and the published layouts they load from
-(``checkpoint``). Their proposers live in ``specdec.proposers``; their training in ``specdec.train``."""
