@@ -4,6 +4,8 @@ docs/serving.md).
 
 A :class:`Grammar` is one request's matcher, in the state after the tokens generated so far. Each round it
 - puts its forced tokens (what the grammar admits alone from here) in the draft, with no drafter call;
+- guides a drafter that drafts token by token (a draft model) along its draft (:class:`DraftGuide`): each token
+  chosen among those the grammar allows, and the tokens it forces after one put in the draft too;
 - cuts a drafter's draft at its first token the grammar forbids;
 - gives the tokens it allows at every scored position (after each prefix of the draft), which mask the target's
   logits before any choice: greedy, the invariant sampler's or the standard rule's. Every token is then an exact
@@ -158,6 +160,11 @@ class Grammar:
         self.seconds += time.perf_counter() - started
         return forbidden
 
+    def guide(self, ahead: list[int], room: int) -> DraftGuide:
+        """A guide for a drafter along a draft that follows ``ahead`` (the tokens already in it, admitted), of at
+        most ``room`` tokens after them; close it (a ``with`` block) to leave the state as it was."""
+        return DraftGuide(self, ahead, room)
+
     def masked(self, logits: torch.Tensor, draft: list[int]) -> torch.Tensor:
         """logits [k+1, vocab] (row j after draft[:j]) with every token the grammar forbids there at -inf."""
         import torch
@@ -202,6 +209,59 @@ class Grammar:
     def stopped(self) -> bool:
         """Whether the grammar admits nothing more (but an end token)."""
         return self.matcher.is_stopped()
+
+
+class DraftGuide:
+    """The grammar along a draft being drafted, for a drafter that drafts token by token: the tokens it allows
+    next (:meth:`allowed`), and after a token taken in (:meth:`take`) the tokens it forces from there, drafted as
+    point masses with no drafter call (a forced token is accepted wherever the token before it is). A drafter
+    that drafts under it proposes only tokens the grammar admits: a masked draft model is accepted far more often
+    than one that spends its draft on text the grammar forbids. Every token taken is rolled back on
+    :meth:`close`: the grammar's state stays the sequence's."""
+
+    def __init__(self, grammar: Grammar, ahead: list[int], room: int) -> None:
+        self.grammar = grammar
+        self.room = room  # the draft tokens the drafter may still add, forced ones included
+        self.taken = 0
+        self._take(ahead)
+
+    def allowed(self) -> np.ndarray | None:  # [vocab] bool
+        """The tokens the grammar allows next; None where the draft is full or the grammar complete (nothing but
+        an end token could follow, which ends the answer)."""
+        if self.room <= 0 or self.grammar.matcher.is_stopped():
+            return None
+        started = time.perf_counter()
+        allowed = unpacked([self.grammar.matcher.compute_bitmask()], self.grammar.vocab_size)[0]
+        self.grammar.seconds += time.perf_counter() - started
+        return allowed
+
+    def take(self, token: int) -> list[int]:
+        """Take in the drafter's ``token`` (one :meth:`allowed` allowed), then the tokens the grammar forces after
+        it, as many as the draft has room for: those forced tokens, to follow it in the draft."""
+        self._take([token])
+        self.room -= 1
+        forced = self.grammar.forced(self.room) if not self.grammar.matcher.is_stopped() else []
+        self._take(forced)
+        self.room -= len(forced)
+        return forced
+
+    def close(self) -> None:
+        if self.taken:
+            self.grammar.matcher.rollback(self.taken)
+            self.taken = 0
+
+    def __enter__(self) -> DraftGuide:
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.close()
+
+    def _take(self, tokens: list[int]) -> None:
+        if tokens:
+            started = time.perf_counter()
+            self.grammar._take(tokens)
+            self.taken += len(tokens)
+            self.grammar.seconds += time.perf_counter() - started
 
 
 def unpacked(bitmasks: list[bytes] | list[np.ndarray], vocab_size: int, negated: bool = False) -> np.ndarray:

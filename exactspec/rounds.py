@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from exactspec.backends.base import declares
-from exactspec.proposers.base import EMPTY_DRAFT, CatchesUp, Draft, Proposer
+from exactspec.proposers.base import EMPTY_DRAFT, CatchesUp, Draft, DraftsUnderGrammar, Guide, Proposer
 from exactspec.sampling import LogitsAdjustment, SamplingParams
 from exactspec.step import Round, constrained_draft, constrained_round, emitted_round, verify_draft, verify_draft_tree
 from exactspec.verify import TreeVerdict, Verdict
@@ -97,12 +97,13 @@ class Sequence:
         cached positions, for a drafter that reads them."""
         extra = {} if features is None else {"features": features}
 
-        def propose(forced: list[int], n: int) -> Draft:  # after the grammar's forced tokens
+        def propose(forced: list[int], n: int, guide: Guide | None = None) -> Draft:  # after the forced tokens
             context = self.context + forced if forced else self.context
-            return self.proposer.propose(context, n, self.sampling, self.generator, **extra)
+            guided = {} if guide is None else {"guide": guide}
+            return self.proposer.propose(context, n, self.sampling, self.generator, **extra, **guided)
 
         if self.grammar is not None:
-            return constrained_draft(self.grammar, k, self.room, propose)
+            return constrained_draft(self.grammar, k, self.room, propose, declares(self.proposer, DraftsUnderGrammar))
         if k == 0:
             return EMPTY_DRAFT
         if widths is None:

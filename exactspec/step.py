@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from exactspec.choices import MAX_DRAFT_TOKENS, check_seed
-from exactspec.proposers.base import EMPTY_DRAFT, Draft
+from exactspec.proposers.base import EMPTY_DRAFT, Draft, Guide
 from exactspec.sampling import SamplingParams, TargetChoices, logits_to_probs
 from exactspec.verify import TreeVerdict, Verdict, node_depths, verify, verify_choices, verify_tree, verify_tree_choices
 
@@ -134,19 +134,27 @@ def emitted_round(draft: Draft, verdict: Verdict, limit: int, stop_ids: frozense
                  source=draft.source if verdict.num_draft else "")
 
 
-def constrained_draft(grammar: Grammar, k: int, room: int, propose: Callable[[list[int], int], Draft]) -> Draft:
+def constrained_draft(grammar: Grammar, k: int, room: int, propose: Callable[[list[int], int, Guide | None], Draft],
+                      guided: bool = False) -> Draft:
     """A round's draft under a grammar, of at most ``room`` tokens (and MAX_DRAFT_TOKENS): the tokens it forces
-    from here (with no drafter call), then up to k of the drafter's continuation after them (``propose(forced,
-    n)``), up to its first token the grammar forbids. Forced tokens are point masses, accepted by construction, so
-    they ride outside the drafter's k: they cost only their share of the pass. A draft drawn from a distribution
-    keeps the forbidden token, to be rejected for sure: under the standard rule the residual there takes the
-    draft's mass on forbidden tokens, which cutting the draft would move."""
+    from here (with no drafter call), then up to k of the drafter's continuation after them (``propose(forced, n,
+    guide)``; a drafter that drafts under the grammar, ``guided``, gets its guide, else None), up to its first
+    token the grammar forbids. Forced tokens are point masses, accepted by construction, so they ride outside the
+    drafter's k (those a guided drafter's tokens lead to as well): they cost only their share of the pass. A draft
+    drawn from a distribution keeps the forbidden token, to be rejected for sure: under the standard rule the
+    residual there takes the draft's mass on forbidden tokens, which cutting the draft would move."""
     room = min(room, MAX_DRAFT_TOKENS)  # a round's pass stays a round's (a longer one would run as a prompt's)
     if room <= 0:
         return EMPTY_DRAFT
     forced = grammar.forced(room)
     n = min(k, room - len(forced))
-    drafted = propose(forced, n) if n > 0 else EMPTY_DRAFT
+    if n <= 0:
+        drafted = EMPTY_DRAFT
+    elif guided:
+        with grammar.guide(forced, room - len(forced)) as guide:
+            drafted = propose(forced, n, guide)
+    else:
+        drafted = propose(forced, n, None)
     probs = drafted.probs
     if probs is not None and forced:
         points = torch.zeros(len(forced), probs.shape[-1], dtype=probs.dtype, device=probs.device)

@@ -43,6 +43,12 @@ def model(tmp_path_factory) -> str:
     return str(write_tiny_gguf(tmp_path_factory.mktemp("grammar") / "tiny.gguf"))
 
 
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory) -> str:
+    """``model`` rounded to 4 bits, to draft for it: its choices are mostly the target's, and not always."""
+    return str(write_tiny_gguf(tmp_path_factory.mktemp("grammar_draft") / "draft.gguf", tensor_type="Q4_0"))
+
+
 def outputs(decoder: SpecDecoder, spec: GrammarSpec, k: int | str, sampling: SamplingParams, seed: int | None
             ) -> tuple[list[list[int]], int]:
     config = GenerationConfig(max_new_tokens=160, num_draft_tokens=k, sampling=sampling, seed=seed)
@@ -68,6 +74,52 @@ def test_constrained_output_is_the_same_with_speculation_and_without(model, back
             assert got == expected, (sampling, k)
             accepted += count
     assert accepted > 0
+
+
+@pytest.mark.parametrize("drafter", ["draft-model", "hybrid"])
+def test_a_draft_model_under_the_grammars_mask_keeps_the_output(model, draft, drafter):
+    """A draft model (the target rounded to 4 bits) drafting under the grammar's mask, alone and as the hybrid's model
+    source, greedy and seeded (the invariant sampler and the standard rule): the tokens of decoding without a
+    drafter, bit for bit, and its masked drafts accepted where the standard rule's q is a proper distribution."""
+    spec = GrammarSpec.json_schema(SCHEMA)
+    plain = SpecDecoder.load(model, drafter="none", backend="fused")
+    speculating = SpecDecoder.load(model, drafter=drafter, draft_model=draft, backend="fused")
+    standard = SamplingParams(temperature=0.8, method="standard")
+    for sampling, seed in ((SamplingParams(), None), (SamplingParams(temperature=0.8), 7), (standard, 11)):
+        expected, _ = outputs(plain, spec, 1, sampling, seed)
+        got, _ = outputs(speculating, spec, 4, sampling, seed)
+        if sampling.method != "standard":  # the standard rule's tokens are its own draws (checked in law below)
+            assert got == expected, sampling
+        for ids in got:
+            jsonschema.validate(json.loads(plain.tokenizer.decode(ids, skip_special_tokens=True)), SCHEMA)
+
+
+def test_a_draft_model_drafts_among_the_tokens_the_grammar_allows(model, draft):
+    """Under a grammar a draft model drafts only tokens it admits: the whole draft is admitted, the tokens forced
+    after a drafted one join the draft with no step of the draft model, and the grammar is left where it was.
+    Without the guide the same model's first token is one the grammar forbids, and the draft is cut to nothing."""
+    from exactspec.step import constrained_draft
+
+    decoder = SpecDecoder.load(model, drafter="draft-model", draft_model=draft, backend="fused")
+    sentences = [f"{a} {b} on the {c}" for a in ("cat", "dog") for b in ("sat", "ran") for c in ("mat", "rug")]
+    grammar = decoder.grammar(GrammarSpec("regex", "(cat|dog) (sat|ran) on the (mat|rug)"))
+    prompt = decoder.encode("Once upon a time", chat=False)
+    proposer = decoder.engine.proposer
+    steps = []
+    step = proposer._step
+    proposer._step = lambda tokens: steps.append(tokens) or step(tokens)
+
+    def propose(forced, n, guide):
+        guided = {} if guide is None else {"guide": guide}
+        return proposer.propose(prompt + forced, n, SamplingParams(), None, **guided)
+
+    guided = constrained_draft(grammar, 12, 16, propose, guided=True)
+    text = decoder.token_text.text_of(guided.tokens).decode()
+    assert grammar.admitted(guided.tokens) == len(guided.tokens)
+    assert any(sentence.startswith(text) for sentence in sentences) and len(text) >= len("cat sat on the")
+    assert len(steps) + 1 < len(guided.tokens)  # a step a drafted token (the first after the context): some forced
+    assert grammar.forced(4) == [] and not grammar.accepting  # the grammar is where it was: at its start
+    assert constrained_draft(grammar, 12, 16, propose, guided=False).tokens == []
 
 
 def test_a_regex_and_a_lark_grammar_constrain_the_text(model):
@@ -129,7 +181,7 @@ def test_a_draft_is_cut_at_its_first_forbidden_token_and_forced_tokens_need_no_d
     grammar = decoder.grammar(GrammarSpec("regex", 'The answer is: (d|e)+'))
     d, x = encode(b"d")[0][0], encode(b"x")[0][0]
     asked = []
-    draft = constrained_draft(grammar, 4, 12, lambda forced, n: asked.append((forced, n)) or Draft([d, x][:n]))
+    draft = constrained_draft(grammar, 4, 12, lambda forced, n, _: asked.append((forced, n)) or Draft([d, x][:n]))
     forced, rest = asked[0]
     assert forced and b"The answer is: ".startswith(decoder.token_text.text_of(forced))
     assert rest == min(4, 12 - len(forced))  # forced tokens ride outside the drafter's k, within the room
@@ -137,16 +189,16 @@ def test_a_draft_is_cut_at_its_first_forbidden_token_and_forced_tokens_need_no_d
     # the drafter's d follows the whole forced text, its x never: d is kept where the forced text was all of it
     assert draft.tokens == forced + ([d] if decoder.token_text.text_of(forced) == b"The answer is: " else [])
     # a room of 2 holds forced tokens only: the drafter is not asked; none at all with no room
-    assert constrained_draft(grammar, 4, 2, lambda forced, n: asked.append(n) or Draft([d] * n)).tokens == forced[:2]
-    assert constrained_draft(grammar, 4, 0, lambda forced, n: asked.append(n) or Draft([d] * n)).tokens == []
+    assert constrained_draft(grammar, 4, 2, lambda forced, n, _: asked.append(n) or Draft([d] * n)).tokens == forced[:2]
+    assert constrained_draft(grammar, 4, 0, lambda forced, n, _: asked.append(n) or Draft([d] * n)).tokens == []
     assert len(asked) == 1
     grammar.advance(encode(b"The answer is: ")[0])
-    assert constrained_draft(grammar, 4, 4, lambda forced, n: Draft([d, d, x, d])).tokens == [d, d]
+    assert constrained_draft(grammar, 4, 4, lambda forced, n, _: Draft([d, d, x, d])).tokens == [d, d]
     # a round scores at most MAX_DRAFT_TOKENS draft tokens, forced ones too (a longer pass runs as a prompt's)
     long = decoder.grammar(GrammarSpec("regex", " ".join(["cat dog"] * 60)))
-    assert len(constrained_draft(long, 4, 1000, lambda forced, n: Draft([])).tokens) == MAX_DRAFT_TOKENS
+    assert len(constrained_draft(long, 4, 1000, lambda forced, n, _: Draft([])).tokens) == MAX_DRAFT_TOKENS
     probs = torch.zeros(4, decoder.token_text.vocab_size)
-    assert constrained_draft(grammar, 4, 4, lambda forced, n: Draft([d, d, x, d], probs)).tokens == [d, d, x]
+    assert constrained_draft(grammar, 4, 4, lambda forced, n, _: Draft([d, d, x, d], probs)).tokens == [d, d, x]
 
 
 CHI_SAMPLING = SamplingParams(temperature=1.0, top_k=8, method="standard")
@@ -154,15 +206,15 @@ SAMPLES = 3000
 
 
 @pytest.mark.slow  # about 40 s on 2 cores
-def test_constrained_standard_sampling_draws_the_masked_renormalised_distribution(model):
-    """--sampling standard under a regex, with a draft model (the target itself, so its q is a proper distribution
-    over tokens the regex often forbids: such a draft keeps its first forbidden token, which is then rejected) at
-    k = 3, top-k 8 after the mask: the first two tokens of 3,000 seeded runs against their exact joint under the
-    masked, renormalised distributions (one token where it completes the text). Bins: every outcome expected at
-    least 5 times, and one for the rest (joined to the last where expected under 5 times); one
+def test_constrained_standard_sampling_draws_the_masked_renormalised_distribution(model, draft):
+    """--sampling standard under a regex, with a draft model (the target in 4 bits) drafting under the regex's mask
+    (its q a proper distribution over the tokens the regex allows, not the target's: drafts are accepted and
+    rejected) at k = 3, top-k 8 after the mask: the first two tokens of 3,000 seeded runs against their exact
+    joint under the masked, renormalised distributions (one token where it completes the text). Bins: every outcome
+    expected at least 5 times, and one for the rest (joined to the last where expected under 5 times); one
     chi-square test at alpha = 0.001, so a correct engine fails it with probability 0.1% (the seeds are fixed: the
     outcome repeats)."""
-    decoder = SpecDecoder.load(model, draft_model=model, backend="fused")
+    decoder = SpecDecoder.load(model, draft_model=draft, drafter="draft-model", backend="fused")
     grammar = decoder.grammar(GrammarSpec("regex", "[a-z ]{2,6}"))
     prompt = decoder.encode("the cat sat on the", chat=False)
     runtime = decoder.engine.target

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -126,6 +127,31 @@ class TreeProposer(Protocol):
     def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
                      generator: torch.Generator | None) -> Draft:
         """A tree of depth len(widths), widths[d] candidates at depth d in all."""
+        ...
+
+
+class Guide(Protocol):
+    """A grammar along a draft being drafted (``grammars.DraftGuide``): what it allows next, and what it forces
+    after a token taken in."""
+
+    def allowed(self) -> np.ndarray | None:
+        """[target vocab] bool: the tokens allowed next; None where the draft must end here."""
+        ...
+
+    def take(self, token: int) -> list[int]:
+        """Take in the drafted ``token``; the tokens the grammar forces after it, which follow it in the draft."""
+        ...
+
+
+class DraftsUnderGrammar(Protocol):
+    """A drafter that drafts token by token under a grammar's :class:`Guide`, handed to ``propose`` as ``guide``
+    where the sequence has a grammar: each token chosen among those allowed (its distribution renormalised over
+    them, a proper q), the tokens forced after it put in the draft as point masses. Those ride outside its k, as the
+    leading forced tokens do (they cost no drafting, and are accepted wherever the token before them is), within
+    the room the guide gives."""
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
+                guide: Guide | None = None) -> Draft:
         ...
 
 

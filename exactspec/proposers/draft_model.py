@@ -13,6 +13,7 @@ target tokens with a proper q.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -21,12 +22,22 @@ import torch.nn.functional as F
 from exactspec.backends.base import CausalLM, sync
 from exactspec.choices import CROSS_VOCABULARY_METHODS
 from exactspec.errors import UsageError
-from exactspec.proposers.base import EMPTY_DRAFT, CatchesUp, Draft, Role, TreeProposer, draft_of, spine_tree
+from exactspec.proposers.base import (
+    EMPTY_DRAFT,
+    CatchesUp,
+    Draft,
+    DraftsUnderGrammar,
+    Guide,
+    Role,
+    TreeProposer,
+    draft_of,
+    spine_tree,
+)
 from exactspec.sampling import SamplingParams, draft_token, ranked
 from exactspec.vocabularies import LOW_OVERLAP, ContextBridge, SharedTokens
 
 
-class DraftModelProposer(TreeProposer, CatchesUp):
+class DraftModelProposer(TreeProposer, CatchesUp, DraftsUnderGrammar):
     name = "draft-model"
 
     def __init__(self, model: CausalLM, target_vocab_size: int) -> None:
@@ -37,11 +48,25 @@ class DraftModelProposer(TreeProposer, CatchesUp):
         self.model = model
         self.target_vocab_size = target_vocab_size
 
-    def propose(
-        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> Draft:
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
+                guide: Guide | None = None) -> Draft:
+        if guide is not None:
+            if not k or not self._embeds(context):
+                return EMPTY_DRAFT
+            logits = sync(self.model, context, num_logits=1)[0]  # [vocab_d]
+            return guided_chain(self._wide(logits), k, params, generator, len(context), guide, self._step)
         tokens, rows, _ = self._chain(context, [1] * k, params, generator)
         return draft_of(tokens, rows)
+
+    def _step(self, tokens: list[int]) -> torch.Tensor | None:
+        """The draft model's logits after ``tokens`` (None where it cannot embed one)."""
+        if max(tokens) >= self.model.vocab_size:
+            return None
+        return self._wide(self.model.extend(tokens, num_logits=1)[0])
+
+    def _wide(self, logits: torch.Tensor) -> torch.Tensor:  # [vocab_d] -> [target vocab]
+        """Draft logits over the target's width; ids the draft model lacks at -inf (q = 0)."""
+        return F.pad(logits, (0, self.target_vocab_size - logits.shape[-1]), value=float("-inf"))
 
     def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
                      generator: torch.Generator | None) -> Draft:
@@ -105,7 +130,7 @@ class ForeignDraft:
         return replace(self, model=model, bridge=self.bridge.fresh())
 
 
-class ForeignDraftProposer(TreeProposer, CatchesUp):
+class ForeignDraftProposer(TreeProposer, CatchesUp, DraftsUnderGrammar):
     """A draft model with its own vocabulary: ``text`` proposes the target's tokens of its text (the draft's mode,
     point masses); ``intersection`` drafts among the tokens both vocabularies hold, sampled as a same-vocabulary
     draft is (a proper q; under the invariant sampler, noise keyed by the target's ids and positions). ``auto``, as
@@ -128,14 +153,33 @@ class ForeignDraftProposer(TreeProposer, CatchesUp):
         self.shared = source.shared
         self.overlap = source.overlap
 
-    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
-                ) -> Draft:
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
+                guide: Guide | None = None) -> Draft:
+        """Under a grammar's ``guide``, among the shared tokens it allows (text would be cut at its first token the
+        grammar forbids)."""
         if k == 0:
             return EMPTY_DRAFT
+        if guide is not None:
+            return self._guided(context, k, params, generator, guide)
         if self.method == "text" or (self.method == "auto" and (not params.greedy or self.overlap < LOW_OVERLAP)):
             return self._text_draft(context, k)
         tokens, rows, _ = self._shared_chain(context, [1] * k, params, generator)
         return draft_of(tokens, rows)
+
+    def _guided(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
+                guide: Guide) -> Draft:
+        ids, pending = self.bridge.draft_context(context, self.model.tokens)
+        if not ids or pending:  # the draft's context must reach the target's last byte
+            return EMPTY_DRAFT
+        first = self.shared.target_logits(sync(self.model, ids, num_logits=1)[0], self.target_vocab_size)
+
+        def step(tokens: list[int]) -> torch.Tensor | None:
+            if any(token not in self.shared.draft_of for token in tokens):
+                return None
+            logits = self.model.extend([self.shared.draft_of[token] for token in tokens], num_logits=1)[0]
+            return self.shared.target_logits(logits, self.target_vocab_size)
+
+        return guided_chain(first, k, params, generator, len(context), guide, step)
 
     def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
                      generator: torch.Generator | None) -> Draft:
@@ -209,6 +253,40 @@ class ForeignDraftProposer(TreeProposer, CatchesUp):
             if i < len(widths) - 1:
                 logits = self.model.extend([self.shared.draft_of[token]], num_logits=1)[0]
         return tokens, rows, alternatives
+
+
+def guided_chain(logits: torch.Tensor, k: int, params: SamplingParams, generator: torch.Generator | None,
+                 position: int, guide: Guide, step: Callable[[list[int]], torch.Tensor | None]) -> Draft:
+    """A chain of at most k drafted tokens under a grammar's ``guide``, with the tokens it forces after each, from
+    a draft model's ``logits`` [width] for the token at absolute ``position``: each token drafted among those the
+    guide allows (the logits of the rest at -inf, so a draw's q is renormalised over the allowed), then the tokens
+    the guide forces after it (point masses: one-hot rows where the drafted tokens have distributions), all fed
+    back through ``step`` (the model's logits after them, or None where it cannot read one: the chain ends there).
+    It ends early where nothing the model can draft is allowed, or the guide says the draft is full."""
+    tokens: list[int] = []
+    rows: list[torch.Tensor | None] = []
+    fed: list[int] = []  # the last drafted token and those forced after it, fed only where the chain goes on
+    for _ in range(k):
+        allowed = guide.allowed()
+        if allowed is None:
+            break
+        if fed:
+            logits = step(fed)
+            if logits is None:
+                break
+        mask = torch.from_numpy(allowed[: logits.shape[-1]]).to(logits.device)
+        if mask.shape[0] < logits.shape[-1]:
+            mask = F.pad(mask, (0, logits.shape[-1] - mask.shape[0]))
+        masked = logits.masked_fill(~mask, float("-inf"))
+        if not bool(torch.isfinite(masked).any()):
+            break
+        token, probs = draft_token(masked, params, generator, position + len(tokens))
+        forced = guide.take(token)
+        fed = [token, *forced]
+        tokens += fed
+        rows += [probs] + [None if probs is None else F.one_hot(torch.tensor(t, device=probs.device),
+                                                               probs.shape[-1]).to(probs.dtype) for t in forced]
+    return draft_of(tokens, rows)
 
 
 # a second model drafts: --draft-model PATH (its own runtime, any tokenizer), or a trained draft LM (exactspec train)

@@ -31,8 +31,10 @@ from exactspec.proposers.base import (
     CatchesUp,
     Combines,
     Draft,
+    DraftsUnderGrammar,
     FeatureProposer,
     GradesMatches,
+    Guide,
     PlansRounds,
     Proposer,
     Role,
@@ -47,7 +49,7 @@ MAX_GRADE = 4  # a copy's matches of this many tokens and more are weighed toget
 SYNC_CHECK = 16  # tokens compared to tell that a context continues the one a round drafted from
 
 
-class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
+class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan, DraftsUnderGrammar):
     """Drafts from ``copies`` (drafters whose drafts cost next to nothing, proposing every round) and ``models``
     (drafters that run a network: drafting only when chosen), each named by its ``name``. ``plan``: a cost model
     over the same sources that other hybrids learn into too (a server's requests share one); None: its own."""
@@ -61,6 +63,7 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
         self.copies = list(copies)
         self.models = list(models)
         self.source_names = tuple(source.name for source in self.copies + self.models)
+        self._model_names = frozenset(source.name for source in self.models)
         if len(set(self.source_names)) != len(self.source_names):
             raise ValueError(f"a hybrid's sources need distinct names, got {self.source_names}")
         if plan is not None and set(plan.names) != set(self.source_names):
@@ -73,8 +76,9 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
         self._offered_at: list[int] = []  # the end of the context they were drafted after (SYNC_CHECK tokens)
         self._offered_length = 0
 
-    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
-                ) -> Draft:
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
+                guide: Guide | None = None) -> Draft:
+        """Under a grammar's ``guide``, a chosen model that drafts under grammars drafts under it."""
         self._score_offers(context)
         if k == 0:
             return EMPTY_DRAFT
@@ -82,12 +86,14 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan):
         key, length, backlog = self._choose(context, lengths, k)
         if key is not None and key not in offers:
             model = self._source(key)
+            guided = {"guide": guide} if guide is not None and declares(model, DraftsUnderGrammar) else {}
             offers[key] = self._model_draft(model, context, backlog, lambda: model.propose(
-                context, length, params, generator, **self._features_for(model)))
+                context, length, params, generator, **self._features_for(model), **guided))
         self._remember(context, {offered: draft.tokens for offered, draft in offers.items()})
         if key is None or not offers[key].tokens:
             return EMPTY_DRAFT
-        return replace(offers[key].first(length), source=_source_name(key))
+        chosen = offers[key] if _source_name(key) in self._model_names else offers[key].first(length)
+        return replace(chosen, source=_source_name(key))  # a model drafted ``length`` (and what a guide forced)
 
     def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
                      generator: torch.Generator | None) -> Draft:
@@ -184,9 +190,9 @@ class FeatureHybridProposer(HybridProposer, FeatureProposer):
     engine (and the server's scheduler) then hands it each round, and it hands them on to the head that drafts."""
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
-                features: torch.Tensor | None = None) -> Draft:
+                features: torch.Tensor | None = None, guide: Guide | None = None) -> Draft:
         self._features = features
-        return super().propose(context, k, params, generator)
+        return super().propose(context, k, params, generator, guide)
 
     def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
                      generator: torch.Generator | None, features: torch.Tensor | None = None) -> Draft:
