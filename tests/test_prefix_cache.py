@@ -214,3 +214,20 @@ def test_a_prompt_prefilled_after_a_restored_prefix_scores_as_one_prefilled_whol
     if runtime == "fused" and rest == 5:  # a row of several, run as a round
         pool.forward([Row(slots[1], prompt[restored:-1], 0)])
         assert torch.equal(pool.forward([Row(slots[1], prompt[-1:], 1)])[0], expected)
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_entries_are_kept_in_the_caches_own_precision(model, precision):
+    """A kept prompt holds its positions in the precision the runtime caches keys and values in (its activations':
+    float32 on a CPU, whatever the weights' precision), bits unchanged, each position's size as ``position_bytes``
+    says: no copy wider than the cache, and none narrower, which would not restore the bits a prefill writes."""
+    runtime = LeanRuntime(model, precision)
+    pool = runtime.pool(1, 256)
+    prompt = words(20, 80)
+    slot = filled(pool, prompt)
+    cache = PrefixCache(pool, capacity_bytes=1 << 30)
+    cache.keep(slot, prompt)
+    (_, kept), = cache._kept.values()
+    assert kept.dtype == runtime.dtype == pool._keys[0].dtype
+    assert cache.bytes == (len(prompt) - 1) * pool.position_bytes == kept.numel() * kept.element_size()
+    assert torch.equal(kept, pool.copy_out(slot, len(prompt) - 1))
