@@ -170,10 +170,7 @@ class Grammar:
         import torch
 
         forbidden = self.forbidden(draft)[: logits.shape[0], : logits.shape[1]]
-        if logits.device.type == "cpu" and logits.dtype == torch.float32:  # numpy's masked copy: a third of torch's
-            out = logits.clone()
-            np.copyto(out.numpy(), -np.inf, where=forbidden)
-            return out
+        # torch's masked fill (measured 2026-12-05: 117 us for 4 rows of 49,152 on 2 cores, numpy's masked copy 197)
         return logits.masked_fill(torch.from_numpy(forbidden).to(logits.device), float("-inf"))
 
     def advance(self, tokens: list[int]) -> bool:
