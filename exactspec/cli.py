@@ -18,6 +18,7 @@ from exactspec.choices import (
     EXPORT_FORMATS,
     MAX_DRAFT_TOKENS,
     QUANTIZE_TYPES,
+    REPLICA_ROUTINGS,
     SAMPLING_METHODS,
     SPECULATION_MODES,
     TRAINED_METHODS,
@@ -262,6 +263,11 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--replicas", type=int, default=0, metavar="N",
                        help="run N replicas of the server on Ray Serve, behind Ray's proxy at --host:--port "
                        "(default: one process, no Ray)")
+    serve.add_argument("--replica-routing", choices=REPLICA_ROUTINGS, default="prefix",
+                       help="with --replicas: prefix (default): each request goes to the replica that most likely "
+                       "holds its prompt's opening (a conversation's earlier turns, a shared system prompt) in its "
+                       "prefix cache, else to the least loaded; ray: Ray's own router spreads requests, each "
+                       "replica's prefix cache learning alone (docs/serving.md)")
     serve.add_argument("--ray-address", default=None,
                        help="with --replicas: join this Ray cluster ('auto': the one on this node) instead of "
                        "starting a local one")
