@@ -11,6 +11,7 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from exactspec.bench.replicas import Turn, summarise
 from exactspec.server.forwarding import Forwarder, asgi_messages
 from exactspec.server.routing import (
     BLOCK_CHARACTERS,
@@ -218,3 +219,15 @@ def test_a_caller_that_stops_reading_cancels_the_replicas_run():
 
     asyncio.run(read_two())
     assert finished == [True]
+
+
+def test_the_bench_counts_cached_over_the_last_turns_prompt_and_answer():
+    def played(conversation, number, prompt, completion, cached, ttft, instance):
+        return Turn(conversation, number, prompt, completion, cached, ttft, 2 * ttft, instance, "text")
+
+    turns = [played(0, 0, 100, 10, 0, 1.0, "a"), played(0, 1, 130, 10, 99, 0.2, "a"),
+             played(1, 0, 50, 16, 0, 0.8, "b"), played(1, 1, 60, 10, 20, 0.6, "a")]
+    summary = summarise("prefix", turns, 10.0)
+    assert (summary.cached_tokens, summary.reusable_tokens) == (119, 110 + 60)  # the least of prompt, last + answer
+    assert summary.same_replica == 0.5 and summary.ttft_first_median == 0.9
+    assert summary.ttft_later_median == 0.4 and abs(summary.ttft_later_p90 - 0.56) < 1e-9

@@ -120,6 +120,17 @@ def proxy_options(host: str, port: int, request_timeout: float) -> dict:
     return {"host": host, "port": port, "request_timeout_s": request_timeout or None}
 
 
+def start_ray(address: str | None, replicas: int, proxy: dict) -> None:
+    """Join the Ray cluster at ``address``, or start a local one with a CPU for each replica at least; then Ray
+    Serve with its HTTP proxy (:func:`proxy_options`)."""
+    import ray
+    from ray import serve
+
+    ray.init(address=address, include_dashboard=False, logging_level="warning",
+             **({} if address else {"num_cpus": max(os.cpu_count() or 1, replicas)}))
+    serve.start(http_options=proxy)
+
+
 def run_replicas(args, options: ServerOptions) -> int:
     """Start (or join) Ray, deploy the replicas behind Ray's proxy at --host:--port, serve until a signal."""
     try:
@@ -129,9 +140,7 @@ def run_replicas(args, options: ServerOptions) -> int:
         raise UsageError("--replicas needs Ray Serve: pip install 'ray[serve]'") from None
     threads = options.threads or max(1, (os.cpu_count() or 1) // args.replicas)
     options = replace(options, threads=threads)
-    ray.init(address=args.ray_address, include_dashboard=False, logging_level="warning",
-             **({} if args.ray_address else {"num_cpus": max(os.cpu_count() or 1, args.replicas)}))
-    serve.start(http_options=proxy_options(args.host, args.port, args.request_timeout))
+    start_ray(args.ray_address, args.replicas, proxy_options(args.host, args.port, args.request_timeout))
     serve.run(serve_app(options, args.replicas, args.shutdown_timeout, args.replica_routing), name=APP_NAME,
               route_prefix="/")
     print(f"exactspec: serving at http://{args.host}:{args.port} on Ray Serve, {args.replicas} replicas of "
