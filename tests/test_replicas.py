@@ -1,5 +1,5 @@
 """``exactspec serve --replicas``: the OpenAI app on Ray Serve, a local Ray instance on loopback with 2 replicas of a
-tiny model. Slow: Ray takes its time to start."""
+tiny model behind the prefix-routing ingress (the default). Slow: Ray takes its time to start."""
 
 from __future__ import annotations
 
@@ -87,6 +87,32 @@ def test_streaming_and_refusals_pass_through_rays_proxy(port):
     response = connection.getresponse()
     assert response.status == 400 and json.loads(response.read())["error"]["param"] == "best_of"
     connection.close()
+    for path, body, headers, status in (("/v1/completions", b"{not json", {}, 400),
+                                        ("/v1/chat/completions", b'{"messages": 3}', {}, 400),
+                                        ("/v1/completions", None, {"Content-Length": str(2 << 20)}, 413)):
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        connection.request("POST", path, body, headers)  # the 413's body is declared, never sent
+        response = connection.getresponse()
+        assert response.status == status and json.loads(response.read())["error"]["message"], path
+        connection.close()
+
+
+def test_a_conversations_turns_land_on_one_replica_and_restore_its_cached_prefix(port):
+    """Four conversations of three turns, taken in turns, each turn's prompt the last one's with its answer and a
+    new question: every turn lands where its conversation began, the conversations spread over both replicas, and
+    each later turn's prompt is restored from that replica's prefix cache (usage's cached_tokens)."""
+    prompts = [[3 + (11 * c + 7 * i) % 60 for i in range(40)] for c in range(4)]
+    began, cached = {}, []
+    for turn in range(3):
+        for c, prompt in enumerate(prompts):
+            status, body, instance = complete(port, prompt)
+            assert status == 200
+            assert began.setdefault(c, instance) == instance, (turn, c)
+            if turn:
+                cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+            prompts[c] = prompt + ids_of(body["choices"][0]["text"]) + [5 + turn + c] * 8
+    assert len(set(began.values())) == 2
+    assert all(tokens > 0 for tokens in cached), cached
 
 
 def test_the_live_page_works_behind_rays_proxy(port):
