@@ -90,12 +90,23 @@ def prefix_ingress(options: ServerOptions, max_ongoing: int, shutdown_timeout: f
     @serve.ingress()
     class ExactspecIngress:
         def __init__(self, replicas) -> None:
-            streams = replicas.options(stream=True)
-            self.forwarder = Forwarder(lambda scope, body, keys: streams.forward.remote(scope, body, prefix_keys=keys),
-                                       options.settings)
+            self.replicas = replicas.options(stream=True)
 
         def __serve_build_asgi_app__(self):
-            return self.forwarder
+            return Forwarder(self.open_stream, options.settings)
+
+        async def open_stream(self, scope: dict, body: bytes, keys: tuple[str, ...]):
+            """The messages of a replica's answer; a caller that stops reading them (its client left) cancels the
+            replica's run."""
+            stream = self.replicas.forward.remote(scope, body, prefix_keys=keys)
+            finished = False
+            try:
+                async for message in stream:
+                    yield message
+                finished = True
+            finally:
+                if not finished:
+                    stream.cancel()
 
     return serve.deployment(ExactspecIngress, name="ExactspecIngress", num_replicas=1,
                             ray_actor_options={"num_cpus": 0}, max_ongoing_requests=max_ongoing,
