@@ -162,8 +162,8 @@ def test_a_replica_killed_mid_run_is_replaced_and_no_request_hangs(port):
 
 
 def test_a_request_held_past_the_request_timeout_ends_with_408_at_the_proxy(port):
-    """A request whose body never comes is held by the replica (it waits 120 s for a stalled body): the proxy ends
-    it at REQUEST_TIMEOUT, whatever holds it, and the replicas keep serving."""
+    """A request whose body never comes is held by the ingress that reads it (30 s for a stalled body, as a
+    replica waits): the proxy ends it at REQUEST_TIMEOUT, whatever holds it, and the replicas keep serving."""
     started = time.monotonic()
     with socket.create_connection(("127.0.0.1", port), timeout=3 * REQUEST_TIMEOUT) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
