@@ -1,5 +1,6 @@
 """``exactspec serve --replicas``: the OpenAI app on Ray Serve, a local Ray instance on loopback with 2 replicas of a
-tiny model behind the prefix-routing ingress (the default). Slow: Ray takes its time to start."""
+tiny model, behind the prefix-routing ingress (the default) and behind Ray's proxy alone (--replica-routing ray).
+Slow: Ray takes its time to start."""
 
 from __future__ import annotations
 
@@ -36,14 +37,20 @@ def model(tmp_path_factory):
     return model, save_with_tokenizer(model, tmp_path_factory.mktemp("replicas") / "tiny")
 
 
+@pytest.fixture(scope="module", params=["prefix", "ray"])
+def routing(request) -> str:
+    """Every test runs behind the prefix-routing ingress (the default) and behind Ray's proxy alone."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def port(model):
+def port(model, routing):
     ray.init(num_cpus=4, include_dashboard=False, object_store_memory=100 << 20, logging_level="error")
     port = free_port()
     serve.start(http_options=proxy_options("127.0.0.1", port, REQUEST_TIMEOUT))
     options = ServerOptions(model=str(model[1]), backend="lean", dtype="float32", threads=1,
                              batch=BatchSettings(max_batch_size=8, max_model_len=128, speculation="always"))
-    serve.run(serve_app(options, replicas=2), name=APP_NAME, route_prefix="/")
+    serve.run(serve_app(options, replicas=2, routing=routing), name=APP_NAME, route_prefix="/")
     yield port
     serve.shutdown()
     ray.shutdown()
@@ -97,10 +104,13 @@ def test_streaming_and_refusals_pass_through_rays_proxy(port):
         connection.close()
 
 
-def test_a_conversations_turns_land_on_one_replica_and_restore_its_cached_prefix(port):
-    """Four conversations of three turns, taken in turns, each turn's prompt the last one's with its answer and a
-    new question: every turn lands where its conversation began, the conversations spread over both replicas, and
-    each later turn's prompt is restored from that replica's prefix cache (usage's cached_tokens)."""
+def test_a_conversations_turns_land_on_one_replica_and_restore_its_cached_prefix(port, routing):
+    """Routed by prefix, four conversations of three turns, taken in turns, each turn's prompt the last one's with
+    its answer and a new question: every turn lands where its conversation began, the conversations spread over
+    both replicas, and each later turn's prompt is restored from that replica's prefix cache (usage's
+    cached_tokens)."""
+    if routing != "prefix":
+        pytest.skip("Ray's own router spreads a conversation's turns")
     prompts = [[3 + (11 * c + 7 * i) % 60 for i in range(40)] for c in range(4)]
     began, cached = {}, []
     for turn in range(3):

@@ -30,7 +30,6 @@ from exactspec.server.forwarding import Forwarder, asgi_messages
 from exactspec.server.serving import ServerOptions, load_server, wait_for_signal
 
 APP_NAME = "exactspec"
-_REPLICA = {}  # the server this replica process built: its health check and the forwarded requests read it
 
 
 def serve_app(options: ServerOptions | None = None, replicas: int = 1, shutdown_timeout: float = 30.0,
@@ -49,30 +48,29 @@ def serve_app(options: ServerOptions | None = None, replicas: int = 1, shutdown_
         raise UsageError(f"replica routing is one of {', '.join(REPLICA_ROUTINGS)}, got {routing!r}")
     options = options or ServerOptions()
 
-    def build():
-        server = load_server(options, listen=False)
-        server.start()  # its scheduler: Ray Serve's HTTP runs the app
-        _REPLICA["server"] = server
-        return server.app
-
-    @serve.ingress(build)
     class ExactspecReplica:
+        def __init__(self) -> None:
+            self.server = load_server(options, listen=False)
+            self.server.start()  # its scheduler: Ray Serve's HTTP, or the ingress's requests, run the app
+
+        def __serve_build_asgi_app__(self):  # under Ray's router, the app answers Ray's proxy itself
+            return self.server.app
+
         def check_health(self) -> None:
-            server = _REPLICA.get("server")
-            if server is not None:
-                status, body = server.health()
-                if body.get("status") == "stalled":  # not a replica that is shutting down
-                    raise RuntimeError(body.get("reason", "unhealthy"))
+            status, body = self.server.health()
+            if body.get("status") == "stalled":  # not a replica that is shutting down
+                raise RuntimeError(body.get("reason", "unhealthy"))
 
         async def forward(self, scope: dict, body: bytes, prefix_keys: tuple[str, ...] = ()):
             """An HTTP request the ingress read, answered by this replica's app: the messages it sends, as it sends
             them. ``prefix_keys`` are the request router's, not the app's."""
-            async for message in asgi_messages(_REPLICA["server"].app, scope, body):
+            async for message in asgi_messages(self.server.app, scope, body):
                 yield message
 
     max_ongoing = options.batch.max_batch_size + options.batch.max_waiting
     deployment = serve.deployment(
-        ExactspecReplica, name="ExactspecReplica", num_replicas=replicas,
+        serve.ingress()(ExactspecReplica) if routing == "ray" else ExactspecReplica,  # one ingress an application
+        name="ExactspecReplica", num_replicas=replicas,
         ray_actor_options={"num_cpus": 0},  # a replica's threads are its own (--threads); Ray need not count them
         max_ongoing_requests=max_ongoing,
         health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=shutdown_timeout)
