@@ -57,7 +57,7 @@ def serve_app(options: ServerOptions | None = None, replicas: int = 1, shutdown_
             return self.server.app
 
         def check_health(self) -> None:
-            status, body = self.server.health()
+            _, body = self.server.health()
             if body.get("status") == "stalled":  # not a replica that is shutting down
                 raise RuntimeError(body.get("reason", "unhealthy"))
 
