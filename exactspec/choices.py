@@ -23,6 +23,7 @@ TRAINED_METHODS = ("draft-model", "mtp", "eagle", "early-exit")  # exactspec tra
 # --cross-vocabulary: how a draft model with another tokenizer proposes (proposers/draft_model.py)
 CROSS_VOCABULARY_METHODS = ("auto", "text", "intersection")
 SPECULATION_MODES = ("auto", "always", "never")  # exactspec serve --speculation
+REPLICA_ROUTINGS = ("prefix", "ray")  # exactspec serve --replica-routing: by the prompt's prefix, or Ray's spreading
 # --backend: auto, and the runtimes the wings declare (backends.kinds; tests/test_runtime_kinds.py holds them equal)
 BACKENDS = ("auto", "lean", "fused", "llama.cpp")
 BACKEND_ALIASES = {"torch": "lean"}  # --backend values kept for scripts: the lean runtime's old name

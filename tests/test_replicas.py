@@ -1,5 +1,6 @@
 """``exactspec serve --replicas``: the OpenAI app on Ray Serve, a local Ray instance on loopback with 2 replicas of a
-tiny model. Slow: Ray takes its time to start."""
+tiny model, behind the prefix-routing ingress (the default) and behind Ray's proxy alone (--replica-routing ray).
+Slow: Ray takes its time to start."""
 
 from __future__ import annotations
 
@@ -36,14 +37,20 @@ def model(tmp_path_factory):
     return model, save_with_tokenizer(model, tmp_path_factory.mktemp("replicas") / "tiny")
 
 
+@pytest.fixture(scope="module", params=["prefix", "ray"])
+def routing(request) -> str:
+    """Every test runs behind the prefix-routing ingress (the default) and behind Ray's proxy alone."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def port(model):
+def port(model, routing):
     ray.init(num_cpus=4, include_dashboard=False, object_store_memory=100 << 20, logging_level="error")
     port = free_port()
     serve.start(http_options=proxy_options("127.0.0.1", port, REQUEST_TIMEOUT))
     options = ServerOptions(model=str(model[1]), backend="lean", dtype="float32", threads=1,
                              batch=BatchSettings(max_batch_size=8, max_model_len=128, speculation="always"))
-    serve.run(serve_app(options, replicas=2), name=APP_NAME, route_prefix="/")
+    serve.run(serve_app(options, replicas=2, routing=routing), name=APP_NAME, route_prefix="/")
     yield port
     serve.shutdown()
     ray.shutdown()
@@ -87,6 +94,35 @@ def test_streaming_and_refusals_pass_through_rays_proxy(port):
     response = connection.getresponse()
     assert response.status == 400 and json.loads(response.read())["error"]["param"] == "best_of"
     connection.close()
+    for path, body, headers, status in (("/v1/completions", b"{not json", {}, 400),
+                                        ("/v1/chat/completions", b'{"messages": 3}', {}, 400),
+                                        ("/v1/completions", None, {"Content-Length": str(2 << 20)}, 413)):
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        connection.request("POST", path, body, headers)  # the 413's body is declared, never sent
+        response = connection.getresponse()
+        assert response.status == status and json.loads(response.read())["error"]["message"], path
+        connection.close()
+
+
+def test_a_conversations_turns_land_on_one_replica_and_restore_its_cached_prefix(port, routing):
+    """Routed by prefix, four conversations of three turns, taken in turns, each turn's prompt the last one's with
+    its answer and a new question: every turn lands where its conversation began, the conversations spread over
+    both replicas, and each later turn's prompt is restored from that replica's prefix cache (usage's
+    cached_tokens)."""
+    if routing != "prefix":
+        pytest.skip("Ray's own router spreads a conversation's turns")
+    prompts = [[3 + (11 * c + 7 * i) % 60 for i in range(40)] for c in range(4)]
+    began, cached = {}, []
+    for turn in range(3):
+        for c, prompt in enumerate(prompts):
+            status, body, instance = complete(port, prompt)
+            assert status == 200
+            assert began.setdefault(c, instance) == instance, (turn, c)
+            if turn:
+                cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+            prompts[c] = prompt + ids_of(body["choices"][0]["text"]) + [5 + turn + c] * 8
+    assert len(set(began.values())) == 2
+    assert all(tokens > 0 for tokens in cached), cached
 
 
 def test_the_live_page_works_behind_rays_proxy(port):
@@ -136,8 +172,8 @@ def test_a_replica_killed_mid_run_is_replaced_and_no_request_hangs(port):
 
 
 def test_a_request_held_past_the_request_timeout_ends_with_408_at_the_proxy(port):
-    """A request whose body never comes is held by the replica (it waits 120 s for a stalled body): the proxy ends
-    it at REQUEST_TIMEOUT, whatever holds it, and the replicas keep serving."""
+    """A request whose body never comes is held by the ingress that reads it (30 s for a stalled body, as a
+    replica waits): the proxy ends it at REQUEST_TIMEOUT, whatever holds it, and the replicas keep serving."""
     started = time.monotonic()
     with socket.create_connection(("127.0.0.1", port), timeout=3 * REQUEST_TIMEOUT) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

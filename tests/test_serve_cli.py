@@ -47,6 +47,7 @@ def model_dir(tmp_path_factory):
     (["--replicas", "-1"], "replicas"),
     (["--ray-address", "auto"], "--ray-address goes with --replicas"),
     (["--replicas", "2", "--request-timeout", "-1"], "request-timeout"),
+    (["--replicas", "2", "--replica-routing", "random"], "--replica-routing"),
 ])
 def test_bad_serve_settings_are_one_line_and_exit_2(model_dir, capsys, args, message):
     code = main(["serve", *(["--model", str(model_dir)] if "--model" not in args else []), *args])

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from exactspec.bench.stats import percentile
 from exactspec.errors import UsageError
 
 MODES = ("always", "never", "auto")
@@ -111,7 +112,7 @@ class ServerProcess:
 
     def __init__(self, mode: str, serve_args: list[str]) -> None:
         self.mode = mode
-        self.port = _free_port()
+        self.port = free_port()
         command = [sys.executable, "-m", "exactspec.cli", "serve", "--port", str(self.port), "--speculation", mode,
                    *serve_args]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -138,7 +139,7 @@ class ServerProcess:
                 self.process.kill()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -199,21 +200,13 @@ def replay(host: str, port: int, mode: str, trace: list[TraceRequest], concurren
     request_rounds = delta.get("exactspec_request_rounds_total", 0.0)
     return Result(
         mode=mode, concurrency=concurrency, requests=len(trace), output_tokens=tokens[0], seconds=seconds,
-        latency_median=statistics.median(latencies), latency_p99=_percentile(latencies, 99),
+        latency_median=statistics.median(latencies), latency_p99=percentile(latencies, 99),
         speculative_steps=delta.get("exactspec_speculative_steps_total", 0.0) / steps if steps else 0.0,
         mean_accepted_length=delta.get("exactspec_generation_tokens_total", 0.0) / request_rounds
         if request_rounds else 0.0,
         decode_seconds=delta.get("exactspec_step_seconds_total", 0.0),
         prefill_seconds=delta.get("exactspec_prefill_seconds_total", 0.0),
     )
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 # --- the report ------------------------------------------------------------------------------------------------------

@@ -61,6 +61,17 @@ def median(values: Iterable[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def percentile(values: Iterable[float], q: float) -> float:
+    """The ``q``-th percentile (0-100), linear between the two nearest values; NaN of none."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
 def per_prompt_speedups(tokens_per_second: dict[str, float], baseline: dict[str, float]) -> list[float]:
     """Speedup on each prompt that both ran: its tokens/s over the baseline's tokens/s on the same prompt."""
     return [tokens_per_second[p] / baseline[p] for p in tokens_per_second if p in baseline and baseline[p] > 0]

@@ -7,7 +7,8 @@
 - ``framing.py``: HTTP framing and its refusals; ``output.py``: answers on the wire (stop strings, log-probabilities,
   the speculation extension, SSE); ``stops.py``: stop strings; ``page.py``: the live page's files;
 - ``settings.py``, ``serving.py``, ``launch.py``: how a server listens, loads and runs (``exactspec serve``);
-  ``replicas.py``: Ray Serve replicas;
+  ``replicas.py``: Ray Serve replicas, routed by prefix (``routing.py``: the keys and the affinity table;
+  ``prefix_router.py``: Ray's request router over them; ``forwarding.py``: a request relayed to a replica's app);
 - ``metrics.py``: Prometheus counters and gauges.
 
 This package's own module holds no logic: it names the batch's settings and its scheduler's builder for callers.

@@ -41,6 +41,7 @@ from exactspec.server.output import POLL_SECONDS, Answer, echo_text, stream, who
 from exactspec.server.page import page_file
 from exactspec.server.protocol import (
     ERROR_STATUSES,
+    RETRY_AFTER_SECONDS,
     ApiError,
     BadRequest,
     ChatCompletionRequest,
@@ -59,7 +60,6 @@ from exactspec.view import KIND_STYLES
 from exactspec.vocabularies import TokenText
 
 log = logging.getLogger("exactspec.server")
-RETRY_AFTER_SECONDS = 1
 
 
 class OpenAIServer:

@@ -34,6 +34,7 @@ from exactspec.server.tools import ToolCalling, ToolError, tool_calling
 
 MAX_CHOICES = 16  # n
 MAX_JSON_DEPTH = 64  # nesting of the request body: deeper is refused before it is parsed
+RETRY_AFTER_SECONDS = 1  # what a 429 or a 503 tells the client to wait before it asks again
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
