@@ -198,6 +198,22 @@ def test_limits_and_failures_answer_openai_errors_never_a_traceback():
     assert "replica died" in json.loads(gone[1]["body"])["error"]["message"]
 
 
+def test_with_an_api_key_a_request_without_it_is_refused_before_its_body_is_read():
+    """The ingress checks the key as the server does (401 with an OpenAI error body), before it reads a byte of the
+    body: a client without the key cannot make it hold a body of up to --max-body-bytes."""
+    seen = []
+
+    def open_stream(scope, body, keys):
+        seen.append(body)
+        return asgi_messages(REPLICA_APP, scope, body)
+
+    refused = exchange(Forwarder(open_stream, ServerSettings(api_key="sesame")), "/echo", b"x" * 100, chunks=100)
+    assert refused[0]["status"] == 401 and json.loads(refused[1]["body"])["error"]["code"] == "invalid_api_key"
+    assert seen == []
+    assert exchange(Forwarder(open_stream, ServerSettings(api_key="sesame")), "/health", method="GET")[0]["status"] \
+        != 401
+
+
 def test_a_caller_that_stops_reading_cancels_the_replicas_run():
     finished = []
 

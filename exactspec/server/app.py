@@ -18,7 +18,6 @@ refusals become statuses by one table, :data:`exactspec.server.protocol.ERROR_ST
 from __future__ import annotations
 
 import functools
-import hmac
 import logging
 import os
 import socket
@@ -35,7 +34,7 @@ from starlette.exceptions import HTTPException
 
 from exactspec import listening
 from exactspec.grammars import GrammarError, grammar_for
-from exactspec.server.framing import JSON, ClientGone, Framing, InstanceHeader, http_protocol, read_body
+from exactspec.server.framing import JSON, ClientGone, Framing, InstanceHeader, check_api_key, http_protocol, read_body
 from exactspec.server.metrics import MetricsCollector, Refusals
 from exactspec.server.output import POLL_SECONDS, Answer, echo_text, stream, whole
 from exactspec.server.page import page_file
@@ -153,13 +152,7 @@ class OpenAIServer:
 
     def authorize(self, header: str | None) -> None:
         """Admit a request whose Authorization header carries the API key, or any where no key is set; else 401."""
-        key = self.settings.api_key
-        if key is None:
-            return
-        scheme, _, given = (header or "").strip().partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
-            raise ApiError("a valid API key is required: Authorization: Bearer <key>", code="invalid_api_key",
-                           status=401)
+        check_api_key(self.settings.api_key, header)
 
     def prompt_ids(self, job: Job) -> list[int]:
         ids = self._encoded(job)

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request
 
-from exactspec.server.framing import JSON, ClientGone, read_body
+from exactspec.server.framing import JSON, OPEN_PATHS, ClientGone, check_api_key, read_body
 from exactspec.server.protocol import RETRY_AFTER_SECONDS, ApiError
 from exactspec.server.routing import prefix_keys
 from exactspec.server.settings import ServerSettings
@@ -30,9 +30,10 @@ OpenStream = Callable[[dict, bytes, tuple[str, ...]], AsyncIterator[dict]]
 
 
 class Forwarder:
-    """The ingress's ASGI app: each HTTP request's body read within the server's limits (413, 408 as the server
-    answers them), its prefix keys named, and the request relayed to the replica that ``open_stream`` reaches; what
-    that replica's app sends is sent on as it comes. A replica that fails before it answers is a 503."""
+    """The ingress's ASGI app: with an API key set, a request without it refused (401) before its body is read; each
+    HTTP request's body read within the server's limits (413, 408 as the server answers them), its prefix keys
+    named, and the request relayed to the replica that ``open_stream`` reaches; what that replica's app sends is
+    sent on as it comes. A replica that fails before it answers is a 503."""
 
     def __init__(self, open_stream: OpenStream, settings: ServerSettings) -> None:
         self.open_stream, self.settings = open_stream, settings
@@ -41,6 +42,8 @@ class Forwarder:
         if scope["type"] != "http":  # lifespan: nothing to start or stop
             return
         try:
+            if scope["path"] not in OPEN_PATHS:  # a client without the key is refused before its body is read
+                check_api_key(self.settings.api_key, _header(scope, b"authorization"))
             body = await read_body(Request(scope, receive), self.settings)
         except ClientGone:
             return
@@ -58,6 +61,10 @@ class Forwarder:
                 raise
             log.warning("forwarding a request failed: %r", error)
             await refuse(ApiError(f"no replica answered: {error}", status=503), scope, receive, send)
+
+
+def _header(scope, name: bytes) -> str:
+    return next((value for key, value in scope["headers"] if key.lower() == name), b"").decode("latin-1")
 
 
 async def refuse(error: ApiError, scope, receive, send) -> None:

@@ -9,6 +9,7 @@ check of a request's key (an :data:`Authorise`) and where refusals are counted (
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -167,6 +168,15 @@ def parser_refusal(error: Exception) -> ApiError:
     if "HTTP version" in reason or "PRI" in reason:  # PRI: HTTP/2's connection preface
         return ApiError("the request's HTTP version is not served here: send HTTP/1.1 or HTTP/1.0", status=505)
     return BadRequest(f"the request's HTTP framing is invalid: {reason}")
+
+
+def check_api_key(key: str | None, header: str | None) -> None:
+    """Admit a request whose Authorization header carries the API key ``key``, or any where none is set; else 401."""
+    if key is None:
+        return
+    scheme, _, given = (header or "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+        raise ApiError("a valid API key is required: Authorization: Bearer <key>", code="invalid_api_key", status=401)
 
 
 class Framing:
