@@ -271,7 +271,13 @@ def unpacked(bitmasks: list[bytes] | list[np.ndarray], vocab_size: int, negated:
 
 def grammar_for(spec: GrammarSpec, text: TokenText, eos_token_ids: set[int] | frozenset[int]) -> Grammar:
     """A fresh matcher for ``spec`` over ``text``'s vocabulary, ended by any of ``eos_token_ids``."""
-    return Grammar(spec, llg_tokenizer(text, tuple(sorted(eos_token_ids))))
+    return Grammar(spec, prepare_grammars(text, eos_token_ids))
+
+
+def prepare_grammars(text: TokenText, eos_token_ids: set[int] | frozenset[int]):
+    """llguidance's tokenizer for ``text``'s vocabulary and these end tokens, built once (what every grammar over
+    them compiles against; a server builds it ahead of its first structured request)."""
+    return llg_tokenizer(text, tuple(sorted(eos_token_ids)))
 
 
 def _first_line(error: object) -> str:
