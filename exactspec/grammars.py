@@ -118,7 +118,10 @@ class Grammar:
 
     def allowed(self) -> np.ndarray:  # [vocab] bool
         """The tokens the grammar allows next."""
-        return unpacked([self.matcher.compute_bitmask()], self.vocab_size)[0]
+        started = time.perf_counter()
+        allowed = unpacked([self.matcher.compute_bitmask()], self.vocab_size)[0]
+        self.seconds += time.perf_counter() - started
+        return allowed
 
     def forced(self, most: int) -> list[int]:
         """Up to ``most`` tokens that follow from here whatever is sampled: the grammar admits only their text."""
@@ -225,19 +228,16 @@ class DraftGuide:
     def allowed(self) -> np.ndarray | None:  # [vocab] bool
         """The tokens the grammar allows next; None where the draft is full or the grammar complete (nothing but
         an end token could follow, which ends the answer)."""
-        if self.room <= 0 or self.grammar.matcher.is_stopped():
+        if self.room <= 0 or self.grammar.stopped:
             return None
-        started = time.perf_counter()
-        allowed = unpacked([self.grammar.matcher.compute_bitmask()], self.grammar.vocab_size)[0]
-        self.grammar.seconds += time.perf_counter() - started
-        return allowed
+        return self.grammar.allowed()
 
     def take(self, token: int) -> list[int]:
         """Take in the drafter's ``token`` (one :meth:`allowed` allowed), then the tokens the grammar forces after
         it, as many as the draft has room for: those forced tokens, to follow it in the draft."""
         self._take([token])
         self.room -= 1
-        forced = self.grammar.forced(self.room) if not self.grammar.matcher.is_stopped() else []
+        forced = self.grammar.forced(self.room) if not self.grammar.stopped else []
         self._take(forced)
         self.room -= len(forced)
         return forced

@@ -63,7 +63,6 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan, DraftsUnde
         self.copies = list(copies)
         self.models = list(models)
         self.source_names = tuple(source.name for source in self.copies + self.models)
-        self._model_names = frozenset(source.name for source in self.models)
         if len(set(self.source_names)) != len(self.source_names):
             raise ValueError(f"a hybrid's sources need distinct names, got {self.source_names}")
         if plan is not None and set(plan.names) != set(self.source_names):
@@ -84,7 +83,8 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan, DraftsUnde
             return EMPTY_DRAFT
         offers, lengths = self._copies_offers(context, k, params, generator)
         key, length, backlog = self._choose(context, lengths, k)
-        if key is not None and key not in offers:
+        copied = key in offers  # a copy's offer, drafted k long; a model drafts the length chosen
+        if key is not None and not copied:
             model = self._source(key)
             guided = {"guide": guide} if guide is not None and declares(model, DraftsUnderGrammar) else {}
             offers[key] = self._model_draft(model, context, backlog, lambda: model.propose(
@@ -92,8 +92,8 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan, DraftsUnde
         self._remember(context, {offered: draft.tokens for offered, draft in offers.items()})
         if key is None or not offers[key].tokens:
             return EMPTY_DRAFT
-        chosen = offers[key] if _source_name(key) in self._model_names else offers[key].first(length)
-        return replace(chosen, source=_source_name(key))  # a model drafted ``length`` (and what a guide forced)
+        chosen = offers[key].first(length) if copied else offers[key]  # a guided model's forced tokens kept
+        return replace(chosen, source=_source_name(key))
 
     def propose_tree(self, context: list[int], widths: list[int], params: SamplingParams,
                      generator: torch.Generator | None) -> Draft:

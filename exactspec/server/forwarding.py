@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request
 
-from exactspec.server.framing import JSON, OPEN_PATHS, ClientGone, check_api_key, read_body
+from exactspec.server.framing import JSON, OPEN_PATHS, ClientGone, check_api_key, header, read_body
 from exactspec.server.protocol import RETRY_AFTER_SECONDS, ApiError
 from exactspec.server.routing import prefix_keys
 from exactspec.server.settings import ServerSettings
@@ -43,7 +43,7 @@ class Forwarder:
             return
         try:
             if scope["path"] not in OPEN_PATHS:  # a client without the key is refused before its body is read
-                check_api_key(self.settings.api_key, _header(scope, b"authorization"))
+                check_api_key(self.settings.api_key, header(scope, b"authorization"))
             body = await read_body(Request(scope, receive), self.settings)
         except ClientGone:
             return
@@ -61,10 +61,6 @@ class Forwarder:
                 raise
             log.warning("forwarding a request failed: %r", error)
             await refuse(ApiError(f"no replica answered: {error}", status=503), scope, receive, send)
-
-
-def _header(scope, name: bytes) -> str:
-    return next((value for key, value in scope["headers"] if key.lower() == name), b"").decode("latin-1")
 
 
 async def refuse(error: ApiError, scope, receive, send) -> None:

@@ -170,6 +170,11 @@ def parser_refusal(error: Exception) -> ApiError:
     return BadRequest(f"the request's HTTP framing is invalid: {reason}")
 
 
+def header(scope, name: bytes) -> str:
+    """A request's header ``name`` (lower case), "" where it has none."""
+    return next((value for key, value in scope["headers"] if key.lower() == name), b"").decode("latin-1")
+
+
 def check_api_key(key: str | None, header: str | None) -> None:
     """Admit a request whose Authorization header carries the API key ``key``, or any where none is set; else 401."""
     if key is None:
@@ -223,9 +228,8 @@ class Framing:
         if codings and codings != [b"chunked"]:
             return BadRequest("the only transfer coding taken is chunked")
         if scope["path"] not in OPEN_PATHS:
-            authorization = next((value for name, value in headers if name.lower() == b"authorization"), b"")
             try:
-                self.authorize(authorization.decode("latin-1"))
+                self.authorize(header(scope, b"authorization"))
             except ApiError as error:
                 return error
         return None
