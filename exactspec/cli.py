@@ -131,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(commands)
     _add_bench_serve_parser(commands)
     _add_bench_replicas_parser(commands)
+    _add_bench_soak_parser(commands)
     _add_train_parser(commands)
     _add_verbose_flag(commands)
     return parser
@@ -218,6 +219,19 @@ def _add_bench_serve_parser(commands) -> None:
     bench.add_argument("--max-batch-size", type=int, default=None, help="default: the highest concurrency")
     add_model_flags(bench, device=False, threads_help="CPU threads of each server")
     bench.set_defaults(run=_runs("exactspec.bench.serve", "run_bench_serve"))
+
+
+def _add_bench_soak_parser(commands) -> None:
+    bench = commands.add_parser("bench-soak", help="a server at its defaults under mixed traffic (answers, left "
+                                "streams, bad and oversized bodies) for a while: does its resident memory level?")
+    bench.add_argument("--minutes", type=float, default=30.0)
+    bench.add_argument("--clients", type=int, default=4, help="clients sending at once, each in a loop")
+    bench.add_argument("--max-tokens", type=int, default=64, help="each answer's length at most")
+    bench.add_argument("--sample-seconds", type=float, default=10.0, help="how often resident memory is read")
+    bench.add_argument("--prompts", default=MT_BENCH, help="questions, each sent with a random tag (never cached)")
+    bench.add_argument("--serve-args", default="", help="flags for exactspec serve (default: none, its defaults)")
+    bench.add_argument("--out", default="bench-soak", help="directory for bench_soak.{json,md}")
+    bench.set_defaults(run=_runs("exactspec.bench.soak", "run_bench_soak"))
 
 
 def _add_bench_replicas_parser(commands) -> None:

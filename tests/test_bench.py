@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, replace
 
 import pytest
+from test_server import tiny  # noqa: F401
 from tiny import perturbed_copy, save_with_tokenizer, tiny_llama
 
 from exactspec.bench.contenders import Outcome
@@ -350,3 +351,29 @@ def test_bench_exits_bad_input(tiny_models, tmp_path, capsys, args, message):
     code = main(["bench-exits", "--prompts", str(prompts), "--model", str(tiny_models[0]), *args])
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1
+
+
+def soak_with(rss: list[float]):
+    from exactspec.bench.soak import Sample, SoakResult
+
+    return SoakResult(minutes=1, clients=1, samples=[Sample(i, value, i) for i, value in enumerate(rss)])
+
+
+def test_the_soak_calls_memory_levelled_only_where_its_last_quarter_stops_growing():
+    assert soak_with([700, 800, 850, 860, 862, 862, 862, 862, 863]).levelled  # +150 first, +1 last
+    assert not soak_with([700, 720, 740, 760, 780, 800, 820, 840, 860]).levelled  # +40 first, +40 last
+    assert not soak_with([700, 700, 700, 700, 700, 700, 700, 720, 760]).levelled  # flat, then rising
+
+
+def test_each_soak_request_kind_gets_the_status_it_must(tiny):  # noqa: F811
+    """Against a live server, every kind of request the soak sends is answered with the status it expects."""
+    from test_server import start_server
+
+    from exactspec.bench.soak import KINDS, body_for, send
+
+    server = start_server(tiny)
+    try:
+        statuses = {kind: send(server.port, kind, *body_for(kind, "Say hi.", 4)) for kind in KINDS}
+    finally:
+        server.shutdown(timeout=5)
+    assert statuses == {kind: min(expected) for kind, (_, expected) in KINDS.items()}
