@@ -2,9 +2,10 @@
 
 Two-sample mode (``--a URL --b URL``) draws N completions per prompt from each endpoint, with distinct seeds, and
 tests whether the two give the same distribution of outcomes: the first T tokens (as the server names them in
-``logprobs.tokens``) and whether generation stopped within them. Each completion asks for ``--lookahead`` tokens
-more than T, so that a speculating server drafts over the T tokens audited (asked for exactly T, it would have
-room to draft only T-1 of them).
+``logprobs.tokens``) and whether generation stopped within them (the end token, which the tokens do not list, among
+the first T that ``usage`` counts). Each completion asks for ``--lookahead`` tokens more than T, so that a
+speculating server drafts over the T tokens audited (asked for exactly T, it would have room to draft only T-1 of
+them).
 One-sample mode (``--a URL --reference local``) tests the endpoint against the exact distribution that exactspec's
 own runtime computes for the model. At temperature 0 both compare greedy output and report the first divergence.
 
@@ -118,7 +119,8 @@ def outcome(answer: dict, sampling: Sampling) -> Outcome:
     tokens = (choice.get("logprobs") or {}).get("tokens")
     if tokens is None:
         raise ServerError("the answer has no logprobs.tokens: the audit needs the server's logprobs")
-    stopped = choice.get("finish_reason") == "stop" and len(tokens) <= sampling.tokens
+    generated = (answer.get("usage") or {}).get("completion_tokens", len(tokens))  # with the end token, unlisted
+    stopped = choice.get("finish_reason") == "stop" and generated <= sampling.tokens
     return tuple(tokens[: sampling.tokens]), stopped
 
 
@@ -261,18 +263,23 @@ def exact_outcomes(model: str | None, prompt: str, sampling: Sampling, min_proba
 
     from exactspec.backends import sync
     from exactspec.sampling import logits_to_probs
+    from exactspec.vocabularies import TokenText, token_name
 
     runtime, tokenizer, eos = _reference(model)
     prompt_ids = list(tokenizer.encode(prompt))
+    text = TokenText(tokenizer, runtime.vocab_size)
     exact: Counter = Counter()
+
+    def names(sequence: list[int]) -> tuple[str, ...]:  # as exactspec's server names them: no control token's
+        return tuple(token_name(text.pieces[t]) for t in sequence if t not in text.control)
 
     def expand(prefix: list[int], probability: float) -> None:
         probs = logits_to_probs(sync(runtime, prompt_ids + prefix, 1)[0].double(), sampling.params)
         for token in torch.nonzero(probs * probability > min_probability).flatten().tolist():
             p = probability * float(probs[token])
             sequence = prefix + [token]
-            if token in eos or len(sequence) == sampling.tokens:  # the tokens as exactspec's server names them
-                exact[(tuple(tokenizer.decode([t]) for t in sequence), token in eos)] += p
+            if token in eos or len(sequence) == sampling.tokens:
+                exact[(names(sequence), token in eos)] += p
             else:
                 expand(sequence, p)
 

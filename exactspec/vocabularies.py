@@ -104,6 +104,16 @@ class TokenText:
         return ids
 
 
+def token_name(piece: bytes) -> str:
+    """A token's bytes as a name: its text where they are whole UTF-8, else ``bytes:`` and each byte as ``\\xNN``
+    (how OpenAI's completions name a token that holds part of a character), so that no byte is lost to U+FFFD and
+    tokens that split characters differently keep distinct names."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{byte:02x}" for byte in piece)
+
+
 def _runs(data: bytes) -> list[str | int]:
     """``data`` as runs of valid UTF-8 text and single bytes that are not UTF-8, in order."""
     runs: list[str | int] = []

@@ -324,6 +324,7 @@ def test_a_whole_answer_is_its_choices_or_a_failed_choices_error_and_frees_every
     from exactspec.server.output import Answer, whole
     from exactspec.server.protocol import ApiError, Response, parse_job
     from exactspec.server.scheduler import Finished, GenerationRequest, Handle, Tokens
+    from exactspec.vocabularies import TokenText
 
     class Connected:
         async def is_disconnected(self) -> bool:
@@ -334,7 +335,8 @@ def test_a_whole_answer_is_its_choices_or_a_failed_choices_error_and_frees_every
 
     def answered(*lasts: Finished) -> tuple[list[Handle], dict]:
         handles = [Handle(GenerationRequest([3, 4], 2), "never") for _ in lasts]
-        answers = [Answer(job, handle, tokenizer, i) for i, handle in enumerate(handles)]
+        answers = [Answer(job, handle, TokenText(tokenizer, model.config.vocab_size), i) for i, handle in
+                   enumerate(handles)]
         for i, (handle, last) in enumerate(zip(handles, lasts)):
             handle.put(Tokens([5 + i, 6 + i], ["plain", "plain"], 0))
             handle.put(last)

@@ -331,6 +331,54 @@ def test_auto_on_a_template_with_llama3_json_calls_is_text_or_one_call(tmp_path)
     assert after.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+# A chat template that asks for calls as Qwen2.5's and Hermes' do, in <tool_call> tags (its marker is theirs; the rest
+# is this test's own, over the default model's vocabulary and markers)
+HERMES_STYLE_TEMPLATE = """{% for message in messages %}<|im_start|>{{ message['role'] }}
+{% if message.get('tool_calls') %}{% for call in message['tool_calls'] %}<tool_call>
+{"name": "{{ call['function']['name'] }}", "arguments": {{ call['function']['arguments'] }}}
+</tool_call>{% endfor %}{% else %}{{ message['content'] }}{% endif %}<|im_end|>
+{% endfor %}{% if tools %}<|im_start|>system
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> tags.
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}<|im_end|>
+{% endif %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_a_named_function_on_a_template_with_tool_calls_is_the_call_as_the_template_writes_it(tmp_path):
+    """tool_choice naming a function where the template writes <tool_call> calls: the answer opens the call as the
+    template does (its bytes, joined from the logprobs, show it), the arguments under the function's schema, and
+    comes back as one call to that function, whole and streamed; the conversation goes on with it."""
+    from dataclasses import replace
+
+    from tiny_gguf import tokenizer_fields
+
+    from exactspec.models import default_model_path
+
+    fields = tuple(replace(f, value=HERMES_STYLE_TEMPLATE) if f.key == "tokenizer.chat_template" else f
+                   for f in tokenizer_fields(str(default_model_path())))
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with serving(write_tiny_gguf(tmp_path / "hermes-calls.gguf", tokenizer=fields), "hermes") as (server, client):
+        ask = dict(model="hermes", messages=ASK, tools=[WEATHER, CLOCK], tool_choice=named, temperature=0,
+                   max_tokens=200, logprobs=True)
+        called = client.chat.completions.create(**ask)
+        streamed = list(client.chat.completions.create(**ask, stream=True))
+        calls = called.choices[0].message.tool_calls
+        after = client.chat.completions.create(model="hermes", max_tokens=4, tools=[WEATHER, CLOCK], messages=[
+            *ASK, {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]},
+            {"role": "tool", "tool_call_id": calls[0].id, "content": "12 C"}])
+    assert called.choices[0].finish_reason == "tool_calls" and called.choices[0].message.content is None
+    assert valid_calls(calls) == ["get_weather"]
+    written = b"".join(bytes(entry.bytes) for entry in called.choices[0].logprobs.content).decode()
+    opening, closing = '<tool_call>\n{"name": "get_weather", "arguments": ', "}\n</tool_call>"
+    assert written.startswith(opening) and written.endswith(closing)
+    assert json.loads(written[len(opening): -len(closing)]) == json.loads(calls[0].function.arguments)
+    deltas = [c.choices[0].delta.tool_calls for c in streamed if c.choices and c.choices[0].delta.tool_calls]
+    assert [(d[0].function.name, d[0].function.arguments) for d in deltas] == \
+        [(c.function.name, c.function.arguments) for c in calls]
+    assert after.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
 def test_each_of_n_choices_has_a_matcher_of_its_own(client):
     """n = 3 seeded samples under one schema, compiled once: each choice keeps to it on its own (a matcher shared
     between them would take the other choices' tokens and refuse, or let through, what it should not)."""

@@ -179,7 +179,8 @@ class OpenAIServer:
 
     @functools.cached_property
     def token_text(self) -> TokenText:
-        """The tokenizer as bytes per token, over the logits' width (what a grammar reads)."""
+        """The tokenizer as bytes per token, over the logits' width: what a grammar reads, and the bytes each answer's
+        log-probabilities give."""
         return TokenText(self.tokenizer, self.scheduler.vocab_size)
 
     def _prepare_grammars(self) -> None:
@@ -311,7 +312,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
         raw = await read_body(request, server.settings)
         job, prompt_ids, grammar = await run_in_threadpool(server.prepared, raw, chat)
         handles = server.submit(job, prompt_ids, grammar)
-        answers = [Answer(job, handle, server.tokenizer, i) for i, handle in enumerate(handles)]
+        answers = [Answer(job, handle, server.token_text, i) for i, handle in enumerate(handles)]
         response = Response(chat, job.model or server.model_name)  # the name asked for: an alias is answered so
         echoed = echo_text(job, server.tokenizer, prompt_ids)
         if job.stream:

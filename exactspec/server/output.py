@@ -15,6 +15,7 @@ from exactspec.server.protocol import ApiError, Job, Response, TokenLogprob, log
 from exactspec.server.scheduler import Finished, Handle, Tokens
 from exactspec.server.tools import ToolError
 from exactspec.stops import StopText
+from exactspec.vocabularies import TokenText
 
 POLL_SECONDS = 0.25  # how often a waiting request checks that its client is still there
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop", "abort": "abort"}
@@ -117,7 +118,7 @@ async def stream(answers: list[Answer], response: Response, prompt_tokens: int, 
                     response.chunk(answer.text, index=answer.index, logprobs=logprobs)
                 yield sse_event(answer.with_speculation(chunk, answer.text))
                 answer.finish_reason = "tool_calls" if calls else answer.finish_reason
-            elif piece or answer.logprobs_sent < len(answer.token_logprobs) or answer.unsent_rounds:
+            elif piece or answer.logprobs_due() or answer.unsent_rounds:
                 chunk = response.chunk(piece, index=answer.index, logprobs=answer.chunk_logprobs(response.chat))
                 yield sse_event(answer.with_speculation(chunk, piece))
             if isinstance(event, Finished) and not answer.error:  # once per choice: its last event
@@ -131,6 +132,11 @@ async def stream(answers: list[Answer], response: Response, prompt_tokens: int, 
             answer.handle.cancel()
 
 
+def _continuation(byte: int) -> bool:
+    """Whether a byte of UTF-8 continues a character, not begins one."""
+    return 0x80 <= byte < 0xC0
+
+
 def sse_event(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
 
@@ -138,11 +144,16 @@ def sse_event(payload: dict) -> bytes:
 @dataclass
 class Answer:
     """One choice's answer as it arrives: text cut at the first stop string (the scheduler ends the request with the
-    token that completes one), its finish reason, usage, and the tokens' log-probabilities."""
+    token that completes one), its finish reason, usage, and the tokens' log-probabilities.
+
+    The log-probabilities are those of the tokens the text holds, each with its own bytes, so that they join into
+    the text: a control token (the ``<|im_end|>`` that ends a chat), which the text leaves out, has no entry; under
+    a stop string, the tokens whose bytes begin before the cut have one (the last may run past it, into the stop
+    string, where the cut falls inside a token). Streamed, an entry goes out with the text it begins in."""
 
     job: Job
     handle: Handle
-    tokenizer: object
+    token_text: TokenText  # the tokenizer, and each token's bytes
     index: int
     sent: int = 0  # characters handed out
     completion_tokens: int = 0
@@ -154,6 +165,7 @@ class Answer:
     done: bool = False
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
     logprobs_sent: int = 0  # token_logprobs already streamed
+    characters_begun: int = 0  # characters whose first byte the tokens with entries so far hold
     stop_text: StopText | None = None
     rounds: int = 0  # target passes that emitted its tokens
     unsent_tokens: list[tuple[str, str]] = field(default_factory=list)  # (text, kind) per token, not yet streamed
@@ -161,7 +173,7 @@ class Answer:
     held: str = ""  # final text held back while the answer may yet be tool calls
 
     def __post_init__(self) -> None:
-        self.stop_text = StopText(self.tokenizer, self.job.stop)
+        self.stop_text = StopText(self.token_text.tokenizer, self.job.stop)
 
     @property
     def text(self) -> str:
@@ -211,10 +223,21 @@ class Answer:
                       "tokens": len(event.token_ids)}
             self.unsent_rounds.append({**round_, "source": event.source} if event.source else round_)
         if event.logprobs is not None:
-            entries = [TokenLogprob(self._piece(t), lp, [(self._piece(i), v) for i, v in top])
-                       for t, (lp, top) in zip(event.token_ids, event.logprobs)]
-            self.token_logprobs += entries
+            self._take_logprobs(event.token_ids, event.logprobs)
         return self._release()
+
+    def _take_logprobs(self, tokens: list[int], logprobs: list[tuple[float, list[tuple[int, float]]]]) -> None:
+        """An entry for each token the text holds (none for a control token), where it starts in the text: at the
+        character its first byte begins, or continues."""
+        pieces, control = self.token_text.pieces, self.token_text.control
+        for token, (logprob, top) in zip(tokens, logprobs):
+            if token in control:
+                continue
+            piece = pieces[token]
+            continues = bool(piece) and _continuation(piece[0])
+            self.token_logprobs.append(TokenLogprob(piece, logprob, [(pieces[i], lp) for i, lp in top],
+                                                    self.characters_begun - continues))
+            self.characters_begun += sum(not _continuation(byte) for byte in piece)
 
     def tool_calls(self) -> list[dict] | None:
         """The calls the answer made (None where it answered in text, or asked for no tools); an answer whose calls
@@ -257,25 +280,23 @@ class Answer:
         return logprobs_payload(chat, self._kept(self.token_logprobs), echoed)
 
     def chunk_logprobs(self, chat: bool) -> dict | None:
+        """The entries a stream sends now (:meth:`logprobs_due`), as the chunk's logprobs."""
         if self.job.logprobs is None:
             return None
-        entries, self.logprobs_sent = self.token_logprobs[self.logprobs_sent:], len(self.token_logprobs)
+        entries = self.logprobs_due()
+        self.logprobs_sent += len(entries)
         return logprobs_payload(chat, entries)
 
+    def logprobs_due(self) -> list[TokenLogprob]:
+        """The entries not yet streamed whose text has been handed out (all that are kept, once the answer ends)."""
+        due = self._kept(self.token_logprobs)[self.logprobs_sent:]
+        return due if self.done else [entry for entry in due if entry.start < self.sent]
+
     def _kept(self, entries: list[TokenLogprob]) -> list[TokenLogprob]:
-        """Every token, or, when a stop string cut the text, those whose text starts before the cut."""
+        """Every token, or, when a stop string cut the text, those whose bytes begin before the cut."""
         if not self.stop_text.stopped:
             return entries
-        kept, offset = [], 0
-        for entry in entries:
-            if offset >= len(self.text):
-                break
-            kept.append(entry)
-            offset += len(entry.text)
-        return kept
-
-    def _piece(self, token: int) -> str:
-        return self.tokenizer.decode([token])
+        return [entry for entry in entries if entry.start < len(self.text)]
 
     def _release(self, end: bool = False) -> str:
         """The final text not yet handed out (all of it at the ``end``)."""

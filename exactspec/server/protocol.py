@@ -31,6 +31,7 @@ from exactspec.rounds import StopCondition
 from exactspec.sampling import LogitsAdjustment, SamplingParams
 from exactspec.server.scheduler import GenerationRequest, NotOffered, QueueFull, ShuttingDown
 from exactspec.server.tools import ToolCalling, ToolError, tool_calling
+from exactspec.vocabularies import token_name
 
 MAX_CHOICES = 16  # n
 MAX_JSON_DEPTH = 64  # nesting of the request body: deeper is refused before it is parsed
@@ -578,24 +579,30 @@ def usage(prompt_tokens: int, completion_tokens: int, draft_tokens: int, accepte
 
 
 def logprobs_payload(chat: bool, entries: list[TokenLogprob], text_offset: int = 0) -> dict:
-    """OpenAI's logprobs object for the tokens given: chat's ``content`` list, or the completions layout."""
+    """OpenAI's logprobs object for the tokens given: chat's ``content`` list, each token with its own ``bytes`` (its
+    ``token`` text lossy where it holds part of a character, as OpenAI's is), or the completions layout, which has
+    no bytes and names such a token by them (:func:`token_name`); ``text_offset``: the characters before the
+    choice's text (an echoed prompt)."""
     if chat:
-        return {"content": [{"token": e.text, "logprob": e.logprob, "bytes": list(e.text.encode()),
-                             "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
-                                              for t, lp in e.top]} for e in entries]}
-    offsets, offset = [], text_offset
-    for e in entries:
-        offsets.append(offset)
-        offset += len(e.text)
-    return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [dict(e.top) for e in entries] if any(e.top for e in entries) else None,
-            "text_offset": offsets}
+        return {"content": [{"token": _lossy(e.piece), "logprob": e.logprob, "bytes": list(e.piece),
+                             "top_logprobs": [{"token": _lossy(piece), "logprob": lp, "bytes": list(piece)}
+                                              for piece, lp in e.top]} for e in entries]}
+    return {"tokens": [token_name(e.piece) for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{token_name(piece): lp for piece, lp in e.top} for e in entries]
+            if any(e.top for e in entries) else None,
+            "text_offset": [text_offset + e.start for e in entries]}
+
+
+def _lossy(piece: bytes) -> str:
+    return piece.decode("utf-8", errors="replace")
 
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One emitted token's text, the target's log-probability of it, and its top alternatives."""
+    """One emitted token: its bytes, the target's log-probability of it, its top alternatives (bytes and
+    log-probability each), and ``start``: the characters of its choice's text before its first byte."""
 
-    text: str
+    piece: bytes
     logprob: float
-    top: list[tuple[str, float]]
+    top: list[tuple[bytes, float]]
+    start: int
