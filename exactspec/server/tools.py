@@ -118,8 +118,10 @@ class ToolCalling:
         return self.choice == "auto" and not self.format.opened(answer)
 
     def calls(self, text: str) -> list[dict] | None:
-        """The answer's calls, as OpenAI's ``message.tool_calls``; None where it answered in text."""
+        """The answer's calls, as OpenAI's ``message.tool_calls``; None where it answered in text. ToolError where
+        max_tokens cut them short (a named function's arguments too: not yet JSON)."""
         if self.named:
+            _json(text)
             found = [(self.choice, text)]
         elif self.choice == "required":
             found = [(call["name"], json.dumps(call["arguments"], ensure_ascii=False)) for call in _json(text)]
