@@ -210,6 +210,21 @@ def test_a_named_function_is_called_with_valid_arguments_and_the_conversation_go
     assert client.chat.completions.create(model="tiny", messages=follow, max_tokens=4).choices[0].message.content
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_call_that_max_tokens_cuts_short_is_its_text_and_finishes_with_length(client, choice):
+    """Calls cut short by max_tokens are no calls: the answer is their text, with finish reason "length", whole and
+    streamed. Clients read "length" as an incomplete answer (instructor raises IncompleteOutputException); "tool_calls"
+    would hand them arguments that are not JSON."""
+    asked = dict(model="tiny", messages=ASK, tools=[WEATHER], tool_choice=choice, max_tokens=4, temperature=0)
+    choice = client.chat.completions.create(**asked).choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    with pytest.raises(ValueError):
+        json.loads(choice.message.content)
+    chunks = [chunk.choices[0] for chunk in client.chat.completions.create(**asked, stream=True) if chunk.choices]
+    assert not any(c.delta.tool_calls for c in chunks) and chunks[-1].finish_reason == "length"
+    assert "".join(c.delta.content or "" for c in chunks) == choice.message.content
+
+
 @pytest.mark.parametrize("params, param", [
     ({"tools": [WEATHER]}, "tool_choice"),  # auto, on a template without a tool-call format
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),

@@ -132,10 +132,12 @@ class ToolCalling:
         return self.choice == "auto" and self.format is not None and not self.format.opened(answer)
 
     def calls(self, text: str) -> list[dict] | None:
-        """The answer's calls, as OpenAI's ``message.tool_calls``; None where it answered in text."""
+        """The answer's calls, as OpenAI's ``message.tool_calls``; None where it answered in text. ToolError where
+        max_tokens cut them short (a named function's arguments too: not yet JSON)."""
         if self.choice == "required":
             found = [(call["name"], json.dumps(call["arguments"], ensure_ascii=False)) for call in _json(text)]
         elif self.format is None:  # a named function's arguments
+            _json(text)
             found = [(self.choice, text)]
         elif self.named or text and self.format.opened(text):
             found = self.format.read(text)
