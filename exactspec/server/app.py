@@ -157,21 +157,24 @@ class OpenAIServer:
         check_api_key(self.settings.api_key, header)
 
     def prompt_ids(self, job: Job) -> list[int]:
-        ids = self._encoded(job)
+        """The prompt's ids, no more than the context holds: a prompt that fills it is refused
+        (:meth:`Job.generation_request`), and the tokenizer need not tokenize the rest of it (a chat of 30,000
+        messages took 19 s to refuse, tokenized whole by llama.cpp)."""
+        ids = self._encoded(job, self.scheduler.max_length)
         if not ids:
             raise BadRequest("the prompt encodes to no tokens", "messages" if job.chat else "prompt")
         return ids
 
-    def _encoded(self, job: Job) -> list[int]:
+    def _encoded(self, job: Job, max_length: int) -> list[int]:
         if job.chat:
             from exactspec.models import chat_prompt_ids
 
             try:
-                return chat_prompt_ids(self.tokenizer, job.prompt, template_tools(job.tool_calling))
+                return chat_prompt_ids(self.tokenizer, job.prompt, template_tools(job.tool_calling), max_length)
             except Exception as error:  # the template's own checks (roles, order) raise their own errors
                 raise BadRequest(f"the chat template refused these messages: {error}", "messages") from None
         if isinstance(job.prompt, str):
-            return list(self.tokenizer.encode(job.prompt))
+            return list(self.tokenizer.encode(job.prompt, truncation=True, max_length=max_length))
         vocab = self.scheduler.vocab_size
         if not all(0 <= t < vocab for t in job.prompt):
             raise BadRequest(f"prompt token ids must be in [0, {vocab})", "prompt")

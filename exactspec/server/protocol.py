@@ -8,6 +8,7 @@ OpenAI error body naming the field), never with a traceback.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -120,11 +121,17 @@ class _Body(BaseModel):
     def _null_is_the_default(cls, data):
         """An optional field sent as null takes its default, as in OpenAI's API (null is not sent), for OpenAI's
         fields and exactspec's alike."""
-        if not isinstance(data, dict):
+        if not isinstance(data, dict) or None not in data.values():
             return data
-        fields = cls.model_fields
-        return {name: value for name, value in data.items()
-                if value is not None or name not in fields or fields[name].is_required()}
+        optional = _optional_fields(cls)
+        return {name: value for name, value in data.items() if value is not None or name not in optional}
+
+
+@functools.cache
+def _optional_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of ``model`` that have a default, which null stands for (read once per model: pydantic's
+    ``model_fields`` took 6 µs a read, 0.19 s for a chat of 30,000 messages)."""
+    return frozenset(name for name, field in model.model_fields.items() if not field.is_required())
 
 
 class TextPart(_Body):
@@ -389,10 +396,12 @@ class Job:
                            stop: Callable[[], StopCondition] | None = None,
                            grammar: Callable[[], Grammar] | None = None) -> GenerationRequest:
         """The scheduler's request for choice ``choice`` of n (each its own seed, when seeded); ``stop`` makes its
-        stop condition (the job's stop strings over the server's tokenizer), ``grammar`` its matcher."""
+        stop condition (the job's stop strings over the server's tokenizer), ``grammar`` its matcher.
+        ``prompt_ids``: the prompt's, or their first ``max_length`` where there are more (the server tokenizes no
+        further), which is refused as the longer prompt is."""
         room = max_length - len(prompt_ids)
         if room < 1:
-            raise BadRequest(f"the prompt has {len(prompt_ids)} tokens; this model's context is {max_length} "
+            raise BadRequest(f"the prompt has {len(prompt_ids)} tokens or more; this model's context is {max_length} "
                              "tokens", "messages" if self.chat else "prompt", "context_length_exceeded")
         max_tokens = room if self.max_tokens is None else self.max_tokens
         if max_tokens > room:
