@@ -1,6 +1,7 @@
-"""Refusals that real clients met (issue 60), on a tiny random model over the default model's vocabulary and chat
-template, tokenized by llama.cpp as the default model is: a chat of many short messages refused at a cost linear in
-its body."""
+"""Refusals and lookups that real clients met (issue 60), on a tiny random model over the default model's vocabulary
+and chat template, tokenized by llama.cpp as the default model is: a chat of many short messages refused at a cost
+linear in its body, and ``GET /v1/models/{name}`` (the SDK's ``models.retrieve``) for names that hold ``/`` and
+``:``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import http.client
 import json
 import time
 
+import openai
 import pytest
 from tiny_gguf import write_tiny_gguf
 
@@ -29,6 +31,11 @@ def server(tmp_path_factory):
     server.start()
     yield server
     server.shutdown(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
 def exchange(server, method: str, path: str, body: bytes | None = None) -> tuple[int, dict, float]:
@@ -75,3 +82,38 @@ def test_a_refusal_over_the_context_names_the_context(server):
     assert status == 400 and answer["error"]["param"] == "max_tokens", answer
     assert answer["error"]["code"] == "context_length_exceeded"
 
+
+def test_the_sdk_retrieves_each_served_model_and_an_unknown_one_is_404_model_not_found(server, client):
+    for name in NAMES:
+        model = client.models.retrieve(name)
+        assert (model.id, model.object, model.owned_by) == (name, "model", "exactspec")
+    listed = {model.id: model.model_dump() for model in client.models.list()}
+    assert [client.models.retrieve(name).model_dump() for name in NAMES] == [listed[name] for name in NAMES]
+    for unknown in ("gpt-4", "org/tiny", "tiny:q4_1", "org/tiny:q4_1/extra"):
+        with pytest.raises(openai.NotFoundError) as refused:
+            client.models.retrieve(unknown)
+        error = refused.value.body
+        assert error["code"] == "model_not_found" and error["param"] == "model" and repr(unknown) in error["message"]
+
+
+@pytest.mark.parametrize("path, name", [("/v1/models/tiny", "tiny"), ("/v1/models/org/tiny:q4_1", "org/tiny:q4_1"),
+                                        ("/v1/models/org%2Ftiny%3Aq4_1", "org/tiny:q4_1"),
+                                        ("/v1/models/gpt-3.5-turbo", "gpt-3.5-turbo")])
+def test_a_served_name_is_found_over_raw_http_as_sent_or_percent_encoded(server, path, name):
+    status, answer, _ = exchange(server, "GET", path)
+    assert status == 200 and answer["id"] == name and answer["object"] == "model", answer
+    assert answer["max_model_len"] == CONTEXT
+
+
+@pytest.mark.parametrize("path", ["/v1/models/nope", "/v1/models/tiny/", "/v1/models/TINY", "/v1/models/%20tiny"])
+def test_an_unknown_name_over_raw_http_is_404_model_not_found(server, path):
+    status, answer, _ = exchange(server, "GET", path)
+    assert status == 404 and answer["error"]["code"] == "model_not_found", answer
+    assert answer["error"]["type"] == "invalid_request_error"
+
+
+def test_models_with_a_trailing_slash_stays_an_unknown_path_and_other_methods_are_405(server):
+    status, answer, _ = exchange(server, "GET", "/v1/models/")
+    assert status == 404 and answer["error"]["message"] == "no such endpoint: /v1/models/", answer
+    status, answer, _ = exchange(server, "POST", "/v1/models/tiny", b"{}")
+    assert status == 405 and answer["error"]["type"] == "invalid_request_error", answer

@@ -422,16 +422,23 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
     return (seed * 0x9E3779B97F4A7C15 + choice) % SEED_RANGE[1]
 
 
+def check_served(name: str, model_names: tuple[str, ...]) -> None:
+    """404 ``model_not_found`` for a name the server does not answer to (``model_names``), as OpenAI and vLLM answer
+    a request or a ``GET /v1/models/{name}`` that names one."""
+    if name not in model_names:
+        served = ", ".join(repr(served) for served in model_names)
+        raise ApiError(f"the model {name!r} does not exist; this server serves {served}", "model", "model_not_found",
+                       status=404)
+
+
 def parse_job(body: dict, chat: bool, model_names: tuple[str, ...], vocab_size: int, template: str | None = None
               ) -> Job:
     """The checked request; ``model_names``: the names the server answers to (the first its own, the others aliases:
     another is 404 ``model_not_found``, as OpenAI and vLLM answer); ``template``: the model's chat template (whether
     it can write tool calls)."""
     request = validated(ChatCompletionRequest if chat else CompletionRequest, body)
-    if request.model is not None and request.model not in model_names:
-        served = ", ".join(repr(name) for name in model_names)
-        raise ApiError(f"the model {request.model!r} does not exist; this server serves {served}", "model",
-                       "model_not_found", status=404)
+    if request.model is not None:
+        check_served(request.model, model_names)
     if chat:
         max_tokens = request.max_tokens if request.max_tokens is not None else request.max_completion_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
