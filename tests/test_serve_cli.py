@@ -37,6 +37,8 @@ def model_dir(tmp_path_factory):
     (["--port", "70000"], "port"),
     (["--max-batch-size", "0"], "max-batch-size"),
     (["--max-batch-size", "1000000000"], "which this machine cannot reserve: lower --max-batch-size"),
+    (["--prefix-cache-tokens", "1000000000000"], "which this machine cannot reserve: lower --prefix-cache-tokens to"),
+    (["--prefix-cache-mib", "1000000000000"], "which this machine cannot reserve: lower --prefix-cache-mib to"),
     (["--num-draft-tokens", "0"], "num-draft-tokens"),
     (["--max-body-bytes", "10"], "max-body-bytes"),
     (["--max-header-line", "10"], "max-header-line"),
