@@ -1,9 +1,11 @@
-"""How many threads this process can run at once, and ``--threads`` held to it.
+"""What of the machine this process may use: the threads it can run at once (``--threads`` held to them), and the
+memory it may hold (a size beyond it refused in one line).
 
 The CPUs its affinity mask allows (``taskset``, a container's cpuset), capped by its cgroup's CPU quota (a container
 given 1.5 CPUs runs 2 threads at a time at most). A thread team larger than that waits on its own members: the
 fused runtime's team meets at a barrier several times a layer, so each member it cannot run at once stalls every
 other; and a count that reaches C unchecked (``--threads 100000``) asked the OpenMP runtime for that many threads.
+The memory is the machine's, capped by its cgroup's limit.
 """
 
 from __future__ import annotations
@@ -67,3 +69,28 @@ def set_torch_threads(requested: int | None) -> int | None:
     if requested is not None or torch.get_num_threads() > threads:
         torch.set_num_threads(threads)
     return threads if requested is not None else None
+
+
+def usable_memory(root: Path = CGROUP) -> int:
+    """The bytes of memory this process may hold: the machine's, at most its cgroup's limit."""
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = cgroup_memory_limit(root)
+    return machine if limit is None else min(machine, limit)
+
+
+def cgroup_memory_limit(root: Path = CGROUP) -> int | None:
+    """The cgroup's memory limit in bytes (cgroup v2's ``memory.max``, v1's ``memory.limit_in_bytes``), or None where
+    there is none or none can be read."""
+    for path in (root / "memory.max", root / "memory" / "memory.limit_in_bytes"):
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        return int(text) if text.isdigit() else None  # v2 writes "max" for no limit
+    return None
+
+
+def beyond_memory(what: str, wanted: int, remedy: str) -> UsageError:
+    """One line for a size set at start that this machine cannot hold: ``what`` needs ``wanted`` bytes, and
+    ``remedy``, the flags to lower (a traceback, or a server that starts and claims it, before)."""
+    return UsageError(f"{what} needs {wanted / 2**30:,.1f} GiB, which this machine cannot reserve: {remedy}")

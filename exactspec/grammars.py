@@ -69,11 +69,55 @@ class GrammarSpec:
                 if not isinstance(schema, dict):
                     raise GrammarError("a JSON Schema is a JSON object")
                 return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
-            return llguidance.grammar_from("regex" if self.kind == "regex" else "grammar", self.source)
+            if self.kind == "regex":
+                return llguidance.LLMatcher.grammar_from_regex(self.source)
+            return llguidance.LLMatcher.grammar_from_lark(lark_of(self.source))
         except GrammarError:
             raise
         except Exception as error:  # whatever the compiler raises, the text it was given is at fault
             raise GrammarError(f"the {self.kind.replace('_', ' ')} does not compile: {_first_line(error)}") from None
+
+
+def lark_of(grammar: str) -> str:
+    """A Lark or GBNF grammar as Lark: Lark as it is, GBNF (llama.cpp's) through llguidance's parser, printed with
+    every repetition of a repetition grouped. llguidance prints ``("a"+)+`` as ``"a"++``, which Lark refuses, and
+    its parser refuses the operators stacked that llama.cpp reads as groups (``"a"+?`` is ``("a"+)?``)."""
+    from llguidance import gbnf_to_lark as gbnf
+
+    if gbnf.is_lark_syntax(grammar):
+        return grammar
+    rules = _gbnf_parser()().parse(grammar)
+    gbnf.resolve(rules)  # names as Lark spells them, and rules of terminals alone made terminals
+    for rule in rules.values():
+        _group_repeated(rule)
+    ordered = sorted(rules.values(), key=lambda rule: rule.order)
+    return "%llguidance {}\n\n" + "".join(f"{rule}\n" for rule in ordered)
+
+
+def _group_repeated(node) -> None:
+    """Where a repetition repeats a repetition, the inner one as a group of one (which prints in parentheses)."""
+    from llguidance.gbnf_to_lark import RepetitionNode, SequenceNode
+
+    for child in node.children():
+        _group_repeated(child)
+    if isinstance(node, RepetitionNode) and isinstance(node.node, RepetitionNode):
+        node.node = SequenceNode([node.node])
+
+
+@functools.cache
+def _gbnf_parser() -> type:
+    """llguidance's GBNF parser, taking postfix operators stacked (each repeats what it follows, as in llama.cpp)."""
+    from llguidance.gbnf_to_lark import GrammarParser
+
+    class GbnfParser(GrammarParser):
+        def _parse_repetition(self, pos, nodes):
+            while True:
+                after = super()._parse_repetition(pos, nodes)
+                if after.pos == pos.pos:
+                    return pos
+                pos = self._skip_space(after, allow_newlines=False)
+
+    return GbnfParser
 
 
 class _Tokens:

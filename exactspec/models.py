@@ -336,10 +336,14 @@ def same_weights(probe: list[float], other: list[float]) -> bool:
 # --- what the tokenizer says: chat prompts, where generation ends, whether two models share ids ---------------
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None, max_length: int | None = None
+                    ) -> list[int]:
     """Token ids of chat messages (and the ``tools`` the answer may call, where given) through the tokenizer's chat
-    template, ready for the assistant's answer."""
+    template, ready for the assistant's answer; the first ``max_length`` where given (a tokenizer may then leave the
+    rest of a long prompt untokenized)."""
     extra = {} if tools is None else {"tools": tools}
+    if max_length is not None:
+        extra.update(truncation=True, max_length=max_length)
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
 

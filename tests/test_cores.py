@@ -37,6 +37,19 @@ def test_the_usable_cores_are_the_affinity_masks_at_most_the_quota_rounded_up(mo
     assert cores.usable_cores() == mask
 
 
+def test_the_usable_memory_is_the_machines_at_most_the_cgroups_limit_from_either_version(tmp_path):
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert cores.usable_memory(tmp_path / "none") == machine and cores.cgroup_memory_limit(tmp_path / "none") is None
+    (tmp_path / "memory.max").write_text("max\n")  # cgroup v2: no limit
+    assert cores.cgroup_memory_limit(tmp_path) is None and cores.usable_memory(tmp_path) == machine
+    (tmp_path / "memory.max").write_text(f"{1 << 30}\n")
+    assert cores.usable_memory(tmp_path) == min(machine, 1 << 30)
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{machine * 4}\n")  # v1's "no limit": a huge number
+    assert cores.cgroup_memory_limit(v1) == machine * 4 and cores.usable_memory(v1) == machine
+
+
 def test_threads_above_the_usable_cores_are_capped_in_one_line_and_below_one_refused(monkeypatch, caplog):
     monkeypatch.setattr(cores, "usable_cores", lambda: 2)
     with caplog.at_level("WARNING", logger="exactspec.notice"):

@@ -147,6 +147,56 @@ def test_a_pydantic_model_stands_for_its_schema(model):
     assert 0 <= point.x <= 9 and 0 <= point.y <= 9
 
 
+GBNF_LANGUAGES = [  # GBNF grammars, and each one's language as a Python regex
+    ('root ::= ("a"+)+ "b"', r"a+b"),  # issue 60: refused as "a"++
+    ('root ::= ("a"*)* "b"', r"a*b"),
+    ('root ::= ("a"?)+ "b"', r"a*b"),
+    ('root ::= ("ab"+)? "c"', r"(ab)*c"),
+    ('root ::= ("a"{2})+ "b"', r"(aa)+b"),
+    ('root ::= ("x"{1,2}){2,3} "y"', r"x{2,6}y"),
+    ('root ::= (("a" | "c")+)+ "b"', r"[ac]+b"),
+    ('root ::= ((("a" "c")+)?)* "b"', r"(ac)*b"),
+    ('root ::= ([0-9]+ ",")+ "."', r"([0-9]+,)+\."),
+    ('root ::= item (", " item)* "."\nitem ::= ("ab"+)+', r"(ab)+(, (ab)+)*\."),
+    ('root ::= (\n  "a"+\n)+ "b"', r"a+b"),
+    ('root ::= "a"++ "b"', r"a+b"),  # operators stacked: ("a"+)+
+    ('root ::= "x"+? "y"', r"x*y"),
+]
+# llama.cpp's own sampler recurses without end on a repeated group that can match nothing (it crashes), so it is
+# asked whether it reads the others only
+NULLABLE_REPEATED = {'root ::= ("a"*)* "b"', 'root ::= ("a"?)+ "b"', 'root ::= ((("a" "c")+)?)* "b"'}
+
+
+@pytest.fixture(scope="module")
+def fused(model) -> SpecDecoder:
+    return SpecDecoder.load(model, drafter="prompt-lookup", backend="fused")
+
+
+@pytest.mark.parametrize("gbnf, language", GBNF_LANGUAGES)
+def test_a_gbnf_grammars_groups_keep_their_parentheses_and_its_output_is_in_its_language(model, fused, gbnf,
+                                                                                         language):
+    """Each grammar is GBNF that llama.cpp's parser reads; converted to Lark, every repetition of a group keeps
+    the group (``("a"+)+`` was printed ``"a"++``, which Lark refuses: 400 invalid_grammar), and the text generated
+    under it, greedy and seeded, is in its language (a prefix of it, where max_new_tokens cut it)."""
+    import llama_cpp
+    import regex
+
+    from exactspec.backends.llamacpp import GGUFModel
+
+    if gbnf not in NULLABLE_REPEATED:
+        vocabulary = GGUFModel(model, vocab_only=True)  # (kept while llama.cpp reads its vocabulary)
+        sampler = llama_cpp.llama_sampler_init_grammar(vocabulary.vocab, gbnf.encode(), b"root")
+        assert sampler, "llama.cpp's GBNF parser refuses it"
+        llama_cpp.llama_sampler_free(sampler)
+    for seed in (None, 1, 2):
+        sampled = {} if seed is None else {"temperature": 1.0, "seed": seed}
+        answer = fused.generate("Say:", max_new_tokens=24, chat=False, grammar=GrammarSpec("grammar", gbnf), **sampled)
+        if answer.finish_reason == "stop":
+            assert regex.fullmatch(language, answer.text), (seed, answer.text)
+        else:
+            assert regex.fullmatch(language, answer.text, partial=True), (seed, answer.text)
+
+
 @pytest.mark.parametrize("spec, field", [
     (GrammarSpec("json_schema", '{"type": "strin"}'), "json schema"),
     (GrammarSpec("json_schema", "[1, 2]"), "JSON Schema is a JSON object"),

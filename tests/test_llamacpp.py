@@ -542,3 +542,98 @@ def test_a_gguf_draft_model_runs_beside_a_fused_target_from_its_file(tiny, tiny_
     loaded = load_target(str(tiny), backend="fused", draft_model=str(tiny_draft))
     assert loaded.target.backend == "fused" and loaded.draft.backend == "fused"
     assert loaded.draft.runtime.name == "fused"
+
+
+
+# --- long texts: tokenized in pieces, as llama.cpp tokenizes them whole -----------------------------------------------
+
+
+def tokenized_whole(model: GGUFModel, text: str, add_special: bool) -> list[int]:
+    """The ids of one llama.cpp call over the whole text (special tokens parsed): what ``encode`` must give."""
+    import ctypes
+
+    data = text.encode()
+    ids = (ctypes.c_int32 * (len(data) + 8))()
+    n = llama_cpp.llama_tokenize(model.vocab, data, len(data), ids, len(data) + 8, add_special, True)
+    return list(ids[:n])
+
+
+@pytest.fixture(scope="module")
+def vocabularies(tmp_path_factory) -> dict[str, GGUFModel]:
+    """The default model's byte-level BPE (ChatML specials, no BOS added) and a SentencePiece vocabulary (a space
+    prefix, BOS added, ``<s>``, ``</s>`` and ``<unk>`` for specials): their files' vocabularies alone."""
+    from tiny_vocabularies import sentencepiece_fields
+
+    from exactspec.models import default_model_path
+
+    spm = write_tiny_gguf(tmp_path_factory.mktemp("spm") / "spm.gguf", tokenizer=sentencepiece_fields()[0])
+    return {"bpe": GGUFModel(default_model_path(), vocab_only=True), "spm": GGUFModel(spm, vocab_only=True)}
+
+
+@pytest.fixture
+def llama_calls(monkeypatch) -> list[bytes]:
+    """The texts handed to llama.cpp's tokenizer, call by call."""
+    calls, tokenize = [], llama_cpp.llama_tokenize
+
+    def recorded(vocab, data, length, *rest):
+        calls.append(data[:length])
+        return tokenize(vocab, data, length, *rest)
+
+    monkeypatch.setattr(llama_cpp, "llama_tokenize", recorded)
+    return calls
+
+
+ATOMS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<repo_name>", "<reponame>", "<s>", "</s>", "<unk>",
+         "<|im", "_end|>", "<", ">", "</", " ", "  ", "\n", "\t", " \n", "hi", "Hello", " world", "é", "🦄", "ab c",
+         "the", "[INST]", "12", ".")
+
+
+@pytest.mark.parametrize("name", ["bpe", "spm"])
+def test_a_long_text_tokenized_in_pieces_gets_the_ids_of_one_call(vocabularies, name):
+    """Texts of special tokens, near misses, whitespace and words, long enough to be cut in several pieces (with and
+    without BOS): each gets the ids llama.cpp gives it in one call."""
+    import random
+
+    from exactspec.backends.llamacpp import GGUFTokenizer
+    from exactspec.backends.llamacpp.tokenizer import CALL_BYTES
+
+    model = vocabularies[name]
+    tokenizer = GGUFTokenizer(model)
+    rng = random.Random(0)
+    for trial in range(60):
+        text = "".join(rng.choice(ATOMS) for _ in range(rng.randint(CALL_BYTES // 4, 3 * CALL_BYTES)))
+        add_special = bool(trial % 2)
+        assert tokenizer.encode(text, add_special_tokens=add_special) == tokenized_whole(model, text, add_special), \
+            (trial, text[:80])
+
+
+def test_a_long_chat_is_tokenized_in_calls_of_bounded_size(vocabularies, llama_calls):
+    """llama.cpp's split at special tokens costs the square of their count in one call (a chat of 16,000 messages:
+    6.9 s to refuse, 30,000: 19 s), so a long chat goes to it in pieces of a bounded size, cut where its own split
+    falls: the same ids, at a cost linear in the text."""
+    from exactspec.backends.llamacpp import GGUFTokenizer
+    from exactspec.backends.llamacpp.tokenizer import CALL_BYTES
+
+    model = vocabularies["bpe"]
+    tokenizer = GGUFTokenizer(model)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}] * 4000, tokenize=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert max(map(len, llama_calls)) <= CALL_BYTES + 64 and b"".join(llama_calls) == text.encode()
+    assert ids == tokenized_whole(model, text, False)
+
+
+def test_a_chat_far_over_the_context_is_tokenized_only_as_far_as_the_context(vocabularies, llama_calls):
+    """With transformers' ``truncation`` and ``max_length``, the first ``max_length`` ids, and the text past them is
+    never tokenized: refusing a prompt far over the context costs what the context does."""
+    from exactspec.backends.llamacpp import GGUFTokenizer
+    from exactspec.backends.llamacpp.tokenizer import CALL_BYTES
+
+    model = vocabularies["bpe"]
+    tokenizer = GGUFTokenizer(model)
+    messages = [{"role": "user", "content": "hi"}] * 30000
+    ids = tokenizer.apply_chat_template(messages, truncation=True, max_length=512)
+    assert sum(map(len, llama_calls)) <= 2 * CALL_BYTES
+    shorter = tokenizer.apply_chat_template(messages[:300], tokenize=False)
+    assert ids == tokenized_whole(model, shorter, False)[:512]
+    plain = "hello world " * 2000
+    assert tokenizer.encode(plain, truncation=True, max_length=100) == tokenized_whole(model, plain, True)[:100]

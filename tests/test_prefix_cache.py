@@ -122,6 +122,27 @@ def test_the_cache_is_sized_in_tokens_too_and_warns_where_it_holds_no_whole_prom
         BatchSettings(prefix_cache_tokens=-1)
 
 
+def test_a_size_beyond_the_machines_memory_is_refused_in_one_line_naming_the_largest_that_fits(model):
+    """``--prefix-cache-tokens 1000000000000`` started, and said the cache held 43,945,312,500 MiB. The largest size
+    the machine's memory holds is taken, in tokens and in MiB, and one more is refused, naming it."""
+    from exactspec.cores import usable_memory
+
+    pool = LeanRuntime(model).pool(2, 256)
+    per_token, memory = pool.position_bytes, usable_memory()
+    largest = memory // per_token
+    assert prefix_cache(pool, 0, largest).capacity_bytes == largest * per_token
+    for tokens in (largest + 1, 10 ** 12):
+        with pytest.raises(UsageError) as refused:
+            prefix_cache(pool, 0, tokens)
+        message = str(refused.value)
+        assert f"a prefix cache of {tokens:,} tokens ({per_token} bytes a token) needs" in message, message
+        assert f"which this machine cannot reserve: lower --prefix-cache-tokens to {largest} or less" in message
+        assert "\n" not in message
+    assert prefix_cache(pool, memory >> 20).capacity_bytes == (memory >> 20) << 20
+    with pytest.raises(UsageError, match=f"lower --prefix-cache-mib to {memory >> 20} or less"):
+        prefix_cache(pool, (memory >> 20) + 1)
+
+
 def filled(pool, prompt: list[int]):
     """A slot holding the prompt's cached positions (all but its last token)."""
     slot = pool.open()

@@ -1,4 +1,5 @@
-"""ServerSettings check themselves when made, as BatchSettings do: one line naming the field as the CLI's flag."""
+"""ServerSettings and ServerOptions check themselves when made, as BatchSettings do: one line naming the field as the
+CLI's flag."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 import pytest
 
 from exactspec.errors import UsageError
+from exactspec.server.serving import ServerOptions
 from exactspec.server.settings import ServerSettings
 
 
@@ -34,3 +36,25 @@ def test_a_bad_value_is_refused_in_one_line_naming_its_field(field, value, words
         ServerSettings(**{field: value})
     message = str(refused.value)
     assert message.startswith(words) and "\n" not in message
+
+
+@pytest.mark.parametrize("names, words", [
+    ("", "served-model-name must not be empty or blank, got ''"),
+    (("tiny", " \t"), "served-model-name must not be empty or blank, got ' \\t'"),
+    (("tiny", "a\x01b"), "served-model-name 'a\\x01b' holds a control character (U+0001)"),
+    ("tiny\n", "served-model-name 'tiny\\n' holds a control character (U+000A)"),
+    ("ti\u200bny", "served-model-name 'ti\\u200bny' holds a control character (U+200B)"),
+    ("a\u2028b", "served-model-name 'a\\u2028b' holds a control character (U+2028)"),
+    (" tiny", "served-model-name ' tiny' starts or ends with whitespace"),
+    (("tiny", "org/tiny "), "served-model-name 'org/tiny ' starts or ends with whitespace"),
+])
+def test_a_served_name_no_client_could_ask_for_is_refused_in_one_line(names, words):
+    with pytest.raises(UsageError) as refused:
+        ServerOptions(served_model_name=names)
+    message = str(refused.value)
+    assert message.startswith(words) and "\n" not in message, message
+
+
+@pytest.mark.parametrize("names", [None, "tiny", ("tiny", "org/tiny:q4_1", "qwen2.5-coder-1.5b", "my model", "é")])
+def test_names_clients_can_ask_for_are_taken(names):
+    assert ServerOptions(served_model_name=names).served_model_name == names

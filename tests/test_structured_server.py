@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -127,6 +128,14 @@ def test_a_bad_grammar_fails_alone_and_the_server_goes_on(client):
         client.completions.create(model="tiny", prompt="x", max_tokens=3, extra_body={"guided_grammar": "start: ?"})
     assert refused.value.body["param"] == "guided_grammar" and "grammar" in refused.value.body["message"]
     assert client.completions.create(model="tiny", prompt="x", max_tokens=3, temperature=0).choices[0].text
+
+
+def test_a_gbnf_grammar_that_repeats_a_group_is_answered_in_its_language(client):
+    """Issue 60: ``root ::= ("a"+)+ "b"`` was 400 invalid_grammar (converted to Lark as ``"a"++``)."""
+    for seed in (1, 2, 3):
+        answer = client.completions.create(model="tiny", prompt="Say:", max_tokens=32, temperature=1.0, seed=seed,
+                                           extra_body={"guided_grammar": 'root ::= ("a"+)+ "b"'}).choices[0]
+        assert answer.finish_reason == "stop" and re.fullmatch("a+b", answer.text), answer
 
 
 def test_metrics_count_constrained_requests_and_forced_tokens(client, server):

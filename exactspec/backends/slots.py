@@ -31,7 +31,7 @@ from exactspec.backends.family import (
 )
 from exactspec.backends.linear import Linear
 from exactspec.backends.sequence import LlamaSequence
-from exactspec.errors import UsageError
+from exactspec.cores import beyond_memory
 
 
 class SlotPool(FeaturePool, KeepsPrefixes, SlotFeatures):
@@ -72,9 +72,8 @@ class SlotPool(FeaturePool, KeepsPrefixes, SlotFeatures):
             return torch.empty(shape, dtype=dtype, device=self.device)
         except (RuntimeError, MemoryError):
             wanted = 2 * self.runtime.num_layers * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            raise UsageError(f"a cache of {self.max_slots} slots of {self.max_length} positions needs "
-                             f"{wanted / 2**30:.1f} GiB, which this machine cannot reserve: lower --max-batch-size "
-                             "or --max-model-len") from None
+            raise beyond_memory(f"a cache of {self.max_slots} slots of {self.max_length} positions", wanted,
+                                "lower --max-batch-size or --max-model-len") from None
 
     def open(self) -> Slot:
         if len(self.slots) == self.max_slots:

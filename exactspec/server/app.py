@@ -8,11 +8,12 @@ could frame otherwise is refused and its connection closed, never read past. Wha
 (detokenising, stop strings, log-probabilities, the speculation extension, SSE) is :mod:`exactspec.server.output`;
 the live page's files are :mod:`exactspec.server.page`; loading and running a server, :mod:`exactspec.server.launch`.
 
-Refusals are OpenAI error bodies: 400 for a bad request, 401 without the API key, 404 for an unknown path, 405 for
-a wrong method, 408 for a head or body that stalls or a body that takes too long in all, 413 for a body over the
-limit, 429 (with Retry-After) when the waiting queue is full, 431 for a head over the limits, 503 while shutting
-down or when the scheduler has stopped serving, 505 for an HTTP version other than 1.0 and 1.1. The scheduler's own
-refusals become statuses by one table, :data:`exactspec.server.protocol.ERROR_STATUSES`, for every route.
+Refusals are OpenAI error bodies: 400 for a bad request, 401 without the API key, 404 for an unknown path (and
+``model_not_found`` for a model the server does not serve), 405 for a wrong method, 408 for a head or body that
+stalls or a body that takes too long in all, 413 for a body over the limit, 429 (with Retry-After) when the waiting
+queue is full, 431 for a head over the limits, 503 while shutting down or when the scheduler has stopped serving,
+505 for an HTTP version other than 1.0 and 1.1. The scheduler's own refusals become statuses by one table,
+:data:`exactspec.server.protocol.ERROR_STATUSES`, for every route.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from exactspec.server.protocol import (
     Job,
     Response,
     api_error,
+    check_served,
     parse_body,
     parse_job,
 )
@@ -138,9 +140,18 @@ class OpenAIServer:
         return 200, {"status": "ok"}
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": self.created,
-                                            "owned_by": "exactspec", "max_model_len": self.scheduler.max_length}
-                                           for name in self.model_names]}
+        """``GET /v1/models``: every name the server answers to."""
+        return {"object": "list", "data": [self._model(name) for name in self.model_names]}
+
+    def model(self, name: str) -> dict:
+        """``GET /v1/models/{name}`` (the SDK's ``models.retrieve``): a served name's model object, else 404
+        ``model_not_found``."""
+        check_served(name, self.model_names)
+        return self._model(name)
+
+    def _model(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "exactspec",
+                "max_model_len": self.scheduler.max_length}
 
     def speculation(self) -> dict:
         """What the page needs to offer a request's settings: the drafter, the server's speculation mode, the modes
@@ -157,21 +168,24 @@ class OpenAIServer:
         check_api_key(self.settings.api_key, header)
 
     def prompt_ids(self, job: Job) -> list[int]:
-        ids = self._encoded(job)
+        """The prompt's ids, no more than the context holds: a prompt that fills it is refused
+        (:meth:`Job.generation_request`), and the tokenizer need not tokenize the rest of it (a chat of 30,000
+        messages took 19 s to refuse, tokenized whole by llama.cpp)."""
+        ids = self._encoded(job, self.scheduler.max_length)
         if not ids:
             raise BadRequest("the prompt encodes to no tokens", "messages" if job.chat else "prompt")
         return ids
 
-    def _encoded(self, job: Job) -> list[int]:
+    def _encoded(self, job: Job, max_length: int) -> list[int]:
         if job.chat:
             from exactspec.models import chat_prompt_ids
 
             try:
-                return chat_prompt_ids(self.tokenizer, job.prompt, template_tools(job.tool_calling))
+                return chat_prompt_ids(self.tokenizer, job.prompt, template_tools(job.tool_calling), max_length)
             except Exception as error:  # the template's own checks (roles, order) raise their own errors
                 raise BadRequest(f"the chat template refused these messages: {error}", "messages") from None
         if isinstance(job.prompt, str):
-            return list(self.tokenizer.encode(job.prompt))
+            return list(self.tokenizer.encode(job.prompt, truncation=True, max_length=max_length))
         vocab = self.scheduler.vocab_size
         if not all(0 <= t < vocab for t in job.prompt):
             raise BadRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
@@ -291,6 +305,12 @@ def build_app(server: OpenAIServer) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return server.models()
+
+    @app.get("/v1/models/{name:path}")  # a served name may hold "/" (org/name), sent as is or as %2F
+    async def model(name: str):
+        if not name:  # "/v1/models/": an unknown path, as before (never a redirect)
+            raise HTTPException(404)
+        return server.model(name)
 
     @app.get("/v1/speculation")
     async def speculation():

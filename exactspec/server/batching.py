@@ -91,6 +91,8 @@ def build_scheduler(runtime, settings: BatchSettings, eos_token_ids: set[int], d
     features = needs is FeatureSource
     if features:
         pool.keep_features()
+    prefixes = None if features else prefix_cache(pool, settings.prefix_cache_mib, settings.prefix_cache_tokens,
+                                                  pool.max_length)  # (before the measuring: it may refuse its size)
     cost = None
     if settings.speculation == "auto":
         cost = MeasuredPassCosts.measure(pool, settings.max_batch_size * (settings.num_draft_tokens + 1))
@@ -103,8 +105,6 @@ def build_scheduler(runtime, settings: BatchSettings, eos_token_ids: set[int], d
     drafts = draft_pool(draft, settings) if drafts_with_model and not alone else None
     model = per_request(draft, drafts) if drafts is not None else lambda: draft
     source = (lambda: HybridSources(model(), heads)) if heads else model
-    prefixes = None if features else prefix_cache(pool, settings.prefix_cache_mib, settings.prefix_cache_tokens,
-                                                  pool.max_length)
     return Scheduler(pool, learning_together(lambda **plan: factory(runtime, source(), datastore, **plan)),
                      SpeculationPlanner(settings.speculation, cost), eos_token_ids,
                      max_draft_tokens=settings.num_draft_tokens, max_waiting=settings.max_waiting,

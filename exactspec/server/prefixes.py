@@ -17,6 +17,7 @@ from collections import OrderedDict
 import torch
 
 from exactspec.backends.base import KeepsPrefixes, Pool, Slot, common_prefix_length, declares
+from exactspec.cores import beyond_memory, usable_memory
 from exactspec.logs import detail, notice
 
 MIN_REUSED = 16  # fewer shared tokens than this are prefilled: a copy is not worth its bookkeeping
@@ -82,13 +83,15 @@ def prefix_cache(pool: Pool, capacity_mib: int, capacity_tokens: int | None = No
     """A prefix cache over the pool of ``capacity_tokens`` prompt tokens where given, else ``capacity_mib`` MiB, or
     None where it is off (a capacity of 0), the pool cannot copy its slots, or its rows depend on the pass (a
     restored prefix could then change a token). One line says how many tokens it holds, and warns where that is
-    less than one prompt of the ``context``'s length (a cache that holds no prompt never restores one)."""
+    less than one prompt of the ``context``'s length (a cache that holds no prompt never restores one); a size
+    beyond the machine's memory is refused (:func:`check_fits`)."""
     if (capacity_tokens if capacity_tokens is not None else capacity_mib) <= 0 or not declares(pool, KeepsPrefixes) \
             or not pool.pass_invariant:
         return None
     per_token = pool.position_bytes
     capacity = capacity_tokens * per_token if capacity_tokens is not None else capacity_mib << 20
     tokens = capacity // per_token
+    check_fits(capacity, per_token, capacity_tokens is not None)
     said = f"the prefix cache holds {tokens} tokens of prompts ({capacity / 2**20:.0f} MiB, {per_token} bytes a token)"
     if tokens < context:
         notice(f"{said}: under one prompt of the context's {context} tokens, which needs "
@@ -96,3 +99,16 @@ def prefix_cache(pool: Pool, capacity_mib: int, capacity_tokens: int | None = No
     else:
         detail(said)
     return PrefixCache(pool, capacity)
+
+
+def check_fits(capacity: int, per_token: int, in_tokens: bool) -> None:
+    """Refuse, in one line naming the largest size that fits, a cache larger than this machine's memory (its cgroup's
+    limit, where lower): it could never be held, whatever else the machine held (``--prefix-cache-tokens
+    1000000000000`` started, and said it held 43,945,312,500 MiB). ``in_tokens``: the size was given in tokens."""
+    memory = usable_memory()
+    if capacity <= memory:
+        return
+    flag, largest = ("--prefix-cache-tokens", memory // per_token) if in_tokens else \
+        ("--prefix-cache-mib", memory >> 20)
+    raise beyond_memory(f"a prefix cache of {capacity // per_token:,} tokens ({per_token} bytes a token)", capacity,
+                        f"lower {flag} to {largest} or less (this machine's memory, {memory / 2**30:.1f} GiB, in all)")

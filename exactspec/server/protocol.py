@@ -8,6 +8,7 @@ OpenAI error body naming the field), never with a traceback.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -121,11 +122,17 @@ class _Body(BaseModel):
     def _null_is_the_default(cls, data):
         """An optional field sent as null takes its default, as in OpenAI's API (null is not sent), for OpenAI's
         fields and exactspec's alike."""
-        if not isinstance(data, dict):
+        if not isinstance(data, dict) or None not in data.values():
             return data
-        fields = cls.model_fields
-        return {name: value for name, value in data.items()
-                if value is not None or name not in fields or fields[name].is_required()}
+        optional = _optional_fields(cls)
+        return {name: value for name, value in data.items() if value is not None or name not in optional}
+
+
+@functools.cache
+def _optional_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of ``model`` that have a default, which null stands for (read once per model: pydantic's
+    ``model_fields`` took 6 µs a read, 0.19 s for a chat of 30,000 messages)."""
+    return frozenset(name for name, field in model.model_fields.items() if not field.is_required())
 
 
 class TextPart(_Body):
@@ -390,10 +397,12 @@ class Job:
                            stop: Callable[[], StopCondition] | None = None,
                            grammar: Callable[[], Grammar] | None = None) -> GenerationRequest:
         """The scheduler's request for choice ``choice`` of n (each its own seed, when seeded); ``stop`` makes its
-        stop condition (the job's stop strings over the server's tokenizer), ``grammar`` its matcher."""
+        stop condition (the job's stop strings over the server's tokenizer), ``grammar`` its matcher.
+        ``prompt_ids``: the prompt's, or their first ``max_length`` where there are more (the server tokenizes no
+        further), which is refused as the longer prompt is."""
         room = max_length - len(prompt_ids)
         if room < 1:
-            raise BadRequest(f"the prompt has {len(prompt_ids)} tokens; this model's context is {max_length} "
+            raise BadRequest(f"the prompt has {len(prompt_ids)} tokens or more; this model's context is {max_length} "
                              "tokens", "messages" if self.chat else "prompt", "context_length_exceeded")
         max_tokens = room if self.max_tokens is None else self.max_tokens
         if max_tokens > room:
@@ -414,16 +423,23 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
     return (seed * 0x9E3779B97F4A7C15 + choice) % SEED_RANGE[1]
 
 
+def check_served(name: str, model_names: tuple[str, ...]) -> None:
+    """404 ``model_not_found`` for a name the server does not answer to (``model_names``), as OpenAI and vLLM answer
+    a request or a ``GET /v1/models/{name}`` that names one."""
+    if name not in model_names:
+        served = ", ".join(repr(served) for served in model_names)
+        raise ApiError(f"the model {name!r} does not exist; this server serves {served}", "model", "model_not_found",
+                       status=404)
+
+
 def parse_job(body: dict, chat: bool, model_names: tuple[str, ...], vocab_size: int, template: str | None = None
               ) -> Job:
     """The checked request; ``model_names``: the names the server answers to (the first its own, the others aliases:
     another is 404 ``model_not_found``, as OpenAI and vLLM answer); ``template``: the model's chat template (whether
     it can write tool calls)."""
     request = validated(ChatCompletionRequest if chat else CompletionRequest, body)
-    if request.model is not None and request.model not in model_names:
-        served = ", ".join(repr(name) for name in model_names)
-        raise ApiError(f"the model {request.model!r} does not exist; this server serves {served}", "model",
-                       "model_not_found", status=404)
+    if request.model is not None:
+        check_served(request.model, model_names)
     if chat:
         max_tokens = request.max_tokens if request.max_tokens is not None else request.max_completion_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import socket
 import threading
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from exactspec.errors import UsageError
 from exactspec.proposers import role, takes_draft_model
 from exactspec.server.app import OpenAIServer, bind
 from exactspec.server.batching import BatchSettings, build_scheduler
@@ -33,6 +35,24 @@ class ServerOptions:
     draft_model: str | None = None  # the draft-model drafter's model (any tokenizer)
     drafter_path: str | None = None  # a trained drafter (exactspec train), or a published EAGLE / Medusa checkpoint
     cross_vocabulary: str = "auto"  # how it proposes where its tokenizer is not the target's
+
+    def __post_init__(self) -> None:
+        names = self.served_model_name
+        for name in (names,) if isinstance(names, str) else names or ():
+            check_served_name(name)
+
+
+def check_served_name(name: str) -> None:
+    """A name clients ask for (``--served-model-name``), or one line saying why it is not one: empty, holding a
+    control or format character (which a log line or a header would carry), or with whitespace around it (a client
+    that asks for the name as it reads it would be answered 404)."""
+    if not name.strip():
+        raise UsageError(f"served-model-name must not be empty or blank, got {name!r}")
+    hidden = next((c for c in name if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")), None)
+    if hidden is not None:
+        raise UsageError(f"served-model-name {name!r} holds a control character (U+{ord(hidden):04X})")
+    if name != name.strip():
+        raise UsageError(f"served-model-name {name!r} starts or ends with whitespace")
 
 
 def load_server(options: ServerOptions, listen: bool = True, sock: socket.socket | None = None) -> OpenAIServer:
