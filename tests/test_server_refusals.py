@@ -11,11 +11,8 @@ import time
 
 import openai
 import pytest
+from test_structured_server import serve_gguf
 from tiny_gguf import write_tiny_gguf
-
-from exactspec.loading import load_target
-from exactspec.server import BatchSettings, build_scheduler
-from exactspec.server.app import OpenAIServer, ServerSettings
 
 NAMES = ("tiny", "org/tiny:q4_1", "gpt-3.5-turbo")  # its own name, then aliases (--served-model-name)
 CONTEXT = 512
@@ -24,11 +21,7 @@ CONTEXT = 512
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     path = write_tiny_gguf(tmp_path_factory.mktemp("refusals") / "tiny.gguf")
-    loaded = load_target(str(path), drafters=("prompt-lookup",), backend="fused")
-    settings = BatchSettings(drafter="prompt-lookup", max_batch_size=2, max_model_len=CONTEXT)
-    server = OpenAIServer(build_scheduler(loaded.runtime, settings, loaded.stop_ids), loaded.target.tokenizer,
-                          NAMES, ServerSettings(port=0))
-    server.start()
+    server = serve_gguf(str(path), NAMES, max_batch_size=2, max_model_len=CONTEXT)
     yield server
     server.shutdown(timeout=5)
 

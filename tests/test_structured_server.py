@@ -40,13 +40,19 @@ def model(tmp_path_factory) -> str:
     return str(write_tiny_gguf(tmp_path_factory.mktemp("structured") / "tiny.gguf"))
 
 
+def serve_gguf(path: str, names: str | tuple[str, ...], **batch) -> OpenAIServer:
+    """A started server over a GGUF on the fused runtime, drafting by prompt lookup, as ``names``."""
+    loaded = load_target(path, drafters=("prompt-lookup",), backend="fused")
+    settings = BatchSettings(drafter="prompt-lookup", **batch)
+    server = OpenAIServer(build_scheduler(loaded.runtime, settings, loaded.stop_ids), loaded.target.tokenizer,
+                          names, ServerSettings(port=0))
+    server.start()
+    return server
+
+
 @pytest.fixture(scope="module")
 def server(model):
-    loaded = load_target(model, drafters=("prompt-lookup",), backend="fused")
-    settings = BatchSettings(drafter="prompt-lookup", speculation="always", max_batch_size=4, max_model_len=512)
-    server = OpenAIServer(build_scheduler(loaded.runtime, settings, loaded.stop_ids), loaded.target.tokenizer,
-                          "tiny", ServerSettings(port=0))
-    server.start()
+    server = serve_gguf(model, "tiny", speculation="always", max_batch_size=4, max_model_len=512)
     yield server
     server.shutdown(timeout=5)
 
