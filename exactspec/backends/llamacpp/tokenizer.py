@@ -71,7 +71,8 @@ class GGUFTokenizer:
         lib = self._lib
         special = lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_USER_DEFINED | lib.LLAMA_TOKEN_ATTR_UNKNOWN
         attributes = ((token, lib.llama_vocab_get_attr(self._vocab, token)) for token in range(self.vocab_size))
-        return SpecialTokenCuts((lib.llama_vocab_get_text(self._vocab, token), attribute)
+        return SpecialTokenCuts((lib.llama_vocab_get_text(self._vocab, token),
+                                 bool(attribute & lib.LLAMA_TOKEN_ATTR_RSTRIP))
                                 for token, attribute in attributes if attribute & special)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
@@ -160,20 +161,18 @@ class SpecialTokenCuts:
     there: no match crosses the cut, and a strip stops at X's bytes; unless X strips the whitespace after it
     (``RSTRIP``), which the right side would keep, so such tokens are not cut after."""
 
-    RSTRIP = 1 << 10  # llama.cpp's LLAMA_TOKEN_ATTR_RSTRIP
-
-    def __init__(self, tokens: Iterable[tuple[bytes, int]]) -> None:
-        """``tokens``: each special token's text and llama.cpp attributes."""
+    def __init__(self, tokens: Iterable[tuple[bytes, bool]]) -> None:
+        """``tokens``: each special token's text, and whether it strips the whitespace after it (``RSTRIP``)."""
         tokens = list(tokens)
         texts = Counter(text for text, _ in tokens)
         self.longest = max(map(len, texts), default=0)
         self._any = _alternatives(texts, lookahead=True)  # at each position, the longest special text there
-        self._cuttable = _alternatives([text for text, attribute in tokens if texts[text] == 1
-                                        and text[:1].strip() and text[-1:].strip() and not attribute & self.RSTRIP])
+        self._cuttable = _alternatives([text for text, strips_right in tokens if texts[text] == 1
+                                        and text[:1].strip() and text[-1:].strip() and not strips_right])
 
     def pieces(self, data: bytes, size: int) -> Iterator[bytes]:
         """``data`` in pieces of at least ``size`` bytes (the last may be shorter), each cut after a special token
-        that is certainly matched; one piece where there is none."""
+        that is certainly matched; the whole where there is none."""
         start = 0
         while len(data) - start > size:
             cut = self._cut(data, start + size)
@@ -181,7 +180,8 @@ class SpecialTokenCuts:
                 break
             yield data[start:cut]
             start = cut
-        yield data[start:]
+        if start < len(data):
+            yield data[start:]
 
     def _cut(self, data: bytes, position: int) -> int | None:
         """The end of the first certainly matched special token that starts at ``position`` or after."""
