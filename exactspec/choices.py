@@ -22,6 +22,9 @@ DRAFTERS = BUILT_IN_DRAFTERS + tuple(sorted(set(_drafter_files()) - set(BUILT_IN
 TRAINED_METHODS = ("draft-model", "mtp", "eagle", "early-exit")  # exactspec train --method: drafters it makes
 # --cross-vocabulary: how a draft model with another tokenizer proposes (proposers/draft_model.py)
 CROSS_VOCABULARY_METHODS = ("auto", "text", "intersection")
+# what a draft model drafts with (backends/fused/draft_grade.py): auto, its draft-grade copy (a draft vocabulary, 4-bit
+# matrices) where its runtime makes one; vocabulary, the draft vocabulary alone (the stored bits); off, the model as is
+DRAFT_GRADES = ("auto", "vocabulary", "off")
 SPECULATION_MODES = ("auto", "always", "never")  # exactspec serve --speculation
 REPLICA_ROUTINGS = ("prefix", "ray")  # exactspec serve --replica-routing: by the prompt's prefix, or Ray's spreading
 # --backend: auto, and the runtimes the wings declare (backends.kinds; tests/test_runtime_kinds.py holds them equal)

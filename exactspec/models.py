@@ -15,12 +15,13 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from exactspec.backends import DEFAULT, RuntimeKind, gguf_tokenizer, kind, kinds
+from exactspec.backends import DEFAULT, DraftGrade, RuntimeKind, gguf_tokenizer, kind, kinds
 from exactspec.cachefile import cache_root
 from exactspec.errors import UsageError
 from exactspec.logs import verbose
@@ -126,17 +127,21 @@ def check_backend(backend: str, path: str | os.PathLike | None, dtype: str, devi
 
 
 def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str = "auto", backend: str = DEFAULT,
-               threads: int | None = None) -> LoadedModel:
+               threads: int | None = None, draft_grade: DraftGrade | None = None,
+               vocabulary: Callable[[object], tuple] | None = None) -> LoadedModel:
     """Load a causal LM and its tokenizer from a local directory or GGUF file; None means the default model.
 
     ``backend`` (a runtime's name, as ``runtime_choice.resolve_backend`` settles and checks it): a GGUF file that
     the runtime reads alone (``RuntimeKind.from_file``: llama.cpp's weights as stored, the fused runtime's) runs
     with the file's own vocabulary, and no transformers model is made; else the transformers model is loaded (a
-    GGUF converted once) for the runtime to be built over. ``threads`` are llama.cpp's."""
+    GGUF converted once) for the runtime to be built over. ``threads`` are llama.cpp's. ``draft_grade``: a draft
+    model's, its draft-grade copy where the runtime makes one (``RuntimeKind.draft_from_file``), whose draft
+    vocabulary ``vocabulary(tokenizer)`` chooses (token ids, coverage) as the copy is made."""
     chosen = check_backend(backend, path, dtype, device)
     source = model_path(path)
     if chosen.from_file is not None and source.suffix.lower() == ".gguf":
-        runtime = chosen.from_file(source, threads, None)
+        runtime = _draft_grade_runtime(chosen, source, draft_grade, vocabulary) or \
+            chosen.from_file(source, threads, None)
         if runtime is not None:
             tokenizer = chosen.tokenizer_of(runtime) if chosen.tokenizer_of is not None else gguf_tokenizer(source)
             return LoadedModel(model=None, tokenizer=tokenizer, path=source, runtime=runtime, source=source,
@@ -157,6 +162,14 @@ def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str 
     if reason is not None:
         raise UsageError(f"--backend {chosen.name} cannot run {source.name}: {reason}")
     return LoadedModel(model=model, tokenizer=tokenizer, path=directory, source=source, backend=chosen.name)
+
+
+def _draft_grade_runtime(chosen: RuntimeKind, source: Path, grade: DraftGrade | None,
+                         vocabulary: Callable[[object], tuple] | None) -> object | None:
+    """A draft model's draft-grade runtime, where one is asked for and the runtime makes one of this file."""
+    if grade is None or chosen.draft_from_file is None:
+        return None
+    return chosen.draft_from_file(source, grade, lambda: vocabulary(gguf_tokenizer(source)))
 
 
 def load_gguf(path: Path, threads: int | None = None) -> LoadedModel:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from exactspec.backends.base import CausalLM, Pool, Pooled, declares, probe_pass_invariance, sync
-from exactspec.backends.runtime_kind import RuntimeKind
+from exactspec.backends.runtime_kind import DraftGrade, RuntimeKind
 from exactspec.choices import BACKENDS
 from exactspec.errors import UsageError
 
@@ -120,6 +120,6 @@ def __getattr__(name: str):  # the runtimes' classes, imported when first asked 
     return getattr(importlib.import_module(f"exactspec.backends.{_LAZY[name]}"), name)
 
 
-__all__ = ["BACKENDS", "DEFAULT", "CausalLM", "FusedRuntime", "HFCausalLM", "LeanRuntime", "PassPrecisions", "Pool",
-           "RuntimeKind", "gguf_tokenizer", "kind", "kinds", "make_backend", "over_model", "pool_of", "precision_of",
-           "runtime_of", "sync", "target_backend"]
+__all__ = ["BACKENDS", "DEFAULT", "CausalLM", "DraftGrade", "FusedRuntime", "HFCausalLM", "LeanRuntime",
+           "PassPrecisions", "Pool", "RuntimeKind", "gguf_tokenizer", "kind", "kinds", "make_backend", "over_model",
+           "pool_of", "precision_of", "runtime_of", "sync", "target_backend"]

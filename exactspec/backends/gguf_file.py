@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import mmap
 import struct
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,9 @@ class Tensor:
     type_name: str
     shape: tuple[int, ...]  # rows first, as PyTorch writes a weight: [out, in]
     data: np.ndarray  # uint8, the stored bytes (a view of the mapped file)
+
+
+HEAD_NAMES = ("output.weight", "token_embd.weight")  # the LM head's tensor, or the embedding it is tied to
 
 
 class GGUFFile:
@@ -95,6 +99,30 @@ class GGUFFile:
     def field(self, key: str, default=None):
         return self.metadata.get(key, default)
 
+    def streamed_bytes(self, bits: float | None = None, head_rows: int | None = None) -> int:
+        """What a decoding step reads of the file's matrices: every tensor but the token embedding (whose rows are
+        read as tokens come), and the LM head (the embedding, where the file ties them); each at ``bits`` a weight
+        at most where given, the head's first ``head_rows`` rows where given."""
+        total = 0
+        for name, tensor in self.tensors.items():
+            if name == "token_embd.weight" and "output.weight" in self.tensors:
+                continue
+            rows = tensor.shape[0]
+            kept = min(head_rows, rows) if head_rows is not None and name in HEAD_NAMES else rows
+            size = tensor.data.nbytes * kept // rows
+            if bits is not None:
+                size = min(size, int(np.prod(tensor.shape[1:])) * kept * bits // 8)
+            total += size
+        return total
+
+    def vocabulary_digest(self) -> int | None:
+        """A checksum of the file's tokenizer (its model and tokens), or None where it holds none: two files of the
+        same digest tokenize alike."""
+        tokens = self.field("tokenizer.ggml.tokens")
+        if not isinstance(tokens, Strings):
+            return None
+        return zlib.crc32(str(self.field("tokenizer.ggml.model")).encode(), tokens.digest())
+
     def release(self) -> None:
         """Let go of the file's pages this process has read (they stay in the page cache, and are read again when
         touched): what a first start's packing reads of a large file is then not held at once."""
@@ -121,8 +149,12 @@ class Strings(Sequence):
     """A metadata array of strings, as stored from ``start`` in ``buffer``: its length known, its strings decoded
     (UTF-8) on first access."""
 
-    def __init__(self, buffer: mmap.mmap, start: int, count: int) -> None:
-        self._buffer, self._start, self._count, self._decoded = buffer, start, count, None
+    def __init__(self, buffer: mmap.mmap, start: int, count: int, end: int) -> None:
+        self._buffer, self._start, self._count, self._end, self._decoded = buffer, start, count, end, None
+
+    def digest(self) -> int:
+        """A checksum (CRC-32) of the strings as stored: two files whose vocabularies are the same have the same."""
+        return zlib.crc32(memoryview(self._buffer)[self._start : self._end])
 
     def __len__(self) -> int:
         return self._count
@@ -169,7 +201,7 @@ class _Reader:
         if at > end:
             raise ValueError("the header runs past the end of the file (truncated?)")
         self.at = at
-        return Strings(buffer, start, count)
+        return Strings(buffer, start, count, at)
 
     def value(self, kind: int):
         if kind in _SCALARS:

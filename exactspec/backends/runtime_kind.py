@@ -18,6 +18,33 @@ def _never(*_) -> None:
     return None
 
 
+DRAFT_GRADE_VERSION = 1  # what a draft-grade copy holds and how it is made; up it when that changes
+
+
+@dataclass(frozen=True)
+class DraftGrade:
+    """What a draft model's draft-grade copy keeps (a runtime that makes them: ``RuntimeKind.draft_from_file``):
+    ``bits`` 4 (its matrices stored in more bits re-quantised to 4) or None (as stored), and whether its LM head is
+    cut to a draft vocabulary (``vocabulary``: the tokens its tokenizer writes most often, chosen as the copy is
+    made). Exactness lives in the verifier and the target's bits: a draft-grade copy moves acceptance and cost
+    alone."""
+
+    bits: int | None = 4
+    vocabulary: bool = True
+
+    def __post_init__(self) -> None:
+        if self.bits not in (None, 4):
+            raise ValueError(f"a draft-grade copy keeps 4 bits or the stored ones, not {self.bits}")
+
+    @property
+    def label(self) -> str:
+        parts = ([f"{self.bits}-bit"] if self.bits else []) + (["draft vocabulary"] if self.vocabulary else [])
+        return ", ".join(parts) or "as stored"
+
+    def key(self) -> str:
+        return f"draft-grade v{DRAFT_GRADE_VERSION} bits {self.bits} vocabulary {self.vocabulary}"
+
+
 @dataclass(frozen=True)
 class RuntimeKind:
     """A runtime as the loading layer sees it. A loader returns None where this runtime does not run the source
@@ -42,6 +69,9 @@ class RuntimeKind:
     measured_by_auto: bool = True  # --backend auto times it against the others where it can run the target
     auto_precision: Callable[[], str | None] = _never  # the precision --backend auto times it in (None: as loaded)
     measures_drafts: bool = False  # a draft model beside a target on it runs where --backend auto measures it fastest
+    # a draft model's draft-grade copy, made once and kept: (path, grade, vocabulary) -> the runtime over it, or None
+    # where it makes none of this file; vocabulary() chooses the draft vocabulary (token ids, coverage) as it is made
+    draft_from_file: Callable[[Path, DraftGrade, Callable[[], tuple]], CausalLM | None] | None = None
 
     @property
     def gguf_only(self) -> bool:

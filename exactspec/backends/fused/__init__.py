@@ -18,7 +18,7 @@ from exactspec.backends.fused.runtime import (
     unavailable,
 )
 from exactspec.backends.gguf_file import read_gguf
-from exactspec.backends.runtime_kind import RuntimeKind
+from exactspec.backends.runtime_kind import DraftGrade, RuntimeKind
 from exactspec.errors import UsageError
 from exactspec.logs import notice, verbose
 
@@ -43,13 +43,24 @@ def from_file(path: Path, threads: int | None = None, max_length: int | None = N
     return None
 
 
+def draft_from_file(path: Path, grade: DraftGrade, vocabulary) -> FusedRuntime | None:
+    """A draft model's draft-grade copy (``draft_grade.py``), where the fused runtime reads its GGUF alone; else None
+    (it then drafts as loaded)."""
+    from exactspec.backends.fused.draft_grade import DraftGradeRuntime
+
+    source = read_gguf(path)
+    if gguf_unavailable(source) is not None:
+        return None
+    return DraftGradeRuntime.of_file(source, grade, vocabulary)
+
+
 def _over_model(model, gguf: Path | None, precision: str | None) -> FusedRuntime:
     return FusedRuntime(model, gguf=gguf)  # its own weights, whatever the precision asked
 
 
 KIND = RuntimeKind(name="fused", label="exactspec's fused runtime", runtime=FusedRuntime, from_file=from_file,
                    reads=reads, from_model=_over_model, unavailable=unavailable, model_unavailable=unavailable,
-                   weights="int8 or float16 weights of its own")
+                   weights="int8 or float16 weights of its own", draft_from_file=draft_from_file)
 
 __all__ = ["KIND", "PRODUCTS", "PROMPT_POSITIONS", "WEIGHTS", "FusedRuntime", "FusedUnavailable", "from_file",
            "gguf_unavailable", "quantized8", "reads", "unavailable"]

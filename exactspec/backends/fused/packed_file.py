@@ -5,7 +5,8 @@ A packed file is each matrix's bytes at 64-byte boundaries, written as each is p
 packed matrix at a time, not the model), then a header, then a trailer: an 8-byte magic, the header's length and its
 CRC-32. The header (JSON) names the layout's version, the source file (its resolved path, size and modification
 time: a changed source is another key) and per matrix (per part, for a matrix stored in two formats: each says
-whether the next goes on with its rows) its format, shape, place and a checksum (CRC-32) of all its bytes, checked
+whether the next goes on with its rows) its format, shape, place and a checksum (CRC-32) of all its bytes (so too
+per named array kept beside the matrices: a draft-grade copy's vocabulary and embeddings, ``draft_grade.py``), checked
 at every start (the 1.5B's 1.2 GB in about 0.5 s, pages a first pass reads anyway: a checksum of sampled stretches,
 1.7% of its bytes, let damage elsewhere give other tokens unsaid). A packed file that is truncated, whose header does
 not parse, names a format the kernels do not know or whose checksums do not match is stale or corrupt: it is said so
@@ -21,6 +22,7 @@ import os
 import sys
 import zlib
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -51,25 +53,45 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
-def write(path: Path, source: Path, matrices: Iterable[StoredMatrix]) -> None:
+@dataclass
+class Packed:
+    """What a packed file keeps: the matrices, named arrays beside them (a draft-grade copy's vocabulary and its
+    embeddings), and notes (small values: how the file was made)."""
+
+    matrices: list[StoredMatrix]
+    arrays: dict[str, torch.Tensor] = field(default_factory=dict)
+    notes: dict = field(default_factory=dict)
+
+
+def write(path: Path, source: Path, matrices: Iterable[StoredMatrix], arrays: dict[str, torch.Tensor] | None = None,
+          notes: dict | None = None) -> None:
     """Write the matrices' packed bytes (their biases stay with the source) as they come, each let go once written,
-    then the header; atomically. Copies of gone or changed sources are deleted first."""
+    then ``arrays``' bytes, then the header (with ``notes``); atomically. Copies of gone or changed sources are
+    deleted first."""
     path.parent.mkdir(parents=True, exist_ok=True)
     prune(path.parent)
-    entries, offset = [], 0
+    entries, stored, offset = [], [], 0
     partial = path.with_suffix(f".{os.getpid()}.partial")
+
+    def put(f, tensor: torch.Tensor) -> dict:
+        nonlocal offset
+        data = _bytes_of(tensor)
+        entry = {"dtype": str(tensor.dtype).removeprefix("torch."), "offset": offset, "bytes": len(data),
+                 "crc": zlib.crc32(data)}
+        f.seek(offset)
+        f.write(data)
+        offset += -(-len(data) // ALIGNMENT) * ALIGNMENT
+        return entry
+
     try:
         with partial.open("wb") as f:
             for part in (part for matrix in matrices for part in matrix.parts()):
-                data = _bytes_of(part.packed)
                 entries.append({"format": part.format, "outputs": part.outputs, "inputs": part.inputs,
-                                "dtype": str(part.packed.dtype).removeprefix("torch."), "offset": offset,
-                                "bytes": len(data), "crc": zlib.crc32(data), "rest": part.rest is not None})
-                f.seek(offset)
-                f.write(data)
-                offset += -(-len(data) // ALIGNMENT) * ALIGNMENT
-            header = json.dumps({"version": LAYOUT_VERSION, "source": _identity(source),
-                                 "matrices": entries}).encode()
+                                "rest": part.rest is not None} | put(f, part.packed))
+            for name, array in (arrays or {}).items():
+                stored.append({"name": name, "shape": list(array.shape)} | put(f, array))
+            header = json.dumps({"version": LAYOUT_VERSION, "source": _identity(source), "matrices": entries,
+                                 "arrays": stored, "notes": notes or {}}).encode()
             f.seek(offset)
             f.write(header + MAGIC + len(header).to_bytes(8, "little") + zlib.crc32(header).to_bytes(4, "little"))
             f.truncate()
@@ -110,9 +132,9 @@ def _running(pid: int) -> bool:
     return True
 
 
-def read(path: Path) -> list[StoredMatrix] | None:
-    """The matrices kept at ``path`` (their bytes memory-mapped, copy-on-write), or None where there is no packed
-    file; a stale or corrupt one is deleted, with one line saying so. Killed packings' partial files go first."""
+def read(path: Path) -> Packed | None:
+    """What is kept at ``path`` (the bytes memory-mapped, copy-on-write), or None where there is no packed file; a
+    stale or corrupt one is deleted, with one line saying so. Killed packings' partial files go first."""
     if path.parent.is_dir():
         remove_killed_partials(path.parent)
     if not path.is_file():
@@ -143,21 +165,15 @@ def _header(mapped: mmap.mmap) -> dict:
     return layout | {"end": len(mapped) - TRAILER - length}
 
 
-def _read(path: Path) -> list[StoredMatrix]:
+def _read(path: Path) -> Packed:
     with path.open("rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     layout = _header(mapped)
     matrices, continued = [], False  # continued: the last entry's rows go on in this one (StoredMatrix.rest)
     for entry in layout["matrices"]:
-        begin = entry["offset"]
-        if begin + entry["bytes"] > layout["end"]:
-            raise ValueError("truncated")
         if entry["format"] not in FORMAT and entry["format"] not in INTEGER_FORMAT:
             raise ValueError(f"a matrix in format {entry['format']!r}, which the kernels do not know")
-        if zlib.crc32(memoryview(mapped)[begin : begin + entry["bytes"]]) != entry["crc"]:
-            raise ValueError("a matrix's checksum does not match")
-        dtype = getattr(torch, entry["dtype"])
-        packed = torch.frombuffer(mapped, dtype=dtype, count=entry["bytes"] // dtype.itemsize, offset=begin)
+        packed = _checked(mapped, entry, layout["end"], "a matrix")
         part = StoredMatrix(entry["format"], entry["outputs"], entry["inputs"], packed)
         if continued:
             matrices[-1].parts()[-1].rest = part
@@ -166,4 +182,17 @@ def _read(path: Path) -> list[StoredMatrix]:
         continued = entry["rest"]
     if continued:
         raise ValueError("its last matrix's parts end early")
-    return matrices
+    arrays = {entry["name"]: _checked(mapped, entry, layout["end"], f"array {entry['name']}").view(entry["shape"])
+              for entry in layout.get("arrays", [])}
+    return Packed(matrices, arrays, layout.get("notes", {}))
+
+
+def _checked(mapped: mmap.mmap, entry: dict, end: int, what: str) -> torch.Tensor:
+    """An entry's bytes as its dtype (a view of the mapped file), its place and checksum checked."""
+    begin = entry["offset"]
+    if begin + entry["bytes"] > end:
+        raise ValueError("truncated")
+    if zlib.crc32(memoryview(mapped)[begin : begin + entry["bytes"]]) != entry["crc"]:
+        raise ValueError(f"{what}'s checksum does not match")
+    dtype = getattr(torch, entry["dtype"])
+    return torch.frombuffer(mapped, dtype=dtype, count=entry["bytes"] // dtype.itemsize, offset=begin)

@@ -171,8 +171,14 @@ def gguf_weights(source: GGUFFile, narrow: bool = True) -> FusedWeights:
     spec = spec_of_gguf(source)
     kept = packed_file.packed_path(source.path, narrow)
     packed = packed_file.read(kept)
-    if packed is None or len(packed) != 4 * spec.layers + 1:
-        packed = _packed(source, spec, kept, narrow)
+    matrices = packed.matrices if packed is not None and len(packed.matrices) == 4 * spec.layers + 1 else \
+        _packed(source, spec, kept, narrow)
+    return weights_of(source, spec, matrices)
+
+
+def weights_of(source: GGUFFile, spec: LlamaSpec, packed: list[StoredMatrix]) -> FusedWeights:
+    """The weights of a GGUF file's model whose ``spec`` is read and whose fused matrices are ``packed`` (as stored,
+    or a draft-grade copy's): the biases, norms and embedding read from the file."""
     matrices = gguf_matrices(source, spec.layers, spec.heads, spec.kv_heads, packed)
     norm = lambda name: torch.from_numpy(dequantized(source.tensors[name]).copy())  # noqa: E731
     weights = FusedWeights(
@@ -204,7 +210,7 @@ def _packed(source: GGUFFile, spec: LlamaSpec, kept: Path, narrow: bool) -> list
         _trim_heap()
         packed = packed_file.read(kept)
         if packed is not None:
-            return packed
+            return packed.matrices
     except OSError as error:  # a cache that cannot be written: held in memory, and the next start packs again
         print(f"exactspec: could not keep the packed copy ({error})", file=sys.stderr)
     return list(packed_matrices(source, spec.layers, spec.heads, spec.kv_heads, narrow))

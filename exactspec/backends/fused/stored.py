@@ -216,7 +216,7 @@ def _grid_matrix(tensors, orders) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return tuple(torch.from_numpy(np.concatenate([part[j] for part in parts])) for j in range(3))
 
 
-def _packed_grid(tensors, orders, narrow: bool = False) -> StoredMatrix:
+def packed_grid(tensors, orders, narrow: bool = False) -> StoredMatrix:
     """The tensors' rows in ``orders`` on the finest of their grids, packed :data:`CHUNK_ROWS` rows at a time into
     one buffer: the memory a matrix takes while it is packed is its packed size and a chunk's, where decoding it
     whole took several times its size (150k rows of an LM head). Every part but the last holds whole blocks of 8
@@ -230,7 +230,7 @@ def _packed_grid(tensors, orders, narrow: bool = False) -> StoredMatrix:
     name = names.pop() if len(names) == 1 else None
     if name is not None and name.endswith("_k"):
         bits = int(name[3])
-        return _packed_chunks(tensors, orders, name,
+        return packed_chunks(tensors, orders, name,
                               lambda chunk, repeat: packed_k(*(None if t is None else torch.from_numpy(t)
                                                                for t in k_rows(chunk)), bits))
     bits = int(name[3]) if name is not None else 8
@@ -241,7 +241,7 @@ def _packed_grid(tensors, orders, narrow: bool = False) -> StoredMatrix:
         return packed_q8(torch.from_numpy(q), torch.from_numpy(np.repeat(scale, repeat, axis=1)),
                          torch.from_numpy(np.repeat(offset, repeat, axis=1)), bits)
 
-    return _packed_chunks(tensors, orders, name, grid)
+    return packed_chunks(tensors, orders, name, grid)
 
 
 def _parts(tensors, orders) -> StoredMatrix | None:
@@ -259,13 +259,13 @@ def _parts(tensors, orders) -> StoredMatrix | None:
             runs.append([i])
     if any(sum(len(orders[i]) for i in run) % 8 for run in runs[:-1]):
         return None
-    parts = [_packed_grid([tensors[i] for i in run], [orders[i] for i in run], True) for run in runs]
+    parts = [packed_grid([tensors[i] for i in run], [orders[i] for i in run], True) for run in runs]
     for part, following in zip(parts, parts[1:]):
         part.rest = following
     return parts[0]
 
 
-def _packed_chunks(tensors, orders, name: str, pack) -> StoredMatrix:
+def packed_chunks(tensors, orders, name: str, pack) -> StoredMatrix:
     """The matrix ``name`` of the tensors' rows in ``orders``, each chunk of rows packed by ``pack(chunk, repeat)``
     (repeat: how many of the finest grid's groups one of the tensor's scales covers) into one buffer."""
     group = min(grid_group(t.type_name) for t in tensors)
@@ -319,8 +319,8 @@ def packed_matrices(source: GGUFFile, layers: int, heads: int, kv_heads: int, na
                     ) -> Iterator[StoredMatrix]:
     """Each fused.c matrix as the file stores it, in the module's row order, repacked one at a time (their biases:
     :func:`gguf_matrices`), the file's pages let go after each; ``narrow``: 4-bit and 6-bit formats in their bits
-    (:func:`_packed_grid`)."""
-    for _, tensors, orders in _matrix_rows(source, layers, heads, kv_heads):
+    (:func:`packed_grid`)."""
+    for _, tensors, orders in matrix_rows(source, layers, heads, kv_heads):
         yield _stored(tensors, orders, narrow)
         source.release()
 
@@ -329,12 +329,12 @@ def gguf_matrices(source: GGUFFile, layers: int, heads: int, kv_heads: int, pack
                   ) -> list[StoredMatrix]:
     """The matrices :func:`packed_matrices` gives (or their copy kept in exactspec's cache, ``packed_file.py``), each
     with its bias (qwen2's q, k and v) in the module's row order."""
-    for matrix, (parts, _, orders) in zip(packed, _matrix_rows(source, layers, heads, kv_heads)):
+    for matrix, (parts, _, orders) in zip(packed, matrix_rows(source, layers, heads, kv_heads)):
         matrix.bias = _bias(source, parts, orders)
     return packed
 
 
-def _matrix_rows(source: GGUFFile, layers: int, heads: int, kv_heads: int
+def matrix_rows(source: GGUFFile, layers: int, heads: int, kv_heads: int
                  ) -> Iterator[tuple[list[str], list[Tensor], list[np.ndarray]]]:
     """Per fused.c matrix: its GGUF tensors' names, the tensors, and per tensor the stored row of each module row."""
     arch = source.field("general.architecture")
@@ -347,7 +347,7 @@ def _matrix_rows(source: GGUFFile, layers: int, heads: int, kv_heads: int
 def _stored(tensors, orders, narrow: bool) -> StoredMatrix:
     types = {t.type_name for t in tensors}
     if types <= set(Q8_STORED):
-        return _packed_grid(tensors, orders, narrow)
+        return packed_grid(tensors, orders, narrow)
     values = torch.from_numpy(np.concatenate([dequantized(t).reshape(t.shape[0], -1)[order]
                                               for t, order in zip(tensors, orders)]))
     precision = FLOAT_STORED.get(types.pop()) if len(types) == 1 else None
