@@ -82,6 +82,7 @@ class SpecDecoder:
         backend: str = "auto",
         threads: int | None = None,
         cross_vocabulary: str = "auto",
+        draft_grade: str = "auto",
     ) -> SpecDecoder:
         """Load from local paths (a transformers directory or a .gguf file); ``model=None`` is the default model.
 
@@ -92,7 +93,8 @@ class SpecDecoder:
         ``drafter`` defaults to the method of the drafter at ``drafter_path`` when one is given, else the hybrid,
         which drafts with a given draft model, datastore, or (named, with ``drafter_path``) trained eagle or mtp
         heads beside its copies. A draft model may have any tokenizer (``cross_vocabulary``, as in the
-        constructor).
+        constructor); ``draft_grade`` (``choices.DRAFT_GRADES``): whether it drafts as its draft-grade copy (a
+        draft vocabulary, 4-bit matrices: ``backends/fused/draft_grade.py``), made once where its runtime makes one.
         """
         from exactspec.drafters.loading import parse_drafter_paths
 
@@ -105,7 +107,7 @@ class SpecDecoder:
         check_datastore_drafter(drafter, datastore is not None)
         loaded = load_target(model, dtype=dtype, device=device, backend=backend, threads=threads, datastore=datastore,
                              draft_model=draft_model if takes_draft_model(drafter) else None,
-                             drafters=(drafter,))
+                             drafters=(drafter,), draft_grade=draft_grade)
         return cls(loaded.target, drafter=drafter, draft=loaded.draft, precision=loaded.precision,
                    datastore=loaded.datastore, drafter_path=drafter_path, cross_vocabulary=cross_vocabulary,
                    draft_found=loaded.draft_found)

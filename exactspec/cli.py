@@ -14,6 +14,7 @@ from exactspec.choices import (
     BACKENDS,
     CROSS_VOCABULARY_METHODS,
     DEFAULT_SAMPLING_METHOD,
+    DRAFT_GRADES,
     DRAFTERS,
     EXPORT_FORMATS,
     MAX_DRAFT_TOKENS,
@@ -41,6 +42,10 @@ SAMPLING_HELP = (f"how tokens are drawn at a temperature > 0 (default {DEFAULT_S
                  "Gumbel-max with noise keyed by the seed and each token's position, so a seed gives the same "
                  "tokens with any drafter or none; standard, the rejection rule min(1, p/q) with one random stream, "
                  "whose tokens depend on the drafts. Both draw exactly from the target's distribution")
+GRADE_HELP = ("what a draft model drafts with where its runtime makes a draft-grade copy of it (made once, kept in "
+              "exactspec's cache; exactness lives in the target, so only acceptance and cost move): auto, its head cut "
+              "to the tokens it writes most often and its matrices in 4 bits; vocabulary, the cut head alone; off, the "
+              "model as it is (default auto)")
 CROSS_HELP = ("how a draft model with another tokenizer than the target's proposes: text (its text re-encoded by the "
               "target's tokenizer, string-level exact match), intersection (it drafts among the tokens both "
               "vocabularies hold, with a proper distribution), or auto (default: intersection when greedy with a draft "
@@ -89,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft-model", default=None,
                      help="draft model path (a .gguf file or a transformers directory; any tokenizer)")
     gen.add_argument("--cross-vocabulary", choices=CROSS_VOCABULARY_METHODS, default="auto", help=CROSS_HELP)
+    gen.add_argument("--draft-grade", choices=DRAFT_GRADES, default="auto", help=GRADE_HELP)
     gen.add_argument("--drafter", choices=list(DRAFTERS), default=None,
                      help="how to draft (default: hybrid, which drafts each round from the source the cost model "
                      "expects to pay most: prompt lookup, the suffix index, and a draft model: --draft-model, or "
@@ -271,6 +277,7 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--draft-model", default=None, metavar="PATH",
                        help="draft-model: a draft model (any tokenizer), a sequence of its own per request")
     serve.add_argument("--cross-vocabulary", choices=CROSS_VOCABULARY_METHODS, default="auto", help=CROSS_HELP)
+    serve.add_argument("--draft-grade", choices=DRAFT_GRADES, default="auto", help=GRADE_HELP)
     serve.add_argument("--datastore", default=None, metavar="DIR",
                        help="retrieval: also draft from this datastore (exactspec datastore build)")
     serve.add_argument("--datastore-capacity", type=int, default=65536, metavar="TOKENS",
@@ -355,7 +362,10 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--out", default=None, help="also write the report as JSON here")
     bench.add_argument("--draft-model", default=None, help="a draft model (any tokenizer); with another tokenizer "
-                       "than the target's, draft-model/text and draft-model/intersection name one way each")
+                       "than the target's, draft-model/text and draft-model/intersection name one way each; "
+                       "draft-model@off (or @vocabulary, @auto) drafts with it as that --draft-grade says, beside "
+                       "the others in the same run")
+    bench.add_argument("--draft-grade", choices=DRAFT_GRADES, default="auto", help=GRADE_HELP)
     bench.add_argument("--drafter-path", action="append", default=None, metavar="[METHOD=]DIR",
                        help="a trained drafter for draft-model, mtp, eagle or early-exit (repeatable; default: the "
                        "ones shipped for the target)")
@@ -534,7 +544,8 @@ def run_generate(args: argparse.Namespace) -> int:
     args.threads = set_torch_threads(args.threads)
     decoder = SpecDecoder.load(args.model, args.draft_model, args.drafter, dtype=args.dtype, device=args.device,
                                datastore=args.datastore, drafter_path=args.drafter_path, backend=args.backend,
-                               threads=args.threads, cross_vocabulary=args.cross_vocabulary)
+                               threads=args.threads, cross_vocabulary=args.cross_vocabulary,
+                               draft_grade=args.draft_grade)
     prompt_ids = decoder.encode(prompt, args.chat)
     if grammar is not None:
         decoder.grammar(grammar)  # a grammar that does not compile is refused before anything is generated

@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from exactspec.backends import DEFAULT, CausalLM, kind, kinds, runtime_of, target_backend
+from exactspec.backends import DEFAULT, CausalLM, DraftGrade, kind, kinds, runtime_of, target_backend
+from exactspec.backends.gguf_file import read_gguf
+from exactspec.choices import DRAFT_GRADES
 from exactspec.errors import UsageError
 from exactspec.logs import detail, notice
 from exactspec.models import LoadedModel, chat_prompt_ids, default_model_path, eos_token_ids, load_model, model_path
@@ -27,6 +29,7 @@ class Loaded:
     datastore: object | None = None
     precision: str | None = None
     draft_found: bool = False  # the draft model is the default model, found for a hybrid (no --draft-model given)
+    draft_grade: str = "auto"  # what the draft model drafts as (choices.DRAFT_GRADES)
     _runtime: CausalLM | None = field(default=None, repr=False)
 
     @property
@@ -44,52 +47,127 @@ class Loaded:
 
 def load_target(model: str | os.PathLike | None = None, *, dtype: str = "auto", device: str = "auto",
                 backend: str = "auto", threads: int | None = None, datastore: str | os.PathLike | None = None,
-                draft_model: str | os.PathLike | None = None, drafters: tuple[str, ...] = ()) -> Loaded:
+                draft_model: str | os.PathLike | None = None, drafters: tuple[str, ...] = (),
+                draft_grade: str = "auto") -> Loaded:
     """Check what can be checked first (the datastore, that the backend serves ``drafters``), then load the target
-    and the draft model, and check the datastore's vocabulary against the target's. Where no draft model is given
-    and one of ``drafters`` takes one (the hybrid), the default model drafts where it may pay
-    (:func:`found_draft_model`)."""
+    and the draft model (its draft-grade copy as ``draft_grade`` says: ``choices.DRAFT_GRADES``), and check the
+    datastore's vocabulary against the target's. Where no draft model is given and one of ``drafters`` takes one
+    (the hybrid), the default model drafts where it may pay (:func:`found_draft_model`)."""
     from exactspec import datastore as datastores
     from exactspec.proposers import role
 
+    grade = draft_grade_of(draft_grade)
     store = None if datastore is None else datastores.load(datastore)
     resolved = resolve_backend(backend, model, dtype, device, threads)
     for drafter in drafters:
         check_backend_serves(drafter, resolved)
     target = load_model(model, dtype=dtype, device=device, backend=resolved, threads=threads)
-    loaded = Loaded(target, None, store, "auto" if dtype == "auto" else None)
+    loaded = Loaded(target, None, store, "auto" if dtype == "auto" else None, draft_grade=draft_grade)
     if draft_model is None and any(role(drafter).takes_draft_model for drafter in drafters):
         draft_model = found_draft_model(target)
         loaded.draft_found = draft_model is not None
     if draft_model is not None:
-        draft_resolved = resolve_backend(draft_backend(target, draft_model), draft_model, dtype, device, threads)
-        loaded.draft = load_model(draft_model, dtype=dtype, device=device, backend=draft_resolved, threads=threads)
+        loaded.draft = load_draft(draft_model, target, grade, dtype=dtype, device=device, threads=threads)
     if store is not None:
         store.check_vocabulary(target.vocab_size)
     return loaded
 
 
-MIN_DRAFT_RATIO = 4.0  # the default model drafts for a target whose weights are at least this many times its size
+def load_draft(draft_model: str | os.PathLike, target: LoadedModel, grade: DraftGrade | None, *, dtype: str = "auto",
+               device: str = "auto", threads: int | None = None) -> LoadedModel:
+    """A draft model for ``target``, on the backend :func:`draft_backend` chooses, as its draft-grade copy where
+    ``grade`` asks for one and that runtime makes one."""
+    resolved = resolve_backend(draft_backend(target, draft_model), draft_model, dtype, device, threads)
+    return load_model(draft_model, dtype=dtype, device=device, backend=resolved, threads=threads, draft_grade=grade,
+                      vocabulary=draft_vocabulary)
+
+
+def draft_grade_of(name: str) -> DraftGrade | None:
+    """--draft-grade ``name`` as the recipe a runtime makes a draft model's copy by (None: the model as loaded); one
+    line for a name there is none of."""
+    if name not in DRAFT_GRADES:
+        raise UsageError(f"--draft-grade must be one of {', '.join(DRAFT_GRADES)}, not {name!r}")
+    return {"auto": DraftGrade(bits=4), "vocabulary": DraftGrade(bits=None), "off": None}[name]
+
+
+def draft_vocabulary(tokenizer) -> tuple:
+    """A draft model's draft vocabulary (token ids, their coverage of the shipped corpus's held-out text), chosen as
+    its draft-grade copy is made."""
+    from exactspec.draft_vocabulary import choose_for
+
+    chosen = choose_for(tokenizer)
+    detail(f"the draft vocabulary: {chosen.size} tokens, {chosen.coverage:.1%} of the corpus's held-out tokens")
+    return chosen.ids, chosen.coverage
+
+
+# What the default drafter expects of a draft model before it has measured one (the hybrid's plan then measures its
+# acceptance and cost, and drops a model that does not pay): its acceptance per draft position with the target's own
+# tokenizer (Qwen2.5-Coder-0.5B for the 1.5B: 0.84 of draft tokens on HumanEval, docs/benchmarks.md) and across
+# tokenizers (a bridged draft is accepted less: SmolLM2 for the 1.5B), and what each position adds to the target's
+# pass against one (5 positions cost 1.2x one on Zen 4, 1.94x on AVX2: issue 61).
+PRIOR_ACCEPTANCE = {True: 0.8, False: 0.55}
+PASS_SLOPE = 0.15
+MIN_EXPECTED_GAIN = 1.1  # a found draft model drafts where it is expected to give this many times plain decoding's rate
+DRAFT_GRADE_BITS = 5  # a draft-grade copy's bits a weight, scales included (4 bits, a float16 scale and offset per 32)
+DRAFT_HEAD_ROWS = 49152  # about the rows its head keeps (draft_vocabulary.py chooses them by coverage)
 
 
 def found_draft_model(target: LoadedModel) -> os.PathLike | None:
-    """The default model (SmolLM2-135M, which ships with exactspec) as a hybrid's draft model, where it may pay: for a
-    target whose weights take ``MIN_DRAFT_RATIO`` times its bytes or more, as stored (on a smaller target a draft
-    model's pass costs too large a share of the target's). Else None, and why at ``--verbose``. Its vocabulary is
-    checked once loaded (:func:`draft_source`)."""
-    try:
-        path = default_model_path()
-    except UsageError as error:
-        detail(f"the hybrid drafts without a draft model: {error}")
+    """A hybrid's draft model where none is given: of the models exactspec finds without being told (the default
+    model, SmolLM2-135M, which ships with it; the larger models whose parts are installed, ``model_parts.py``), the
+    one :func:`expected_gain` rates highest for ``target``, where that reaches ``MIN_EXPECTED_GAIN``; else None.
+    --verbose says which, and why. Its vocabulary is checked once loaded (:func:`draft_source`)."""
+    target_path = target.source or target.path
+    rated = []
+    for path in draft_candidates(target_path):
+        same, cost = draft_prospect(target_path, path)
+        rated.append((expected_gain(PRIOR_ACCEPTANCE[same], cost), path, same, cost))
+    if not rated:
+        detail("the hybrid drafts without a draft model: none is installed beside the target")
         return None
-    ratio = stored_bytes(target.source or target.path) / stored_bytes(path)
-    if ratio < MIN_DRAFT_RATIO:
-        detail(f"the hybrid drafts without the default model as draft model: the target's weights are {ratio:.1f}x "
-               f"its size, under {MIN_DRAFT_RATIO:g}x (its passes would cost too much of the target's)")
+    gain, path, same, cost = max(rated, key=lambda entry: entry[0])
+    why = (f"{'its' if same else 'another'} tokenizer, a draft token {cost:.2f} of a target step as a draft-grade "
+           f"copy: {gain:.2f}x plain decoding expected")
+    if gain < MIN_EXPECTED_GAIN:
+        detail(f"the hybrid drafts without a draft model: the best found, {path.name} ({why}), is under "
+               f"{MIN_EXPECTED_GAIN:g}x")
         return None
-    detail(f"the default model drafts for the hybrid beside its copies: the target's weights are {ratio:.1f}x its "
-           "size")
+    detail(f"the hybrid drafts with {path.name} beside its copies ({why})")
     return path
+
+
+def draft_candidates(target_path) -> list:
+    """The models found without being told that are smaller than the target: the default model, and each parted
+    model whose parts are installed (assembled on first use; one as large as the target is not)."""
+    from exactspec.model_parts import PARTED_MODELS, installed
+
+    found = []
+    try:
+        found.append(default_model_path())
+    except UsageError as error:
+        detail(f"the default model cannot draft: {error}")
+    size = stored_bytes(target_path)
+    found += [model_path(name) for name, parted in PARTED_MODELS.items() if parted.size < size and installed(name)]
+    return [path for path in found if stored_bytes(path) < size]
+
+
+def draft_prospect(target_path, draft_path) -> tuple[bool, float]:
+    """Whether a draft model tokenizes as the target does (both GGUFs of one vocabulary), and what a draft token
+    would cost against a target step: the bytes a step of its draft-grade copy reads over the target's."""
+    target_path, draft_path = model_path(target_path), model_path(draft_path)
+    if target_path.suffix.lower() != ".gguf" or draft_path.suffix.lower() != ".gguf":
+        return False, stored_bytes(draft_path) / stored_bytes(target_path)
+    target, draft = read_gguf(target_path), read_gguf(draft_path)
+    same = target.vocabulary_digest() is not None and target.vocabulary_digest() == draft.vocabulary_digest()
+    return same, draft.streamed_bytes(DRAFT_GRADE_BITS, DRAFT_HEAD_ROWS) / target.streamed_bytes()
+
+
+def expected_gain(acceptance: float, cost: float, longest: int = 8) -> float:
+    """Plain decoding's rate times what a draft of the best length expects: a round drafting k tokens, each accepted
+    with ``acceptance`` where those before it were, gives 1 + a + ... + a^k tokens, and costs a target pass over
+    k + 1 positions (1 + PASS_SLOPE k steps) and k draft tokens (``cost`` of a step each)."""
+    return max(sum(acceptance ** j for j in range(k + 1)) / (1 + PASS_SLOPE * k + cost * k)
+               for k in range(1, longest + 1))
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool | None = None) -> list[int]:

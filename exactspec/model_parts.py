@@ -49,6 +49,12 @@ PARTED_MODELS = {
 }
 
 
+def installed(name: str) -> bool:
+    """Whether every part of the model ``name`` is installed (found without importing them)."""
+    model = PARTED_MODELS[name]
+    return all(importlib.util.find_spec(model.part_name(number)) is not None for number in range(1, model.parts + 1))
+
+
 def assembled_path(name: str) -> Path:
     """The GGUF of the model ``name`` (a key of PARTED_MODELS), assembled from its parts the first time."""
     model = PARTED_MODELS[name]

@@ -251,8 +251,9 @@ def test_a_draft_model_that_cannot_draft_for_the_target_leaves_the_copies_drafti
 @pytest.mark.slow  # two GGUFs converted for transformers: about 15 s
 def test_the_default_model_drafts_for_a_target_several_times_its_size_and_not_for_a_smaller(
         tmp_path, monkeypatch, caplog):
-    """The rule is the size ratio of the weights: a tiny GGUF stands for the default model, a larger one for the
-    target; where the ratio is under MIN_DRAFT_RATIO, nothing loads and --verbose says why."""
+    """The rule is the gain expected of the draft (its tokenizer, its draft-grade step's bytes against the target's):
+    a tiny GGUF stands for the default model, a larger one for the target; where the gain is under
+    MIN_EXPECTED_GAIN, nothing loads and --verbose says why."""
     from tiny_gguf import write_tiny_gguf
 
     from exactspec import SpecDecoder, loading
@@ -261,17 +262,45 @@ def test_the_default_model_drafts_for_a_target_several_times_its_size_and_not_fo
     large = write_tiny_gguf(tmp_path / "large.gguf", hidden=96, layers=2, tensor_type="F32")  # 3x its bytes
     monkeypatch.setattr(loading, "default_model_path", lambda: small)
     with caplog.at_level(logging.INFO, logger="exactspec.detail"):
-        monkeypatch.setattr(loading, "MIN_DRAFT_RATIO", 1.2)
         found = SpecDecoder.load(str(large), backend="lean", dtype="float32")
-        monkeypatch.setattr(loading, "MIN_DRAFT_RATIO", 1000.0)
+        monkeypatch.setattr(loading, "MIN_EXPECTED_GAIN", 1000.0)
         alone = SpecDecoder.load(str(large), backend="lean", dtype="float32")
     assert found.engine.proposer.source_names == ("prompt-lookup", "retrieval", "draft-model")
     assert alone.engine.proposer.source_names == ("prompt-lookup", "retrieval")
-    assert "under 1000x" in caplog.text and "the default model drafts for the hybrid" in caplog.text
+    assert "under 1000x" in caplog.text and "the hybrid drafts with small.gguf beside its copies (its tokenizer" \
+        in caplog.text
     prompt = "one two three one two three one two"
     greedy = [SpecDecoder.load(str(large), drafter="none", backend="lean", dtype="float32"), found]
     outputs = [decoder.generate(prompt, max_new_tokens=16).token_ids for decoder in greedy]
     assert outputs[0] == outputs[1]
+
+
+def test_the_gain_expected_of_a_draft_model_rises_with_its_acceptance_and_falls_with_its_cost():
+    from exactspec.loading import PASS_SLOPE, expected_gain
+
+    assert expected_gain(0.0, 0.1) == pytest.approx(1 / (1 + PASS_SLOPE + 0.1))  # nothing accepted: one token
+    assert expected_gain(0.9, 0.1) > expected_gain(0.8, 0.1) > expected_gain(0.8, 0.3) > expected_gain(0.8, 0.6)
+    assert expected_gain(0.8, 0.05) > expected_gain(0.8, 0.25) > expected_gain(0.55, 0.25) > 1
+
+
+def test_a_draft_models_prospect_reads_its_tokenizer_and_its_draft_grade_bytes(tmp_path):
+    """Two GGUFs of one vocabulary tokenize alike, another vocabulary does not; a draft's cost is its draft-grade
+    step's bytes (at most DRAFT_GRADE_BITS a weight, DRAFT_HEAD_ROWS rows of its head) over the target's step's."""
+    from tiny_gguf import write_tiny_gguf
+    from tiny_vocabularies import sentencepiece_fields
+
+    from exactspec.backends.gguf_file import read_gguf
+    from exactspec.loading import DRAFT_GRADE_BITS, DRAFT_HEAD_ROWS, draft_prospect
+
+    small = write_tiny_gguf(tmp_path / "small.gguf", hidden=32, layers=1, tensor_type="F32")
+    large = write_tiny_gguf(tmp_path / "large.gguf", hidden=96, layers=2, tensor_type="F32")
+    other = write_tiny_gguf(tmp_path / "other.gguf", hidden=32, layers=1, tensor_type="F32",
+                           tokenizer=sentencepiece_fields()[0])
+    same, cost = draft_prospect(large, small)
+    expected = read_gguf(small).streamed_bytes(DRAFT_GRADE_BITS, DRAFT_HEAD_ROWS) / read_gguf(large).streamed_bytes()
+    assert same and cost == pytest.approx(expected) and 0 < cost < 0.3
+    assert read_gguf(small).streamed_bytes(DRAFT_GRADE_BITS) < read_gguf(small).streamed_bytes() / 5  # F32: 32 bits
+    assert not draft_prospect(large, other)[0]
 
 
 def test_hybrid_with_a_draft_model_it_cannot_bridge_says_so_in_one_line_and_goes_on(tiny, tmp_path, capsys):  # noqa: F811

@@ -36,6 +36,7 @@ def summarise(runs: list[Run], config: str, greedy: bool) -> dict:
         "mean_draft_nodes": None,
         "ideal_speedup": None,
         "fraction_of_ideal": None,
+        "draft_token_cost": None,
         "greedy_mismatches": _mismatches(mine, baseline) if greedy else None,
         "seeded_mismatches": None,
         "runs": len(mine),
@@ -77,6 +78,8 @@ def _acceptance_fields(mine: list[Run], baseline: list[Run], speedup: float) -> 
     plain_rounds = sum(r.outcome.rounds or 0 for r in baseline)
     if rounds and plain_rounds:
         plain_step = sum(r.outcome.target_seconds for r in baseline) / plain_rounds
+        # a draft token's drafting (its catching up included) against plain decoding's step, from the same run
+        fields["draft_token_cost"] = sum(r.outcome.draft_seconds for r in mine) / drafted / plain_step
         ideal = ideal_speedup(
             acceptance_rate=fields["acceptance_rate"],
             k=drafted / rounds,
@@ -136,6 +139,7 @@ COLUMNS = [
     ("mean_draft_nodes", "scored nodes/round", "{:.2f}"),
     ("acceptance_rate", "acceptance", "{:.1%}"),
     ("mean_accepted_length", "tokens/round", "{:.2f}"),
+    ("draft_token_cost", "draft token / step", "{:.2f}"),
     ("ideal_speedup", "ideal speedup", "{:.2f}x"),
     ("fraction_of_ideal", "of ideal", "{:.0%}"),
     ("greedy_mismatches", "greedy mismatches", "{}"),

@@ -16,12 +16,12 @@ from exactspec.bench.contenders import Contender, ExactspecContender, LlamaCppCo
 from exactspec.bench.prompts import select_prompts
 from exactspec.bench.report import BASELINE, Run, build_report, markdown
 from exactspec.bench.roofline import measure_roofline, roofline_markdown
-from exactspec.choices import CROSS_VOCABULARY_METHODS, parse_num_draft_tokens, parse_tree
+from exactspec.choices import CROSS_VOCABULARY_METHODS, DRAFT_GRADES, parse_num_draft_tokens, parse_tree
 from exactspec.drafters.loading import parse_drafter_paths
 from exactspec.engine import Engine, GenerationConfig
 from exactspec.errors import UsageError
-from exactspec.loading import Loaded, draft_source, encode_prompt, load_target
-from exactspec.proposers import PROPOSERS, NoProposer, make_proposer, role
+from exactspec.loading import Loaded, draft_grade_of, draft_source, encode_prompt, load_draft, load_target
+from exactspec.proposers import PROPOSERS, NoProposer, make_proposer, role, takes_draft_model
 from exactspec.sampling import SamplingParams
 
 HF_DEFAULT_PROMPT_LOOKUP_TOKENS = 10  # transformers' own default, for an hf-prompt-lookup asked for an adaptive k
@@ -60,9 +60,15 @@ NEEDS_DRAFT_MODEL = {"hf-assisted"}
 
 def parse_contender(spec: str, default_k: int | str) -> tuple[str, int | str, tuple[int, ...] | str | None]:
     """``name``, ``name:k`` or ``name:k:tree`` (k an integer, auto or heuristic; tree the candidates per depth,
-    as 3/2/1, or auto) -> (drafter name, k, tree widths, "auto" or None)."""
+    as 3/2/1, or auto) -> (drafter name, k, tree widths, "auto" or None). A name may end in ``@grade``: its draft
+    model drafts as that --draft-grade says (``draft-model@off``: the model as it is)."""
     name, _, rest = spec.partition(":")
     k, _, tree = rest.partition(":")
+    name, _, grade = name.partition("@")
+    if grade and grade not in DRAFT_GRADES:
+        raise UsageError(f"{spec}: a draft grade is one of {', '.join(DRAFT_GRADES)}, not {grade!r}")
+    if grade and not (name.partition("/")[0] in PROPOSERS and takes_draft_model(name.partition("/")[0])):
+        raise UsageError(f"{spec}: only a drafter that drafts with a draft model takes @grade")
     name, _, method = name.partition("/")
     if method and (name != "draft-model" or method not in CROSS_VOCABULARY_METHODS):
         raise UsageError(f"{spec}: only draft-model takes a cross-vocabulary method (draft-model/"
@@ -72,8 +78,8 @@ def parse_contender(spec: str, default_k: int | str) -> tuple[str, int | str, tu
                          f"{', '.join(list(PROPOSERS) + list(REFERENCE_CONTENDERS))}")
     if tree and name in REFERENCE_CONTENDERS:
         raise UsageError(f"{name} drafts no trees")
-    return name + (f"/{method}" if method else ""), parse_num_draft_tokens(k) if k else default_k, \
-        parse_tree(tree or None)
+    return name + (f"/{method}" if method else "") + (f"@{grade}" if grade else ""), \
+        parse_num_draft_tokens(k) if k else default_k, parse_tree(tree or None)
 
 
 def build_contenders(specs: list[str], loaded: Loaded, num_draft_tokens: int | str,
@@ -92,16 +98,21 @@ def build_contenders(specs: list[str], loaded: Loaded, num_draft_tokens: int | s
     if target.gguf is None and NEEDS_GGUF & names:
         raise UsageError(f"{', '.join(sorted(NEEDS_GGUF & names))} run a .gguf file: the target is not one")
     backend, eos = loaded.runtime, loaded.stop_ids
+    drafts = {loaded.draft_grade: draft}  # what the draft model drafts as -> the draft model loaded so
     sources: dict[str, object] = {}  # --drafter name -> what it drafts with, one for every spec of that name
     contenders: list[Contender] = [ExactspecContender(BASELINE, Engine(backend, NoProposer(), eos), 0)]
     for spec, (name, k, tree) in parsed.items():
         if name in REFERENCE_CONTENDERS:
             contenders.append(REFERENCE_CONTENDERS[name](spec, target, draft, k, eos))
         else:
-            drafter, _, method = name.partition("/")
+            named, _, grade = name.partition("@")
+            drafter, _, method = named.partition("/")
             store = datastore if role(drafter).reads_datastore else None
+            if draft is not None and grade and grade not in drafts:
+                drafts[grade] = load_draft(draft.source or draft.path, target, draft_grade_of(grade),
+                                           threads=_threads_of(target))
             if name not in sources:
-                sources[name] = draft_source(drafter, target, backend, draft, precision,
+                sources[name] = draft_source(drafter, target, backend, drafts[grade or loaded.draft_grade], precision,
                                              (drafter_paths or {}).get(drafter), method or "auto",
                                              found=loaded.draft_found)
             engine = Engine(backend, make_proposer(drafter, backend, sources[name], store), eos_token_ids=eos)
@@ -113,7 +124,7 @@ def build_contenders(specs: list[str], loaded: Loaded, num_draft_tokens: int | s
 def exactspec_drafters(specs: list[str]) -> tuple[str, ...]:
     """The exactspec drafters the contender specs name (``hybrid`` of ``hybrid:auto``; not the field's references):
     what ``load_target`` checks the backend against, and finds a draft model for where one of them takes it."""
-    drafters = (spec.partition(":")[0].partition("/")[0] for spec in specs)
+    drafters = (spec.partition(":")[0].partition("@")[0].partition("/")[0] for spec in specs)
     return tuple(dict.fromkeys(name for name in drafters if name in PROPOSERS))
 
 
@@ -155,7 +166,7 @@ def run_bench(args) -> int:
 
     loaded = load_target(args.model, dtype=args.dtype, device=args.device, backend=args.backend,
                          threads=args.threads, datastore=args.datastore, draft_model=args.draft_model,
-                         drafters=exactspec_drafters(names))
+                         drafters=exactspec_drafters(names), draft_grade=args.draft_grade)
     target = loaded.target
     contenders, backend = build_contenders(names, loaded, k, drafter_paths)
     prompts = [(p.id, p.category, encode_prompt(target.tokenizer, p.text, None if p.chat else False))

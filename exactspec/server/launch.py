@@ -64,7 +64,7 @@ def run_serve(args) -> int:
     check_drafter_path(batch.drafter, args.drafter_path is not None)
     options = ServerOptions(args.model, batch, settings, datastore, args.dtype, args.device,
                             args.served_model_name, args.backend, args.threads, args.draft_model,
-                            args.drafter_path, args.cross_vocabulary)
+                            args.drafter_path, args.cross_vocabulary, args.draft_grade)
     if args.replicas:
         from exactspec.server.replicas import run_replicas
 

@@ -35,6 +35,7 @@ class ServerOptions:
     draft_model: str | None = None  # the draft-model drafter's model (any tokenizer)
     drafter_path: str | None = None  # a trained drafter (exactspec train), or a published EAGLE / Medusa checkpoint
     cross_vocabulary: str = "auto"  # how it proposes where its tokenizer is not the target's
+    draft_grade: str = "auto"  # whether the draft model drafts as its draft-grade copy (choices.DRAFT_GRADES)
 
     def __post_init__(self) -> None:
         names = self.served_model_name
@@ -68,7 +69,8 @@ def load_server(options: ServerOptions, listen: bool = True, sock: socket.socket
     try:
         loaded = load_target(options.model, dtype=options.dtype, device=options.device, backend=options.backend,
                              threads=options.threads, datastore=options.datastore, drafters=(drafter,),
-                             draft_model=options.draft_model if takes_draft_model(drafter) else None)
+                             draft_model=options.draft_model if takes_draft_model(drafter) else None,
+                             draft_grade=options.draft_grade)
         draft = draft_source(drafter, loaded.target, loaded.runtime, loaded.draft, loaded.precision,
                              options.drafter_path, options.cross_vocabulary, loaded.draft_found) \
             if takes_draft_model(drafter) or declared.trained else None
