@@ -78,8 +78,9 @@ def load_draft(draft_model: str | os.PathLike, target: LoadedModel, grade: Draft
     """A draft model for ``target``, on the backend :func:`draft_backend` chooses, as its draft-grade copy where
     ``grade`` asks for one and that runtime makes one."""
     resolved = resolve_backend(draft_backend(target, draft_model), draft_model, dtype, device, threads)
+    shared = target.tokenizer if draft_prospect(target.source or target.path, draft_model)[0] else None
     return load_model(draft_model, dtype=dtype, device=device, backend=resolved, threads=threads, draft_grade=grade,
-                      vocabulary=draft_vocabulary)
+                      vocabulary=draft_vocabulary, tokenizer=shared)
 
 
 def draft_grade_of(name: str) -> DraftGrade | None:

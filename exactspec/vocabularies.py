@@ -331,4 +331,4 @@ def frequent_overlap(target: TokenText, draft: TokenText) -> float:
 
 def same_vocabulary(target_tokenizer, draft_tokenizer) -> bool:
     """Whether both tokenizers map every token's text to the same id (then the draft's ids are the target's)."""
-    return target_tokenizer.get_vocab() == draft_tokenizer.get_vocab()
+    return target_tokenizer is draft_tokenizer or target_tokenizer.get_vocab() == draft_tokenizer.get_vocab()
