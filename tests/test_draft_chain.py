@@ -11,8 +11,6 @@ itself (``CHAIN_TABLE_BYTES``).
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +26,7 @@ from exactspec.backends.fused.runtime import CHAIN_TABLE_BYTES, ChainVocabulary
 from exactspec.backends.fused.stored import StoredMatrix
 from exactspec.errors import UsageError
 from exactspec.proposers import DraftModelProposer
+from exactspec.proposers.draft_model import chain_noise
 from exactspec.sampling import SamplingParams, gumbel_noise, ranked, scaled_logits
 
 pytestmark = pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))
@@ -63,11 +62,11 @@ def same_cache(a: FusedRuntime, b: FusedRuntime) -> bool:
     return a._hidden is None or torch.equal(a.hidden_states, b.hidden_states)
 
 
-def rounds(seed: int, count: int):
-    """``count`` rounds' draft lengths (1..8), tree widths (1..3 a depth) and accepted prefixes, drawn from ``seed``."""
+def rounds(seed: int):
+    """Rounds of each draft length 1..8 in an order drawn from ``seed``, each with tree widths (1..3 a depth) and an
+    accepted prefix drawn from it too."""
     draw = random.Random(seed)
-    for _ in range(count):
-        k = draw.randint(1, 8)
+    for k in draw.sample(range(1, 9), 8):
         yield [draw.randint(1, 3) for _ in range(k)], draw.randint(0, k)
 
 
@@ -82,7 +81,7 @@ def run_both(path: Path, params: SamplingParams, seed: int, keep_hidden: bool = 
     fast, slow = DraftModelProposer(one, one.vocab_size), python_chain(DraftModelProposer(two, two.vocab_size))
     generator = torch.Generator().manual_seed(seed)
     context, drafted = list(PROMPT), 0
-    for widths, accepted in rounds(seed, 6):
+    for widths, accepted in rounds(seed):
         assert fast._chains_in_one_call(params)
         mine, theirs = fast._chain(context, widths, params, generator), slow._chain(context, widths, params, generator)
         assert mine == theirs, (widths, context[-3:])
@@ -97,20 +96,32 @@ def run_both(path: Path, params: SamplingParams, seed: int, keep_hidden: bool = 
 def test_greedy_chain_in_one_call_is_the_python_chain_bit_for_bit(path, seed):
     """Greedy: each depth's argmax and its next best, after a prompt and after rollbacks of rejected tokens; the
     cache then holds the same keys and values at every position, and the same tokens."""
-    assert run_both(path, SamplingParams(), seed) == 6
+    assert run_both(path, SamplingParams(), seed) == 8
 
 
 @pytest.mark.parametrize("temperature", TEMPERATURES)
 def test_invariant_chain_in_one_call_is_the_python_chain_bit_for_bit(path, temperature):
     """The invariant sampler's Gumbel-max at each depth's position, over the noise the target will use there."""
-    for seed in (11, 12):
-        assert run_both(path, SamplingParams(temperature=temperature, method="invariant"), seed) == 6
+    seed = TEMPERATURES.index(temperature) + 11
+    assert run_both(path, SamplingParams(temperature=temperature, method="invariant"), seed) == 8
 
 
 def test_kept_hidden_states_are_written_as_a_pass_writes_them(path):
     """A runtime that keeps hidden states (what eagle and mtp read) has the chain's positions' states, normed, as the
     Python chain's passes keep them."""
     run_both(path, SamplingParams(temperature=1.0, method="invariant"), 5, keep_hidden=True)
+
+
+def test_gemma3_chains_in_one_call_and_gemma2s_capped_logits_in_python(tmp_path):
+    """gemma 3 (a scaled embedding, which the chain's table holds as the runtime embeds it; sliding layers with RoPE
+    of their own) drafts in one call what its Python chain drafts; gemma 2 caps its logits with torch's tanh, whose
+    bits the C kernels do not reproduce, so it has no chain ids and its proposer chains in Python."""
+    gemma3 = write_tiny_gguf(tmp_path / "gemma3.gguf", seed=3, tensor_type="Q8_0", architecture="gemma3", **SHAPE)
+    assert run_both(gemma3, SamplingParams(temperature=0.9, method="invariant"), 3) == 8
+    gemma2 = FusedRuntime.from_gguf(write_tiny_gguf(tmp_path / "gemma2.gguf", seed=3, tensor_type="Q8_0",
+                                                    architecture="gemma2", **SHAPE))
+    assert gemma2.chain_ids is None
+    assert not DraftModelProposer(gemma2, gemma2.vocab_size)._chains_in_one_call(SamplingParams())
 
 
 def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:  # [rows] float64
@@ -148,6 +159,16 @@ def test_sampling_makes_the_same_scaled_logits_as_floats_in_c_would():
         with np.errstate(over="ignore", divide="ignore"):
             c = np.where(shifted == 0, shifted, shifted / np.float32(temperature))
         assert np.array_equal(python.view(np.uint32), c.view(np.uint32)), temperature
+
+
+def test_chain_noise_is_the_targets_noise_at_the_heads_ids():
+    """The noise the proposer hands the chain at each depth's position: the target's (over its whole vocabulary) at
+    the head's ids, for a full head and for one that skips ids."""
+    target = 5000
+    for ids in (torch.arange(3000, dtype=torch.int32), torch.tensor([3, 17, 18, 2999], dtype=torch.int32)):
+        noise = chain_noise(ids, 77, range(40, 43))
+        expected = torch.stack([gumbel_noise(77, position, target)[ids.long()] for position in range(40, 43)])
+        assert noise.dtype == torch.float64 and torch.equal(noise, expected)
 
 
 def cut_head(runtime: FusedRuntime, groups: list[int]) -> torch.Tensor:
@@ -244,16 +265,10 @@ print(digest.hexdigest())
 
 def test_the_avx2_tiles_draft_the_same_chain(path):
     """The chain on the AVX2 tiles (an AVX2-only EPYC's, forced by EXACTSPEC_FUSED_AVX2=1) drafts this CPU's own
-    tokens and writes its cache's bits; and the one-call chain is the Python chain there too."""
+    tokens and writes its cache's bits (test_cpu_paths.py runs this file's bit-for-bit tests on every path)."""
     from test_cpu_paths import AVX2_TILES, run_here
 
     runs = [run_here(["-c", CHAIN_DIGEST, str(path)], env, 300) for env in ({}, AVX2_TILES)]
     assert all(run.returncode == 0 for run in runs), [run.stderr[-2000:] for run in runs]
-    assert runs[0].stdout == runs[1].stdout
-    test = f"{Path(__file__).name}::test_invariant_chain_in_one_call_is_the_python_chain_bit_for_bit"
-    run = run_here(["-m", "pytest", "-q", "-p", "no:cacheprovider", test], AVX2_TILES, 600)
-    assert run.returncode == 0 and "passed" in run.stdout.splitlines()[-1], run.stdout[-3000:] + run.stderr[-2000:]
+    assert runs[0].stdout == runs[1].stdout and len(runs[0].stdout.split()) == 1
 
-
-if __name__ == "__main__":
-    sys.exit(subprocess.call([sys.executable, "-m", "pytest", "-q", __file__]))

@@ -108,10 +108,9 @@ class DraftModelProposer(TreeProposer, CatchesUp, DraftsUnderGrammar):
         which the call feeds; under the invariant sampler, each depth's noise over the head's ids at its position,
         as the target will draw it."""
         sync(self.model, context[:-1], num_logits=0)
-        k, noise = len(widths), None
-        if not params.greedy:
-            ids, seed = self.model.chain_ids.long(), noise_seed(generator)
-            noise = torch.stack([gumbel_noise(seed, len(context) + i, self.target_vocab_size)[ids] for i in range(k)])
+        k = len(widths)
+        noise = None if params.greedy else \
+            chain_noise(self.model.chain_ids, noise_seed(generator), range(len(context), len(context) + k))
         tokens, alternatives = self.model.draft_chain(context[-1], k, max(widths), noise, params.temperature or 1.0)
         return tokens, [None] * k, [others[: width - 1] for others, width in zip(alternatives, widths)]
 
@@ -129,6 +128,15 @@ class DraftModelProposer(TreeProposer, CatchesUp, DraftsUnderGrammar):
     def _pad(self, probs: torch.Tensor) -> torch.Tensor:  # [vocab_d] -> [target vocab]
         """Draft probabilities over the target's logit width; ids the draft model lacks get q = 0."""
         return F.pad(probs, (0, self.target_vocab_size - probs.shape[-1]))
+
+
+def chain_noise(ids: torch.Tensor, seed: int, positions: range) -> torch.Tensor:  # [len(positions), len(ids)] float64
+    """The invariant sampler's noise at each position over a head's ``ids`` (ascending): the target's noise at those
+    ids, which is the first ids[-1] + 1 values of its stream at that position (``gumbel_noise`` of any width
+    begins with them), gathered where the head skips some ids."""
+    width = int(ids[-1]) + 1
+    rows = [gumbel_noise(seed, position, width) for position in positions]
+    return torch.stack(rows if width == len(ids) else [row[ids.long()] for row in rows])
 
 
 @dataclass(frozen=True)
