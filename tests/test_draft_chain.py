@@ -11,6 +11,7 @@ itself (``CHAIN_TABLE_BYTES``).
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +25,9 @@ from exactspec.backends.fused import FusedRuntime
 from exactspec.backends.fused import runtime as runtime_module
 from exactspec.backends.fused.runtime import CHAIN_TABLE_BYTES, ChainVocabulary
 from exactspec.backends.fused.stored import StoredMatrix
+from exactspec.engine import Engine, GenerationConfig
 from exactspec.errors import UsageError
-from exactspec.proposers import DraftModelProposer
+from exactspec.proposers import DraftModelProposer, NoProposer
 from exactspec.proposers.draft_model import chain_noise
 from exactspec.sampling import SamplingParams, gumbel_noise, ranked, scaled_logits
 
@@ -122,6 +124,29 @@ def test_gemma3_chains_in_one_call_and_gemma2s_capped_logits_in_python(tmp_path)
                                                     architecture="gemma2", **SHAPE))
     assert gemma2.chain_ids is None
     assert not DraftModelProposer(gemma2, gemma2.vocab_size)._chains_in_one_call(SamplingParams())
+
+
+@pytest.mark.slow
+def test_speculation_with_a_fused_draft_model_is_plain_decoding(path, tmp_path):
+    """An engine whose draft model is a fused runtime (chaining in one call) emits plain decoding's tokens, greedy and
+    seeded, in chains and trees: a draft of the target's own weights (every token accepted: bonus tokens, long
+    syncs) and one of other weights (rejections: rollbacks each round)."""
+    target = FusedRuntime.from_gguf(path)
+    other = write_tiny_gguf(tmp_path / "other.gguf", seed=4, tensor_type="Q8_0", architecture="llama", **SHAPE)
+    drafts = [FusedRuntime.from_gguf(path), FusedRuntime.from_gguf(other)]
+    calls = []
+    for draft in drafts:
+        chain = draft.draft_chain
+        draft.draft_chain = lambda *args, chain=chain: calls.append(1) or chain(*args)
+    for seed, sampling in enumerate((SamplingParams(), SamplingParams(temperature=0.8, method="invariant"))):
+        config = GenerationConfig(max_new_tokens=20, sampling=sampling, seed=seed, num_draft_tokens=4,
+                                  stop_at_eos=False)
+        expected = Engine(target, NoProposer()).generate(PROMPT, config).token_ids
+        for draft in drafts:
+            for tree in (None, (3, 2, 1)):
+                engine = Engine(target, DraftModelProposer(draft, target.vocab_size))
+                assert engine.generate(PROMPT, replace(config, tree=tree)).token_ids == expected
+    assert len(calls) >= 16
 
 
 def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:  # [rows] float64
