@@ -33,6 +33,8 @@ INVARIANCE_TESTS = [
     "test_llama_runtime.py::test_logits_match_transformers_for_each_weight_precision",
     "test_fused.py::test_a_rows_logits_are_the_same_bit_for_bit_alone_in_a_pass_in_a_tree_and_beside_other_sequences",
     "test_cpu_paths.py::test_row_kernels_compute_each_row_alone",
+    "test_draft_chain.py::test_invariant_chain_in_one_call_is_the_python_chain_bit_for_bit",
+    "test_draft_chain.py::test_the_choice_ties_where_pythons_does_at_every_row",
 ]
 
 # Products in each weight format (the byte formats' in floats and in integers, nibbles and 6 bits in integers) and

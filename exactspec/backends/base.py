@@ -251,6 +251,27 @@ class ShallowRunner(Protocol):
         ...
 
 
+class DraftsChains(Protocol):
+    """Drafts a whole chain in one call, without returning to Python between its tokens: each token the greedy or the
+    invariant sampler's choice among the LM head's rows, fed back as the next position's input. The cache then holds
+    what ``extend([token], 1)`` token by token would write, bit for bit, and the tokens are those Python's choice over
+    those logits gives. A draft model's proposer chains so where the sampling allows (greedy, or the invariant
+    sampler without top-k or top-p) and ``chain_ids`` is not None; elsewhere it chains in Python."""
+
+    # [rows] int32, ascending: the token id each LM head row stands for (every id for a full head, a draft-grade
+    # model's kept ids for a cut one), or None where this runtime cannot chain in one call (then it is not asked)
+    chain_ids: torch.Tensor | None
+
+    def draft_chain(self, last: int, k: int, width: int = 1, noise: torch.Tensor | None = None,
+                    temperature: float = 1.0) -> tuple[list[int], list[list[int]]]:
+        """Feed ``last`` (the context's last token: the cache holds every one before it) and the first k - 1 of the
+        k tokens drafted after it; the k tokens, and per depth the ``width - 1`` ids its head ranks highest after
+        the chosen one (``sampling.ranked``'s: a tree's alternatives). ``noise`` [k, rows] float64, the invariant
+        sampler's Gumbel noise at each depth's position over ``chain_ids``, makes each choice its Gumbel-max at
+        ``temperature``; None, the argmax."""
+        ...
+
+
 class PooledSequence(CausalLM):
     """One sequence in a pool's slot, seen as a CausalLM: what gives each of a server's requests a draft model of its
     own over one set of draft weights. The slot is taken at the first pass and given back when the sequence is

@@ -95,9 +95,14 @@ class LlamaSequence(TreeScorer, FeatureSource, ShallowRunner, PromptPasses):
         hidden states, normed."""
         raise NotImplementedError
 
+    def final_normed(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
+        """The residual stream after the last layer, normed as the LM head reads it (and as hidden states are kept);
+        a runtime may norm it with its own kernels, as long as every pass, pool and chain of its own does alike."""
+        return rms_norm(x, self.final_norm, self.eps)
+
     def exit_logits(self, states: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
         """The LM head over the residual stream after any layer (an early exit), normed as the last layer's is."""
-        return self.logits(self.head_for(states.shape[0]), rms_norm(states, self.final_norm, self.eps))
+        return self.logits(self.head_for(states.shape[0]), self.final_normed(states))
 
     def logits(self, head: Linear, normed: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
         """The LM head ``head`` over final hidden states, normed; capped softly where the model caps them."""
@@ -191,7 +196,7 @@ class LlamaSequence(TreeScorer, FeatureSource, ShallowRunner, PromptPasses):
             states.append(self.run_layers(states[-1], index, index + 1, start, positions, mask))
         self.tokens += token_ids
         if self._hidden is not None:
-            self._hidden[start : start + n] = rms_norm(states[-1], self.final_norm, self.eps)
+            self._hidden[start : start + n] = self.final_normed(states[-1])
         return torch.stack(states)
 
     @torch.inference_mode()
@@ -250,11 +255,11 @@ class LlamaSequence(TreeScorer, FeatureSource, ShallowRunner, PromptPasses):
         if start == self.prefilled and not reused and self.runs_as_prompt(n, isinstance(positions, slice)):
             self.prefilled = start + n  # a prompt's pass, right after the positions prompt passes wrote
         if self._hidden is not None:  # every position normed, kept; else only where logits are wanted
-            self._hidden[start : start + n] = rms_norm(x, self.final_norm, self.eps)
+            self._hidden[start : start + n] = self.final_normed(x)
         if num_logits == 0:
             return torch.empty(0, self.vocab_size, device=self.device)
         normed = self._hidden[start + n - num_logits : start + n] if self._hidden is not None else \
-            rms_norm(x[n - num_logits :], self.final_norm, self.eps)  # [num_logits, hidden]
+            self.final_normed(x[n - num_logits :])  # [num_logits, hidden]
         return self.logits(lm_head, normed)  # [num_logits, vocab]
 
     def torch_layers(self, layers: list[Layer], x: torch.Tensor, first: int, end: int, start: int,

@@ -148,11 +148,11 @@ class SlotPool(FeaturePool, KeepsPrefixes, SlotFeatures):
         x = self.run_rows(rows, layout, rt.num_layers)
         self._advance(rows, layout)
         if hidden:
-            normed = rms_norm(x, rt.final_norm, rt.eps)  # [T, hidden]
+            normed = rt.final_normed(x)  # [T, hidden]
             picked = normed[layout.logit_rows]
             by_row_hidden = dict(zip((id(row) for row in rows), normed.split(layout.lengths)))
         else:
-            picked = rms_norm(x[layout.logit_rows], rt.final_norm, rt.eps)  # [sum num_logits, hidden]
+            picked = rt.final_normed(x[layout.logit_rows])  # [sum num_logits, hidden]
         logits = rt.logits(self.head_for(rows, layout), picked) if len(picked) else picked.new_empty(0, 0)
         by_row = dict(zip((id(row) for row in rows), logits.split([row.num_logits for row in rows])))
         return ([by_row[id(row)] for row in given],

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from exactspec.backends.base import CausalLM, sync
+from exactspec.backends.base import CausalLM, DraftsChains, declares, sync
 from exactspec.choices import CROSS_VOCABULARY_METHODS
 from exactspec.errors import UsageError
 from exactspec.proposers.base import (
@@ -33,7 +33,7 @@ from exactspec.proposers.base import (
     draft_of,
     spine_tree,
 )
-from exactspec.sampling import SamplingParams, draft_token, ranked
+from exactspec.sampling import SamplingParams, draft_token, gumbel_noise, noise_seed, ranked
 from exactspec.vocabularies import LOW_OVERLAP, ContextBridge, SharedTokens
 
 
@@ -80,6 +80,8 @@ class DraftModelProposer(TreeProposer, CatchesUp, DraftsUnderGrammar):
         the draft model ranks next at each."""
         if not widths or not self._embeds(context):
             return [], [], []
+        if self._chains_in_one_call(params):
+            return self._one_call_chain(context, widths, params, generator)
         logits = sync(self.model, context, num_logits=1)[0]  # [vocab_d]: rejected draft tokens are dropped here
         tokens: list[int] = []
         rows: list[torch.Tensor | None] = []
@@ -92,6 +94,25 @@ class DraftModelProposer(TreeProposer, CatchesUp, DraftsUnderGrammar):
             if i < len(widths) - 1:
                 logits = self.model.extend([token], num_logits=1)[0]
         return tokens, rows, alternatives
+
+    def _chains_in_one_call(self, params: SamplingParams) -> bool:
+        """Whether the draft model drafts this chain in one call (DraftsChains): where it can here, and where each
+        token is a choice it makes itself over its head's logits (greedy, or the invariant sampler's Gumbel-max with
+        nothing cut by top-k or top-p); a draw with a distribution, or a grammar, chains in Python."""
+        choice = params.greedy or (params.invariant and params.top_k == 0 and params.top_p == 1.0)
+        return choice and declares(self.model, DraftsChains) and self.model.chain_ids is not None
+
+    def _one_call_chain(self, context: list[int], widths: list[int], params: SamplingParams,
+                        generator: torch.Generator | None) -> tuple[list[int], list, list[list[int]]]:
+        """_chain's tokens and alternatives in one call: the cache synced to all of the context but its last token,
+        which the call feeds; under the invariant sampler, each depth's noise over the head's ids at its position,
+        as the target will draw it."""
+        sync(self.model, context[:-1], num_logits=0)
+        k = len(widths)
+        noise = None if params.greedy else \
+            chain_noise(self.model.chain_ids, noise_seed(generator), range(len(context), len(context) + k))
+        tokens, alternatives = self.model.draft_chain(context[-1], k, max(widths), noise, params.temperature or 1.0)
+        return tokens, [None] * k, [others[: width - 1] for others, width in zip(alternatives, widths)]
 
     def catch_up(self, context: list[int]) -> None:
         if self._embeds(context):
@@ -107,6 +128,15 @@ class DraftModelProposer(TreeProposer, CatchesUp, DraftsUnderGrammar):
     def _pad(self, probs: torch.Tensor) -> torch.Tensor:  # [vocab_d] -> [target vocab]
         """Draft probabilities over the target's logit width; ids the draft model lacks get q = 0."""
         return F.pad(probs, (0, self.target_vocab_size - probs.shape[-1]))
+
+
+def chain_noise(ids: torch.Tensor, seed: int, positions: range) -> torch.Tensor:  # [len(positions), len(ids)] float64
+    """The invariant sampler's noise at each position over a head's ``ids`` (ascending): the target's noise at those
+    ids, which is the first ids[-1] + 1 values of its stream at that position (``gumbel_noise`` of any width
+    begins with them), gathered where the head skips some ids."""
+    width = int(ids[-1]) + 1
+    rows = [gumbel_noise(seed, position, width) for position in positions]
+    return torch.stack(rows if width == len(ids) else [row[ids.long()] for row in rows])
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,9 @@
  *   static, reached through their tables of function pointers;
  * - product.c: a matrix's product over its blocks, by the tiles this CPU takes, shared among the team;
  * - attention.c: each row's attention over its own keys;
- * - pass.c: a pass's layers, the norms, RoPE, the cache writes and the activation around the products.
+ * - pass.c: a pass's layers, the norms, RoPE, the cache writes and the activation around the products;
+ * - chain.c: a draft model's whole chain of tokens in one call, a one-row pass per token, its LM head and its
+ *   choice among the head's rows.
  */
 #ifndef EXACTSPEC_FUSED_H
 #define EXACTSPEC_FUSED_H
@@ -333,6 +335,8 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 exp8(__m256 x) {
 
 typedef void (*JobFn)(void *arg, int thread, int threads);
 
+#define MAX_THREADS 64 /* the most members a team has */
+
 INTERNAL extern int team_size;           /* the members that take a share of a job */
 INTERNAL extern int has_avx512, has_vnni; /* which tiles this CPU takes (read with the team) */
 INTERNAL extern atomic_int barrier_count, barrier_sense, barrier_sleepers; /* team_barrier's */
@@ -402,5 +406,32 @@ INTERNAL int64_t attention_scratch(int max_keys);
 INTERNAL void attend_rows(const Rows *rows, const float *q, int64_t q_stride, float *out, int64_t out_stride,
                           const float *keys, const float *values, int64_t head_stride, int heads, int kv_heads,
                           int hd, const Scoring *how, float *scratch, int max_keys, int thread, int threads);
+
+/* ---------------------------------------------------------------- the pass's layers (pass.c) */
+
+/* One pass: rows through layers [first, end) of a model over a cache, and the scratch its phases share. sd_pass runs
+ * one over its rows; sd_draft_chain (chain.c) one of a single row per drafted token, through the same code. */
+typedef struct {
+    const Model *m;
+    const Cache *cache;
+    const Rows *rows;
+    float *x;            /* [n, hidden]: embeddings in, the residual stream out */
+    int first, end;      /* the layers run */
+    /* scratch */
+    float *h, *qkv, *attended, *act, *mid, *scores; /* act: gate and up; mid: SiLU(gate) * up, the down's input */
+    int64_t scores_stride; /* a member's attention scratch (attention_scratch) */
+    int max_keys;          /* the most keys a row attends */
+} Pass;
+
+/* The floats of scratch a pass over n rows that attend at most `max_keys` keys needs (pass_scratch lays them out). */
+INTERNAL size_t pass_floats(const Model *m, int n, int max_keys);
+/* Lay the pass's scratch out in `scratch` (pass_floats of them) for n rows that attend at most `max_keys` keys. */
+INTERNAL void pass_scratch(Pass *p, float *scratch, int n, int max_keys);
+/* This member's share of the pass's layers; the team meets at barriers (`sense`: this member's barrier sense,
+ * carried from one pass to the next within a job). Ends at a barrier: the residual stream is then whole. */
+INTERNAL void pass_layers(Pass *p, int thread, int threads, int *sense);
+/* y = weight * (x / rms(x)) over `hidden` floats: each row's norm, a layer's and the final one (y may be x). */
+__attribute__((target("avx2,fma,f16c"))) INTERNAL void rms_norm_row(const float *x, const float *weight, int hidden,
+                                                                    float eps, float *y);
 
 #endif

@@ -1,23 +1,13 @@
 /* The pass: the rows through a model's layers in one call (sd_pass), the team meeting between a layer's phases:
  * each row's norm, the qkv product, its norms and RoPE and cache writes, attention, the output product added to
- * the residual stream, the norm, gate and up, the activation, the down product added. */
+ * the residual stream, the norm, gate and up, the activation, the down product added. pass_layers is the one copy of
+ * them: sd_pass runs it once, sd_draft_chain (chain.c) once per drafted token; and the final norm (sd_final_norm),
+ * which the fused runtime's LM head and hidden states read, is the chain's too. */
 #include "fused.h"
 
-typedef struct {
-    const Model *m;
-    const Cache *cache;
-    const Rows *rows;
-    float *x;            /* [n, hidden]: embeddings in, the residual stream out */
-    int first, end;      /* the layers run */
-    /* scratch */
-    float *h, *qkv, *attended, *act, *mid, *scores; /* act: gate and up; mid: SiLU(gate) * up, the down's input */
-    int64_t scores_stride; /* a member's attention scratch (attention_scratch) */
-    int max_keys;          /* the most keys a row attends */
-} Pass;
-
 /* The row's sum of squares in 8 lanes, then the lanes as sum8 adds them (and any last n % 8 in order). */
-__attribute__((target("avx2,fma,f16c"))) static void rms_norm_row(const float *x, const float *weight, int hidden,
-                                                                 float eps, float *y) {
+__attribute__((target("avx2,fma,f16c"))) void rms_norm_row(const float *x, const float *weight, int hidden, float eps,
+                                                          float *y) {
     __m256 squares = _mm256_setzero_ps();
     int i = 0;
     for (; i + 8 <= hidden; i += 8) squares = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i), squares);
@@ -86,24 +76,21 @@ static void residual(const Matrix *matrix, const float *norm, const float *input
     team_barrier(threads, sense);
 }
 
-static void pass_job(void *arg, int thread, int threads) {
-    Pass *p = (Pass *)arg;
-    if (thread >= threads) return;
+void pass_layers(Pass *p, int thread, int threads, int *sense) {
     const Model *m = p->m;
     const Rows *rows = p->rows;
     int n = rows->n, hidden = m->hidden, hd = m->head_dim, inter = m->inter;
     int q_width = m->heads * hd, qkv_width = (m->heads + 2 * m->kv_heads) * hd;
-    int sense = atomic_load(&barrier_sense);
     float *scores = p->scores + (int64_t)thread * p->scores_stride;
     int b, e;
     for (int li = p->first; li < p->end; li++) {
         const Layer *layer = &m->layer[li];
         for (int r = thread; r < n; r += threads)
             rms_norm_row(p->x + (int64_t)r * hidden, layer->input_norm, hidden, m->eps, p->h + (int64_t)r * hidden);
-        team_barrier(threads, &sense);
+        team_barrier(threads, sense);
         share(qkv_width, 8, thread, threads, &b, &e);
         product(&layer->qkv, p->h, hidden, n, b, e, p->qkv, qkv_width, STORE);
-        team_barrier(threads, &sense);
+        team_barrier(threads, sense);
         const float *cos_table = layer->rope == ROPE_LOCAL ? p->cache->local_cos : p->cache->cos;
         const float *sin_table = layer->rope == ROPE_LOCAL ? p->cache->local_sin : p->cache->sin;
         for (int r = thread; r < n; r += threads) {
@@ -121,16 +108,16 @@ static void pass_job(void *arg, int thread, int threads) {
                 memcpy(p->cache->values[li] + at, row + q_width + (m->kv_heads + kv) * hd, hd * sizeof(float));
             }
         }
-        team_barrier(threads, &sense);
+        team_barrier(threads, sense);
         Scoring how = {m->attn_scale, m->attn_softcap, layer->window};
         attend_rows(rows, p->qkv, qkv_width, p->attended, q_width, p->cache->keys[li], p->cache->values[li],
                     p->cache->head_stride, m->heads, m->kv_heads, hd, &how, scores, p->max_keys, thread, threads);
-        team_barrier(threads, &sense);
+        team_barrier(threads, sense);
         share(hidden, 8, thread, threads, &b, &e);
-        residual(&layer->out, layer->attn_out_norm, p->attended, q_width, p, b, e, thread, threads, &sense);
+        residual(&layer->out, layer->attn_out_norm, p->attended, q_width, p, b, e, thread, threads, sense);
         for (int r = thread; r < n; r += threads)
             rms_norm_row(p->x + (int64_t)r * hidden, layer->post_norm, hidden, m->eps, p->h + (int64_t)r * hidden);
-        team_barrier(threads, &sense);
+        team_barrier(threads, sense);
         share(inter, 8, thread, threads, &b, &e); /* gate and up for the same units, then SiLU(gate) * up */
         product(&layer->gate_up, p->h, hidden, n, b, e, p->act, 2 * inter, STORE);
         product(&layer->gate_up, p->h, hidden, n, inter + b, inter + e, p->act, 2 * inter, STORE);
@@ -138,10 +125,34 @@ static void pass_job(void *arg, int thread, int threads) {
             const float *row = p->act + (int64_t)r * 2 * inter;
             gate_row(row, row + inter, p->mid + (int64_t)r * inter, b, e, m->activation);
         }
-        team_barrier(threads, &sense);
+        team_barrier(threads, sense);
         share(hidden, 8, thread, threads, &b, &e);
-        residual(&layer->down, layer->ffn_out_norm, p->mid, inter, p, b, e, thread, threads, &sense);
+        residual(&layer->down, layer->ffn_out_norm, p->mid, inter, p, b, e, thread, threads, sense);
     }
+}
+
+static void pass_job(void *arg, int thread, int threads) {
+    if (thread >= threads) return;
+    int sense = atomic_load(&barrier_sense);
+    pass_layers((Pass *)arg, thread, threads, &sense);
+}
+
+size_t pass_floats(const Model *m, int n, int max_keys) {
+    int qkv_width = (m->heads + 2 * m->kv_heads) * m->head_dim;
+    return (size_t)n * (m->hidden + qkv_width + m->heads * m->head_dim + 3 * m->inter) +
+           (size_t)team_size * attention_scratch(max_keys);
+}
+
+void pass_scratch(Pass *p, float *scratch, int n, int max_keys) {
+    const Model *m = p->m;
+    p->scores_stride = attention_scratch(max_keys);
+    p->max_keys = max_keys;
+    p->h = scratch;
+    p->qkv = p->h + (size_t)n * m->hidden;
+    p->attended = p->qkv + (size_t)n * (m->heads + 2 * m->kv_heads) * m->head_dim;
+    p->act = p->attended + (size_t)n * m->heads * m->head_dim;
+    p->mid = p->act + (size_t)n * 2 * m->inter;
+    p->scores = p->mid + (size_t)n * m->inter;
 }
 
 /* The rows through layers [first, end); x [n, hidden] holds their embeddings, then their residual stream. Returns
@@ -150,27 +161,24 @@ int sd_pass(const Model *m, const Cache *cache, const Rows *rows, float *x, int 
     int n = rows->n, max_keys = 1;
     for (int r = 0; r < n; r++)
         if (rows->n_keys[r] > max_keys) max_keys = rows->n_keys[r];
-    int qkv_width = (m->heads + 2 * m->kv_heads) * m->head_dim;
     Pass p = {.m = m, .cache = cache, .rows = rows, .x = x, .first = first, .end = end};
-    p.scores_stride = attention_scratch(max_keys);
-    p.max_keys = max_keys;
     pthread_mutex_lock(&pass_lock);
-    size_t floats = (size_t)n * (m->hidden + qkv_width + m->heads * m->head_dim + 3 * m->inter) +
-                    (size_t)team_size * p.scores_stride;
-    float *scratch = scratch_of(floats);
+    float *scratch = scratch_of(pass_floats(m, n, max_keys));
     if (!scratch) {
         pthread_mutex_unlock(&pass_lock);
         return -1;
     }
-    p.h = scratch;
-    p.qkv = p.h + (size_t)n * m->hidden;
-    p.attended = p.qkv + (size_t)n * qkv_width;
-    p.act = p.attended + (size_t)n * m->heads * m->head_dim;
-    p.mid = p.act + (size_t)n * 2 * m->inter;
-    p.scores = p.mid + (size_t)n * m->inter;
+    pass_scratch(&p, scratch, n, max_keys);
     atomic_store(&scratch_failed, 0);
     run_team(pass_job, &p);
     int failed = atomic_load(&scratch_failed);
     pthread_mutex_unlock(&pass_lock);
     return failed ? -1 : 0;
+}
+
+/* y [n, hidden] = the model's final norm of the rows x [n, hidden] (y may be x): what the fused runtime's LM head and
+ * its kept hidden states read, normed as the chain (chain.c) norms its rows. */
+void sd_final_norm(const Model *m, const float *x, int n, float *y) {
+    for (int r = 0; r < n; r++)
+        rms_norm_row(x + (int64_t)r * m->hidden, m->final_norm, m->hidden, m->eps, y + (int64_t)r * m->hidden);
 }

@@ -7,6 +7,8 @@ weights read once per pass whatever the row count, one thread team (PyTorch's Op
 attention written around the products, and each row computed as it is alone (batch-invariant by construction, see
 ``pass.c``); a prompt runs through the same call, PASS_ROWS rows at a time, its products in the GEMM tiles, so
 its positions hold the bits plain decoding would write. Its pool (``pool.py``) runs its rows through the same call.
+As a draft model it drafts a whole chain in one call (:meth:`FusedRuntime.draft_chain`, ``chain.c``), where it holds
+its head's vocabulary as a float table (:class:`ChainVocabulary`).
 
 Where it cannot run (not built, a CPU without AVX2/FMA/F16C, a model it does not cover), :func:`unavailable` says
 why in one line, and ``--backend auto`` passes it by.
@@ -24,7 +26,7 @@ import numpy as np
 import torch
 
 from exactspec.backends import native
-from exactspec.backends.base import Pooled
+from exactspec.backends.base import DraftsChains, Pooled
 from exactspec.backends.family import (
     FAMILIES,
     LlamaSpec,
@@ -51,7 +53,8 @@ from exactspec.backends.gguf_file import GGUFFile, dequantized
 from exactspec.backends.linear import Linear
 from exactspec.backends.native import MAX_HEAD_DIM, Layer, Model
 from exactspec.backends.sequence import LlamaSequence
-from exactspec.choices import MAX_DRAFT_TOKENS
+from exactspec.choices import MAX_DRAFT_TOKENS, MAX_TREE_WIDTH
+from exactspec.errors import UsageError
 
 MATRIX_NAMES = ("qkv", "out", "gate_up", "down")  # a layer's matrices, as the C kernels' Layer names them
 # the norms some architectures add to a layer: GGUF tensor names, and the names the C kernels' Layer gives them
@@ -68,6 +71,12 @@ Q8_GROUP = 32  # inputs that share an int8 weight's scale and offset
 # stays the runtime's PromptPasses count (what a prefix cache keeps is still decided by it).
 PROMPT_POSITIONS = MAX_DRAFT_TOKENS + 2
 PASS_ROWS = 64  # the most rows one C call takes (its scratch grows with them); more run in parts, each row alone
+# The largest float32 embedding table a full-vocabulary runtime makes for its one-call chain (ChainVocabulary.full):
+# a GGUF's embedding stays in its blocks and is read row by row, so its table is a copy (a 150k-token, 896-wide
+# model's: 545 MB), made only where it is this small; a model whose float32 embedding is held unscaled lends it.
+CHAIN_TABLE_BYTES = 64 << 20
+CHAIN_RANKED = 16  # the chosen and its alternatives chain.c ranks at a depth at most (its MOST_RANKED)
+assert MAX_TREE_WIDTH <= CHAIN_RANKED, "a tree's widest depth must fit the chain's ranking"
 
 
 class FusedUnavailable(RuntimeError):
@@ -291,7 +300,39 @@ def _qkv_bias(layer) -> torch.Tensor | None:
     return torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.weight.shape[0]) for p in projections])
 
 
-class FusedRuntime(LlamaSequence, Pooled):
+@dataclass(frozen=True)
+class ChainVocabulary:
+    """What a fused runtime's one-call chain (``chain.c``) reads of its vocabulary: the token id each row of its LM
+    head stands for, ascending, and those tokens' embeddings as the runtime embeds them (``embedded``), which the chain
+    feeds after choosing a row. A full head's is every id; a draft-grade model whose head keeps some rows sets its
+    own (:attr:`FusedRuntime.chain_vocabulary`)."""
+
+    ids: torch.Tensor  # [rows] int32
+    embed: torch.Tensor  # [rows, hidden] float32
+
+    @classmethod
+    def of(cls, runtime: LlamaSequence, ids: torch.Tensor) -> ChainVocabulary:
+        """The rows ``ids`` (ascending) of ``runtime``'s vocabulary, their embeddings copied."""
+        ids = torch.as_tensor(ids, dtype=torch.int64)
+        if len(ids) and (bool((ids.diff() <= 0).any()) or int(ids[0]) < 0 or int(ids[-1]) >= runtime.vocab_size):
+            raise ValueError("a chain vocabulary's ids ascend within the vocabulary")
+        return cls(ids.to(torch.int32).contiguous(), runtime.embedded(ids).to(torch.float32).contiguous())
+
+    @classmethod
+    def full(cls, runtime: LlamaSequence, most_bytes: int | None = None) -> ChainVocabulary | None:
+        """Every id: the runtime's own embedding where it is a float32 table, unscaled (no copy); else a copy, or None
+        where that would take more than ``most_bytes``."""
+        ids = torch.arange(runtime.vocab_size, dtype=torch.int32)
+        embed = runtime.embed
+        if isinstance(embed, torch.Tensor) and embed.dtype == torch.float32 and embed.is_contiguous() and \
+                runtime.architecture.embed_scale == 1.0:
+            return cls(ids, embed)
+        if most_bytes is not None and 4 * runtime.vocab_size * runtime.embed.shape[1] > most_bytes:
+            return None
+        return cls.of(runtime, ids)
+
+
+class FusedRuntime(LlamaSequence, Pooled, DraftsChains):
     """The CausalLM protocol for llama-family models, every pass one call into the C kernels."""
 
     name = "fused"
@@ -343,6 +384,9 @@ class FusedRuntime(LlamaSequence, Pooled):
         self.multiply_adds = sum(matrix.rows * matrix.inputs for matrix in self._matrices)  # a row's, per pass
         self._pass_cache: tuple[int, PassCache] | None = None  # (the cache's generation, what the C kernels read of it)
         self._head = native.MatrixProduct(self._model.lm_head)
+        # the head's vocabulary for the one-call chain: a subclass (a draft-grade model's cut head) sets its own;
+        # left None, a full head's is made at the chain's first use where it is small (ChainVocabulary.full)
+        self.chain_vocabulary: ChainVocabulary | None = None
 
     @property
     def precision_label(self) -> str:
@@ -368,6 +412,71 @@ class FusedRuntime(LlamaSequence, Pooled):
         rope = positions.numpy() if tree else columns
         return self.fused_pass(x, first, end, self._cache(), rope, np.zeros(n, dtype=np.int64), columns,
                                reading.n_keys, reading.key_cols)
+
+    def final_normed(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
+        """The final norm in the C kernels (``sd_final_norm``), as the one-call chain norms its rows: every logit and
+        kept hidden state of this runtime, its pool's and its chain's, is read from the same bits."""
+        x = x.to(torch.float32, memory_format=torch.contiguous_format)
+        normed = torch.empty_like(x)
+        if len(x):
+            self._library.sd_final_norm(ctypes.byref(self._model), x.data_ptr(), x.shape[0], normed.data_ptr())
+        return normed
+
+    @property
+    def chain_ids(self) -> torch.Tensor | None:  # [rows] int32
+        """The token ids of the LM head's rows, for the one-call chain; None where this runtime chains in Python: a
+        model whose logits are capped softly (its cap is torch's tanh, whose bits C does not reproduce), or a full
+        head whose float table would be a large copy (CHAIN_TABLE_BYTES)."""
+        vocabulary = self._chain_vocabulary()
+        return None if vocabulary is None else vocabulary.ids
+
+    def _chain_vocabulary(self) -> ChainVocabulary | None:
+        if self.architecture.logit_softcap:
+            return None
+        if self.chain_vocabulary is None and self._head.outputs == self.vocab_size:
+            self.chain_vocabulary = ChainVocabulary.full(self, CHAIN_TABLE_BYTES)
+        vocabulary = self.chain_vocabulary
+        if vocabulary is not None and len(vocabulary.ids) != self._head.outputs:
+            raise ValueError(f"the chain vocabulary has {len(vocabulary.ids)} ids for {self._head.outputs} head rows")
+        return vocabulary
+
+    @torch.inference_mode()
+    def draft_chain(self, last: int, k: int, width: int = 1, noise: torch.Tensor | None = None,
+                    temperature: float = 1.0) -> tuple[list[int], list[list[int]]]:
+        """DraftsChains's chain in one C call (``chain.c``): the sequence then stands as after ``extend([last], 1)``
+        and ``extend([token], 1)`` for the first k - 1 tokens (its tokens, cache, kept hidden states; no positions a
+        shallow run left; ``prefilled`` as it was)."""
+        vocabulary = self._chain_vocabulary()
+        if vocabulary is None:
+            raise UsageError("this runtime drafts its chains in Python (its chain_ids is None)")
+        rows = len(vocabulary.ids)
+        if not 1 <= width <= CHAIN_RANKED or k < 0 or not 0 <= last < self.vocab_size:
+            raise UsageError(f"a chain takes a width of 1 to {CHAIN_RANKED}, k >= 0 and a token in the vocabulary")
+        if noise is not None and (tuple(noise.shape) != (k, rows) or not temperature > 0):
+            raise UsageError(f"a chain's noise is [k, {rows}] (one row per depth), at a temperature above 0")
+        if k == 0:
+            return [], []
+        start = len(self.tokens)
+        self.rollback(start)  # positions a shallow run left after the cache go, as a pass drops them
+        self._make_room(start + k)
+        if start + k > self._capacity:
+            raise UsageError(f"a chain of {k} after {start} tokens passes the model's {self.max_length} positions")
+        first = self._embedded([last]).to(torch.float32).contiguous()  # [1, hidden]
+        noise = None if noise is None else noise.to(torch.float64).contiguous()
+        hidden = None if self._hidden is None else self._hidden[start : start + k]  # [k, hidden]: written there
+        drafted, ranked = np.empty(k, dtype=np.int32), np.empty((k, width - 1), dtype=np.int32)
+        native.use_threads(self.team.best())  # one row a pass: the size plain decoding measured fastest
+        address = lambda tensor: None if tensor is None else tensor.data_ptr()  # noqa: E731
+        code = self._library.sd_draft_chain(
+            ctypes.byref(self._model), ctypes.byref(self._cache().struct), first.data_ptr(), start, k,
+            vocabulary.ids.data_ptr(), vocabulary.embed.data_ptr(), rows, address(noise), temperature, width - 1,
+            drafted.ctypes.data, ranked.ctypes.data, address(hidden))
+        if code != 0:  # -2: arguments chain.c does not take, which the checks above keep from it
+            raise MemoryError("the chain could not allocate its scratch") if code == -1 else \
+                ValueError(f"sd_draft_chain refused its arguments ({code})")
+        tokens = drafted.tolist()
+        self.tokens += [last] + tokens[:-1]
+        return tokens, [[token for token in row if token >= 0] for row in ranked.tolist()]
 
     def pool(self, max_slots: int, max_length: int):
         from exactspec.backends.fused.pool import FusedPool

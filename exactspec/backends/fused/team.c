@@ -4,7 +4,6 @@
 
 /* ---------------------------------------------------------------- the thread team */
 
-#define MAX_THREADS 64
 #define SPINS_BEFORE_SLEEP 4000 /* about 0.2 ms of pause: past it, a member sleeps until the next pass */
 
 static int team_started = 1;
