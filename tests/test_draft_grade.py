@@ -127,3 +127,20 @@ def test_a_changed_source_is_another_copy(draft, tmp_path):
     write_tiny_gguf(draft, seed=4, tensor_type="Q5_0", **SHAPE)
     graded(draft)
     assert copy_path(draft, DraftGrade(bits=4)) != old and not old.exists()
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_a_copys_one_call_chain_is_its_python_chain(draft, bits):
+    """The copy's chain in one C call (chain.c over the cut head and the kept embeddings) drafts what a chain of
+    passes in Python does over its full-width logits (-inf off the vocabulary), and leaves the same cache."""
+    one, python = graded(draft, bits=bits), graded(draft, bits=bits)
+    for runtime in (one, python):
+        runtime.extend(IDS[:-1], 1)
+    drafted, _ = one.draft_chain(IDS[-1], 6)
+    logits, chain = python.extend([IDS[-1]], 1)[0], []
+    for _ in range(6):
+        chain.append(int(logits.argmax()))
+        logits = python.extend([chain[-1]], 1)[0]
+    assert drafted == chain and set(drafted) <= set(KEPT.tolist())
+    assert one.tokens == python.tokens[:-1]
+    assert torch.equal(one.extend([drafted[-1]], 1), logits[None])

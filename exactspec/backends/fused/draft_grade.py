@@ -31,7 +31,13 @@ import torch
 
 from exactspec.backends.family import spec_of_gguf
 from exactspec.backends.fused import packed_file
-from exactspec.backends.fused.runtime import FusedRuntime, FusedUnavailable, gguf_unavailable, weights_of
+from exactspec.backends.fused.runtime import (
+    ChainVocabulary,
+    FusedRuntime,
+    FusedUnavailable,
+    gguf_unavailable,
+    weights_of,
+)
 from exactspec.backends.fused.stored import NARROW, StoredMatrix, matrix_rows, packed_chunks, packed_grid, packed_q8
 from exactspec.backends.gguf_file import GGUFFile, Tensor, dequantized
 from exactspec.backends.runtime_kind import DraftGrade
@@ -210,7 +216,7 @@ class DraftGradeRuntime(FusedRuntime):
         runtime._start(weights_of(source, spec, copy.matrices), "stored", "integer")
         runtime.grade, runtime.coverage = grade, copy.coverage
         runtime.draft_vocabulary = copy.vocabulary  # [N] ascending: the token of each head row
-        runtime.draft_embeddings = copy.embeddings  # [N, hidden]: each one's embedding
+        runtime.chain_vocabulary = ChainVocabulary(torch.from_numpy(copy.vocabulary), copy.embeddings)  # chain.c's
         runtime._head_ids = torch.from_numpy(copy.vocabulary.astype(np.int64))
         return runtime
 
