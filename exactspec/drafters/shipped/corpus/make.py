@@ -2,7 +2,7 @@
 
     python exactspec/drafters/shipped/corpus/make.py [--source ShareGPT_V3_unfiltered_cleaned_split.json]
 
-It is what exactspec counts a tokenizer's output tokens on to choose a draft vocabulary (``exactspec.draft_vocabulary``):
+exactspec counts a tokenizer's output tokens on it to choose a draft vocabulary (``exactspec.draft_vocabulary``):
 text a chat model writes, prose and code. Conversations are taken in file order until their assistant turns hold
 ``--bytes`` of UTF-8 text; a conversation is left out where one of its user turns is one of the benchmarks' prompts
 (``data/``: every turn of MT-bench and Spec-Bench, HumanEval's prompts), compared with whitespace collapsed, or holds
