@@ -26,12 +26,17 @@ def default_path() -> Path:
 
 def conversations(path: Path) -> list[list[dict]]:
     """Each complete conversation's turns ({"from": "human" | "gpt", "value": text}), in file order."""
+    return [record["conversations"] for record in records(path)]
+
+
+def records(path: Path) -> list[dict]:
+    """Each complete conversation's record ({"id": ..., "conversations": turns}), in file order."""
     from exactspec.datastore import json_records
 
     if not path.is_file():
         raise UsageError(f"ShareGPT file not found: {path}")
-    records = json_records(path.read_text(encoding="utf-8", errors="replace").lstrip())
-    return [record["conversations"] for record in records if _is_conversation(record)]
+    found = json_records(path.read_text(encoding="utf-8", errors="replace").lstrip())
+    return [record for record in found if _is_conversation(record)]
 
 
 def _is_conversation(record: object) -> bool:

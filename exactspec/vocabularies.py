@@ -141,19 +141,28 @@ def _complete_utf8(data: bytes) -> int:
     return len(data)
 
 
+def control_ids(tokenizer, vocab_size: int) -> frozenset[int]:
+    """The ids below ``vocab_size`` of control tokens: BOS, EOS, a chat template's markers (not text). llama.cpp's
+    GGUF tokenizer says which are; transformers' names its special tokens."""
+    if hasattr(tokenizer, "is_control"):  # llama.cpp's GGUF tokenizer
+        return frozenset(t for t in range(min(vocab_size, tokenizer.vocab_size)) if tokenizer.is_control(t))
+    special = {int(t) for t in tokenizer.all_special_ids}
+    special |= {int(t) for t, added in getattr(tokenizer, "added_tokens_decoder", {}).items() if added.special}
+    return frozenset(t for t in special if 0 <= t < vocab_size)
+
+
 def _pieces_and_controls(tokenizer, vocab_size: int) -> tuple[list[bytes], frozenset[int]]:
     """Each id's bytes, and the ids of control tokens (which end a draft's text)."""
     if hasattr(tokenizer, "piece"):  # llama.cpp's GGUF tokenizer
         pieces = [tokenizer.piece(t) if t < tokenizer.vocab_size else b"" for t in range(vocab_size)]
-        return pieces, frozenset(t for t in range(min(vocab_size, tokenizer.vocab_size)) if tokenizer.is_control(t))
+        return pieces, control_ids(tokenizer, vocab_size)
     return _transformers_pieces(tokenizer, vocab_size)
 
 
 def _transformers_pieces(tokenizer, vocab_size: int) -> tuple[list[bytes], frozenset[int]]:
     """transformers' tokens as bytes: a byte-level BPE's symbols through GPT-2's byte alphabet, SentencePiece's
     ``▁`` as a space and ``<0xNN>`` as its byte, special tokens as written."""
-    special = {int(t) for t in tokenizer.all_special_ids}
-    special |= {int(t) for t, added in getattr(tokenizer, "added_tokens_decoder", {}).items() if added.special}
+    special = control_ids(tokenizer, vocab_size)
     names = tokenizer.convert_ids_to_tokens(list(range(min(vocab_size, len(tokenizer)))))
     byte_of = {char: byte for byte, char in _gpt2_byte_alphabet().items()}
     byte_level = "ByteLevel" in repr(getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", ""))

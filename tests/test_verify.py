@@ -84,6 +84,15 @@ def test_two_token_chain_gives_the_exact_joint_of_three_tokens(params):
     p3 = random_probs(generator, V, V, params=params)  # [V(x1), V(x2), V]
     q1 = random_probs(generator, params=params)
     q2 = random_probs(generator, V, params=params)
+    expected = p1[:, None, None] * p2[:, :, None] * p3
+    assert torch.allclose(chain_joint(p1, p2, p3, q1, q2), expected, atol=1e-9, rtol=0)
+
+
+def chain_joint(p1: torch.Tensor, p2: torch.Tensor, p3: torch.Tensor, q1: torch.Tensor, q2: torch.Tensor
+                ) -> torch.Tensor:  # [V, V, V]
+    """Exact joint of the first three tokens emitted by a round with a two-token draft drawn from q1 [V] and
+    q2 [V(x1), V], against the target's p1 [V], p2 [V(x1), V], p3 [V(x1), V(x2), V], enumerating every draft; a
+    round that stops early is completed with the target's own conditionals (the next rounds)."""
     joint = torch.zeros(V, V, V, dtype=torch.float64)
     for x1, x2 in itertools.product(range(V), repeat=2):
         weight = q1[x1] * q2[x1, x2]
@@ -100,8 +109,7 @@ def test_two_token_chain_gives_the_exact_joint_of_three_tokens(params):
         joint[x1] += weight * a1 * (1 - a2) * r2[:, None] * p3[x1]
         # both accepted: the bonus token from p3 after (x1, x2)
         joint[x1, x2] += weight * a1 * a2 * p3[x1, x2]
-    expected = p1[:, None, None] * p2[:, :, None] * p3
-    assert torch.allclose(joint, expected, atol=1e-9, rtol=0)
+    return joint
 
 
 def test_monte_carlo_verify_matches_target_distribution():
