@@ -94,9 +94,9 @@ def draft_grade_of(name: str) -> DraftGrade | None:
 def draft_vocabulary(tokenizer) -> tuple:
     """A draft model's draft vocabulary (token ids, their coverage of the shipped corpus's held-out text), chosen as
     its draft-grade copy is made."""
-    from exactspec.draft_vocabulary import choose_for
+    from exactspec.draft_vocabulary import DraftVocabulary
 
-    chosen = choose_for(tokenizer)
+    chosen = DraftVocabulary.for_model(tokenizer, tokenizer.vocab_size)
     detail(f"the draft vocabulary: {chosen.size} tokens, {chosen.coverage:.1%} of the corpus's held-out tokens")
     return chosen.ids, chosen.coverage
 
