@@ -97,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft-grade", choices=DRAFT_GRADES, default="auto", help=GRADE_HELP)
     gen.add_argument("--drafter", choices=list(DRAFTERS), default=None,
                      help="how to draft (default: hybrid, which drafts each round from the source the cost model "
-                     "expects to pay most: prompt lookup, the suffix index, and a draft model: --draft-model, or "
-                     "the default model for a target 4x its size or more); draft-model, mtp and eagle without a path "
+                     "expects to pay most: prompt lookup, the suffix index, and a draft model: --draft-model, or the "
+                     "installed model expected to pay most, as its draft-grade copy); draft-model, mtp and eagle without a path "
                      "use the drafter trained for the default model")
     gen.add_argument("--drafter-path", default=None, metavar="DIR",
                      help="a trained drafter (exactspec train), or a published EAGLE / Medusa checkpoint; with "
@@ -266,7 +266,7 @@ def _add_serve_parser(commands) -> None:
                        "listed by /v1/models; any other name is 404 model_not_found); default: the model file's name")
     serve.add_argument("--drafter", choices=list(DRAFTERS), default=None,
                        help="default: hybrid (prompt lookup, the suffix index with --datastore and learned answers, "
-                       "and a draft model: --draft-model, or the default model for a target 4x its size or more); "
+                       "and a draft model: --draft-model, or the installed model expected to pay most); "
                        "a drafter that reads the target's hidden states or first layers (eagle, mtp, early-exit) "
                        "serves one request at a time")
     serve.add_argument("--drafter-path", default=None, metavar="DIR",
