@@ -344,6 +344,9 @@ def _add_bench_parser(commands) -> None:
                        help="only these categories (comma-separated; HumanEval's is humaneval)")
     bench.add_argument("--per-category", type=int, default=None, metavar="N",
                        help="the first N prompts of each category")
+    bench.add_argument("--last", action="store_true",
+                       help="with --per-category, the last N of each category instead: the held-out prompts (nothing "
+                       "is tuned on the last dozen of each)")
     bench.add_argument("--limit", type=int, default=None, help="at most this many prompts in all")
     bench.add_argument("--drafters", default="none,hybrid,prompt-lookup",
                        help="comma-separated, each NAME, NAME:K or NAME:K:TREE (K an integer, auto or heuristic; "

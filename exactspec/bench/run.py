@@ -163,7 +163,7 @@ def run_bench(args) -> int:
     names = _comma_separated([args.drafters])
     drafter_paths = parse_drafter_paths(args.drafter_path)  # checked before the slow model load
     paths, categories = _comma_separated(args.prompts), _comma_separated([args.category] if args.category else [])
-    bench_prompts = select_prompts(paths, categories or None, args.per_category, args.limit)
+    bench_prompts = select_prompts(paths, categories or None, args.per_category, args.limit, args.last)
 
     loaded = load_target(args.model, dtype=args.dtype, device=args.device, backend=args.backend,
                          threads=args.threads, datastore=args.datastore, draft_model=args.draft_model,
