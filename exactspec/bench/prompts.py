@@ -36,10 +36,11 @@ def read_prompts(path: str | Path, category: str | None = None, limit: int | Non
 def select_prompts(paths: list[str | Path], categories: list[str] | None = None, per_category: int | None = None,
                    limit: int | None = None, last: bool = False) -> list[BenchPrompt]:
     """Prompts from several files, in file order: those of ``categories`` (None: all), the first ``per_category``
-    of each category (``last``: the last, the held-out prompts nothing is tuned on), at most ``limit`` in all. One benchmark run then holds every kind of prompt (Spec-Bench's qa,
-    rag, summarization, translation; writing, roleplay; HumanEval) side by side. A prompt whose id an earlier file
-    already holds is named ``file:id``, so per-prompt results stay apart. Each file must hold a prompt of the
-    categories, and each category named must be found."""
+    of each category (``last``: the last, the held-out prompts nothing is tuned on), at most ``limit`` in all. One
+    benchmark run then holds every kind of prompt (Spec-Bench's qa, rag, summarization, translation; writing,
+    roleplay; HumanEval) side by side. A prompt whose id an earlier file already holds is named ``file:id``, so
+    per-prompt results stay apart. Each file must hold a prompt of the categories, and each category named must be
+    found."""
     if per_category is not None and per_category < 1:
         raise UsageError(f"--per-category must be >= 1, got {per_category}")
     if limit is not None and limit < 1:
