@@ -111,7 +111,8 @@ def _corpus_maker():
 def test_ids_are_ranked_by_count_ties_by_id_and_controls_are_always_kept():
     counts = counts_of(fit=[5, 0, 7, 5, 9, 1, 5, 0], heldout=[1, 1, 1, 1, 1, 1, 1, 1])
     chosen = DraftVocabulary.of_size(counts, controls=[7], size=4)
-    assert chosen.ids.dtype == np.int32 and chosen.ids.tolist() == [0, 2, 4, 7]  # 7; then 9, 7, and 5 at ids 0 < 3 < 6
+    # the control 7; then counts 9 (id 4) and 7 (id 2); of the three 5s (ids 0, 3, 6), the lowest id
+    assert chosen.ids.dtype == np.int32 and chosen.ids.tolist() == [0, 2, 4, 7]
     assert chosen.size == 4 and chosen.coverage == pytest.approx(4 / 8)
     assert DraftVocabulary.of_size(counts, controls=[7], size=5).ids.tolist() == [0, 2, 3, 4, 7]
 
@@ -298,13 +299,12 @@ def test_greedy_with_a_restricted_draft_is_the_targets_argmax_for_every_vocabula
 
 K = 3  # draft tokens a round in the sampled tests
 VOCAB_SAMPLED = 40
-# the draft vocabulary of the sampled tests: 24 of 40 ids, leaving out the target's 4 likeliest at each position
 SAMPLED_SEEDS = 4_000
 
 
 def sampled_case():
-    """Target logits [K+1, 40], draft logits [K, 40] near them, and a draft vocabulary without each row's four
-    likeliest target tokens nor 12 others."""
+    """Target logits [K+1, 40], draft logits [K, 40] near them, and a draft vocabulary without ids 0-11 nor the
+    first row's four likeliest target tokens."""
     generator = torch.Generator().manual_seed(34)
     target = torch.randn(K + 1, VOCAB_SAMPLED, generator=generator, dtype=torch.float64) * 1.5
     draft = target[:K] + 0.5 * torch.randn(K, VOCAB_SAMPLED, generator=generator, dtype=torch.float64)
