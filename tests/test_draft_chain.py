@@ -46,7 +46,7 @@ def path(request, tmp_path_factory) -> Path:
                            architecture=arch, **SHAPE)
 
 
-def python_chain(proposer: DraftModelProposer) -> DraftModelProposer:
+def python_chain(proposer):
     """The proposer, made to chain in Python (one extend per token) whatever its model declares."""
     proposer._chains_in_one_call = lambda params: False
     return proposer
@@ -300,7 +300,7 @@ def test_the_avx2_tiles_draft_the_same_chain(path):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_a_chain_across_tokenizers_in_one_call_is_its_python_chain(tmp_path, temperature, monkeypatch):
+def test_a_chain_across_tokenizers_in_one_call_is_its_python_chain(tmp_path, temperature):
     """A draft model with another tokenizer than the target's, drafting among the tokens both hold (intersection):
     its chain in one call (the head's rows allowed where their tokens are shared, each mapped to the target's id;
     the invariant sampler's noise at the target's ids and positions) proposes what its Python chain does, tokens and
@@ -309,7 +309,6 @@ def test_a_chain_across_tokenizers_in_one_call_is_its_python_chain(tmp_path, tem
 
     from exactspec.backends.fused import FusedRuntime
     from exactspec.models import load_tokenizer
-    from exactspec.proposers import draft_model
     from exactspec.proposers.draft_model import ForeignDraft, ForeignDraftProposer
     from exactspec.vocabularies import ContextBridge, TokenText
 
@@ -322,11 +321,11 @@ def test_a_chain_across_tokenizers_in_one_call_is_its_python_chain(tmp_path, tem
     params = SamplingParams(temperature=temperature)
     drafts = {}
     for one_call in (True, False):
-        if not one_call:
-            monkeypatch.setattr(draft_model, "chains_in_one_call", lambda model, params: False)
         runtime = FusedRuntime.from_gguf(draft_path)
         source = ForeignDraft(runtime, ContextBridge(target_text, draft_text), method="intersection")
         proposer = ForeignDraftProposer(source, target_vocab_size=target_vocab)
+        if not one_call:
+            python_chain(proposer)
         generator = torch.Generator().manual_seed(3)
         drafts[one_call] = [proposer.propose_tree(context[:n], [2, 2, 1, 1], params, generator)
                             for n in (len(context) - 3, len(context))]

@@ -184,3 +184,20 @@ def test_drafting_with_a_copy_changes_no_token_alone_or_served(draft, tmp_path):
         server.shutdown(timeout=5)
     greedy = next(iter(outputs[(0.0, None)]))
     assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == decoder.tokenizer.decode(list(greedy))
+
+
+def test_the_draft_cost_bench_times_each_way_of_drafting_beside_the_target(draft, tmp_path, capsys):
+    """python -m exactspec.bench.draft_cost: one row per way of drafting (as it is, the draft-grade recipes, the
+    one-call chain), each a share of the target's step, with the floors its bytes set; a copy reads fewer bytes."""
+    from exactspec.bench import draft_cost
+
+    target = write_tiny_gguf(tmp_path / "target.gguf", seed=5, tensor_type="Q8_0", layers=3, hidden=128, heads=4,
+                             kv_heads=2, ffn=256)
+    assert draft_cost.main(["--model", str(target), "--draft-model", str(draft), "--repeats", "2", "--context",
+                            "16", "--threads", "2"]) == 0
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and "---" not in line and "runtime" not in line}
+    assert list(rows) == ["target", "draft, as it is", "draft-grade (vocabulary)", "draft-grade (auto)",
+                          "draft-grade (auto), one call"]
+    megabytes = {name: float(cells[1].split()[0].replace(",", "")) for name, cells in rows.items()}
+    assert megabytes["draft-grade (auto)"] < megabytes["draft-grade (vocabulary)"] < megabytes["draft, as it is"]

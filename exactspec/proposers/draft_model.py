@@ -37,7 +37,16 @@ from exactspec.sampling import SamplingParams, draft_token, gumbel_noise, noise_
 from exactspec.vocabularies import LOW_OVERLAP, ContextBridge, SharedTokens
 
 
-class DraftModelProposer(TreeProposer, CatchesUp, DraftsUnderGrammar):
+class _ChainsInOneCall:
+    """A draft model's proposer whose chains go in one call where its model and the sampling allow."""
+
+    model: CausalLM
+
+    def _chains_in_one_call(self, params: SamplingParams) -> bool:
+        return chains_in_one_call(self.model, params)
+
+
+class DraftModelProposer(_ChainsInOneCall, TreeProposer, CatchesUp, DraftsUnderGrammar):
     name = "draft-model"
 
     def __init__(self, model: CausalLM, target_vocab_size: int) -> None:
@@ -80,7 +89,7 @@ class DraftModelProposer(TreeProposer, CatchesUp, DraftsUnderGrammar):
         the draft model ranks next at each."""
         if not widths or not self._embeds(context):
             return [], [], []
-        if chains_in_one_call(self.model, params):
+        if self._chains_in_one_call(params):
             return self._one_call_chain(context, widths, params, generator)
         logits = sync(self.model, context, num_logits=1)[0]  # [vocab_d]: rejected draft tokens are dropped here
         tokens: list[int] = []
@@ -161,7 +170,7 @@ class ForeignDraft:
         return replace(self, model=model, bridge=self.bridge.fresh())
 
 
-class ForeignDraftProposer(TreeProposer, CatchesUp, DraftsUnderGrammar):
+class ForeignDraftProposer(_ChainsInOneCall, TreeProposer, CatchesUp, DraftsUnderGrammar):
     """A draft model with its own vocabulary: ``text`` proposes the target's tokens of its text (the draft's mode,
     point masses); ``intersection`` drafts among the tokens both vocabularies hold, sampled as a same-vocabulary
     draft is (a proper q; under the invariant sampler, noise keyed by the target's ids and positions). ``auto``, as
@@ -271,7 +280,7 @@ class ForeignDraftProposer(TreeProposer, CatchesUp, DraftsUnderGrammar):
         ids, pending = self.bridge.draft_context(context, self.model.tokens)
         if not ids or pending:  # the draft's context must reach the target's last byte
             return [], [], []
-        if chains_in_one_call(self.model, params):
+        if self._chains_in_one_call(params):
             return self._one_call_shared_chain(context, ids, widths, params, generator)
         logits = sync(self.model, ids, num_logits=1)[0]  # [vocab_d]
         tokens: list[int] = []
