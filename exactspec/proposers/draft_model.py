@@ -9,12 +9,16 @@ tokens (``vocabularies.ContextBridge``) and proposes target tokens in one of two
 ``text``, string-level exact match (its text re-encoded by the target's tokenizer, the part whose tokens are
 settled), or ``intersection``, its distribution restricted to the tokens both vocabularies hold, so that it drafts
 target tokens with a proper q.
+
+Either reads a long context through a :class:`ContextWindow`: its first tokens and its last ``DRAFT_WINDOW`` or so,
+so that a 2,000-token prompt costs the draft about a window's catch-up, not 2,000 tokens. Only acceptance moves:
+exactness is the verifier's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +40,56 @@ from exactspec.proposers.base import (
 from exactspec.sampling import SamplingParams, draft_token, gumbel_noise, noise_seed, ranked
 from exactspec.vocabularies import LOW_OVERLAP, ContextBridge, SharedTokens
 
+# The first tokens of a long context that a draft model always reads: the system prompt and the chat template's start
+# of the conversation (Qwen2.5's default system turn is 20 tokens), which say what kind of text follows.
+DRAFT_WINDOW_HEAD = 32
+# The recent tokens a draft model reads past them (None: all of the context). PLACEHOLDER: set from measurement.
+DRAFT_WINDOW = 256
+
+
+@dataclass
+class ContextWindow:
+    """A draft model's view of a growing id list: its first ``head`` ids, then its ids from a cut point on, so that a
+    long context costs the draft about ``width`` tokens of catch-up, not all of them (``width`` None: the whole list).
+
+    The view grows as the list grows, so that ``sync`` keeps the draft's cache and feeds it only the new ids: the
+    cut is made once a sequence's list first holds more than head + width ids (``width`` ids after it), and moved
+    only when the ids past it exceed ``2 * width`` (one catch-up of ``width`` ids). A list that does not continue the
+    one the cut was made for (its ids before the cut differ) is another sequence, cut afresh. The draft reads its
+    view at the view's own positions: compressed, which moves only how well it drafts."""
+
+    width: int | None = DRAFT_WINDOW
+    head: int = DRAFT_WINDOW_HEAD
+    _before: list[int] = field(default_factory=list, init=False, repr=False)  # the ids before the cut (none: none)
+
+    def __post_init__(self) -> None:
+        if self.width is not None and self.width < 1:
+            raise UsageError(f"a draft model's context window must be at least one token, not {self.width}")
+
+    def view(self, ids: list[int]) -> list[int]:
+        """The ids the draft reads of ``ids``: all of them, or the head and the ids from the cut on."""
+        if self.width is None:
+            return ids
+        cut = len(self._before)
+        if cut and ids[:cut] != self._before:
+            cut = 0  # another sequence
+        if len(ids) - (cut or self.head) > (2 if cut else 1) * self.width:
+            cut = len(ids) - self.width
+        self._before = ids[:cut]
+        return ids[: self.head] + ids[cut:] if cut else ids
+
+    def unview(self, cached: list[int]) -> list[int]:
+        """The ids a draft cache of this window's view stands for (``cached``: a view and the tokens drafted after
+        it): the ids before the cut put back. A cache that is no view of the current cut is returned as it is."""
+        cut = len(self._before)
+        if not cut or len(cached) < self.head or cached[: self.head] != self._before[: self.head]:
+            return cached
+        return self._before + cached[self.head:]
+
+    def forget(self) -> None:
+        """Start afresh: the next list is cut as a new sequence's."""
+        self._before = []
+
 
 class _ChainsInOneCall:
     """A draft model's proposer whose chains go in one call where its model and the sampling allow."""
@@ -49,20 +103,25 @@ class _ChainsInOneCall:
 class DraftModelProposer(_ChainsInOneCall, TreeProposer, CatchesUp, DraftsUnderGrammar):
     name = "draft-model"
 
-    def __init__(self, model: CausalLM, target_vocab_size: int) -> None:
+    def __init__(self, model: CausalLM, target_vocab_size: int, window: int | None = DRAFT_WINDOW,
+                 head: int = DRAFT_WINDOW_HEAD) -> None:
+        """``window``, ``head``: the recent tokens of a long context the draft model reads, and its first ones
+        (:class:`ContextWindow`; window None: all of it)."""
         if model.vocab_size > target_vocab_size:
             raise UsageError(
                 f"the draft model's logits are wider ({model.vocab_size}) than the target's ({target_vocab_size})"
             )
         self.model = model
         self.target_vocab_size = target_vocab_size
+        self.window = ContextWindow(window, head)
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
                 guide: Guide | None = None) -> Draft:
         if guide is not None:
-            if not k or not self._embeds(context):
+            seen = self.window.view(context)
+            if not k or not self._embeds(seen):
                 return EMPTY_DRAFT
-            logits = sync(self.model, context, num_logits=1)[0]  # [vocab_d]
+            logits = sync(self.model, seen, num_logits=1)[0]  # [vocab_d]
             return guided_chain(self._wide(logits), k, params, generator, len(context), guide, self._step)
         tokens, rows, _ = self._chain(context, [1] * k, params, generator)
         return draft_of(tokens, rows)
@@ -86,12 +145,14 @@ class DraftModelProposer(_ChainsInOneCall, TreeProposer, CatchesUp, DraftsUnderG
     def _chain(self, context: list[int], widths: list[int], params: SamplingParams,
                generator: torch.Generator | None) -> tuple[list[int], list, list[list[int]]]:
         """len(widths) tokens drafted autoregressively (and their distributions), with the ``widths[d] - 1`` tokens
-        the draft model ranks next at each."""
-        if not widths or not self._embeds(context):
+        the draft model ranks next at each. The draft reads its window's view of the context; the tokens are drawn
+        at the context's own positions, as the target draws them."""
+        seen = self.window.view(context)
+        if not widths or not self._embeds(seen):
             return [], [], []
         if self._chains_in_one_call(params):
-            return self._one_call_chain(context, widths, params, generator)
-        logits = sync(self.model, context, num_logits=1)[0]  # [vocab_d]: rejected draft tokens are dropped here
+            return self._one_call_chain(seen, len(context), widths, params, generator)
+        logits = sync(self.model, seen, num_logits=1)[0]  # [vocab_d]: rejected draft tokens are dropped here
         tokens: list[int] = []
         rows: list[torch.Tensor | None] = []
         alternatives: list[list[int]] = []
@@ -104,28 +165,30 @@ class DraftModelProposer(_ChainsInOneCall, TreeProposer, CatchesUp, DraftsUnderG
                 logits = self.model.extend([token], num_logits=1)[0]
         return tokens, rows, alternatives
 
-    def _one_call_chain(self, context: list[int], widths: list[int], params: SamplingParams,
+    def _one_call_chain(self, seen: list[int], position: int, widths: list[int], params: SamplingParams,
                         generator: torch.Generator | None) -> tuple[list[int], list, list[list[int]]]:
-        """_chain's tokens and alternatives in one call: the cache synced to all of the context but its last token,
-        which the call feeds; under the invariant sampler, each depth's noise over the head's ids at its position,
-        as the target will draw it."""
-        sync(self.model, context[:-1], num_logits=0)
+        """_chain's tokens and alternatives in one call: the cache synced to all of the draft's view ``seen`` but
+        its last token, which the call feeds; under the invariant sampler, each depth's noise over the head's ids
+        at its position in the context (the first at ``position``), as the target will draw it."""
+        sync(self.model, seen[:-1], num_logits=0)
         k = len(widths)
         noise = None if params.greedy else \
-            chain_noise(self.model.chain_ids, noise_seed(generator), range(len(context), len(context) + k))
-        tokens, alternatives = self.model.draft_chain(context[-1], k, max(widths), noise, params.temperature or 1.0)
+            chain_noise(self.model.chain_ids, noise_seed(generator), range(position, position + k))
+        tokens, alternatives = self.model.draft_chain(seen[-1], k, max(widths), noise, params.temperature or 1.0)
         return tokens, [None] * k, [others[: width - 1] for others, width in zip(alternatives, widths)]
 
     def catch_up(self, context: list[int]) -> None:
-        if self._embeds(context):
-            sync(self.model, context[:-1], num_logits=0)
+        seen = self.window.view(context)
+        if self._embeds(seen):
+            sync(self.model, seen[:-1], num_logits=0)
 
-    def _embeds(self, context: list[int]) -> bool:
-        """Whether the draft model can embed every id of ``context`` (a wider target's may lie past its own)."""
-        return max(context) < self.model.vocab_size
+    def _embeds(self, ids: list[int]) -> bool:
+        """Whether the draft model can embed every one of ``ids`` (a wider target's may lie past its own)."""
+        return max(ids) < self.model.vocab_size
 
     def clear_cache(self) -> None:
         self.model.rollback(0)
+        self.window.forget()
 
     def _pad(self, probs: torch.Tensor) -> torch.Tensor:  # [vocab_d] -> [target vocab]
         """Draft probabilities over the target's logit width; ids the draft model lacks get q = 0."""
@@ -182,7 +245,10 @@ class ForeignDraftProposer(_ChainsInOneCall, TreeProposer, CatchesUp, DraftsUnde
 
     name = "draft-model"
 
-    def __init__(self, source: ForeignDraft, target_vocab_size: int) -> None:
+    def __init__(self, source: ForeignDraft, target_vocab_size: int, window: int | None = DRAFT_WINDOW,
+                 head: int = DRAFT_WINDOW_HEAD) -> None:
+        """``window``, ``head``: the recent tokens of a long context the draft model reads, and its first ones, in
+        its own tokens (:class:`ContextWindow`; window None: all of it)."""
         if source.method not in CROSS_VOCABULARY_METHODS:
             raise UsageError(f"the cross-vocabulary method must be one of {', '.join(CROSS_VOCABULARY_METHODS)}, "
                              f"not {source.method!r}")
@@ -193,6 +259,7 @@ class ForeignDraftProposer(_ChainsInOneCall, TreeProposer, CatchesUp, DraftsUnde
         self.shared = source.shared
         self.overlap = source.overlap
         self._targets: torch.Tensor | None = None  # the target's id of each head row's token (_row_targets)
+        self.window = ContextWindow(window, head)
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
                 guide: Guide | None = None) -> Draft:
@@ -209,7 +276,7 @@ class ForeignDraftProposer(_ChainsInOneCall, TreeProposer, CatchesUp, DraftsUnde
 
     def _guided(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
                 guide: Guide) -> Draft:
-        ids, pending = self.bridge.draft_context(context, self.model.tokens)
+        ids, pending = self._draft_context(context)
         if not ids or pending:  # the draft's context must reach the target's last byte
             return EMPTY_DRAFT
         first = self.shared.target_logits(sync(self.model, ids, num_logits=1)[0], self.target_vocab_size)
@@ -228,12 +295,20 @@ class ForeignDraftProposer(_ChainsInOneCall, TreeProposer, CatchesUp, DraftsUnde
         return spine_tree(tokens, rows, alternatives) if tokens else EMPTY_DRAFT
 
     def catch_up(self, context: list[int]) -> None:
-        ids, _ = self.bridge.draft_context(context, self.model.tokens)
+        ids, _ = self._draft_context(context)
         if len(ids) > 1:
             sync(self.model, ids[:-1], num_logits=0)
 
     def clear_cache(self) -> None:
         self.model.rollback(0)
+        self.window.forget()
+
+    def _draft_context(self, context: list[int]) -> tuple[list[int], bytes]:
+        """What the draft reads of the target's ``context``: its window's view of the draft's own tokens for it
+        (``ContextBridge.draft_context``, which reuses the tokens the draft wrote, read back through the view), and
+        the target's bytes past them. The view ends where those tokens end, so it reaches the same byte."""
+        ids, pending = self.bridge.draft_context(context, self.window.unview(self.model.tokens))
+        return self.window.view(ids), pending
 
     def _text_draft(self, context: list[int], k: int) -> Draft:
         """String-level exact match: the draft model writes on greedily (its text is proposed as point masses,
@@ -241,7 +316,7 @@ class ForeignDraftProposer(_ChainsInOneCall, TreeProposer, CatchesUp, DraftsUnde
         until its text holds k target tokens whose tokenisation is settled (all but the last, unless its text
         ended), at most 2(k+1) of its own tokens; the target's tokenizer reads that text past what the target has
         written."""
-        ids, pending = self.bridge.draft_context(context, self.model.tokens)
+        ids, pending = self._draft_context(context)
         if not ids:
             return EMPTY_DRAFT
         logits = sync(self.model, ids, num_logits=1)[0]  # [vocab_d]
@@ -277,7 +352,7 @@ class ForeignDraftProposer(_ChainsInOneCall, TreeProposer, CatchesUp, DraftsUnde
         """Token-level intersection: len(widths) target tokens drafted from the draft's distribution over the
         shared tokens (renormalised, the target's sampling settings applied, at the target's positions), with the
         ``widths[d] - 1`` shared tokens it ranks next at each depth."""
-        ids, pending = self.bridge.draft_context(context, self.model.tokens)
+        ids, pending = self._draft_context(context)
         if not ids or pending:  # the draft's context must reach the target's last byte
             return [], [], []
         if self._chains_in_one_call(params):
@@ -365,13 +440,14 @@ def guided_chain(logits: torch.Tensor, k: int, params: SamplingParams, generator
 ROLE = Role(needs_draft_model=True, trained=True)
 
 
-def make(target: CausalLM, source: CausalLM | ForeignDraft | None, datastore
-         ) -> DraftModelProposer | ForeignDraftProposer:
+def make(target: CausalLM, source: CausalLM | ForeignDraft | None, datastore, window: int | None = DRAFT_WINDOW,
+         head: int = DRAFT_WINDOW_HEAD) -> DraftModelProposer | ForeignDraftProposer:
     """A draft model's proposer: ``source`` is the draft model (loading.draft_source finds it), or a
-    :class:`ForeignDraft` where its tokenizer is not the target's."""
+    :class:`ForeignDraft` where its tokenizer is not the target's; reading a long context's first ``head`` tokens and
+    its recent ``window`` (:class:`ContextWindow`; window None: all of it)."""
     if source is None:
         raise UsageError("--drafter draft-model needs a draft model: --draft-model PATH, --drafter-path DIR, or the "
                          "default target (whose trained draft model ships with exactspec)")
     if isinstance(source, ForeignDraft):
-        return ForeignDraftProposer(source, target_vocab_size=target.vocab_size)
-    return DraftModelProposer(source, target_vocab_size=target.vocab_size)
+        return ForeignDraftProposer(source, target_vocab_size=target.vocab_size, window=window, head=head)
+    return DraftModelProposer(source, target_vocab_size=target.vocab_size, window=window, head=head)

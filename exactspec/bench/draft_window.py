@@ -1,0 +1,160 @@
+"""How much of a long context a draft model should read: a draft model at several context windows (its first tokens
+and its last W: ``proposers/draft_model.py``'s ContextWindow), beside plain decoding, on the same prompts.
+
+    python -m exactspec.bench.draft_window --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b \\
+        --prompts data/spec_bench_question.jsonl --category summarization --limit 4 --windows 256/32,256/256,off
+
+Per prompt the target prefills the prompt once (timed); plain decoding and the draft model at each width then decode
+from that cache, in an order rotated per prompt, so that the target's prefill, the same for all, is paid once. Each
+run starts from an empty draft cache, and the draft's catch-up on the prompt (its prefill of its view) is timed
+apart. The table: acceptance (accepted / drafted), tokens per round, catch-up seconds, tokens/s of the decode
+(catch-up included) and of the whole request (the target's prefill added), its speedup over plain decoding's whole
+request (median per prompt), and greedy mismatches with plain decoding (exactness: always 0).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+PLAIN = "none"
+
+
+@dataclass
+class Measured:
+    """One run of one contender on one prompt."""
+
+    category: str
+    tokens: list[int]
+    catch_up: float  # seconds of the draft's catch-up on the prompt
+    decode: float  # seconds of the generation from the prefilled prompt (catch-up not included)
+    prefill: float  # seconds of the target's prefill of the prompt
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+
+    @property
+    def whole(self) -> float:
+        return self.prefill + self.catch_up + self.decode
+
+
+def parse_windows(text: str, head: int) -> list[tuple[int | None, int]]:
+    """``128,256/64,off`` -> [(128, head), (256, 64), (None, head)]: each window W, or W/H with a head of H tokens
+    (off: the whole context)."""
+    from exactspec.errors import UsageError
+
+    windows: list[tuple[int | None, int]] = []
+    for part in text.split(","):
+        width, _, first = part.partition("/")
+        if width == "off" and not first:
+            windows.append((None, head))
+        elif width.isdigit() and int(width) > 0 and (not first or first.isdigit()):
+            windows.append((int(width), int(first) if first else head))
+        else:
+            raise UsageError(f"--windows: each W, W/H (token counts) or off, not {part!r}")
+    return windows
+
+
+def run_one(engine, prompt: list[int], config, prefill_seconds: float, category: str) -> Measured:
+    """One contender on a prompt the target holds prefilled: the draft's catch-up timed apart, then the generation."""
+    from exactspec.backends.base import declares
+    from exactspec.proposers.base import CatchesUp
+
+    engine.proposer.clear_cache()
+    started = time.perf_counter()
+    if declares(engine.proposer, CatchesUp):
+        engine.proposer.catch_up(prompt)
+    catch_up = time.perf_counter() - started
+    result = engine.generate(prompt, config)
+    stats = result.stats
+    return Measured(category, result.token_ids, catch_up, stats.seconds, prefill_seconds, stats.draft_tokens,
+                    stats.accepted_tokens, stats.rounds)
+
+
+def measure(engines: dict[str, object], prompts: list[tuple[str, list[int]]], config) -> dict[str, list[Measured]]:
+    """Every contender on every prompt, the target's prefill once a prompt, the order rotated per prompt."""
+    from exactspec.backends.base import prefill
+
+    names = list(engines)
+    runs: dict[str, list[Measured]] = {name: [] for name in names}
+    for i, (category, prompt) in enumerate(prompts):
+        target = engines[PLAIN].target
+        target.rollback(0)
+        started = time.perf_counter()
+        prefill(target, prompt[:-1])
+        seconds = time.perf_counter() - started
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            runs[name].append(run_one(engines[name], prompt, config, seconds, category))
+            print(f"  {category} prompt {i} ({len(prompt)} tokens) {name}: {runs[name][-1].decode:.1f} s",
+                  file=sys.stderr, flush=True)
+    return runs
+
+
+def table(runs: dict[str, list[Measured]], category: str | None) -> list[str]:
+    """The markdown rows for one category (None: all)."""
+    plain = [m for m in runs[PLAIN] if category in (None, m.category)]
+    lines = []
+    for name, measured in runs.items():
+        mine = [m for m in measured if category in (None, m.category)]
+        tokens = sum(len(m.tokens) for m in mine)
+        drafted, accepted, rounds = (sum(getattr(m, f) for m in mine) for f in ("drafted", "accepted", "rounds"))
+        catch_up = sum(m.catch_up for m in mine) / len(mine)
+        decode_rate = tokens / sum(m.catch_up + m.decode for m in mine)
+        whole_rate = tokens / sum(m.whole for m in mine)
+        speedup = statistics.median(p.whole / m.whole * len(m.tokens) / len(p.tokens) for m, p in zip(mine, plain))
+        mismatches = sum(m.tokens != p.tokens for m, p in zip(mine, plain))
+        acceptance = f"{accepted / drafted:.1%}" if drafted else "—"
+        lines.append(f"| {category or 'all'} | {name} | {acceptance} | {tokens / rounds:.2f} | {catch_up:.2f} | "
+                     f"{decode_rate:.2f} | {whole_rate:.2f} | {speedup:.2f}x | {mismatches} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    from exactspec.bench.prompts import prompt_script_parser, read_prompts
+    from exactspec.engine import Engine, GenerationConfig
+    from exactspec.loading import draft_source, encode_prompt, load_target
+    from exactspec.proposers import NoProposer
+    from exactspec.proposers import draft_model as draft_models
+
+    parser = prompt_script_parser(__doc__, limit=4)
+    parser.add_argument("--category", default=None, help="comma-separated categories, the first --limit of each")
+    parser.add_argument("--draft-model", required=True)
+    parser.add_argument("--windows", default="128,256,512,1024,off",
+                        help="the draft's context windows: each W (its last W tokens and the default head), W/H (a "
+                        "head of H), or off")
+    parser.add_argument("-k", "--num-draft-tokens", type=int, default=4)
+    args = parser.parse_args(argv)
+    windows = parse_windows(args.windows, draft_models.DRAFT_WINDOW_HEAD)
+
+    loaded = load_target(args.model, threads=args.threads, draft_model=args.draft_model, drafters=("draft-model",))
+    source = draft_source("draft-model", loaded.target, loaded.runtime, loaded.draft, loaded.precision)
+    engines = {PLAIN: Engine(loaded.runtime, NoProposer(), loaded.stop_ids)}
+    for width, head in windows:
+        proposer = draft_models.make(loaded.runtime, source, None, window=width, head=head)
+        name = f"draft-model W={width}, head {head}" if width else "draft-model, whole context"
+        engines[name] = Engine(loaded.runtime, proposer, loaded.stop_ids)
+    categories = args.category.split(",") if args.category else [None]
+    prompts = [(p.category, encode_prompt(loaded.target.tokenizer, p.text, None if p.chat else False))
+               for category in categories for p in read_prompts(args.prompts, category, args.limit)]
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens)
+    for engine in list(engines.values())[:2]:  # warm-up: first-call costs (the weights' pages) out of the timings
+        engine.generate(prompts[0][1][:64], GenerationConfig(max_new_tokens=8, num_draft_tokens=4))
+
+    runs = measure(engines, prompts, config)
+    lengths = [len(ids) for _, ids in prompts]
+    print(f"{len(prompts)} prompts ({min(lengths)}-{max(lengths)} tokens, mean {statistics.mean(lengths):.0f}), "
+          f"{args.max_new_tokens} new tokens, k = {args.num_draft_tokens}, greedy, "
+          f"{getattr(loaded.runtime, 'threads', None) or args.threads} threads")
+    print("")
+    print("| category | drafter | acceptance | tokens/round | catch-up s | decode tokens/s | request tokens/s | "
+          "speedup | greedy mismatches |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for category in dict.fromkeys([m.category for m in runs[PLAIN]] + [None]):
+        print("\n".join(table(runs, category)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
