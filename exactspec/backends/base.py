@@ -399,12 +399,12 @@ def sync(model: CausalLM, context: list[int], num_logits: int) -> torch.Tensor: 
     return model.extend(context[shared:], num_logits)
 
 
-def prefill(model: CausalLM, prompt: list[int]) -> None:
+def prefill(model: CausalLM, prompt: list[int]) -> int:
     """Make the model's cache hold exactly ``prompt``, prefilled: as a prefill of the prompt alone writes it, bit for
     bit, where the model runs prompts through their own kernel (``PromptPasses``). A cached prefix is kept only
     where that holds: a long prompt keeps what prompt passes wrote and runs a rest long enough to be one (or
     nothing); a short prompt keeps what rounds wrote, never what a prompt pass did. Elsewhere, the longest shared
-    prefix (``sync``)."""
+    prefix (``sync``). Returns the tokens it fed (the prompt but the prefix kept)."""
     keep = common_prefix_length(model.tokens, prompt)
     if declares(model, PromptPasses):
         if len(prompt) >= model.prompt_positions:
@@ -415,6 +415,7 @@ def prefill(model: CausalLM, prompt: list[int]) -> None:
             keep = 0
     model.rollback(keep)
     model.extend(prompt[keep:], 0)
+    return len(prompt) - keep
 
 
 def pass_seconds(model: CausalLM, positions: int) -> float:
