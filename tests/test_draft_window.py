@@ -241,3 +241,13 @@ def counting_cache(runtime) -> tuple[list[int], list[int]]:
         return logits
     runtime.extend = counted
     return fed, lengths
+
+
+def test_the_window_bench_reads_each_window_and_refuses_others_in_one_line():
+    """``python -m exactspec.bench.draft_window --windows``: W (the default head), W/H, or off (the whole context)."""
+    from exactspec.bench.draft_window import parse_windows
+
+    assert parse_windows("128,256/64,off", 32) == [(128, 32), (256, 64), (None, 32)]
+    for bad in ("0", "abc", "off/8", "128/", "-5"):
+        with pytest.raises(UsageError, match="--windows"):
+            parse_windows(bad, 32)

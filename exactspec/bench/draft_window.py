@@ -47,11 +47,11 @@ def parse_windows(text: str, head: int) -> list[tuple[int | None, int]]:
 
     windows: list[tuple[int | None, int]] = []
     for part in text.split(","):
-        width, _, first = part.partition("/")
-        if width == "off" and not first:
+        width, slash, first = part.partition("/")
+        if part == "off":
             windows.append((None, head))
-        elif width.isdigit() and int(width) > 0 and (not first or first.isdigit()):
-            windows.append((int(width), int(first) if first else head))
+        elif width.isdigit() and int(width) > 0 and (not slash or first.isdigit()):
+            windows.append((int(width), int(first) if slash else head))
         else:
             raise UsageError(f"--windows: each W, W/H (token counts) or off, not {part!r}")
     return windows
