@@ -132,7 +132,22 @@ class DraftGate:
             self.trials.spend(target_seconds)
 
 
-class CostModelPolicy(ChainShape):
+class Gated(Policy):
+    """A cost-model policy (its ``costs``) whose rounds draft only as its ``gate`` allows: what it learns of the
+    drafter's catching up and of the target's prefills, which are plain time that trials may spend a share of."""
+
+    costs: PassCosts
+    gate: DraftGate
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        self.costs.observe_catch_up(tokens, seconds)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        self.costs.observe_prefill(tokens, seconds)
+        self.gate.trials.spend(seconds)
+
+
+class CostModelPolicy(ChainShape, Gated):
     """Maximise expected tokens per second over k = 0..max_k.
 
     Expected tokens of a round drafting k: 1 + sum over i <= k of a_1 x ... x a_i, where a_i is the measured
@@ -175,13 +190,6 @@ class CostModelPolicy(ChainShape):
         self.costs.observe(verdict.num_draft + 1, target_seconds, proposed, draft_seconds)
         self.gate.observe(verdict, target_seconds)
 
-    def observe_catch_up(self, tokens: int, seconds: float) -> None:
-        self.costs.observe_catch_up(tokens, seconds)
-
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        self.costs.observe_prefill(tokens, seconds)
-        self.gate.trials.spend(seconds)
-
     def acceptances(self) -> list[float]:
         """[i-1]: estimated probability that draft position i is accepted, given that position i-1 was (each
         position's estimate shrunk towards the one before it)."""
@@ -209,7 +217,7 @@ class PlannedByDrafter(ChainShape):
         self.drafter.observe_pass(verdict.num_draft + 1, target_seconds)
 
 
-class TreePolicy(Policy):
+class TreePolicy(Gated):
     """``--tree auto``: each round's tree shape (candidates per depth, so its depth and size) by the same cost
     model as ``-k auto``: the shape that maximises expected tokens per second.
 
@@ -263,13 +271,6 @@ class TreePolicy(Policy):
             tried = min(width, rank or width, self.max_width)
             for r, candidate in enumerate(row):  # every count fades, the ones tried this round grow
                 candidate.observe(float(rank is not None and r == rank - 1), float(r < tried), self.decay)
-
-    def observe_catch_up(self, tokens: int, seconds: float) -> None:
-        self.costs.observe_catch_up(tokens, seconds)
-
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        self.costs.observe_prefill(tokens, seconds)
-        self.gate.trials.spend(seconds)
 
     def acceptances(self) -> list[list[float]]:
         """[d-1][r-1]: the estimated h_d(r)."""
