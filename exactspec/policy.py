@@ -23,6 +23,7 @@ from exactspec.costs import (
     TRIAL_SHARE,
     Acceptance,
     PassCosts,
+    SequenceLengths,
     TrialBudget,
     chained_rates,
     expected_tokens_by_k,
@@ -54,7 +55,8 @@ class Policy(Protocol):
         weighs no backlog ignores it)."""
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
-        """The target prefilled ``tokens`` of a prompt in ``seconds`` (a policy that weighs no time ignores it)."""
+        """A sequence starts: the target prefilled ``tokens`` of its prompt in ``seconds`` (a policy that weighs no
+        time ignores it)."""
 
 
 class ChainShape(Policy):
@@ -104,12 +106,13 @@ class HeuristicDraftLength(ChainShape):
 class DraftGate:
     """Whether a round drafts at all, given the best draft the cost model found (its expected tokens and seconds):
     where that beats plain decoding per token, and the drafter's catching up before it (a draft model's prefill of
-    the prompt, or of the rounds it did not draft) pays for itself over the tokens the sequence may still emit;
-    otherwise only as a trial, within a share of the time (``TrialBudget``). So a drafter that does not pay costs
-    plain decoding at most that share, its catching up included."""
+    the prompt, or of the rounds it did not draft) pays for itself over the tokens the sequence is expected to emit
+    still (``SequenceLengths``); otherwise only as a trial, within a share of the time (``TrialBudget``). So a
+    drafter that does not pay costs plain decoding at most that share, its catching up included."""
 
     def __init__(self, share: float = TRIAL_SHARE) -> None:
         self.trials = TrialBudget(share)
+        self.lengths = SequenceLengths()
 
     def drafts(self, costs: PassCosts, tokens: float, seconds: float, backlog: int = 0,
                remaining: int | None = None) -> bool:
@@ -121,13 +124,19 @@ class DraftGate:
             return False
         plain = costs.scoring_seconds(1)
         saved = plain - seconds / tokens  # seconds saved per token emitted
-        if saved > 0 and saved * (math.inf if remaining is None else remaining) > catching_up:
+        if saved > 0 and saved * self.lengths.expected_left(remaining) > catching_up:
             self.trials.reset()
             return True
         return self.trials.allows(catching_up + seconds - tokens * plain)
 
+    def start(self, prefill_seconds: float) -> None:
+        """A sequence starts, after the target's prefill: plain time, of which trials may spend a share."""
+        self.lengths.start()
+        self.trials.spend(prefill_seconds)
+
     def observe(self, verdict: Verdict | TreeVerdict, target_seconds: float) -> None:
-        """A round that drafted nothing is plain time, of which trials may spend a share."""
+        """The round's tokens count towards the sequence's length; a round that drafted nothing is plain time."""
+        self.lengths.emitted(verdict.accepted + 1)
         if not verdict.proposed[0]:
             self.trials.spend(target_seconds)
 
@@ -144,7 +153,7 @@ class Gated(Policy):
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         self.costs.observe_prefill(tokens, seconds)
-        self.gate.trials.spend(seconds)
+        self.gate.start(seconds)
 
 
 class CostModelPolicy(ChainShape, Gated):
