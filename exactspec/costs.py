@@ -13,6 +13,7 @@ target pass over n positions costs, how often draft tokens are accepted, and the
   sizes are too few to move points without bending the curve's shape.
 - ``TrialBudget``: while plain decoding wins, what keeps drafting's evidence fresh: a trial round once the plain
   rounds since the last took long enough that the trial's cost beyond them is a small share of the time.
+- ``SequenceLengths``: how many more tokens a sequence may be expected to emit, from how long the last few ran.
 - ``SourcePlan``: the same model over a combined drafter's sources (the hybrid's): per source, acceptance per
   draft position and drafting seconds per token; each round, the source and length that pay most, or none.
 """
@@ -20,6 +21,7 @@ target pass over n positions costs, how often draft tokens are accepted, and the
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections import deque
 
@@ -33,6 +35,7 @@ RECENT_PASSES = 8  # a pass size's cost is the fastest of its last this many pas
 EXPLORE_SHARE = 1 / 16  # the most of the time a SourcePlan spends trying model sources it would not choose
 TRIAL_SHARE = 1 / 32  # the most of the time -k auto spends drafting where plain decoding is expected to win
 CATCH_UP_DECAY = 0.5  # how fast the measured cost of a drafter's catching up forgets older catch-ups
+LENGTHS_KEPT = 16  # the sequences whose lengths tell how many more tokens the current one will emit
 
 
 class PassCosts:
@@ -206,6 +209,37 @@ class TrialBudget:
     def reset(self) -> None:
         """A round drafted as the best choice: the idle time restarts."""
         self.idle = 0.0
+
+
+class SequenceLengths:
+    """How many more tokens the current sequence may be counted on to emit, from the tokens the last few emitted: a
+    cost paid once (a draft model's catching up on the prompt) is repaid over the tokens a sequence goes on to emit,
+    which its token limit only bounds (an answer ends at its end token). So once short answers were seen, a new
+    sequence is not counted on to run to its limit, and one that has outlived them is."""
+
+    def __init__(self, kept: int = LENGTHS_KEPT) -> None:
+        self.past: deque[int] = deque(maxlen=kept)
+        self.current = 0  # tokens the current sequence has emitted
+
+    def start(self) -> None:
+        """A new sequence starts (the one before it, if any, ran to ``current`` tokens)."""
+        if self.current:
+            self.past.append(self.current)
+        self.current = 0
+
+    def emitted(self, tokens: int) -> None:
+        self.current += tokens
+
+    def expected_left(self, remaining: int | None) -> float:
+        """The tokens the current sequence may be counted on to emit still, at most ``remaining`` (None: no
+        limit): among the past sequences longer than it is so far, the lower median of what they emitted beyond
+        that (the median, not the mean: where answers are short or long, one not yet past the short ones is not
+        counted on to be long, so a short one does not pay a catch-up the long ones would repay, which costs it a
+        large share of its time, and a long one waits a few tokens, a small share of its); ``remaining`` where none
+        was longer."""
+        limit = math.inf if remaining is None else remaining
+        longer = sorted(min(length - self.current, limit) for length in self.past if length > self.current)
+        return longer[(len(longer) - 1) // 2] if longer else limit
 
 
 class Acceptance:

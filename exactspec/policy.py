@@ -23,6 +23,7 @@ from exactspec.costs import (
     TRIAL_SHARE,
     Acceptance,
     PassCosts,
+    SequenceLengths,
     TrialBudget,
     chained_rates,
     expected_tokens_by_k,
@@ -54,7 +55,8 @@ class Policy(Protocol):
         weighs no backlog ignores it)."""
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
-        """The target prefilled ``tokens`` of a prompt in ``seconds`` (a policy that weighs no time ignores it)."""
+        """A sequence starts: the target prefilled ``tokens`` of its prompt in ``seconds`` (a policy that weighs no
+        time ignores it)."""
 
 
 class ChainShape(Policy):
@@ -104,12 +106,13 @@ class HeuristicDraftLength(ChainShape):
 class DraftGate:
     """Whether a round drafts at all, given the best draft the cost model found (its expected tokens and seconds):
     where that beats plain decoding per token, and the drafter's catching up before it (a draft model's prefill of
-    the prompt, or of the rounds it did not draft) pays for itself over the tokens the sequence may still emit;
-    otherwise only as a trial, within a share of the time (``TrialBudget``). So a drafter that does not pay costs
-    plain decoding at most that share, its catching up included."""
+    the prompt, or of the rounds it did not draft) pays for itself over the tokens the sequence is expected to emit
+    still (``SequenceLengths``); otherwise only as a trial, within a share of the time (``TrialBudget``). So a
+    drafter that does not pay costs plain decoding at most that share, its catching up included."""
 
     def __init__(self, share: float = TRIAL_SHARE) -> None:
         self.trials = TrialBudget(share)
+        self.lengths = SequenceLengths()
 
     def drafts(self, costs: PassCosts, tokens: float, seconds: float, backlog: int = 0,
                remaining: int | None = None) -> bool:
@@ -121,18 +124,39 @@ class DraftGate:
             return False
         plain = costs.scoring_seconds(1)
         saved = plain - seconds / tokens  # seconds saved per token emitted
-        if saved > 0 and saved * (math.inf if remaining is None else remaining) > catching_up:
+        if saved > 0 and saved * self.lengths.expected_left(remaining) > catching_up:
             self.trials.reset()
             return True
         return self.trials.allows(catching_up + seconds - tokens * plain)
 
+    def start(self, prefill_seconds: float) -> None:
+        """A sequence starts, after the target's prefill: plain time, of which trials may spend a share."""
+        self.lengths.start()
+        self.trials.spend(prefill_seconds)
+
     def observe(self, verdict: Verdict | TreeVerdict, target_seconds: float) -> None:
-        """A round that drafted nothing is plain time, of which trials may spend a share."""
+        """The round's tokens count towards the sequence's length; a round that drafted nothing is plain time."""
+        self.lengths.emitted(verdict.accepted + 1)
         if not verdict.proposed[0]:
             self.trials.spend(target_seconds)
 
 
-class CostModelPolicy(ChainShape):
+class Gated(Policy):
+    """A cost-model policy (its ``costs``) whose rounds draft only as its ``gate`` allows: what it learns of the
+    drafter's catching up and of the target's prefills, which are plain time that trials may spend a share of."""
+
+    costs: PassCosts
+    gate: DraftGate
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        self.costs.observe_catch_up(tokens, seconds)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        self.costs.observe_prefill(tokens, seconds)
+        self.gate.start(seconds)
+
+
+class CostModelPolicy(ChainShape, Gated):
     """Maximise expected tokens per second over k = 0..max_k.
 
     Expected tokens of a round drafting k: 1 + sum over i <= k of a_1 x ... x a_i, where a_i is the measured
@@ -175,13 +199,6 @@ class CostModelPolicy(ChainShape):
         self.costs.observe(verdict.num_draft + 1, target_seconds, proposed, draft_seconds)
         self.gate.observe(verdict, target_seconds)
 
-    def observe_catch_up(self, tokens: int, seconds: float) -> None:
-        self.costs.observe_catch_up(tokens, seconds)
-
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        self.costs.observe_prefill(tokens, seconds)
-        self.gate.trials.spend(seconds)
-
     def acceptances(self) -> list[float]:
         """[i-1]: estimated probability that draft position i is accepted, given that position i-1 was (each
         position's estimate shrunk towards the one before it)."""
@@ -209,7 +226,7 @@ class PlannedByDrafter(ChainShape):
         self.drafter.observe_pass(verdict.num_draft + 1, target_seconds)
 
 
-class TreePolicy(Policy):
+class TreePolicy(Gated):
     """``--tree auto``: each round's tree shape (candidates per depth, so its depth and size) by the same cost
     model as ``-k auto``: the shape that maximises expected tokens per second.
 
@@ -263,13 +280,6 @@ class TreePolicy(Policy):
             tried = min(width, rank or width, self.max_width)
             for r, candidate in enumerate(row):  # every count fades, the ones tried this round grow
                 candidate.observe(float(rank is not None and r == rank - 1), float(r < tried), self.decay)
-
-    def observe_catch_up(self, tokens: int, seconds: float) -> None:
-        self.costs.observe_catch_up(tokens, seconds)
-
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        self.costs.observe_prefill(tokens, seconds)
-        self.gate.trials.spend(seconds)
 
     def acceptances(self) -> list[list[float]]:
         """[d-1][r-1]: the estimated h_d(r)."""
