@@ -43,7 +43,8 @@ from exactspec.vocabularies import LOW_OVERLAP, ContextBridge, SharedTokens
 # The first tokens of a long context that a draft model always reads: the system prompt and the chat template's start
 # of the conversation (Qwen2.5's default system turn is 20 tokens), which say what kind of text follows.
 DRAFT_WINDOW_HEAD = 32
-# The recent tokens a draft model reads past them (None: all of the context). PLACEHOLDER: set from measurement.
+# The recent tokens a draft model reads past them (None: all of the context). Not yet chosen by a quiet measurement
+# (issue 61's note): bench/draft_window.py compares windows side by side.
 DRAFT_WINDOW = 256
 
 
