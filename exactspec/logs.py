@@ -18,6 +18,7 @@ import ctypes
 import logging
 import os
 import sys
+import threading
 import warnings
 
 LLAMA_CPP = logging.getLogger("llama.cpp")
@@ -27,6 +28,11 @@ LLAMA_CPP.setLevel(logging.WARNING)  # what llama.cpp says below this is dropped
 # reach its handlers as any logger's records do.
 LLAMA_CPP.addHandler(logging.NullHandler())
 NOTICES = logging.getLogger("exactspec.notice")
+# Held while process-wide state is patched and put back: sys.stderr redirected, Python's warning filters, and
+# transformers' loading, which swaps PreTrainedModel.tie_weights out and back. Two threads doing so at once put
+# each other's patches back in the wrong order, and a patch stays: every tied model loaded after had its output
+# matrix left on the meta device. A draft model loads beside its target (loading.load_target), so they take turns.
+PROCESS_WIDE = threading.RLock()
 DETAILS = logging.getLogger("exactspec.detail")
 
 # ggml_log_level, as llama.cpp 0.3.16's ggml numbers it: NONE, DEBUG, INFO, WARN, ERROR, then CONT (the rest of

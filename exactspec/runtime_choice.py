@@ -29,7 +29,7 @@ from exactspec.backends import DEFAULT, RuntimeKind, kind, kinds, over_model
 from exactspec.backends.base import median_pass_seconds
 from exactspec.cachefile import MeasurementCache
 from exactspec.choices import canonical_backend
-from exactspec.logs import notice, verbose
+from exactspec.logs import PROCESS_WIDE, notice, verbose
 from exactspec.models import load_model, model_path
 
 CACHE = MeasurementCache("backends.json", version=3)  # 2: the lean runtime on the row kernels; 3: its name
@@ -170,19 +170,21 @@ def _timed(runtimes: dict) -> list[BackendMeasurement]:
 
 @contextlib.contextmanager
 def _quiet_unless_verbose():
-    """Nothing on stderr (notices, conversion lines, progress bars) while the candidates load, unless --verbose."""
+    """Nothing on stderr (notices, conversion lines, progress bars) while the candidates load, unless --verbose;
+    one thread at a time (``logs.PROCESS_WIDE``)."""
     if verbose():
         yield
         return
     from exactspec.logs import NOTICES
 
-    level = NOTICES.level
-    NOTICES.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):  # the GGUF's conversion line, among others
-            yield
-    finally:
-        NOTICES.setLevel(level)
+    with PROCESS_WIDE:
+        level = NOTICES.level
+        NOTICES.setLevel(logging.ERROR)
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):  # the GGUF's conversion line, among others
+                yield
+        finally:
+            NOTICES.setLevel(level)
 
 
 def _cache_key(source: Path, names: list[str], threads: int | None) -> str:
