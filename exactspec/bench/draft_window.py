@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the draft's context windows: each W (its last W tokens and the default head), W/H (a "
                         "head of H), or off")
     parser.add_argument("-k", "--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--longest", type=int, default=None, metavar="N",
+                        help="of each category's first --limit prompts, only its N longest (where a window cuts)")
     args = parser.parse_args(argv)
     windows = parse_windows(args.windows, draft_models.DRAFT_WINDOW_HEAD)
 
@@ -136,8 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         name = f"draft-model W={width}, head {head}" if width else "draft-model, whole context"
         engines[name] = Engine(loaded.runtime, proposer, loaded.stop_ids)
     categories = args.category.split(",") if args.category else [None]
-    prompts = [(p.category, encode_prompt(loaded.target.tokenizer, p.text, None if p.chat else False))
-               for category in categories for p in read_prompts(args.prompts, category, args.limit)]
+    prompts = []
+    for category in categories:
+        found = [(p.category, encode_prompt(loaded.target.tokenizer, p.text, None if p.chat else False))
+                 for p in read_prompts(args.prompts, category, args.limit)]
+        prompts += sorted(found, key=lambda prompt: -len(prompt[1]))[: args.longest] if args.longest else found
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens)
     for engine in list(engines.values())[:2]:  # warm-up: first-call costs (the weights' pages) out of the timings
         engine.generate(prompts[0][1][:64], GenerationConfig(max_new_tokens=8, num_draft_tokens=4))
