@@ -97,9 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft-grade", choices=DRAFT_GRADES, default="auto", help=GRADE_HELP)
     gen.add_argument("--drafter", choices=list(DRAFTERS), default=None,
                      help="how to draft (default: hybrid, which drafts each round from the source the cost model "
-                     "expects to pay most: prompt lookup, the suffix index, and a draft model: --draft-model, or "
-                     "the default model for a target 4x its size or more); draft-model, mtp and eagle without a path "
-                     "use the drafter trained for the default model")
+                     "expects to pay most: prompt lookup, the suffix index, and a draft model: --draft-model, or the "
+                     "installed model expected to pay most, as its draft-grade copy); draft-model, mtp and eagle "
+                     "without a path use the drafter trained for the default model")
     gen.add_argument("--drafter-path", default=None, metavar="DIR",
                      help="a trained drafter (exactspec train), or a published EAGLE / Medusa checkpoint; with "
                      "--drafter hybrid, an eagle or mtp drafter that drafts beside its other sources")
@@ -266,7 +266,7 @@ def _add_serve_parser(commands) -> None:
                        "listed by /v1/models; any other name is 404 model_not_found); default: the model file's name")
     serve.add_argument("--drafter", choices=list(DRAFTERS), default=None,
                        help="default: hybrid (prompt lookup, the suffix index with --datastore and learned answers, "
-                       "and a draft model: --draft-model, or the default model for a target 4x its size or more); "
+                       "and a draft model: --draft-model, or the installed model expected to pay most); "
                        "a drafter that reads the target's hidden states or first layers (eagle, mtp, early-exit) "
                        "serves one request at a time")
     serve.add_argument("--drafter-path", default=None, metavar="DIR",
@@ -344,6 +344,9 @@ def _add_bench_parser(commands) -> None:
                        help="only these categories (comma-separated; HumanEval's is humaneval)")
     bench.add_argument("--per-category", type=int, default=None, metavar="N",
                        help="the first N prompts of each category")
+    bench.add_argument("--last", action="store_true",
+                       help="with --per-category, the last N of each category instead: the held-out prompts (nothing "
+                       "is tuned on the last dozen of each)")
     bench.add_argument("--limit", type=int, default=None, help="at most this many prompts in all")
     bench.add_argument("--drafters", default="none,hybrid,prompt-lookup",
                        help="comma-separated, each NAME, NAME:K or NAME:K:TREE (K an integer, auto or heuristic; "

@@ -11,6 +11,9 @@ target pass over n positions costs, how often draft tokens are accepted, and the
   size gets tried; a line beyond them); ``MeasuredPassCosts`` is the server's curve over up to batch x (k+1)
   positions, measured at start-up (interpolated between points) and only rescaled by the passes it runs, whose
   sizes are too few to move points without bending the curve's shape.
+- ``TrialBudget``: while plain decoding wins, what keeps drafting's evidence fresh: a trial round once the plain
+  rounds since the last took long enough that the trial's cost beyond them is a small share of the time.
+- ``SequenceLengths``: how many more tokens a sequence may be expected to emit, from how long the last few ran.
 - ``SourcePlan``: the same model over a combined drafter's sources (the hybrid's): per source, acceptance per
   draft position and drafting seconds per token; each round, the source and length that pay most, or none.
 """
@@ -18,6 +21,7 @@ target pass over n positions costs, how often draft tokens are accepted, and the
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections import deque
 
@@ -29,17 +33,23 @@ PRIOR_STRENGTH = 4.0  # draft tokens' worth of weight a prior has in an Acceptan
 COST_LEARNING_RATE = 0.1  # how fast MeasuredPassCosts' scale follows the passes run
 RECENT_PASSES = 8  # a pass size's cost is the fastest of its last this many passes (PassCosts)
 EXPLORE_SHARE = 1 / 16  # the most of the time a SourcePlan spends trying model sources it would not choose
+TRIAL_SHARE = 1 / 32  # the most of the time -k auto spends drafting where plain decoding is expected to win
+CATCH_UP_DECAY = 0.5  # how fast the measured cost of a drafter's catching up forgets older catch-ups
+LENGTHS_KEPT = 16  # the sequences whose lengths tell how many more tokens the current one will emit
 
 
 class PassCosts:
     """What a round costs, measured as rounds run: the target's pass by the positions it scores (the fastest of the
-    last few per size, and a line through the sizes seen for the others), and drafting per draft step."""
+    last few per size, and a line through the sizes seen for the others), drafting per draft step, and a drafter's
+    catching up per token of its backlog (the prompt, rounds it did not draft)."""
 
     def __init__(self, prior_slope: float = 0.05) -> None:
         self.prior_slope = prior_slope  # extra cost per scored position, relative to one, before two sizes are seen
         self.score_seconds: dict[int, float] = {}  # positions scored -> the target's pass: the fastest of the last
         self._recent: dict[int, deque[float]] = {}  # RECENT_PASSES passes of that size
         self.draft_seconds_per_step: float | None = None
+        self._caught_up = (0.0, 0.0)  # (seconds, tokens) of the drafter's catching up, older ones faded
+        self.prefill_seconds_per_token: float | None = None  # the target's, as it prefilled prompts
 
     def observe(self, positions: int, target_seconds: float, draft_steps: int, draft_seconds: float) -> None:
         """A size's cost is the fastest of its last ``RECENT_PASSES`` passes. A pass is slowed by what shares the
@@ -53,6 +63,27 @@ class PassCosts:
         self.score_seconds[positions] = min(recent)
         if draft_steps:
             self.draft_seconds_per_step = moved(self.draft_seconds_per_step, draft_seconds / draft_steps)
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """The drafter caught up on a backlog of ``tokens`` in ``seconds``. Weighed by tokens: a long backlog (a
+        prompt) tells its cost per token better than a round's two."""
+        if tokens:
+            spent, taken = self._caught_up
+            self._caught_up = (spent * CATCH_UP_DECAY + seconds, taken * CATCH_UP_DECAY + tokens)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The target prefilled ``tokens`` of a prompt in ``seconds``."""
+        if tokens:
+            self.prefill_seconds_per_token = moved(self.prefill_seconds_per_token, seconds / tokens)
+
+    def catch_up_seconds(self, tokens: int) -> float:
+        """What the drafter's catching up on a backlog of ``tokens`` costs: as measured per token; until it is, at
+        most what the target's prefill of as many costs (a draft model is not larger than its target), since a
+        prompt's catching up is paid at once and in full where a draft step's cost is learnt from one round; 0
+        where neither is measured."""
+        spent, taken = self._caught_up
+        per_token = spent / taken if taken else self.prefill_seconds_per_token or 0.0
+        return tokens * per_token
 
     def round_seconds(self, draft_steps: int, positions: int, line: tuple[float, float] | None = None) -> float:
         return (self.draft_seconds_per_step or 0.0) * draft_steps + self.scoring_seconds(positions, line)
@@ -151,6 +182,64 @@ def _timed_pass(pool: Pool, slots: list, positions: int) -> float:
     for slot, length in zip(slots, lengths):
         slot.length = length
     return elapsed
+
+
+class TrialBudget:
+    """While plain decoding is expected to win, a drafting round now and then all the same, so that what drafting
+    gives keeps being measured (acceptance moves with the text): a trial is allowed once ``share`` of the plain time
+    since the last one (the target's plain passes and prefills) covers what the trial costs beyond the plain rounds
+    it replaces, the drafter's catching up included. So trials cost at most ``share`` of the time, however dear
+    each one is: a drafter that would first catch up on a long prompt is tried seldom, a cheap one often."""
+
+    def __init__(self, share: float = TRIAL_SHARE) -> None:
+        self.share = share
+        self.idle = 0.0  # plain seconds since the last drafting round
+
+    def spend(self, seconds: float) -> None:
+        """Time spent decoding plainly (a pass, a prefill)."""
+        self.idle += seconds
+
+    def allows(self, cost: float) -> bool:
+        """Whether a trial costing ``cost`` seconds beyond plain rounds is due now (then the idle time restarts)."""
+        if self.idle * self.share < cost:
+            return False
+        self.idle = 0.0
+        return True
+
+    def reset(self) -> None:
+        """A round drafted as the best choice: the idle time restarts."""
+        self.idle = 0.0
+
+
+class SequenceLengths:
+    """How many more tokens the current sequence may be counted on to emit, from the tokens the last few emitted: a
+    cost paid once (a draft model's catching up on the prompt) is repaid over the tokens a sequence goes on to emit,
+    which its token limit only bounds (an answer ends at its end token). So once short answers were seen, a new
+    sequence is not counted on to run to its limit, and one that has outlived them is."""
+
+    def __init__(self, kept: int = LENGTHS_KEPT) -> None:
+        self.past: deque[int] = deque(maxlen=kept)
+        self.current = 0  # tokens the current sequence has emitted
+
+    def start(self) -> None:
+        """A new sequence starts (the one before it, if any, ran to ``current`` tokens)."""
+        if self.current:
+            self.past.append(self.current)
+        self.current = 0
+
+    def emitted(self, tokens: int) -> None:
+        self.current += tokens
+
+    def expected_left(self, remaining: int | None) -> float:
+        """The tokens the current sequence may be counted on to emit still, at most ``remaining`` (None: no
+        limit): among the past sequences longer than it is so far, the lower median of what they emitted beyond
+        that (the median, not the mean: where answers are short or long, one not yet past the short ones is not
+        counted on to be long, so a short one does not pay a catch-up the long ones would repay, which costs it a
+        large share of its time, and a long one waits a few tokens, a small share of its); ``remaining`` where none
+        was longer."""
+        limit = math.inf if remaining is None else remaining
+        longer = sorted(min(length - self.current, limit) for length in self.past if length > self.current)
+        return longer[(len(longer) - 1) // 2] if longer else limit
 
 
 class Acceptance:

@@ -250,13 +250,17 @@ class Engine:
                             grammar=grammar, stop=stop, logprobs=config.logprobs)
         self.target.reserve(min(len(prompt_ids) + config.max_new_tokens
                                 + config.draft_positions(config.max_draft_tokens) + 1, max_length))
-        prefill(self.target, prompt_ids[:-1])  # reusing a prefix an earlier request left where its bits are a prefill's
+        started = time.perf_counter()  # a prefix an earlier request left is reused where its bits are a prefill's
+        policy.observe_prefill(prefill(self.target, prompt_ids[:-1]), time.perf_counter() - started)
         while sequence.finished is None:
-            # 1. ask the policy how far to draft; a round emits at most k+1 tokens
-            asked = policy.next_k(config.max_draft_tokens)
+            # 1. ask the policy how far to draft (the drafter's backlog counted); a round emits at most k+1 tokens
+            asked = policy.next_k(config.max_draft_tokens, sequence.backlog, sequence.remaining)
             k = fitted_depth(config.tree, min(asked, sequence.room), sequence.room, policy)
-            # 2. draft (the drafter's catching up on rounds it missed is not timed: see Sequence.catch_up)
-            sequence.catch_up(k)
+            # 2. draft, after the drafter's catching up on rounds it missed, which is timed apart (Sequence.catch_up)
+            started = time.perf_counter()
+            backlog = sequence.catch_up(k)
+            if backlog:
+                policy.observe_catch_up(backlog, time.perf_counter() - started)
             started = time.perf_counter()
             features = self.target.hidden_states if self.reads_features and k else None
             draft = sequence.draft(k, config.tree_widths(k, policy), features)

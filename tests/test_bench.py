@@ -243,7 +243,7 @@ def test_seeded_bench_reports_no_seeded_mismatch(tiny_models, tmp_path, monkeypa
                        + "\n" + json.dumps({"question_id": 2, "category": "other", "turns": ["w3 w4 w60 w2"]}) + "\n")
     out = tmp_path / "report.json"
     target, draft = tiny_models
-    monkeypatch.setattr(loading, "found_draft_model", lambda target: draft)
+    monkeypatch.setattr(loading, "found_draft_model", lambda target_path: draft)
     assert main(["bench", "--prompts", str(prompts), "--model", str(target),
                  "--drafters", "hybrid,prompt-lookup,draft-model,retrieval:auto", "--max-new-tokens", "16",
                  "--repeats", "2", "--temperature", "0.7", "--out", str(out), "--no-progress", "--dtype",

@@ -68,6 +68,16 @@ def test_every_kind_of_prompt_from_two_files_the_first_of_each_category():
         p.category for p in one_each}
 
 
+def test_the_last_of_each_category_are_the_held_out_prompts_in_file_order():
+    """--last: the last N of each category (the held-out prompts), each file's in its own order."""
+    files = [DATA / "spec_bench_question.jsonl", DATA / "HumanEval.jsonl.gz"]
+    prompts = select_prompts(files, categories=KINDS, per_category=2, last=True)
+    assert len(prompts) == 2 * len(KINDS)
+    for kind in KINDS:
+        every = read_prompts(files[1] if kind == "humaneval" else files[0], category=kind)
+        assert [p.id for p in prompts if p.category == kind] == [p.id for p in every[-2:]], kind
+
+
 def test_an_id_an_earlier_file_holds_is_named_by_its_file(tmp_path):
     for name in ("a.jsonl", "b.jsonl"):
         (tmp_path / name).write_text('{"question_id": 1, "category": "qa", "turns": ["w1"]}\n')

@@ -46,7 +46,7 @@ def path(request, tmp_path_factory) -> Path:
                            architecture=arch, **SHAPE)
 
 
-def python_chain(proposer: DraftModelProposer) -> DraftModelProposer:
+def python_chain(proposer):
     """The proposer, made to chain in Python (one extend per token) whatever its model declares."""
     proposer._chains_in_one_call = lambda params: False
     return proposer
@@ -297,3 +297,38 @@ def test_the_avx2_tiles_draft_the_same_chain(path):
     assert all(run.returncode == 0 for run in runs), [run.stderr[-2000:] for run in runs]
     assert runs[0].stdout == runs[1].stdout and len(runs[0].stdout.split()) == 1
 
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_chain_across_tokenizers_in_one_call_is_its_python_chain(tmp_path, temperature):
+    """A draft model with another tokenizer than the target's, drafting among the tokens both hold (intersection):
+    its chain in one call (the head's rows allowed where their tokens are shared, each mapped to the target's id;
+    the invariant sampler's noise at the target's ids and positions) proposes what its Python chain does, tokens and
+    a tree's alternatives, greedy and seeded."""
+    from tiny_vocabularies import sentencepiece_fields
+
+    from exactspec.backends.fused import FusedRuntime
+    from exactspec.models import load_tokenizer
+    from exactspec.proposers.draft_model import ForeignDraft, ForeignDraftProposer
+    from exactspec.vocabularies import ContextBridge, TokenText
+
+    fields, _ = sentencepiece_fields(order_seed=5)
+    target_path = write_tiny_gguf(tmp_path / "target.gguf", tokenizer=fields, seed=1)
+    draft_path = write_tiny_gguf(tmp_path / "draft.gguf", seed=2)  # the default model's byte-level BPE
+    target_text, draft_text = TokenText(*load_tokenizer(target_path)), TokenText(*load_tokenizer(draft_path))
+    target_vocab = load_tokenizer(target_path)[1]
+    context = target_text.encode(b"the prime numbers below twenty are two three five")[0]
+    params = SamplingParams(temperature=temperature)
+    drafts = {}
+    for one_call in (True, False):
+        runtime = FusedRuntime.from_gguf(draft_path)
+        source = ForeignDraft(runtime, ContextBridge(target_text, draft_text), method="intersection")
+        proposer = ForeignDraftProposer(source, target_vocab_size=target_vocab)
+        if not one_call:
+            python_chain(proposer)
+        generator = torch.Generator().manual_seed(3)
+        drafts[one_call] = [proposer.propose_tree(context[:n], [2, 2, 1, 1], params, generator)
+                            for n in (len(context) - 3, len(context))]
+    assert runtime.chain_ids is not None
+    for one, python in zip(drafts[True], drafts[False]):
+        assert one.tokens == python.tokens and one.parents == python.parents and len(one.tokens) > 4

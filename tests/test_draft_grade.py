@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -144,3 +145,59 @@ def test_a_copys_one_call_chain_is_its_python_chain(draft, bits):
     assert drafted == chain and set(drafted) <= set(KEPT.tolist())
     assert one.tokens == python.tokens[:-1]
     assert torch.equal(one.extend([drafted[-1]], 1), logits[None])
+
+
+@pytest.mark.slow  # two models, each drafter greedy and seeded, and a server: about 40 s
+def test_drafting_with_a_copy_changes_no_token_alone_or_served(draft, tmp_path):
+    """A draft model drafting as its draft-grade copy (the default, --draft-grade auto) gives plain decoding's tokens,
+    greedy and seeded (the invariant sampler), through the library and through the server's batched drafts."""
+    from exactspec.api import SpecDecoder
+    from exactspec.server.batching import BatchSettings
+    from exactspec.server.serving import ServerOptions, load_server
+    from exactspec.server.settings import ServerSettings
+
+    target = write_tiny_gguf(tmp_path / "target.gguf", seed=5, tensor_type="Q8_0", layers=3, hidden=128, heads=4,
+                             kv_heads=2, ffn=256)
+    prompt = "the quick brown fox jumps over the lazy dog " * 3
+    outputs: dict = {}
+    for drafter, grade in (("none", "off"), ("draft-model", "auto"), ("hybrid", "auto"), ("draft-model", "off")):
+        decoder = SpecDecoder.load(str(target), draft_model=str(draft), drafter=drafter, backend="fused", threads=2,
+                                   draft_grade=grade)
+        if drafter != "none":
+            assert ("draft-grade" in decoder.engine.proposer.models[0].model.precision_label if drafter == "hybrid"
+                    else ("draft-grade" in decoder.engine.proposer.model.precision_label) == (grade == "auto"))
+        for temperature, seed in ((0.0, None), (0.8, 11)):
+            result = decoder.generate(prompt, max_new_tokens=20, num_draft_tokens=4, temperature=temperature,
+                                      seed=seed, chat=False)
+            outputs.setdefault((temperature, seed), set()).add(tuple(result.token_ids))
+    assert all(len(found) == 1 for found in outputs.values()), outputs
+
+    settings = ServerSettings(port=0)
+    batch = BatchSettings(drafter="draft-model", speculation="always", max_batch_size=2, max_model_len=256)
+    server = load_server(ServerOptions(model=str(target), backend="fused", draft_model=str(draft), threads=2,
+                                       batch=batch, settings=settings))
+    server.start()
+    try:
+        answer = httpx.post(server.url + "/v1/completions", json={"model": server.model_name, "prompt": prompt,
+                                                                  "max_tokens": 20, "temperature": 0}, timeout=60)
+    finally:
+        server.shutdown(timeout=5)
+    greedy = next(iter(outputs[(0.0, None)]))
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == decoder.tokenizer.decode(list(greedy))
+
+
+def test_the_draft_cost_bench_times_each_way_of_drafting_beside_the_target(draft, tmp_path, capsys):
+    """python -m exactspec.bench.draft_cost: one row per way of drafting (as it is, the draft-grade recipes, the
+    one-call chain), each a share of the target's step, with the floors its bytes set; a copy reads fewer bytes."""
+    from exactspec.bench import draft_cost
+
+    target = write_tiny_gguf(tmp_path / "target.gguf", seed=5, tensor_type="Q8_0", layers=3, hidden=128, heads=4,
+                             kv_heads=2, ffn=256)
+    assert draft_cost.main(["--model", str(target), "--draft-model", str(draft), "--repeats", "2", "--context",
+                            "16", "--threads", "2"]) == 0
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and "---" not in line and "runtime" not in line}
+    assert list(rows) == ["target", "draft, as it is", "draft-grade (vocabulary)", "draft-grade (auto)",
+                          "draft-grade (auto), one call"]
+    megabytes = {name: float(cells[1].split()[0].replace(",", "")) for name, cells in rows.items()}
+    assert megabytes["draft-grade (auto)"] < megabytes["draft-grade (vocabulary)"] < megabytes["draft, as it is"]

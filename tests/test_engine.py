@@ -17,6 +17,7 @@ from exactspec.backends import HFCausalLM, LeanRuntime
 from exactspec.backends.base import sync
 from exactspec.engine import Engine, GenerationConfig
 from exactspec.errors import UsageError
+from exactspec.policy import Policy
 from exactspec.proposers import DraftModelProposer, NoProposer, PromptLookupProposer, RetrievalProposer
 from exactspec.sampling import SamplingParams, logits_to_probs
 
@@ -426,19 +427,26 @@ def test_capabilities_are_declared_and_a_missing_one_is_refused_by_name():
             make_proposer(drafter, plain, object())
 
 
-class _Scripted:
-    """A policy that drafts the lengths it is given, in turn, and keeps what each round cost the drafter."""
+class _Scripted(Policy):
+    """A policy that drafts the lengths it is given, in turn, and keeps what each round cost the drafter, and each
+    backlog it was told of and caught up on."""
 
     name = "scripted"
 
     def __init__(self, lengths: list[int]) -> None:
         self.lengths, self.draft_seconds = list(lengths), []
+        self.backlogs: list[int] = []  # the backlog each next_k was told of
+        self.caught_up: list[tuple[int, float]] = []  # (tokens, seconds) of each catch-up
 
-    def next_k(self, max_k: int) -> int:
+    def next_k(self, max_k: int, backlog: int = 0, remaining: int | None = None) -> int:
+        self.backlogs.append(backlog)
         return min(self.lengths.pop(0) if self.lengths else 2, max_k)
 
     def observe(self, verdict, draft_seconds: float, target_seconds: float) -> None:
         self.draft_seconds.append(draft_seconds)
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        self.caught_up.append((tokens, seconds))
 
     def tree_widths(self, depth: int) -> list[int]:
         return [1] * depth
@@ -465,3 +473,9 @@ def test_a_draft_models_backlog_is_taken_in_apart_from_what_drafting_costs(targe
     after_plain = len(PROMPTS[0]) + sum(len(r.tokens) for r in rounds[:4])
     assert caught_up == [len(PROMPTS[0]), after_plain]  # the first round's and the one after the plain ones
     assert max(policy.draft_seconds) < 0.3
+    # the policy is told each backlog before choosing (the prompt but its last token; none after a drafting
+    # round), and what each catch-up cost, apart from drafting
+    assert policy.backlogs[:2] == [len(PROMPTS[0]) - 1, 0]
+    assert policy.backlogs[4] == after_plain - 1 - len(PROMPTS[0])  # all since it drafted, but the last token
+    assert [tokens for tokens, _ in policy.caught_up] == [policy.backlogs[0], policy.backlogs[4]]
+    assert min(seconds for _, seconds in policy.caught_up) >= 0.3

@@ -263,12 +263,14 @@ class DraftsChains(Protocol):
     chain_ids: torch.Tensor | None
 
     def draft_chain(self, last: int, k: int, width: int = 1, noise: torch.Tensor | None = None,
-                    temperature: float = 1.0) -> tuple[list[int], list[list[int]]]:
+                    temperature: float = 1.0, allowed: torch.Tensor | None = None
+                    ) -> tuple[list[int], list[list[int]]]:
         """Feed ``last`` (the context's last token: the cache holds every one before it) and the first k - 1 of the
         k tokens drafted after it; the k tokens, and per depth the ``width - 1`` ids its head ranks highest after
         the chosen one (``sampling.ranked``'s: a tree's alternatives). ``noise`` [k, rows] float64, the invariant
         sampler's Gumbel noise at each depth's position over ``chain_ids``, makes each choice its Gumbel-max at
-        ``temperature``; None, the argmax."""
+        ``temperature``; None, the argmax. ``allowed`` [rows] bool: the rows it may choose and rank, as if the
+        others' logits were -inf (a draft among the tokens another tokenizer holds); None, all."""
         ...
 
 
@@ -397,12 +399,12 @@ def sync(model: CausalLM, context: list[int], num_logits: int) -> torch.Tensor: 
     return model.extend(context[shared:], num_logits)
 
 
-def prefill(model: CausalLM, prompt: list[int]) -> None:
+def prefill(model: CausalLM, prompt: list[int]) -> int:
     """Make the model's cache hold exactly ``prompt``, prefilled: as a prefill of the prompt alone writes it, bit for
     bit, where the model runs prompts through their own kernel (``PromptPasses``). A cached prefix is kept only
     where that holds: a long prompt keeps what prompt passes wrote and runs a rest long enough to be one (or
     nothing); a short prompt keeps what rounds wrote, never what a prompt pass did. Elsewhere, the longest shared
-    prefix (``sync``)."""
+    prefix (``sync``). Returns the tokens it fed (the prompt but the prefix kept)."""
     keep = common_prefix_length(model.tokens, prompt)
     if declares(model, PromptPasses):
         if len(prompt) >= model.prompt_positions:
@@ -413,6 +415,7 @@ def prefill(model: CausalLM, prompt: list[int]) -> None:
             keep = 0
     model.rollback(keep)
     model.extend(prompt[keep:], 0)
+    return len(prompt) - keep
 
 
 def pass_seconds(model: CausalLM, positions: int) -> float:

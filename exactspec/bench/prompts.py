@@ -34,12 +34,13 @@ def read_prompts(path: str | Path, category: str | None = None, limit: int | Non
 
 
 def select_prompts(paths: list[str | Path], categories: list[str] | None = None, per_category: int | None = None,
-                   limit: int | None = None) -> list[BenchPrompt]:
+                   limit: int | None = None, last: bool = False) -> list[BenchPrompt]:
     """Prompts from several files, in file order: those of ``categories`` (None: all), the first ``per_category``
-    of each category, at most ``limit`` in all. One benchmark run then holds every kind of prompt (Spec-Bench's qa,
-    rag, summarization, translation; writing, roleplay; HumanEval) side by side. A prompt whose id an earlier file
-    already holds is named ``file:id``, so per-prompt results stay apart. Each file must hold a prompt of the
-    categories, and each category named must be found."""
+    of each category (``last``: the last, the held-out prompts nothing is tuned on), at most ``limit`` in all. One
+    benchmark run then holds every kind of prompt (Spec-Bench's qa, rag, summarization, translation; writing,
+    roleplay; HumanEval) side by side. A prompt whose id an earlier file already holds is named ``file:id``, so
+    per-prompt results stay apart. Each file must hold a prompt of the categories, and each category named must be
+    found."""
     if per_category is not None and per_category < 1:
         raise UsageError(f"--per-category must be >= 1, got {per_category}")
     if limit is not None and limit < 1:
@@ -52,7 +53,8 @@ def select_prompts(paths: list[str | Path], categories: list[str] | None = None,
     ids: set[str] = set()
     for path in paths:
         found = False  # the file holds a prompt of the categories asked for (taken, or over --per-category)
-        for prompt in _records(path):
+        first = len(prompts)
+        for prompt in (reversed(list(_records(path))) if last else _records(path)):
             if limit is not None and len(prompts) >= limit:
                 return prompts
             if wanted is not None and prompt.category not in wanted:
@@ -65,6 +67,8 @@ def select_prompts(paths: list[str | Path], categories: list[str] | None = None,
             ids.add(prompt.id)
             taken[prompt.category] = taken.get(prompt.category, 0) + 1
             prompts.append(prompt)
+        if last:
+            prompts[first:] = prompts[first:][::-1]  # back in file order
         if not found:
             raise UsageError(f"no prompts in {path}" + (f" of category {', '.join(categories)}" if categories else ""))
     missing = [c for c in categories or () if c not in taken]

@@ -6,7 +6,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from exactspec.bench.contenders import Outcome
-from exactspec.bench.stats import ideal_speedup, median, per_prompt_speedups
+from exactspec.bench.stats import geomean, ideal_speedup, median, per_prompt_speedups
 from exactspec.engine import source_shares
 
 BASELINE = "none"
@@ -30,6 +30,7 @@ def summarise(runs: list[Run], config: str, greedy: bool) -> dict:
     fields = {
         "tokens_per_second": tokens / seconds if seconds else 0.0,
         "speedup": median(per_prompt_speedups(_per_prompt_rate(mine), _per_prompt_rate(baseline))),
+        "speedup_geomean": geomean(per_prompt_speedups(_per_prompt_rate(mine), _per_prompt_rate(baseline))),
         "acceptance_rate": None,
         "mean_accepted_length": None,
         "mean_draft_length": None,
@@ -135,6 +136,7 @@ COLUMNS = [
     ("drafter", "config", "{}"),
     ("tokens_per_second", "tokens/s", "{:.2f}"),
     ("speedup", "speedup (median)", "{:.2f}x"),
+    ("speedup_geomean", "speedup (geomean)", "{:.2f}x"),
     ("mean_draft_length", "draft tokens/round", "{:.2f}"),
     ("mean_draft_nodes", "scored nodes/round", "{:.2f}"),
     ("acceptance_rate", "acceptance", "{:.1%}"),

@@ -109,8 +109,9 @@ def build_contenders(specs: list[str], loaded: Loaded, num_draft_tokens: int | s
             drafter, _, method = named.partition("/")
             store = datastore if role(drafter).reads_datastore else None
             if draft is not None and grade and grade not in drafts:
-                drafts[grade] = load_draft(draft.source or draft.path, target, draft_grade_of(grade),
-                                           threads=_threads_of(target))
+                drafts[grade] = load_draft(draft.source or draft.path, target.source or target.path,
+                                           target.backend_name, draft_grade_of(grade), threads=_threads_of(target),
+                                           target_tokenizer=target.tokenizer)
             if name not in sources:
                 sources[name] = draft_source(drafter, target, backend, drafts[grade or loaded.draft_grade], precision,
                                              (drafter_paths or {}).get(drafter), method or "auto",
@@ -162,7 +163,7 @@ def run_bench(args) -> int:
     names = _comma_separated([args.drafters])
     drafter_paths = parse_drafter_paths(args.drafter_path)  # checked before the slow model load
     paths, categories = _comma_separated(args.prompts), _comma_separated([args.category] if args.category else [])
-    bench_prompts = select_prompts(paths, categories or None, args.per_category, args.limit)
+    bench_prompts = select_prompts(paths, categories or None, args.per_category, args.limit, args.last)
 
     loaded = load_target(args.model, dtype=args.dtype, device=args.device, backend=args.backend,
                          threads=args.threads, datastore=args.datastore, draft_model=args.draft_model,

@@ -5,6 +5,7 @@ Pure functions over measured numbers, so that they can be tested on synthetic ti
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable
 
@@ -59,6 +60,12 @@ def needed_acceptance(speedup: float, score_ratios: dict[int, float], tolerance:
 def median(values: Iterable[float]) -> float:
     values = list(values)
     return statistics.median(values) if values else float("nan")
+
+
+def geomean(values: Iterable[float]) -> float:
+    """The geometric mean of positive values (a mean of ratios: a 2x and a 0.5x make 1x); NaN of none."""
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
 def percentile(values: Iterable[float], q: float) -> float:

@@ -112,7 +112,16 @@ class ContextWindow:
         self._before = []
 
 
-class DraftModelProposer(TreeProposer, CatchesUp, DraftsUnderGrammar):
+class _ChainsInOneCall:
+    """A draft model's proposer whose chains go in one call where its model and the sampling allow."""
+
+    model: CausalLM
+
+    def _chains_in_one_call(self, params: SamplingParams) -> bool:
+        return chains_in_one_call(self.model, params)
+
+
+class DraftModelProposer(_ChainsInOneCall, TreeProposer, CatchesUp, DraftsUnderGrammar):
     name = "draft-model"
 
     def __init__(self, model: CausalLM, target_vocab_size: int, window: int | None = DRAFT_WINDOW,
@@ -177,13 +186,6 @@ class DraftModelProposer(TreeProposer, CatchesUp, DraftsUnderGrammar):
                 logits = self.model.extend([token], num_logits=1)[0]
         return tokens, rows, alternatives
 
-    def _chains_in_one_call(self, params: SamplingParams) -> bool:
-        """Whether the draft model drafts this chain in one call (DraftsChains): where it can here, and where each
-        token is a choice it makes itself over its head's logits (greedy, or the invariant sampler's Gumbel-max with
-        nothing cut by top-k or top-p); a draw with a distribution, or a grammar, chains in Python."""
-        choice = params.greedy or (params.invariant and params.top_k == 0 and params.top_p == 1.0)
-        return choice and declares(self.model, DraftsChains) and self.model.chain_ids is not None
-
     def _one_call_chain(self, seen: list[int], position: int, widths: list[int], params: SamplingParams,
                         generator: torch.Generator | None) -> tuple[list[int], list, list[list[int]]]:
         """_chain's tokens and alternatives in one call: the cache synced to all of the draft's view ``seen`` but
@@ -212,6 +214,14 @@ class DraftModelProposer(TreeProposer, CatchesUp, DraftsUnderGrammar):
     def _pad(self, probs: torch.Tensor) -> torch.Tensor:  # [vocab_d] -> [target vocab]
         """Draft probabilities over the target's logit width; ids the draft model lacks get q = 0."""
         return F.pad(probs, (0, self.target_vocab_size - probs.shape[-1]))
+
+
+def chains_in_one_call(model: CausalLM, params: SamplingParams) -> bool:
+    """Whether a draft model drafts a chain in one call (DraftsChains): where it can here, and where each token is a
+    choice it makes itself over its head's logits (greedy, or the invariant sampler's Gumbel-max with nothing cut by
+    top-k or top-p); a draw with a distribution, or a grammar, chains in Python."""
+    choice = params.greedy or (params.invariant and params.top_k == 0 and params.top_p == 1.0)
+    return choice and declares(model, DraftsChains) and model.chain_ids is not None
 
 
 def chain_noise(ids: torch.Tensor, seed: int, positions: range) -> torch.Tensor:  # [len(positions), len(ids)] float64
@@ -244,7 +254,7 @@ class ForeignDraft:
         return replace(self, model=model, bridge=self.bridge.fresh())
 
 
-class ForeignDraftProposer(TreeProposer, CatchesUp, DraftsUnderGrammar):
+class ForeignDraftProposer(_ChainsInOneCall, TreeProposer, CatchesUp, DraftsUnderGrammar):
     """A draft model with its own vocabulary: ``text`` proposes the target's tokens of its text (the draft's mode,
     point masses); ``intersection`` drafts among the tokens both vocabularies hold, sampled as a same-vocabulary
     draft is (a proper q; under the invariant sampler, noise keyed by the target's ids and positions). ``auto``, as
@@ -269,6 +279,7 @@ class ForeignDraftProposer(TreeProposer, CatchesUp, DraftsUnderGrammar):
         self.target_vocab_size = target_vocab_size
         self.shared = source.shared
         self.overlap = source.overlap
+        self._targets: torch.Tensor | None = None  # the target's id of each head row's token (_row_targets)
         self.window = ContextWindow(window, head)
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
@@ -365,6 +376,8 @@ class ForeignDraftProposer(TreeProposer, CatchesUp, DraftsUnderGrammar):
         ids, pending = self._draft_context(context)
         if not ids or pending:  # the draft's context must reach the target's last byte
             return [], [], []
+        if self._chains_in_one_call(params):
+            return self._one_call_shared_chain(context, ids, widths, params, generator)
         logits = sync(self.model, ids, num_logits=1)[0]  # [vocab_d]
         tokens: list[int] = []
         rows: list[torch.Tensor | None] = []
@@ -379,6 +392,35 @@ class ForeignDraftProposer(TreeProposer, CatchesUp, DraftsUnderGrammar):
             if i < len(widths) - 1:
                 logits = self.model.extend([self.shared.draft_of[token]], num_logits=1)[0]
         return tokens, rows, alternatives
+
+
+    def _one_call_shared_chain(self, context: list[int], ids: list[int], widths: list[int], params: SamplingParams,
+                               generator: torch.Generator | None) -> tuple[list[int], list, list[list[int]]]:
+        """_shared_chain's tokens and alternatives in one call over the draft's context ``ids``: its head's rows
+        allowed where their tokens are shared, each chosen row's token the target's of the same text; under the
+        invariant sampler, each depth's noise at the target's ids and positions, as the target will draw it."""
+        sync(self.model, ids[:-1], num_logits=0)
+        targets = self._row_targets()  # [rows]: the target's id of each head row's token, -1 where not shared
+        k = len(widths)
+        noise = None
+        if not params.greedy:
+            seed, width = noise_seed(generator), self.target_vocab_size
+            noise = torch.stack([gumbel_noise(seed, position, width)[targets.clamp(min=0)]
+                                 for position in range(len(context), len(context) + k)])
+        drafted, ranked_rows = self.model.draft_chain(ids[-1], k, max(widths), noise, params.temperature or 1.0,
+                                                      targets >= 0)
+        tokens = [self.shared.target_of[token] for token in drafted]
+        alternatives = [[t for t in dict.fromkeys(self.shared.target_of[o] for o in others) if t != token][: w - 1]
+                        for others, token, w in zip(ranked_rows, tokens, widths)]
+        return tokens, [None] * k, alternatives
+
+    def _row_targets(self) -> torch.Tensor:  # [rows] long
+        """The target's id of the token each of the draft's head rows stands for (-1 where the target lacks it),
+        made once."""
+        if self._targets is None:
+            self._targets = torch.tensor([self.shared.target_of.get(int(token), -1)
+                                          for token in self.model.chain_ids.tolist()], dtype=torch.long)
+        return self._targets
 
 
 def guided_chain(logits: torch.Tensor, k: int, params: SamplingParams, generator: torch.Generator | None,

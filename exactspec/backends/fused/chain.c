@@ -43,6 +43,7 @@ typedef struct {
     const int32_t *ids;    /* [head_rows] the token each head row stands for */
     const float *embed;    /* [head_rows, hidden] their embeddings */
     const double *noise;   /* [k, head_rows] Gumbel noise per depth, or NULL: greedy */
+    const uint8_t *allowed; /* [head_rows] the rows it may choose (a draft among the tokens a target holds), or NULL */
     float temperature;
     float *normed, *logits; /* [hidden]: the row after the final norm; [head_rows]: its logits */
     float *hidden_out;     /* [k, hidden]: each fed row's normed state kept, or NULL */
@@ -61,6 +62,7 @@ typedef struct {
 static Scored chosen_in(const Chain *c, const double *noise, float most, int b, int e) {
     Scored best = {-INFINITY, -1};
     for (int row = b; row < e; row++) {
+        if (c->allowed && !c->allowed[row]) continue;
         double value = c->logits[row];
         if (noise) {
             float shifted = c->logits[row] - most;
@@ -109,7 +111,8 @@ static void chain_job(void *arg, int thread, int threads) {
         const double *noise = c->noise ? c->noise + (int64_t)depth * c->head_rows : NULL;
         float most = -INFINITY; /* the logits' maximum, which sampling shifts them by */
         if (noise) {
-            for (int row = b; row < e; row++) most = fmaxf(most, c->logits[row]);
+            for (int row = b; row < e; row++)
+                if (!c->allowed || c->allowed[row]) most = fmaxf(most, c->logits[row]);
             c->maxima[thread] = most;
             team_barrier(threads, &sense);
             for (int t = 0; t < threads; t++) most = fmaxf(most, c->maxima[t]);
@@ -118,7 +121,8 @@ static void chain_job(void *arg, int thread, int threads) {
         c->tops[thread] = 0;
         if (c->alternatives)
             for (int row = b; row < e; row++)
-                rank_in(c->top[thread], &c->tops[thread], c->alternatives + 1, c->logits[row], row);
+                if (!c->allowed || c->allowed[row])
+                    rank_in(c->top[thread], &c->tops[thread], c->alternatives + 1, c->logits[row], row);
         team_barrier(threads, &sense);
         if (thread == 0) choose(c, depth, threads);
         team_barrier(threads, &sense);
@@ -129,13 +133,15 @@ static void chain_job(void *arg, int thread, int threads) {
  * fed at column start; each drafted token but the last is fed after it, so columns start..start+k-1 are written.
  * The head (the model's lm_head) has `head_rows` rows, row r standing for token ids[r], embedded as embed[r]
  * [head_rows, hidden]. noise [k, head_rows] (float64) makes each choice the invariant sampler's Gumbel-max at
- * `temperature`; NULL, the argmax. drafted [k] gets the tokens; ranked [k, alternatives] per depth the ids of the
+ * `temperature`; NULL, the argmax. allowed [head_rows], where not NULL, the rows it may choose and rank (the others
+ * as if their logits were -inf: a draft model drafting among the tokens another tokenizer holds); at least one must
+ * be. drafted [k] gets the tokens; ranked [k, alternatives] per depth the ids of the
  * `alternatives` rows ranked highest by logit, the chosen left out (fewer: -1 after them); hidden_out [k, hidden],
  * where not NULL, each fed row's final hidden state, normed. Returns 0; -1 when scratch could not be had; -2 for
  * arguments it does not take (k < 1, alternatives past MOST_RANKED - 1, head_rows not the head's). */
 int sd_draft_chain(const Model *m, const Cache *cache, const float *first, int start, int k, const int32_t *ids,
-                   const float *embed, int head_rows, const double *noise, float temperature, int alternatives,
-                   int32_t *drafted, int32_t *ranked, float *hidden_out) {
+                   const float *embed, int head_rows, const double *noise, float temperature, const uint8_t *allowed,
+                   int alternatives, int32_t *drafted, int32_t *ranked, float *hidden_out) {
     int outputs = 0;
     for (const Matrix *part = &m->lm_head; part; part = part->rest) outputs += part->out;
     if (k < 1 || alternatives < 0 || alternatives >= MOST_RANKED || head_rows != outputs) return -2;
@@ -145,7 +151,7 @@ int sd_draft_chain(const Model *m, const Cache *cache, const float *first, int s
     *c = (Chain){.pass = {.m = m, .cache = cache, .rows = &c->rows, .first = 0, .end = m->layers},
                  .rope = start, .column = start, .n_keys = start + 1, .base = 0, .start = start, .k = k,
                  .alternatives = alternatives, .head_rows = head_rows, .ids = ids, .embed = embed, .noise = noise,
-                 .temperature = temperature, .hidden_out = hidden_out, .drafted = drafted, .ranked = ranked};
+                 .temperature = temperature, .allowed = allowed, .hidden_out = hidden_out, .drafted = drafted, .ranked = ranked};
     c->rows = (Rows){.n = 1, .rope = &c->rope, .base = &c->base, .column = &c->column, .n_keys = &c->n_keys};
     pthread_mutex_lock(&pass_lock);
     size_t layers = pass_floats(m, 1, start + k), head = (size_t)m->hidden * 2 + head_rows;

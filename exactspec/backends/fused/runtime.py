@@ -442,7 +442,8 @@ class FusedRuntime(LlamaSequence, Pooled, DraftsChains):
 
     @torch.inference_mode()
     def draft_chain(self, last: int, k: int, width: int = 1, noise: torch.Tensor | None = None,
-                    temperature: float = 1.0) -> tuple[list[int], list[list[int]]]:
+                    temperature: float = 1.0, allowed: torch.Tensor | None = None
+                    ) -> tuple[list[int], list[list[int]]]:
         """DraftsChains's chain in one C call (``chain.c``): the sequence then stands as after ``extend([last], 1)``
         and ``extend([token], 1)`` for the first k - 1 tokens (its tokens, cache, kept hidden states; no positions a
         shallow run left; ``prefilled`` as it was)."""
@@ -454,6 +455,9 @@ class FusedRuntime(LlamaSequence, Pooled, DraftsChains):
             raise UsageError(f"a chain takes a width of 1 to {CHAIN_RANKED}, k >= 0 and a token in the vocabulary")
         if noise is not None and (tuple(noise.shape) != (k, rows) or not temperature > 0):
             raise UsageError(f"a chain's noise is [k, {rows}] (one row per depth), at a temperature above 0")
+        if allowed is not None and (tuple(allowed.shape) != (rows,) or not bool(allowed.any())):
+            raise UsageError(f"a chain's allowed rows are [{rows}] bools, one at least true")
+        allowed = None if allowed is None else allowed.to(torch.uint8).contiguous()
         if k == 0:
             return [], []
         start = len(self.tokens)
@@ -469,7 +473,8 @@ class FusedRuntime(LlamaSequence, Pooled, DraftsChains):
         address = lambda tensor: None if tensor is None else tensor.data_ptr()  # noqa: E731
         code = self._library.sd_draft_chain(
             ctypes.byref(self._model), ctypes.byref(self._cache().struct), first.data_ptr(), start, k,
-            vocabulary.ids.data_ptr(), vocabulary.embed.data_ptr(), rows, address(noise), temperature, width - 1,
+            vocabulary.ids.data_ptr(), vocabulary.embed.data_ptr(), rows, address(noise), temperature,
+            address(allowed), width - 1,
             drafted.ctypes.data, ranked.ctypes.data, address(hidden))
         if code != 0:  # -2: arguments chain.c does not take, which the checks above keep from it
             raise MemoryError("the chain could not allocate its scratch") if code == -1 else \
