@@ -10,6 +10,10 @@ run starts from an empty draft cache, and the draft's catch-up on the prompt (it
 apart. The table: acceptance (accepted / drafted), tokens per round, catch-up seconds, tokens/s of the decode
 (catch-up included) and of the whole request (the target's prefill added), its speedup over plain decoding's whole
 request (median per prompt), and greedy mismatches with plain decoding (exactness: always 0).
+
+``--agreement`` measures instead how often the draft's greedy choice is the target's next plain token, fed the
+target's tokens one by one (a first-position acceptance): deterministic, and only the draft's passes to pay per
+window, so that many windows and prompts fit where chains' timings would not.
 """
 
 from __future__ import annotations
@@ -111,11 +115,44 @@ def table(runs: dict[str, list[Measured]], category: str | None) -> list[str]:
     return lines
 
 
+def agreement(draft, prompt: list[int], answer: list[int], width: int | None, head: int) -> float:
+    """How often the draft model's greedy choice is the target's next token of ``answer`` (its plain greedy output),
+    fed them one by one and reading the context through a window: a first-position acceptance, without the noise
+    of a chain's timing and with only the draft's passes to pay."""
+    from exactspec.backends.base import sync
+    from exactspec.proposers.draft_model import ContextWindow
+
+    window, hits = ContextWindow(width, head), 0
+    draft.rollback(0)
+    for position, token in enumerate(answer):
+        hits += int(sync(draft, window.view(prompt + answer[:position]), num_logits=1)[0].argmax()) == token
+    return hits / len(answer)
+
+
+def agreement_rows(loaded, source, windows, prompts, new_tokens: int) -> list[str]:
+    """The markdown rows of --agreement: per category and window, the draft's mean agreement over the prompts."""
+    from exactspec.engine import Engine, GenerationConfig
+    from exactspec.errors import UsageError
+    from exactspec.proposers import NoProposer
+    from exactspec.proposers.draft_model import ForeignDraft
+
+    if isinstance(source, ForeignDraft):
+        raise UsageError("--agreement reads a draft model of the target's vocabulary")
+    plain, found = Engine(loaded.runtime, NoProposer(), loaded.stop_ids), {}
+    for category, prompt in prompts:
+        plain.clear_cache()
+        answer = plain.generate(prompt, GenerationConfig(max_new_tokens=new_tokens)).token_ids
+        for width, head in windows:
+            found.setdefault((category, width, head), []).append(agreement(source, prompt, answer, width, head))
+            print(f"  {category} ({len(prompt)} tokens) W={width} head {head}: {found[category, width, head][-1]:.3f}",
+                  file=sys.stderr, flush=True)
+    return [f"| {category} | {f'{width} tokens, head {head}' if width else 'whole context'} | "
+            f"{statistics.mean(values):.3f} | {len(values)} |" for (category, width, head), values in found.items()]
+
+
 def main(argv: list[str] | None = None) -> int:
     from exactspec.bench.prompts import prompt_script_parser, read_prompts
-    from exactspec.engine import Engine, GenerationConfig
     from exactspec.loading import draft_source, encode_prompt, load_target
-    from exactspec.proposers import NoProposer
     from exactspec.proposers import draft_model as draft_models
 
     parser = prompt_script_parser(__doc__, limit=4)
@@ -125,35 +162,54 @@ def main(argv: list[str] | None = None) -> int:
                         help="the draft's context windows: each W (its last W tokens and the default head), W/H (a "
                         "head of H), or off")
     parser.add_argument("-k", "--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--longest", type=int, default=None, metavar="N",
+                        help="of each category's first --limit prompts, only its N longest (where a window cuts)")
+    parser.add_argument("--agreement", action="store_true",
+                        help="measure the draft's greedy agreement with the target's plain tokens, fed them (no "
+                        "chains, no timings)")
     args = parser.parse_args(argv)
     windows = parse_windows(args.windows, draft_models.DRAFT_WINDOW_HEAD)
 
     loaded = load_target(args.model, threads=args.threads, draft_model=args.draft_model, drafters=("draft-model",))
     source = draft_source("draft-model", loaded.target, loaded.runtime, loaded.draft, loaded.precision)
-    engines = {PLAIN: Engine(loaded.runtime, NoProposer(), loaded.stop_ids)}
-    for width, head in windows:
-        proposer = draft_models.make(loaded.runtime, source, None, window=width, head=head)
-        name = f"draft-model W={width}, head {head}" if width else "draft-model, whole context"
-        engines[name] = Engine(loaded.runtime, proposer, loaded.stop_ids)
-    categories = args.category.split(",") if args.category else [None]
-    prompts = [(p.category, encode_prompt(loaded.target.tokenizer, p.text, None if p.chat else False))
-               for category in categories for p in read_prompts(args.prompts, category, args.limit)]
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens)
-    for engine in list(engines.values())[:2]:  # warm-up: first-call costs (the weights' pages) out of the timings
-        engine.generate(prompts[0][1][:64], GenerationConfig(max_new_tokens=8, num_draft_tokens=4))
-
-    runs = measure(engines, prompts, config)
+    prompts = []
+    for category in args.category.split(",") if args.category else [None]:
+        found = [(p.category, encode_prompt(loaded.target.tokenizer, p.text, None if p.chat else False))
+                 for p in read_prompts(args.prompts, category, args.limit)]
+        prompts += sorted(found, key=lambda prompt: -len(prompt[1]))[: args.longest] if args.longest else found
     lengths = [len(ids) for _, ids in prompts]
-    print(f"{len(prompts)} prompts ({min(lengths)}-{max(lengths)} tokens, mean {statistics.mean(lengths):.0f}), "
-          f"{args.max_new_tokens} new tokens, k = {args.num_draft_tokens}, greedy, "
-          f"{getattr(loaded.runtime, 'threads', None) or args.threads} threads")
-    print("")
+    heading = (f"{len(prompts)} prompts ({min(lengths)}-{max(lengths)} tokens, mean {statistics.mean(lengths):.0f}), "
+               f"{args.max_new_tokens} new tokens, greedy, "
+               f"{getattr(loaded.runtime, 'threads', None) or args.threads} threads")
+    if args.agreement:
+        rows = agreement_rows(loaded, source, windows, prompts, args.max_new_tokens)
+        print(f"{heading}; the draft's greedy agreement with the target's tokens\n")
+        print("| category | the draft reads | agreement | prompts |\n|---|---|---:|---:|\n" + "\n".join(rows))
+        return 0
+    runs = chains(loaded, source, windows, prompts, args.max_new_tokens, args.num_draft_tokens)
+    print(f"{heading}, k = {args.num_draft_tokens}\n")
     print("| category | drafter | acceptance | tokens/round | catch-up s | decode tokens/s | request tokens/s | "
           "speedup | greedy mismatches |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for category in dict.fromkeys([m.category for m in runs[PLAIN]] + [None]):
         print("\n".join(table(runs, category)))
     return 0
+
+
+def chains(loaded, source, windows, prompts, new_tokens: int, k: int) -> dict[str, list[Measured]]:
+    """Plain decoding and the draft model at each window, drafting chains of k on every prompt."""
+    from exactspec.engine import Engine, GenerationConfig
+    from exactspec.proposers import NoProposer
+    from exactspec.proposers import draft_model as draft_models
+
+    engines = {PLAIN: Engine(loaded.runtime, NoProposer(), loaded.stop_ids)}
+    for width, head in windows:
+        proposer = draft_models.make(loaded.runtime, source, None, window=width, head=head)
+        name = f"draft-model W={width}, head {head}" if width else "draft-model, whole context"
+        engines[name] = Engine(loaded.runtime, proposer, loaded.stop_ids)
+    for engine in list(engines.values())[:2]:  # warm-up: first-call costs (the weights' pages) out of the timings
+        engine.generate(prompts[0][1][:64], GenerationConfig(max_new_tokens=8, num_draft_tokens=4))
+    return measure(engines, prompts, GenerationConfig(max_new_tokens=new_tokens, num_draft_tokens=k))
 
 
 if __name__ == "__main__":
