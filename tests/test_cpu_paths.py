@@ -55,14 +55,20 @@ for group in (32, 16):  # bytes with a scale and offset per group, multiplied in
     grids.append(grid := byte_grid(torch.randint(0, 256, (45, 512), dtype=torch.uint8),
                                    torch.rand(45, 512 // group) / 50, torch.randn(45, 512 // group) / 10))
     products += [native.MatrixProduct(grid.struct(kind)) for kind in ("float", "integer")]
-from exactspec.backends.fused.stored import StoredMatrix, packed_k, packed_q8
+from exactspec.backends.fused.stored import StoredMatrix, packed_k, packed_q8, packed_rows
 narrow_as_bytes = True
 def halves(t):  # values a float16 holds
     return t.half().float()
-for name in ("int4", "int5", "int4_k", "int5_k", "int6_k"):  # 4, 5 bits with float16 scales; a K-quant's integers
+for name in ("int4", "int5", "int4_k", "int5_k", "int3_r", "int6_k"):  # 4, 5 bits with float16 scales; a K-quant's
+    # integers; 3 bits with integer scales and mins up to 255 under each row's floats (a draft-grade copy's)
     bits, group = int(name[3]), 16 if name == "int6_k" else 32
     q = torch.randint(0, 2**bits, (45, 512), dtype=torch.uint8)
-    if not name.endswith("_k"):
+    if name == "int3_r":
+        sc, mn = (torch.randint(0, 256, (45, 16), dtype=torch.uint8) for _ in range(2))
+        d, dmin = torch.rand(45) / 500, torch.rand(45) / 500
+        scale, offset = d[:, None] * sc.float(), -(dmin[:, None] * mn.float())
+        packed = packed_rows(q, sc, mn, d, dmin)
+    elif not name.endswith("_k"):
         scale, offset = halves(torch.rand(45, 512 // group) / 50), halves(torch.randn(45, 512 // group) / 10)
         packed = packed_q8(q, scale, offset, bits)
     else:  # per 256 inputs a float16 d (and dmin), per group an integer scale (and min)
@@ -144,7 +150,7 @@ def test_row_kernels_compute_each_row_alone():
     the remainders), and on a team of one thread or two (each output is reduced by one thread); the attention
     scores a kv head's queries of a sequence's rows together, each as it is alone (with a window and a soft cap,
     listed key columns, and keys too many for scratch to hold more than one query's scores); 4- and 5-bit weights
-    give the bits their bytes give, and 6-bit weights their values; a matrix of two formats gives each part's rows
+    give the bits their bytes give (3-bit too), and 6-bit weights their values; a matrix of two formats gives each part's rows
     the bits the part gives alone."""
     if native.unavailable():
         pytest.skip(native.unavailable())

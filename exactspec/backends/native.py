@@ -34,6 +34,7 @@ class Format(NamedTuple):
     value_bytes: int  # a value's (a float format's), else 0
     block_bytes: int  # a block's of 8 rows x 32 inputs (a blocked format's), else 0
     super_bytes: int  # a super-block's of 8 rows x 256 inputs (a K format's, its blocks inside), else 0
+    head_bytes: int = 0  # the head before 8 rows' blocks (a row-scaled format's: the rows' floats), else 0
 
 
 # The weight formats in fused.h's order: a format's number (Matrix.format) is its place. The library's own table
@@ -50,7 +51,8 @@ FORMATS = (
     # in integer products only, int4 and int5: 4 and 5 bits with a float16 scale and offset per 32 (Q4_0's, Q4_1's,
     # Q5_0's, Q5_1's: block_q4x8, block_q5x8); the K-quants' own integer scales under a float per 256 inputs:
     # int6_k, 6 bits with a scale per 16 and the offset -32 times it (Q6_K's: super_q6x8), and int4_k and int5_k, 4
-    # and 5 bits with a scale and a min per 32 (Q4_K's, Q5_K's: super_q4k8, super_q5k8)
+    # and 5 bits with a scale and a min per 32 (Q4_K's, Q5_K's: super_q4k8, super_q5k8); int3_r, 3 bits with an
+    # integer scale and min per 32 under each row's floats (no GGUF type's: a draft-grade copy's; rows_q3r8)
     Format("Q8I", "int8", True, 0, 320, 0),
     Format("Q8HI", "int8_group16", True, 0, 384, 0),
     Format("Q4I", "int4", True, 0, 160, 0),
@@ -58,6 +60,7 @@ FORMATS = (
     Format("Q4KI", "int4_k", True, 0, 128, 1216),
     Format("Q5I", "int5", True, 0, 192, 0),
     Format("Q5KI", "int5_k", True, 0, 160, 1472),
+    Format("Q3RI", "int3_r", True, 0, 112, 0, 64),
 )
 # the formats' numbers by the weights' name: multiplied in floats, and in integers
 FORMAT = {f.weights: number for number, f in enumerate(FORMATS) if not f.integer}
@@ -116,12 +119,13 @@ class _FormatRow(ctypes.Structure):
 
     _fields_ = [("name", ctypes.c_char_p), ("weights", ctypes.c_char_p), ("number", ctypes.c_int),
                 ("integer", ctypes.c_int), ("value_bytes", ctypes.c_int), ("block_bytes", ctypes.c_int),
-                ("super_bytes", ctypes.c_int)]
+                ("super_bytes", ctypes.c_int), ("head_bytes", ctypes.c_int)]
 
 
 # the blocked formats' bytes per 8 rows: a block of 32 inputs (bytes, or 4 or 5 bits, with their scales and
 # offsets), or for the K formats a super-block of 256 inputs (8 blocks' bits, then their scales)
 Q8_BLOCK_BYTES = {f.weights: f.block_bytes for f in FORMATS if f.block_bytes and not f.super_bytes}
+HEAD_BYTES = {f.weights: f.head_bytes for f in FORMATS if f.head_bytes}
 SUPER_BYTES = {f.weights: f.super_bytes for f in FORMATS if f.super_bytes}
 # what sd_struct_sizes reports, in its order (the blocks' sizes are in the format table)
 STRUCT_SIZES = {"Model": ctypes.sizeof(Model), "Layer": ctypes.sizeof(Layer), "Cache": ctypes.sizeof(Cache),
@@ -129,8 +133,10 @@ STRUCT_SIZES = {"Model": ctypes.sizeof(Model), "Layer": ctypes.sizeof(Layer), "C
 
 
 def group_bytes(name: str, inputs: int) -> int:
-    """The bytes of 8 rows of ``inputs`` inputs in a blocked format: their blocks, or their super-blocks."""
-    return inputs // 256 * SUPER_BYTES[name] if name in SUPER_BYTES else inputs // 32 * Q8_BLOCK_BYTES[name]
+    """The bytes of 8 rows of ``inputs`` inputs in a blocked format: their head (a row-scaled format's), then their
+    blocks, or their super-blocks."""
+    blocks = inputs // 256 * SUPER_BYTES[name] if name in SUPER_BYTES else inputs // 32 * Q8_BLOCK_BYTES[name]
+    return HEAD_BYTES.get(name, 0) + blocks
 
 
 def cpu_lacks() -> list[str]:
@@ -185,7 +191,7 @@ def _differing_formats(loaded: ctypes.CDLL) -> list[str]:
     differing = []
     for number, (declared, row) in enumerate(zip(FORMATS, rows[:count])):
         reported = Format(row.name.decode(), row.weights.decode(), bool(row.integer), row.value_bytes,
-                          row.block_bytes, row.super_bytes)
+                          row.block_bytes, row.super_bytes, row.head_bytes)
         differing += [f"{declared.name} {field} {theirs}/{ours}"
                       for field, theirs, ours in zip(("number", *Format._fields), (row.number, *reported),
                                                      (number, *declared)) if theirs != ours]

@@ -24,17 +24,17 @@ DRAFT_GRADE_VERSION = 1  # what a draft-grade copy holds and how it is made; up 
 @dataclass(frozen=True)
 class DraftGrade:
     """What a draft model's draft-grade copy keeps (a runtime that makes them: ``RuntimeKind.draft_from_file``):
-    ``bits`` 4 (its matrices stored in more bits re-quantised to 4) or None (as stored), and whether its LM head is
-    cut to a draft vocabulary (``vocabulary``: the tokens its tokenizer writes most often, chosen as the copy is
-    made). Exactness lives in the verifier and the target's bits: a draft-grade copy moves acceptance and cost
-    alone."""
+    ``bits`` 4 (its matrices stored in more bits re-quantised to 4), 3 (all re-quantised to 3) or None (as stored),
+    and whether its LM head is cut to a draft vocabulary (``vocabulary``: the tokens its tokenizer writes most often,
+    chosen as the copy is made). Exactness lives in the verifier and the target's bits: a draft-grade copy moves
+    acceptance and cost alone."""
 
     bits: int | None = 4
     vocabulary: bool = True
 
     def __post_init__(self) -> None:
-        if self.bits not in (None, 4):
-            raise ValueError(f"a draft-grade copy keeps 4 bits or the stored ones, not {self.bits}")
+        if self.bits not in (None, 3, 4):
+            raise ValueError(f"a draft-grade copy keeps 3 or 4 bits or the stored ones, not {self.bits}")
 
     @property
     def label(self) -> str:

@@ -8,9 +8,10 @@ checksum per matrix, a version, killed writes' partial files removed), and memor
 - a **draft vocabulary**: the LM head cut to the N tokens the draft's tokenizer writes most often (counted on a corpus
   that ships with exactspec: ``draft_vocabulary.py``), each other token's logit -inf (q = 0, which every exact rule
   takes in its stride). On Qwen2.5's 151,936-token head that is most of a small model's bytes;
-- **fewer bits**: each matrix stored in more than 4 bits (Q5_0, Q6_K, Q8_0, floats) re-quantised to 4 bits with a
-  float16 scale and offset per 32 inputs (the kernels' ``int4``: what Q4_1 is), the head's kept rows too; those
-  already in 4 bits (Q4_0, Q4_1, Q4_K) kept as stored;
+- **fewer bits**: 4 bits, each matrix stored in more (Q5_0, Q6_K, Q8_0, floats) re-quantised with a float16 scale
+  and offset per 32 inputs (the kernels' ``int4``: what Q4_1 is), the head's kept rows too, and those already in 4
+  bits (Q4_0, Q4_1, Q4_K) kept as stored; or 3 bits, every matrix re-quantised with an integer scale and min per 32
+  inputs under each row's floats (the kernels' ``int3_r``, 0.44 bytes a weight against int4's 0.625);
 - the embedding of each draft-vocabulary token (float32, as the runtime embeds it), so that a whole chain of draft
   tokens runs in one C call, each drafted token embedded there.
 
@@ -38,13 +39,20 @@ from exactspec.backends.fused.runtime import (
     gguf_unavailable,
     weights_of,
 )
-from exactspec.backends.fused.stored import NARROW, StoredMatrix, matrix_rows, packed_chunks, packed_grid, packed_q8
+from exactspec.backends.fused.stored import (
+    NARROW,
+    StoredMatrix,
+    matrix_rows,
+    packed_chunks,
+    packed_grid,
+    packed_q8,
+    packed_rows,
+)
 from exactspec.backends.gguf_file import GGUFFile, Tensor, dequantized
 from exactspec.backends.runtime_kind import DraftGrade
 
 KEPT_AS_STORED = ("int4", "int4_k")  # formats of 4 to 4.5 bits a weight: already draft-grade
 GROUP = 32  # inputs per scale and offset of the re-quantised matrices
-LEVELS = 15  # 4 bits: q in 0..15
 RANGE_SHARES = (1.0, 0.9)  # the starting ranges of a group's levels tried: its whole span, the middle nine tenths
 REFITS = 2  # least-squares refits of each range to its levels
 
@@ -127,40 +135,74 @@ def _matrices(source: GGUFFile, spec, grade: DraftGrade, ids: np.ndarray) -> lis
 
 def _draft_matrix(tensors: list[Tensor], orders: list[np.ndarray], bits: int | None) -> StoredMatrix:
     """The tensors' rows in ``orders``: as stored where ``bits`` is None or all are kept as stored; else a part per
-    tensor, each kept as stored or re-quantised to 4 bits (all re-quantised where a part would end inside a block of
-    8 rows)."""
-    kept = [bits is None or NARROW.get(t.type_name) in KEPT_AS_STORED for t in tensors]
+    tensor, each kept as stored or re-quantised to ``bits`` (all re-quantised where a part would end inside a block
+    of 8 rows). Only 4 bits keeps a stored format (KEPT_AS_STORED): 3 bits re-quantises all."""
+    kept = [bits is None or (bits == 4 and NARROW.get(t.type_name) in KEPT_AS_STORED) for t in tensors]
     if all(kept):
         return packed_grid(tensors, orders, narrow=True)
     if any(kept) and all(len(order) % 8 == 0 for order in orders[:-1]):
-        parts = [packed_grid([t], [o], narrow=True) if keep else _requantized([t], [o])
+        parts = [packed_grid([t], [o], narrow=True) if keep else _requantized([t], [o], bits)
                  for t, o, keep in zip(tensors, orders, kept)]
         for part, following in zip(parts, parts[1:]):
             part.rest = following
         return parts[0]
-    return _requantized(tensors, orders)
+    return _requantized(tensors, orders, bits)
 
 
-def _requantized(tensors: list[Tensor], orders: list[np.ndarray]) -> StoredMatrix:
-    """The tensors' rows in ``orders`` re-quantised to 4 bits per weight, a chunk of rows at a time."""
+def _requantized(tensors: list[Tensor], orders: list[np.ndarray], bits: int) -> StoredMatrix:
+    """The tensors' rows in ``orders`` re-quantised to ``bits`` (4: int4; 3: int3_r) a weight, a chunk of rows at a
+    time."""
+    if bits == 3:
+        return packed_chunks(tensors, orders, "int3_r", lambda chunk, _: three_bits(dequantized(chunk)))
     return packed_chunks(tensors, orders, "int4", lambda chunk, _: four_bits(dequantized(chunk)))
+
+
+def three_bits(values: np.ndarray) -> torch.Tensor:  # [out, in] float32 -> packed uint8
+    """Weights [out, in] as :func:`three_bits_values` puts them on 8 levels, packed as the kernels' int3_r tiles read
+    them."""
+    return packed_rows(*(torch.from_numpy(part) for part in three_bits_values(values)))
 
 
 def four_bits(values: np.ndarray) -> torch.Tensor:  # [out, in] float32 -> packed uint8
     """Weights [out, in] on 16 levels per 32 inputs, w = d q + m (q in 0..15; d and m float16), packed as the kernels'
-    int4 tiles read them. Each group's d and m: of two starting ranges (its least to its greatest, and the middle
-    nine tenths of that), each refitted to its rounded levels by least squares (REFITS times), the one with the
-    smaller squared error: 12% less error than the range alone on Qwen2.5-0.5B's Q5_0 matrices."""
+    int4 tiles read them. Each group's d and m: :func:`_fitted` on 16 levels, rounded to float16 (12% less error than
+    the range alone on Qwen2.5-0.5B's Q5_0 matrices)."""
     out, inputs = values.shape
     groups = values.reshape(out, inputs // GROUP, GROUP).astype(np.float32)
+    q, scale, offset = _fitted(groups, 15, lambda scale, offset: (_half(scale), _half(offset)))
+    return packed_q8(torch.from_numpy(q.reshape(out, inputs)), torch.from_numpy(scale), torch.from_numpy(offset),
+                     bits=4)
+
+
+def three_bits_values(values: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Weights [out, in] on 8 levels per 32 inputs under integer scales: w = (d sc) q - (dmin mn), q in 0..7, sc and
+    mn in 0..255 per 32 inputs, d and dmin float32 per row. Each group's scale and offset as :func:`_fitted` finds
+    them (its offset at most 0: mn is a min), then rounded to its row's integer steps and its levels chosen again.
+    Returns q [out, in] (uint8), sc and mn [out, in / 32] (uint8), d and dmin [out] (float32)."""
+    out, inputs = values.shape
+    groups = values.reshape(out, inputs // GROUP, GROUP).astype(np.float32)
+    _, scale, offset = _fitted(groups, 7, lambda scale, offset: (scale, np.minimum(offset, 0)))
+    mins = -offset
+    d, dmin = scale.max(-1) / 255, mins.max(-1) / 255
+    sc = np.rint(scale / np.where(d > 0, d, 1)[:, None]).clip(0, 255)
+    mn = np.rint(mins / np.where(dmin > 0, dmin, 1)[:, None]).clip(0, 255)
+    q = _levels(groups, (d[:, None] * sc).astype(np.float32), (-(dmin[:, None] * mn)).astype(np.float32), 7)
+    return q.reshape(out, inputs), sc.astype(np.uint8), mn.astype(np.uint8), d.astype(np.float32), \
+        dmin.astype(np.float32)
+
+
+def _fitted(groups: np.ndarray, levels: int, rounded: Callable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each group's levels q (0..levels), scale d and offset m, w = d q + m: of two starting ranges (its least to its
+    greatest, and the middle nine tenths of that), each refitted to its levels by least squares (REFITS times) and
+    made storable (``rounded(d, m)``), the one with the smaller squared error."""
     low, high = groups.min(-1), groups.max(-1)
     best_q = best_scale = best_offset = best_error = None
     for share in RANGE_SHARES:
-        scale, offset = (high - low) * share / LEVELS, low + (high - low) * (1 - share) / 2
+        scale, offset = (high - low) * share / levels, low + (high - low) * (1 - share) / 2
         for _ in range(REFITS):
-            scale, offset = _refitted(groups, _levels(groups, scale, offset), scale, offset)
-        scale, offset = _half(scale), _half(offset)
-        q = _levels(groups, scale, offset)
+            scale, offset = _refitted(groups, _levels(groups, scale, offset, levels), scale, offset)
+        scale, offset = rounded(scale, offset)
+        q = _levels(groups, scale, offset, levels)
         error = np.square(q * scale[..., None] + offset[..., None] - groups).sum(-1)
         if best_error is None:
             best_q, best_scale, best_offset, best_error = q, scale, offset, error
@@ -169,8 +211,7 @@ def four_bits(values: np.ndarray) -> torch.Tensor:  # [out, in] float32 -> packe
             best_q = np.where(better[..., None], q, best_q)
             best_scale, best_offset = np.where(better, scale, best_scale), np.where(better, offset, best_offset)
             best_error = np.minimum(error, best_error)
-    return packed_q8(torch.from_numpy(best_q.reshape(out, inputs)), torch.from_numpy(best_scale),
-                     torch.from_numpy(best_offset), bits=4)
+    return best_q, best_scale, best_offset
 
 
 def _half(values: np.ndarray) -> np.ndarray:
@@ -178,10 +219,10 @@ def _half(values: np.ndarray) -> np.ndarray:
     return values.astype(np.float16).astype(np.float32)
 
 
-def _levels(groups: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray:  # uint8 [out, groups, 32]
-    """Each weight's nearest level of its group's d q + m, q in 0..15 (0 where d is 0)."""
+def _levels(groups: np.ndarray, scale: np.ndarray, offset: np.ndarray, levels: int) -> np.ndarray:
+    """Each weight's nearest level of its group's d q + m, q in 0..levels (0 where d is 0)."""
     safe = np.where(scale > 0, scale, 1.0)[..., None]
-    q = np.clip(np.rint((groups - offset[..., None]) / safe), 0, LEVELS)
+    q = np.clip(np.rint((groups - offset[..., None]) / safe), 0, levels)
     return np.where((scale > 0)[..., None], q, 0).astype(np.uint8)
 
 

@@ -3,18 +3,18 @@
 #include "fused.h"
 
 /* FORMATS' integer column is INTEGER()'s, which the product code tests. */
-#define SAME_INTEGER(name, weights, integer, value_bytes, block_bytes, super_bytes)                                \
+#define SAME_INTEGER(name, weights, integer, value_bytes, block_bytes, super_bytes, head_bytes)                    \
     static_assert(INTEGER(name) == (integer), #name ": INTEGER() and FORMATS differ");
 FORMATS(SAME_INTEGER)
 
 /* A format as native.py reads it (native._FormatRow). */
 typedef struct {
     const char *name, *weights; /* its enum's name; exactspec's name for the weights */
-    int number, integer, value_bytes, block_bytes, super_bytes;
+    int number, integer, value_bytes, block_bytes, super_bytes, head_bytes;
 } FormatRow;
 
-#define FORMAT_ROW(name, weights, integer, value_bytes, block_bytes, super_bytes)                                  \
-    {#name, weights, name, integer, value_bytes, block_bytes, super_bytes},
+#define FORMAT_ROW(name, weights, integer, value_bytes, block_bytes, super_bytes, head_bytes)                      \
+    {#name, weights, name, integer, value_bytes, block_bytes, super_bytes, head_bytes},
 static const FormatRow FORMAT_ROWS[] = {FORMATS(FORMAT_ROW)};
 
 /* The weight formats (FORMATS), in the order of their numbers: *rows points at them; returns how many. */

@@ -207,28 +207,45 @@ typedef struct {
 } super_q5k8;
 static_assert(sizeof(super_q5k8) == 1472, "super_q5k8: 8 x 160 bytes of bits, 2 x 64 of scales, 2 x 8 floats");
 
+/* Q3RI: 3-bit weights (q < 8, w = (d sc) q - (dmin mn)) with an integer scale and min per 32 inputs (sc and mn up
+ * to 255) under each row's float d and dmin: no GGUF type's, a draft-grade copy's (draft_grade.py), for inputs of
+ * any multiple of 32 (a K format's need 256). A matrix's 8 rows are their head, rows_q3r8 (the rows' d and -dmin),
+ * then their blocks: each block_q3r8 holds the low 2 bits of quad 4p + k in bits 2k and 2k + 1 of q[p], 32 bytes
+ * whose bit g is quad g's third bit, then the 8 rows' sc and mn (0.44 bytes a weight, the head aside). */
+typedef struct {
+    uint8_t q[2][32], hi[32];
+    uint8_t sc[8], mn[8];
+} block_q3r8;
+typedef struct {
+    float d[8], dmin[8]; /* dmin negated, as super_q4k8's */
+    block_q3r8 blocks[];
+} rows_q3r8;
+static_assert(sizeof(block_q3r8) == 112 && sizeof(rows_q3r8) == 64, "block_q3r8: 96 bytes of bits, 16 of scales");
+
 /* How a weight matrix is stored (Matrix.format), each format once, in the order of their numbers: its name here;
  * how exactspec names the weights (native.py); whether its products are integer (each row's inputs quantised to bytes,
- * below); and the bytes of a value (a float format's), of a block of 8 rows x 32 inputs (a blocked format's), and of
- * a super-block of 8 rows x 256 inputs (a K format's, its blocks inside). Q8I and Q8HI: Q8 and Q8H's bytes,
- * multiplied in integers; Q4I, Q4KI (nibbles), Q5I, Q5KI (5 bits) and Q6I (6 bits): in integers only. formats.c
- * gives this table to native.py (sd_formats), which checks its own against it value by value at load. */
+ * below); and the bytes of a value (a float format's), of a block of 8 rows x 32 inputs (a blocked format's), of a
+ * super-block of 8 rows x 256 inputs (a K format's, its blocks inside), and of the head before each 8 rows' blocks
+ * (a row-scaled format's). Q8I and Q8HI: Q8 and Q8H's bytes, multiplied in integers; Q4I, Q4KI (nibbles), Q5I,
+ * Q5KI (5 bits), Q6I (6 bits) and Q3RI (3 bits): in integers only. formats.c gives this table to native.py
+ * (sd_formats), which checks its own against it value by value at load. */
 #define FORMATS(X)                                                                                                 \
-    X(F16, "float16", 0, 2, 0, 0)                                                                                  \
-    X(Q8, "int8", 0, 0, sizeof(block_q8x8), 0)                                                                     \
-    X(F32, "float32", 0, 4, 0, 0)                                                                                  \
-    X(BF16, "bfloat16", 0, 2, 0, 0)                                                                                \
-    X(Q8H, "int8_group16", 0, 0, sizeof(block_q8x16), 0)                                                           \
-    X(Q8I, "int8", 1, 0, sizeof(block_q8x8), 0)                                                                    \
-    X(Q8HI, "int8_group16", 1, 0, sizeof(block_q8x16), 0)                                                         \
-    X(Q4I, "int4", 1, 0, sizeof(block_q4x8), 0)                                                                    \
-    X(Q6I, "int6_k", 1, 0, sizeof(block_q6x8), sizeof(super_q6x8))                                                \
-    X(Q4KI, "int4_k", 1, 0, sizeof(block_q4k8), sizeof(super_q4k8))                                               \
-    X(Q5I, "int5", 1, 0, sizeof(block_q5x8), 0)                                                                    \
-    X(Q5KI, "int5_k", 1, 0, sizeof(block_q5k8), sizeof(super_q5k8))
-#define FORMAT_NAME(name, weights, integer, value_bytes, block_bytes, super_bytes) name,
+    X(F16, "float16", 0, 2, 0, 0, 0)                                                                                  \
+    X(Q8, "int8", 0, 0, sizeof(block_q8x8), 0, 0)                                                                     \
+    X(F32, "float32", 0, 4, 0, 0, 0)                                                                                  \
+    X(BF16, "bfloat16", 0, 2, 0, 0, 0)                                                                                \
+    X(Q8H, "int8_group16", 0, 0, sizeof(block_q8x16), 0, 0)                                                           \
+    X(Q8I, "int8", 1, 0, sizeof(block_q8x8), 0, 0)                                                                    \
+    X(Q8HI, "int8_group16", 1, 0, sizeof(block_q8x16), 0, 0)                                                         \
+    X(Q4I, "int4", 1, 0, sizeof(block_q4x8), 0, 0)                                                                    \
+    X(Q6I, "int6_k", 1, 0, sizeof(block_q6x8), sizeof(super_q6x8), 0)                                                \
+    X(Q4KI, "int4_k", 1, 0, sizeof(block_q4k8), sizeof(super_q4k8), 0)                                               \
+    X(Q5I, "int5", 1, 0, sizeof(block_q5x8), 0, 0)                                                                    \
+    X(Q5KI, "int5_k", 1, 0, sizeof(block_q5k8), sizeof(super_q5k8), 0)                                               \
+    X(Q3RI, "int3_r", 1, 0, sizeof(block_q3r8), 0, sizeof(rows_q3r8))
+#define FORMAT_NAME(name, weights, integer, value_bytes, block_bytes, super_bytes, head_bytes) name,
 enum { FORMATS(FORMAT_NAME) FORMAT_COUNT };
-#define INTEGER(format) ((format) >= Q8I && (format) <= Q5KI) /* the integer formats (the enum's last) */
+#define INTEGER(format) ((format) >= Q8I && (format) <= Q3RI) /* the integer formats (the enum's last) */
 #define SETS(format) ((format) == Q8HI || (format) == Q6I ? 2 : 1) /* an integer format's sets per 32 inputs */
 #define BLOCKED(format) ((format) == Q8 || (format) == Q8H || INTEGER(format))
 
@@ -265,10 +282,12 @@ static inline int64_t block_of(const Quantised *x, int row, int block) { return 
 #define OFFSET_AVX2_Q4 0
 #define OFFSET_AVX2_Q6 (-32)
 #define OFFSET_AVX2_Q5 0
+#define OFFSET_AVX2_Q3 0
 #define OFFSET_VNNI_Q8 0
 #define OFFSET_VNNI_Q4 0
 #define OFFSET_VNNI_Q6 (-32)
 #define OFFSET_VNNI_Q5 0
+#define OFFSET_VNNI_Q3 0
 #define OFFSET_OF(ISA, format)                                                                                     \
     ((format) == Q6I ? OFFSET_##ISA##_Q6 : (format) == Q8I || (format) == Q8HI ? OFFSET_##ISA##_Q8 : OFFSET_##ISA##_Q4)
 

@@ -33,7 +33,8 @@ from exactspec.cachefile import cache_root
 
 MAGIC = b"SDPACK\x00\x01"
 LAYOUT_VERSION = 9  # the C kernels' block_q8x8, block_q8x16, block_q4x8, block_q5x8, super_q4k8, super_q5k8, super_q6x8
-# and float tiles, and which GGUF formats each holds, and what a checksum covers; up it when any changes
+# and float tiles, and which GGUF formats each holds, and what a checksum covers; up it when any changes (a format
+# added, as rows_q3r8 was, changes none: only a version that knows it writes it)
 ALIGNMENT = 64
 
 

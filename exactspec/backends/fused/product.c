@@ -2,21 +2,23 @@
  * tables in fused.h), the outputs shared among the team (sd_product; the pass calls product). */
 #include "fused.h"
 
-#define VALUE_BYTES_OF(name, weights, integer, value_bytes, block_bytes, super_bytes) [name] = value_bytes,
-#define BLOCK_BYTES_OF(name, weights, integer, value_bytes, block_bytes, super_bytes) [name] = block_bytes,
-#define SUPER_BYTES_OF(name, weights, integer, value_bytes, block_bytes, super_bytes) [name] = super_bytes,
+#define VALUE_BYTES_OF(name, weights, integer, value_bytes, block_bytes, super_bytes, head) [name] = value_bytes,
+#define BLOCK_BYTES_OF(name, weights, integer, value_bytes, block_bytes, super_bytes, head) [name] = block_bytes,
+#define SUPER_BYTES_OF(name, weights, integer, value_bytes, block_bytes, super_bytes, head) [name] = super_bytes,
+#define HEAD_BYTES_OF(name, weights, integer, value_bytes, block_bytes, super_bytes, head) [name] = head,
 static const int VALUE_BYTES[] = {FORMATS(VALUE_BYTES_OF)}; /* the float formats' */
 static const int BLOCK_BYTES[] = {FORMATS(BLOCK_BYTES_OF)}; /* per 8 rows x 32 */
 static const int SUPER_BYTES[] = {FORMATS(SUPER_BYTES_OF)}; /* per 8 rows x 256 inputs, the K formats' */
+static const int HEAD_BYTES[] = {FORMATS(HEAD_BYTES_OF)};   /* before 8 rows' blocks, the row-scaled formats' */
 
-static const int GEMM_MOST[] = {[Q8I] = 12, [Q8HI] = 8, [Q4I] = 12, [Q6I] = 8, [Q4KI] = 12, [Q5I] = 12, [Q5KI] = 12};
+static const int GEMM_MOST[] = {[Q8I] = 12, [Q8HI] = 8, [Q4I] = 12, [Q6I] = 8, [Q4KI] = 12, [Q5I] = 12, [Q5KI] = 12, [Q3RI] = 12};
 /* The fewest rows the GEMM tiles take, per format: fewer stream the weights from memory, where the row tiles' one
  * stream and their more chains per row were measured faster (a pass over 2 rows of the default model cost 1.5x one
  * through the GEMM tiles, 1.04x through the row tiles; 4 and 5 rows of the 1.5B's nibbles 1.16x and 1.25x one
  * through the row tiles, 1.37x and 1.44x through the GEMM tiles); from these counts on (the bytes' measured on a
  * matrix of the default model's LM head's shape, streamed) the GEMM tiles were as fast or faster, by 1.2-1.5x where
  * arithmetic paces a pass. Both give the same bits. */
-static const int GEMM_FROM[] = {[Q8I] = 8, [Q8HI] = 6, [Q4I] = 6, [Q6I] = 6, [Q4KI] = 6, [Q5I] = 6, [Q5KI] = 6};
+static const int GEMM_FROM[] = {[Q8I] = 8, [Q8HI] = 6, [Q4I] = 6, [Q6I] = 6, [Q4KI] = 6, [Q5I] = 6, [Q5KI] = 6, [Q3RI] = 6};
 
 /* out[r][j] for `rows` rows (up to GROUP, or GROUP512 with AVX-512) and the 8 rows of the block at w: in one
  * tile (float weights on AVX-512), else in tiles of `width` rows of the block, one after another. */
@@ -37,9 +39,11 @@ static void tile(int format, const void *w, int in, const float *x, int64_t ldx,
     }
 }
 
-/* The bytes of a blocked format's 8 weight rows of `in` inputs: their blocks, or (K formats) super-blocks. */
+/* The bytes of a blocked format's 8 weight rows of `in` inputs: their head (row-scaled formats), then their blocks,
+ * or (K formats) super-blocks. */
 static int64_t group_bytes(int format, int in) {
-    return SUPER_BYTES[format] ? (int64_t)(in / 256) * SUPER_BYTES[format] : (int64_t)(in / 32) * BLOCK_BYTES[format];
+    return HEAD_BYTES[format] +
+           (SUPER_BYTES[format] ? (int64_t)(in / 256) * SUPER_BYTES[format] : (int64_t)(in / 32) * BLOCK_BYTES[format]);
 }
 
 /* Where the block of weight rows o..o+7 (o a multiple of 8) of a matrix with `in` inputs starts. */

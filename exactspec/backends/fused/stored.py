@@ -128,6 +128,20 @@ def packed_k(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, d
     return torch.cat(per_super, dim=-1).flatten()
 
 
+def packed_rows(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
+                ) -> torch.Tensor:  # uint8
+    """3-bit integers q [out, in] with w = (d sc) q - (dmin mn), sc and mn [out, in / 32] (uint8) and d and dmin [out]
+    (float32), as the C kernels' int3_r reads them: per 8 rows (the last padded with zeros), their d and -dmin, then
+    their blocks of 32 inputs, each its quads in 3 bits (:func:`_quads`) and the 8 rows' sc, then their mn
+    (``rows_q3r8``, ``block_q3r8``)."""
+    rows, blocks = -(-q.shape[0] // 8) * 8, q.shape[1] // 32
+    q, scales, mins, d, dmin = (_padded(t, rows) for t in (q, scales, mins, d, dmin))
+    head = torch.stack([d, -dmin], dim=1).float().reshape(rows // 8, 8, 2).permute(0, 2, 1).contiguous()
+    parts = [_quads(q, 3), _per_block(scales, blocks, torch.uint8), _per_block(mins, blocks, torch.uint8)]
+    body = torch.cat(parts, dim=-1).reshape(rows // 8, -1)
+    return torch.cat([head.view(torch.uint8).reshape(rows // 8, -1), body], dim=-1).flatten()
+
+
 def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
     """t's rows, then zeros up to ``rows``."""
     return t if t.shape[0] == rows else torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
@@ -137,12 +151,18 @@ def _quads(q: torch.Tensor, bits: int) -> torch.Tensor:  # uint8 [rows / 8, bloc
     """q [rows, in] (rows a multiple of 8) as blocks of 8 rows x 32 inputs, each 8 quads of 8 rows x 4 bytes (quad g:
     inputs 4g..4g+3, row j's at 4j); ``bits`` 4 (q < 16): quad 2p in the low nibbles of 32 bytes, 2p + 1 in their
     high; 5 (q < 32): the low nibbles so, then 32 bytes whose bit g is quad g's fifth bit; 6 (q < 64): the low
-    nibbles so, then the top 2 bits of quad 4h + k in bits 2k, 2k + 1 of the h-th 32 bytes."""
+    nibbles so, then the top 2 bits of quad 4h + k in bits 2k, 2k + 1 of the h-th 32 bytes; 3 (q < 8): the low 2 bits
+    of quad 4p + k in bits 2k, 2k + 1 of the p-th 32 bytes, then 32 bytes whose bit g is quad g's third bit."""
     rows, inputs = q.shape
     blocks = inputs // 32
     q = q.reshape(rows // 8, 8, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(rows // 8, blocks, 8, 32)
     if bits == 8:
         return q.reshape(rows // 8, blocks, -1)
+    if bits == 3:
+        low = (q & 0x03).reshape(rows // 8, blocks, 2, 4, 32) << (2 * torch.arange(4, dtype=torch.uint8))[:, None]
+        third = ((q >> 2) & 1) << torch.arange(8, dtype=torch.uint8)[:, None]
+        return torch.cat([low.sum(dim=3, dtype=torch.uint8).reshape(rows // 8, blocks, -1),
+                          third.sum(dim=2, dtype=torch.uint8)], dim=-1)  # distinct bits: their sum is their or
     low = q & 0x0F
     parts = [(low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(rows // 8, blocks, -1)]
     if bits == 5:

@@ -65,7 +65,8 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 add_set(__m256 acc
  *
  * Set t's scales d (SCALES_*) and offsets m (OFFSETS_*) of the 8 rows of block b (s: its super-block, k its place
  * there), as floats: stored, float16, or a super-block's float d times the block's integer scale, each product
- * exact (an 11-bit float16 significand times an integer of at most 8 bits), so they are the floats q8_rows gives.
+ * exact (an 11-bit float16 significand times an integer of at most 8 bits), so they are the floats q8_rows gives;
+ * R: a row-scaled format's, its block's integer scales and mins times its rows' float d and -dmin (their head).
  * SET_*: acc plus the set, with its offsets (add_set), or with K6's -32 d taken in the integer sums (add_scaled). */
 #define SCALES_F32(b, s, k, t) _mm256_loadu_ps((const float *)(b)->d + 8 * (t))
 #define OFFSETS_F32(b, s, k, t) _mm256_loadu_ps((const float *)(b)->m + 8 * (t))
@@ -75,9 +76,12 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 add_set(__m256 acc
 #define OFFSETS_KM(b, s, k, t) _mm256_mul_ps(BYTES8_U((s)->mn[k]), _mm256_loadu_ps((s)->dmin))
 #define SCALES_K6(b, s, k, t) _mm256_mul_ps(BYTES8_S((s)->sc[k][t]), _mm256_loadu_ps((s)->d))
 #define OFFSETS_K6(b, s, k, t) _mm256_setzero_ps()
+#define SCALES_R(b, s, k, t) _mm256_mul_ps(BYTES8_U((b)->sc), _mm256_loadu_ps((s)->d))
+#define OFFSETS_R(b, s, k, t) _mm256_mul_ps(BYTES8_U((b)->mn), _mm256_loadu_ps((s)->dmin))
 #define SET_F32(acc, isum, d, m, x, row, block, sets, t) add_set(acc, isum, d, m, x, row, block, sets, t)
 #define SET_F16 SET_F32
 #define SET_KM SET_F32
+#define SET_R SET_F32
 #define SET_K6(acc, isum, d, m, x, row, block, sets, t) add_scaled(acc, isum, d, x, row, block)
 
 /* A tile walks the 8 rows at w block by block: b, the block, in s, its super-block (SUPER_*(BLOCK): the block's
@@ -101,6 +105,10 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 add_set(__m256 acc
 #define SUPER_F16 SUPER_FLAT
 #define SUPER_KM SUPER_SUPER
 #define SUPER_K6 SUPER_SUPER
+#define ROWS_OF_block_q3r8 rows_q3r8
+#define SUPER_R(BLOCK) ROWS_OF_##BLOCK
+#define FIRST_R(BLOCK, w) (((const ROWS_OF_##BLOCK *)(w))->blocks)
+#define NEXT_R NEXT_FLAT
 #define FIRST_F32 FIRST_FLAT
 #define FIRST_F16 FIRST_FLAT
 #define FIRST_KM FIRST_SUPER
@@ -121,6 +129,16 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 add_set(__m256 acc
                      _mm256_set1_epi8(0x10))
 #define QUAD_Q5(b, g) _mm256_or_si256(QUAD_Q4(b, g), FIFTH_BITS(_mm256_loadu_si256((const __m256i *)(b)->hi), g))
 #define QUAD_Q6(b, g) _mm256_or_si256(QUAD_Q4(b, g), top_bits(_mm256_loadu_si256((const __m256i *)(b)->hi[(g) / 4]), (g) % 4))
+
+/* Quad g of a block_q3r8: its low 2 bits (bits 2 (g % 4) and up of q[g / 4]), and its third (bit g of each byte of
+ * hi) moved to bit 2. */
+#define THIRD_BITS(hi, g)                                                                                          \
+    _mm256_and_si256((g) < 2 ? _mm256_slli_epi16(hi, (2 - (g)) & 7) : _mm256_srli_epi16(hi, ((g) - 2) & 7),      \
+                     _mm256_set1_epi8(0x04))
+#define QUAD_Q3(b, g)                                                                                              \
+    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b)->q[(g) / 4]),      \
+                                                       2 * ((g) % 4)), _mm256_set1_epi8(0x03)),                   \
+                    THIRD_BITS(_mm256_loadu_si256((const __m256i *)(b)->hi), g))
 
 /* Bits 2k and 2k + 1 of each byte of hi moved to bits 4 and 5, the rest cleared. */
 __attribute__((target("avx2,fma,f16c"))) static inline __m256i top_bits(__m256i hi, int k) {
@@ -181,6 +199,7 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256i top_bits(__m256i 
     TILES(q4ki, block_q4k8, 1, Q4, KM)                                                                             \
     TILES(q5i, block_q5x8, 1, Q5, F16)                                                                             \
     TILES(q5ki, block_q5k8, 1, Q5, KM)                                                                             \
-    TILES(q6i, block_q6x8, 2, Q6, K6)
+    TILES(q6i, block_q6x8, 2, Q6, K6)                                                                             \
+    TILES(q3ri, block_q3r8, 1, Q3, R)
 
 #endif

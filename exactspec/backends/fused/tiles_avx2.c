@@ -79,6 +79,7 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256i quad_inputs(const
                                                      _mm256_maddubs_epi16(w1, quad_inputs((x) + 4)))))
 #define DOT2_AVX2_Q6 DOT2_AVX2_Q4
 #define DOT2_AVX2_Q5 DOT2_AVX2_Q4
+#define DOT2_AVX2_Q3 DOT2_AVX2_Q4
 #define CENTRED(w) _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80))
 #define DOT_AVX2_Q8(sum, w, x)                                                                                     \
     _mm256_add_epi32(sum, MADD_ONES(_mm256_maddubs_epi16(_mm256_abs_epi8(CENTRED(w)),                            \
@@ -105,4 +106,5 @@ const IntegerFn INTEGER_WIDE[][GROUP + 1] = {[Q8I] = {0, q8i_1, q8i_2, q8i_3, q8
                                              [Q6I] = {0, q6i_1, q6i_2, q6i_3, q6i_4},
                                              [Q4KI] = {0, q4ki_1, q4ki_2, q4ki_3, q4ki_4},
                                              [Q5I] = {0, q5i_1, q5i_2, q5i_3, q5i_4},
-                                             [Q5KI] = {0, q5ki_1, q5ki_2, q5ki_3, q5ki_4}};
+                                             [Q5KI] = {0, q5ki_1, q5ki_2, q5ki_3, q5ki_4},
+                                             [Q3RI] = {0, q3ri_1, q3ri_2, q3ri_3, q3ri_4}};

@@ -14,6 +14,7 @@ dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
 #define DOT2_VNNI_Q4(sum, w0, w1, x) dpbusd_broadcast(dpbusd_broadcast(sum, w0, x), w1, (x) + 4)
 #define DOT2_VNNI_Q6 DOT2_VNNI_Q4
 #define DOT2_VNNI_Q5 DOT2_VNNI_Q4
+#define DOT2_VNNI_Q3 DOT2_VNNI_Q4
 #define DOT2_VNNI_Q8 DOT2_VNNI_Q4
 
 /* The integer formats' row tiles for 1 to GROUP512 rows (NAMEv_R). */
@@ -45,6 +46,13 @@ INTEGER_TILES(TILES_QUAD_VNNI)
                      _mm512_set1_epi8(0x10))
 #define QUAD16_Q5(b, next, g) _mm512_or_si512(QUAD16_Q4(b, next, g), FIFTH_BITS16(LOAD_PAIR(b, next, hi), g))
 #define QUAD16_Q6(b, next, g) _mm512_or_si512(QUAD16_Q4(b, next, g), top_bits16(LOAD_PAIR(b, next, hi[(g) / 4]), (g) % 4))
+#define THIRD_BITS16(hi, g)                                                                                        \
+    _mm512_and_si512((g) < 2 ? _mm512_slli_epi16(hi, (2 - (g)) & 7) : _mm512_srli_epi16(hi, ((g) - 2) & 7),      \
+                     _mm512_set1_epi8(0x04))
+#define QUAD16_Q3(b, next, g)                                                                                      \
+    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(LOAD_PAIR(b, next, q[(g) / 4]), 2 * ((g) % 4)),            \
+                                     _mm512_set1_epi8(0x03)),                                                      \
+                    THIRD_BITS16(LOAD_PAIR(b, next, hi), g))
 /* p, `next` bytes further: the same place in the next block of 8 weight rows. */
 #define AT_NEXT(p, next) ((__typeof__(p))((const char *)(p) + (next)))
 /* A set's scales (offsets) for 16 outputs: each block's SCALES_* (OFFSETS_*), side by side. */
@@ -73,6 +81,7 @@ __attribute__((target(VNNI_TARGET))) static inline __m512 add_scaled16(__m512 ac
 #define SET16_F32(acc, isum, d, m, e, offset) _mm512_fmadd_ps(m, _mm512_set1_ps(offset), add_scaled16(acc, isum, d, e))
 #define SET16_F16 SET16_F32
 #define SET16_KM SET16_F32
+#define SET16_R SET16_F32
 #define SET16_K6(acc, isum, d, m, e, offset) add_scaled16(acc, isum, d, e)
 
 /* Independent sums a row's set is split among: enough across the R rows to cover vpdpbusd's latency. */
@@ -132,9 +141,10 @@ const IntegerFn INTEGER_VNNI[][GROUP512 + 1] = {[Q8I] = {0, q8iv_1, q8iv_2, q8iv
                                                 [Q6I] = {0, q6iv_1, q6iv_2, q6iv_3, q6iv_4, q6iv_5, q6iv_6},
                                                 [Q4KI] = {0, q4kiv_1, q4kiv_2, q4kiv_3, q4kiv_4, q4kiv_5, q4kiv_6},
                                                 [Q5I] = {0, q5iv_1, q5iv_2, q5iv_3, q5iv_4, q5iv_5, q5iv_6},
-                                                [Q5KI] = {0, q5kiv_1, q5kiv_2, q5kiv_3, q5kiv_4, q5kiv_5, q5kiv_6}};
+                                                [Q5KI] = {0, q5kiv_1, q5kiv_2, q5kiv_3, q5kiv_4, q5kiv_5, q5kiv_6},
+                                                [Q3RI] = {0, q3riv_1, q3riv_2, q3riv_3, q3riv_4, q3riv_5, q3riv_6}};
 
 const GemmFn INTEGER_GEMM[][GEMM_ROWS + 1] = {[Q8I] = GEMM_TILES(q8ig), [Q8HI] = GEMM_TILES(q8hig),
                                              [Q4I] = GEMM_TILES(q4ig), [Q6I] = GEMM_TILES(q6ig),
                                              [Q4KI] = GEMM_TILES(q4kig), [Q5I] = GEMM_TILES(q5ig),
-                                             [Q5KI] = GEMM_TILES(q5kig)};
+                                             [Q5KI] = GEMM_TILES(q5kig), [Q3RI] = GEMM_TILES(q3rig)};
