@@ -10,9 +10,10 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from exactspec.backends import DEFAULT, CausalLM, DraftGrade, kind, kinds, runtime_of, target_backend
+from exactspec.backends import DEFAULT, CausalLM, DraftGrade, gguf_tokenizer, kind, kinds, runtime_of, target_backend
 from exactspec.backends.gguf_file import read_gguf
 from exactspec.choices import DRAFT_GRADES
+from exactspec.draft_grades import RECIPES, chosen_grade, expected_gain
 from exactspec.errors import UsageError
 from exactspec.logs import detail, notice
 from exactspec.models import (
@@ -106,17 +107,33 @@ def load_draft(draft_model: str | os.PathLike, target_path, target_backend: str,
     the target does, its tokenizer is ``target_tokenizer`` (``BORROWED``: the caller gives it the target's once
     loaded)."""
     resolved = resolve_backend(draft_backend(target_backend, draft_model), draft_model, dtype, device, threads)
-    shared = target_tokenizer if draft_prospect(target_path, draft_model)[0] else None
+    same = draft_prospect(target_path, draft_model)[0]
+    if grade is MEASURED:
+        grade = _measured_grade(kind(resolved), model_path(draft_model), model_path(target_path), same, threads)
     return load_model(draft_model, dtype=dtype, device=device, backend=resolved, threads=threads, draft_grade=grade,
-                      vocabulary=draft_vocabulary, tokenizer=shared)
+                      vocabulary=draft_vocabulary, tokenizer=target_tokenizer if same else None)
+
+
+# --draft-grade auto: the recipe chosen for the pair by measurement (draft_grades.py)
+MEASURED = DraftGrade(bits=4, vocabulary=True, feed_forward_bits=None)
 
 
 def draft_grade_of(name: str) -> DraftGrade | None:
-    """--draft-grade ``name`` as the recipe a runtime makes a draft model's copy by (None: the model as loaded); one
-    line for a name there is none of."""
+    """--draft-grade ``name`` as the recipe a runtime makes a draft model's copy by (None: the model as loaded;
+    ``MEASURED``: the one measured best for the pair, :func:`draft_grades.chosen_grade`); one line for a name there
+    is none of."""
     if name not in DRAFT_GRADES:
         raise UsageError(f"--draft-grade must be one of {', '.join(DRAFT_GRADES)}, not {name!r}")
-    return {"auto": DraftGrade(bits=4), "vocabulary": DraftGrade(bits=None), "off": None}[name]
+    return {"auto": MEASURED, "vocabulary": DraftGrade(bits=None), "off": None}[name]
+
+
+def _measured_grade(runtime_kind, source, target, same: bool, threads: int | None) -> DraftGrade:
+    """The recipe measured best for the pair, where the runtime makes draft-grade copies of a GGUF draft model; else
+    the first recipe (which it then makes none of)."""
+    if runtime_kind.draft_from_file is None or runtime_kind.from_file is None or source.suffix.lower() != ".gguf":
+        return RECIPES[0]
+    return chosen_grade(runtime_kind, source, target, PRIOR_ACCEPTANCE[same], lambda: gguf_tokenizer(source),
+                        lambda: draft_vocabulary(gguf_tokenizer(source)), threads)
 
 
 def draft_vocabulary(tokenizer) -> tuple:
@@ -132,10 +149,8 @@ def draft_vocabulary(tokenizer) -> tuple:
 # What the default drafter expects of a draft model before it has measured one (the hybrid's plan then measures its
 # acceptance and cost, and drops a model that does not pay): its acceptance per draft position with the target's own
 # tokenizer (Qwen2.5-Coder-0.5B for the 1.5B: 0.84 of draft tokens on HumanEval, docs/benchmarks.md) and across
-# tokenizers (a bridged draft is accepted less: SmolLM2 for the 1.5B), and what each position adds to the target's
-# pass against one (5 positions cost 1.2x one on Zen 4, 1.94x on AVX2: issue 61).
+# tokenizers (a bridged draft is accepted less: SmolLM2 for the 1.5B).
 PRIOR_ACCEPTANCE = {True: 0.8, False: 0.55}
-PASS_SLOPE = 0.15
 MIN_EXPECTED_GAIN = 1.1  # a found draft model drafts where it is expected to give this many times plain decoding's rate
 DRAFT_GRADE_BITS = 5  # a draft-grade copy's bits a weight, scales included (4 bits, a float16 scale and offset per 32)
 DRAFT_HEAD_ROWS = 65536  # about the rows its head keeps (draft_vocabulary.py chooses by coverage: 70,656 of Qwen2.5)
@@ -188,14 +203,6 @@ def draft_prospect(target_path, draft_path) -> tuple[bool, float]:
     target, draft = read_gguf(target_path), read_gguf(draft_path)
     same = target.vocabulary_digest() is not None and target.vocabulary_digest() == draft.vocabulary_digest()
     return same, draft.streamed_bytes(DRAFT_GRADE_BITS, DRAFT_HEAD_ROWS) / target.streamed_bytes()
-
-
-def expected_gain(acceptance: float, cost: float, longest: int = 8) -> float:
-    """Plain decoding's rate times what a draft of the best length expects: a round drafting k tokens, each accepted
-    with ``acceptance`` where those before it were, gives 1 + a + ... + a^k tokens, and costs a target pass over
-    k + 1 positions (1 + PASS_SLOPE k steps) and k draft tokens (``cost`` of a step each)."""
-    return max(sum(acceptance ** j for j in range(k + 1)) / (1 + PASS_SLOPE * k + cost * k)
-               for k in range(1, longest + 1))
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool | None = None) -> list[int]:

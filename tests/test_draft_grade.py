@@ -18,6 +18,7 @@ from exactspec.backends.fused.stored import packed_q8
 from exactspec.backends.gguf_file import read_gguf
 from exactspec.backends.native import unavailable
 from exactspec.backends.runtime_kind import DraftGrade
+from exactspec.draft_grades import RECIPES, Measured, best
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"the fused runtime cannot run here: {unavailable()}")
 
@@ -216,8 +217,9 @@ def test_drafting_with_a_copy_changes_no_token_alone_or_served(draft, tmp_path):
 
 
 def test_the_draft_cost_bench_times_each_way_of_drafting_beside_the_target(draft, tmp_path, capsys):
-    """python -m exactspec.bench.draft_cost: one row per way of drafting (as it is, the draft-grade recipes, the
-    one-call chain), each a share of the target's step, with the floors its bytes set; a copy reads fewer bytes."""
+    """python -m exactspec.bench.draft_cost: one row per way of drafting (as it is, each draft-grade copy, each
+    copy's one-call chain), each a share of the target's step, with the floors its bytes set; each copy reads no more
+    bytes than the one before (the vocabulary cut, 4 bits, 3 bits in the feed-forward matrices, in all)."""
     from exactspec.bench import draft_cost
 
     target = write_tiny_gguf(tmp_path / "target.gguf", seed=5, tensor_type="Q8_0", layers=3, hidden=128, heads=4,
@@ -226,7 +228,43 @@ def test_the_draft_cost_bench_times_each_way_of_drafting_beside_the_target(draft
                             "16", "--threads", "2"]) == 0
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in capsys.readouterr().out.splitlines()
             if line.startswith("| ") and "---" not in line and "runtime" not in line}
-    assert list(rows) == ["target", "draft, as it is", "draft-grade (vocabulary)", "draft-grade (auto)",
-                          "draft-grade (auto), one call"]
-    megabytes = {name: float(cells[1].split()[0].replace(",", "")) for name, cells in rows.items()}
-    assert megabytes["draft-grade (auto)"] < megabytes["draft-grade (vocabulary)"] < megabytes["draft, as it is"]
+    copies = [f"draft-grade ({grade.label})" for grade in (DraftGrade(bits=None), *RECIPES)]
+    assert list(rows) == ["target", "draft, as it is", *copies, *(f"{copy}, one call" for copy in copies)]
+    megabytes = [float(rows[name][1].split()[0].replace(",", "")) for name in ["draft, as it is", *copies]]
+    assert megabytes == sorted(megabytes, reverse=True) and megabytes[0] > megabytes[1] > megabytes[-1]  # (to 0.1 MB)
+
+
+def test_best_is_the_highest_gain_of_the_recipes_that_keep_the_floor_else_the_one_that_agrees_most():
+    four, mixed, three = RECIPES
+    found = [Measured(four, 0.99, 0.26, 1.3), Measured(mixed, 0.96, 0.2, 1.36), Measured(three, 0.93, 0.18, 1.4)]
+    assert best(found).grade == mixed  # three gains most, but keeps less than AGREEMENT_FLOOR of the guesses
+    below = [Measured(four, 0.9, 0.26, 1.3), Measured(three, 0.8, 0.18, 1.4)]
+    assert best(below).grade == four
+
+
+def test_auto_measures_each_recipe_for_the_pair_once_and_keeps_the_choice(draft, tmp_path, monkeypatch, caplog):
+    """--draft-grade auto: each recipe's copy is made and fed the same held-out text as the model as stored; the
+    recipe chosen is best() of what was measured, said at --verbose; a second load reads the choice kept for the pair
+    and measures nothing."""
+    import logging
+
+    from exactspec import draft_grades
+    from exactspec.backends import gguf_tokenizer, kind
+    from exactspec.loading import MEASURED, load_draft
+
+    target = write_tiny_gguf(tmp_path / "target.gguf", seed=4, tensor_type="Q8_0", layers=3, hidden=128, heads=4,
+                             kv_heads=2, ffn=256)
+    found = []
+    measured = draft_grades.measured
+    monkeypatch.setattr(draft_grades, "measured", lambda *a: found.extend(measured(*a)) or found)
+    with caplog.at_level(logging.INFO, logger="exactspec.detail"):
+        loaded = load_draft(draft, target, "fused", MEASURED, threads=1)
+    assert [m.grade for m in found] == list(RECIPES)
+    assert all(0 <= m.agreement <= 1 and m.cost > 0 for m in found)
+    assert found[2].cost < found[1].cost < found[0].cost  # 3 bits in more matrices: fewer bytes a step
+    chosen = best(found).grade
+    assert loaded.runtime.grade == chosen
+    assert any(chosen.label in record.getMessage() and "agrees" in record.getMessage() for record in caplog.records)
+    monkeypatch.setattr(draft_grades, "measured", lambda *a: pytest.fail("measured again"))
+    assert draft_grades.chosen_grade(kind("fused"), draft, target, 0.8, lambda: gguf_tokenizer(draft),
+                                     lambda: (KEPT, 0.9)) == chosen

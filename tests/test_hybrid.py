@@ -276,7 +276,7 @@ def test_the_default_model_drafts_for_a_target_several_times_its_size_and_not_fo
 
 
 def test_the_gain_expected_of_a_draft_model_rises_with_its_acceptance_and_falls_with_its_cost():
-    from exactspec.loading import PASS_SLOPE, expected_gain
+    from exactspec.draft_grades import PASS_SLOPE, expected_gain
 
     assert expected_gain(0.0, 0.1) == pytest.approx(1 / (1 + PASS_SLOPE + 0.1))  # nothing accepted: one token
     assert expected_gain(0.9, 0.1) > expected_gain(0.8, 0.1) > expected_gain(0.8, 0.3) > expected_gain(0.8, 0.6)

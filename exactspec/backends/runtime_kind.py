@@ -25,24 +25,35 @@ DRAFT_GRADE_VERSION = 1  # what a draft-grade copy holds and how it is made; up 
 class DraftGrade:
     """What a draft model's draft-grade copy keeps (a runtime that makes them: ``RuntimeKind.draft_from_file``):
     ``bits`` 4 (its matrices stored in more bits re-quantised to 4), 3 (all re-quantised to 3) or None (as stored),
-    and whether its LM head is cut to a draft vocabulary (``vocabulary``: the tokens its tokenizer writes most often,
-    chosen as the copy is made). Exactness lives in the verifier and the target's bits: a draft-grade copy moves
-    acceptance and cost alone."""
+    ``feed_forward_bits`` the same for its feed-forward matrices alone (None: ``bits``; they are most of a layer's
+    bytes), and whether its LM head is cut to a draft vocabulary (``vocabulary``: the tokens its tokenizer writes
+    most often, chosen as the copy is made). Exactness lives in the verifier and the target's bits: a draft-grade
+    copy moves acceptance and cost alone."""
 
     bits: int | None = 4
     vocabulary: bool = True
+    feed_forward_bits: int | None = None
 
     def __post_init__(self) -> None:
-        if self.bits not in (None, 3, 4):
-            raise ValueError(f"a draft-grade copy keeps 3 or 4 bits or the stored ones, not {self.bits}")
+        for bits in (self.bits, self.feed_forward_bits):
+            if bits not in (None, 3, 4):
+                raise ValueError(f"a draft-grade copy keeps 3 or 4 bits or the stored ones, not {bits}")
+
+    @property
+    def feed_forward(self) -> int | None:
+        """The bits of its feed-forward matrices."""
+        return self.bits if self.feed_forward_bits is None else self.feed_forward_bits
 
     @property
     def label(self) -> str:
-        parts = ([f"{self.bits}-bit"] if self.bits else []) + (["draft vocabulary"] if self.vocabulary else [])
-        return ", ".join(parts) or "as stored"
+        bits = [f"{self.bits}-bit"] if self.bits else []
+        if self.feed_forward != self.bits:
+            bits = [f"{self.bits or 'stored'}-bit, {self.feed_forward}-bit feed-forward"]
+        return ", ".join(bits + (["draft vocabulary"] if self.vocabulary else [])) or "as stored"
 
     def key(self) -> str:
-        return f"draft-grade v{DRAFT_GRADE_VERSION} bits {self.bits} vocabulary {self.vocabulary}"
+        return (f"draft-grade v{DRAFT_GRADE_VERSION} bits {self.bits} vocabulary {self.vocabulary}"
+                + (f" feed-forward {self.feed_forward}" if self.feed_forward != self.bits else ""))
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """What a draft token costs against a target step, side by side in one run: the target's one-position pass, the draft
-model's step as it is, its draft-grade copy's step (``--draft-grade``'s recipes) and that copy's chain of k tokens in
-one call per token, each with the bytes its step reads and its floor (those bytes over the bandwidth this machine
-streams, measured in the same run), as shares of the target's step.
+model's step as it is, each draft-grade copy's step (its vocabulary alone, and each recipe ``--draft-grade auto``
+chooses among: draft_grades.RECIPES) and each copy's chain of k tokens in one call, per token, each with the bytes
+its step reads and its floor (those bytes over the bandwidth this machine streams, measured in the same run), as
+shares of the target's step.
 
     python -m exactspec.bench.draft_cost --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b
                                         [--threads 2] [--k 4] [--repeats 15] [--context 200]
@@ -17,11 +18,12 @@ import time
 
 import torch
 
-from exactspec.backends import kind
+from exactspec.backends import DraftGrade, kind
 from exactspec.backends.fused import FusedRuntime
 from exactspec.bench.roofline import bandwidth_probe
 from exactspec.cores import set_torch_threads
-from exactspec.loading import draft_grade_of, draft_vocabulary
+from exactspec.draft_grades import RECIPES
+from exactspec.loading import draft_vocabulary
 from exactspec.models import gguf_tokenizer, model_path
 
 
@@ -56,22 +58,23 @@ def main(argv: list[str] | None = None) -> int:
     made = kind("fused").draft_from_file
     runtimes = {"target": FusedRuntime.from_gguf(model_path(args.model)), "draft, as it is":
                 FusedRuntime.from_gguf(draft_path)}
-    for grade in ("vocabulary", "auto"):
-        runtimes[f"draft-grade ({grade})"] = made(draft_path, draft_grade_of(grade),
-                                                  lambda: draft_vocabulary(gguf_tokenizer(draft_path)))
+    for grade in (DraftGrade(bits=None), *RECIPES):
+        runtimes[f"draft-grade ({grade.label})"] = made(draft_path, grade,
+                                                        lambda: draft_vocabulary(gguf_tokenizer(draft_path)))
     context = [(37 * i) % 5000 + 100 for i in range(args.context)]
     for runtime in runtimes.values():
         runtime.extend(context, 1)
-    times: dict[str, list[float]] = {name: [] for name in [*runtimes, "draft-grade (auto), one call"]}
-    chained = runtimes["draft-grade (auto)"]
+    chained = {f"{name}, one call": runtime for name, runtime in runtimes.items() if name.startswith("draft-grade")}
+    times: dict[str, list[float]] = {name: [] for name in [*runtimes, *chained]}
     for repeat in range(args.repeats + 1):
         for name, runtime in runtimes.items():
             seconds = step_seconds(runtime, context, 1000 + repeat)
             if repeat:
                 times[name].append(seconds)
-        seconds = chain_seconds(chained, context, args.k)
-        if repeat:
-            times["draft-grade (auto), one call"].append(seconds)
+        for name, runtime in chained.items():
+            seconds = chain_seconds(runtime, context, args.k)
+            if repeat:
+                times[name].append(seconds)
     bandwidth = bandwidth_probe(runtimes["target"].weight_bytes)
     step = statistics.median(times["target"])
     print(f"{threads} threads, {bandwidth / 1e9:.1f} GB/s streamed, k = {args.k}; medians of {args.repeats}")
@@ -79,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---:|---:|---:|")
     target_floor = runtimes["target"].weight_bytes / bandwidth
     for name, seconds in times.items():
-        runtime = runtimes.get(name, chained)
+        runtime = runtimes.get(name) or chained[name]
         floor = runtime.weight_bytes / bandwidth / target_floor
         print(f"| {name} | {runtime.weight_bytes / 1e6:,.1f} MB | {1000 * statistics.median(seconds):.2f} | "
               f"{statistics.median(seconds) / step:.3f}x | {floor:.3f}x |")

@@ -122,13 +122,15 @@ def _embeddings(spec, ids: np.ndarray) -> torch.Tensor:  # [N, hidden] float32
 
 
 def _matrices(source: GGUFFile, spec, grade: DraftGrade, ids: np.ndarray) -> list[StoredMatrix]:
-    """Each fused matrix of the copy: a layer's four, then the head's rows of the vocabulary."""
+    """Each fused matrix of the copy: a layer's four (attention's two, then the feed-forward's two, in
+    ``grade.feed_forward`` bits), then the head's rows of the vocabulary."""
     matrices = []
     rows = list(matrix_rows(source, spec.layers, spec.heads, spec.kv_heads))
     for index, (_, tensors, orders) in enumerate(rows):
+        bits = grade.feed_forward if index < len(rows) - 1 and index % 4 >= 2 else grade.bits
         if index == len(rows) - 1:  # the LM head: its rows of the vocabulary
             orders = [orders[0][ids]]
-        matrices.append(_draft_matrix(tensors, orders, grade.bits))
+        matrices.append(_draft_matrix(tensors, orders, bits))
         source.release()
     return matrices
 
@@ -191,19 +193,22 @@ def three_bits_values(values: np.ndarray) -> tuple[np.ndarray, ...]:
         dmin.astype(np.float32)
 
 
-def _fitted(groups: np.ndarray, levels: int, rounded: Callable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _fitted(groups: np.ndarray, levels: int, rounded: Callable, weights: np.ndarray | None = None
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each group's levels q (0..levels), scale d and offset m, w = d q + m: of two starting ranges (its least to its
     greatest, and the middle nine tenths of that), each refitted to its levels by least squares (REFITS times) and
-    made storable (``rounded(d, m)``), the one with the smaller squared error."""
+    made storable (``rounded(d, m)``), the one with the smaller squared error. ``weights`` (broadcast against
+    ``groups``): each weight's share in the squares (an input's importance), else all alike."""
+    weights = np.ones((1,) * groups.ndim, dtype=np.float32) if weights is None else weights
     low, high = groups.min(-1), groups.max(-1)
     best_q = best_scale = best_offset = best_error = None
     for share in RANGE_SHARES:
         scale, offset = (high - low) * share / levels, low + (high - low) * (1 - share) / 2
         for _ in range(REFITS):
-            scale, offset = _refitted(groups, _levels(groups, scale, offset, levels), scale, offset)
+            scale, offset = _refitted(groups, _levels(groups, scale, offset, levels), scale, offset, weights)
         scale, offset = rounded(scale, offset)
         q = _levels(groups, scale, offset, levels)
-        error = np.square(q * scale[..., None] + offset[..., None] - groups).sum(-1)
+        error = (weights * np.square(q * scale[..., None] + offset[..., None] - groups)).sum(-1)
         if best_error is None:
             best_q, best_scale, best_offset, best_error = q, scale, offset, error
         else:
@@ -226,17 +231,17 @@ def _levels(groups: np.ndarray, scale: np.ndarray, offset: np.ndarray, levels: i
     return np.where((scale > 0)[..., None], q, 0).astype(np.uint8)
 
 
-def _refitted(groups: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray
+def _refitted(groups: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, weights: np.ndarray
               ) -> tuple[np.ndarray, np.ndarray]:
-    """The d and m that fit each group's weights best (least squares) on its levels q; as they were where the levels
-    are all one."""
+    """The d and m that fit each group's weights best (least squares, each square times its weight) on its levels q;
+    as they were where the levels are all one."""
     q = q.astype(np.float32)
-    n, sum_q, sum_qq = GROUP, q.sum(-1), np.square(q).sum(-1)
-    sum_w, sum_qw = groups.sum(-1), (q * groups).sum(-1)
+    n, sum_q, sum_qq = (weights * np.ones_like(q)).sum(-1), (weights * q).sum(-1), (weights * np.square(q)).sum(-1)
+    sum_w, sum_qw = (weights * groups).sum(-1), (weights * q * groups).sum(-1)
     det = n * sum_qq - sum_q * sum_q
     fits = det > 0
     fitted = np.where(fits, (n * sum_qw - sum_q * sum_w) / np.where(fits, det, 1), scale)
-    return fitted, np.where(fits, (sum_w - fitted * sum_q) / n, offset)
+    return fitted, np.where(fits, (sum_w - fitted * sum_q) / np.where(n > 0, n, 1), offset)
 
 
 class DraftGradeRuntime(FusedRuntime):
