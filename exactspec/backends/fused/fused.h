@@ -210,10 +210,11 @@ static_assert(sizeof(super_q5k8) == 1472, "super_q5k8: 8 x 160 bytes of bits, 2 
 /* Q3RI: 3-bit weights (q < 8, w = (d sc) q - (dmin mn)) with an integer scale and min per 32 inputs (sc and mn up
  * to 255) under each row's float d and dmin: no GGUF type's, a draft-grade copy's (draft_grade.py), for inputs of
  * any multiple of 32 (a K format's need 256). A matrix's 8 rows are their head, rows_q3r8 (the rows' d and -dmin),
- * then their blocks: each block_q3r8 holds the low 2 bits of quad 4p + k in bits 2k and 2k + 1 of q[p], 32 bytes
- * whose bit g is quad g's third bit, then the 8 rows' sc and mn (0.44 bytes a weight, the head aside). */
+ * then their blocks: each block_q3r8 holds quads 2p and 2p + 1 (p < 3) in bits 0-2 and 3-5 of q[p], quad 6's low 2
+ * bits in bits 6-7 of q[0] and quad 7's in q[1]'s, their third bits in bits 6 and 7 of q[2] (tiles.h's QUAD_Q3),
+ * then the 8 rows' sc and mn (0.44 bytes a weight, the head aside). */
 typedef struct {
-    uint8_t q[2][32], hi[32];
+    uint8_t q[3][32];
     uint8_t sc[8], mn[8];
 } block_q3r8;
 typedef struct {

@@ -151,18 +151,19 @@ def _quads(q: torch.Tensor, bits: int) -> torch.Tensor:  # uint8 [rows / 8, bloc
     """q [rows, in] (rows a multiple of 8) as blocks of 8 rows x 32 inputs, each 8 quads of 8 rows x 4 bytes (quad g:
     inputs 4g..4g+3, row j's at 4j); ``bits`` 4 (q < 16): quad 2p in the low nibbles of 32 bytes, 2p + 1 in their
     high; 5 (q < 32): the low nibbles so, then 32 bytes whose bit g is quad g's fifth bit; 6 (q < 64): the low
-    nibbles so, then the top 2 bits of quad 4h + k in bits 2k, 2k + 1 of the h-th 32 bytes; 3 (q < 8): the low 2 bits
-    of quad 4p + k in bits 2k, 2k + 1 of the p-th 32 bytes, then 32 bytes whose bit g is quad g's third bit."""
+    nibbles so, then the top 2 bits of quad 4h + k in bits 2k, 2k + 1 of the h-th 32 bytes; 3 (q < 8): quads 2p and
+    2p + 1 in bits 0-2 and 3-5 of the p-th 32 bytes (p < 3), quad 6's low 2 bits in bits 6-7 of the first and quad
+    7's of the second, their third bits in bits 6 and 7 of the third."""
     rows, inputs = q.shape
     blocks = inputs // 32
     q = q.reshape(rows // 8, 8, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(rows // 8, blocks, 8, 32)
     if bits == 8:
         return q.reshape(rows // 8, blocks, -1)
     if bits == 3:
-        low = (q & 0x03).reshape(rows // 8, blocks, 2, 4, 32) << (2 * torch.arange(4, dtype=torch.uint8))[:, None]
-        third = ((q >> 2) & 1) << torch.arange(8, dtype=torch.uint8)[:, None]
-        return torch.cat([low.sum(dim=3, dtype=torch.uint8).reshape(rows // 8, blocks, -1),
-                          third.sum(dim=2, dtype=torch.uint8)], dim=-1)  # distinct bits: their sum is their or
+        quad = [q[:, :, g] for g in range(8)]
+        planes = [quad[0] | (quad[1] << 3) | ((quad[6] & 3) << 6), quad[2] | (quad[3] << 3) | ((quad[7] & 3) << 6),
+                  quad[4] | (quad[5] << 3) | ((quad[6] >> 2) << 6) | ((quad[7] >> 2) << 7)]
+        return torch.cat(planes, dim=-1)
     low = q & 0x0F
     parts = [(low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(rows // 8, blocks, -1)]
     if bits == 5:

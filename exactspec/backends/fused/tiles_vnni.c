@@ -46,13 +46,12 @@ INTEGER_TILES(TILES_QUAD_VNNI)
                      _mm512_set1_epi8(0x10))
 #define QUAD16_Q5(b, next, g) _mm512_or_si512(QUAD16_Q4(b, next, g), FIFTH_BITS16(LOAD_PAIR(b, next, hi), g))
 #define QUAD16_Q6(b, next, g) _mm512_or_si512(QUAD16_Q4(b, next, g), top_bits16(LOAD_PAIR(b, next, hi[(g) / 4]), (g) % 4))
-#define THIRD_BITS16(hi, g)                                                                                        \
-    _mm512_and_si512((g) < 2 ? _mm512_slli_epi16(hi, (2 - (g)) & 7) : _mm512_srli_epi16(hi, ((g) - 2) & 7),      \
-                     _mm512_set1_epi8(0x04))
-#define QUAD16_Q3(b, next, g)                                                                                      \
-    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(LOAD_PAIR(b, next, q[(g) / 4]), 2 * ((g) % 4)),            \
-                                     _mm512_set1_epi8(0x03)),                                                      \
-                    THIRD_BITS16(LOAD_PAIR(b, next, hi), g))
+#define Q3_PAIRED16(b, next, g)                                                                                    \
+    _mm512_and_si512(_mm512_srli_epi16(LOAD_PAIR(b, next, q[((g) / 2) % 3]), 3 * ((g) % 2)), _mm512_set1_epi8(0x07))
+#define Q3_SPLIT16(b, next, g)                                                                                     \
+    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(LOAD_PAIR(b, next, q[(g) % 2]), 6), _mm512_set1_epi8(0x03)),  \
+                    _mm512_and_si512(_mm512_srli_epi16(LOAD_PAIR(b, next, q[2]), ((g) - 2) & 7), _mm512_set1_epi8(0x04)))
+#define QUAD16_Q3(b, next, g) ((g) < 6 ? Q3_PAIRED16(b, next, g) : Q3_SPLIT16(b, next, g))
 /* p, `next` bytes further: the same place in the next block of 8 weight rows. */
 #define AT_NEXT(p, next) ((__typeof__(p))((const char *)(p) + (next)))
 /* A set's scales (offsets) for 16 outputs: each block's SCALES_* (OFFSETS_*), side by side. */
