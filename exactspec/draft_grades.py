@@ -37,7 +37,6 @@ PASS_SLOPE = 0.15
 RECIPES = (DraftGrade(bits=4), DraftGrade(bits=4, feed_forward_bits=3), DraftGrade(bits=3))
 AGREEMENT_FLOOR = 0.95
 SAMPLE_TOKENS = 512  # the held-out tokens each copy is fed: a share known to about 1% (sqrt(0.95 0.05 / 512))
-CALIBRATION_TOKENS = 512  # the tokens a copy's 3-bit fit weighs its inputs by
 CACHE = MeasurementCache("draft_grades.json", 1)
 
 
@@ -65,12 +64,11 @@ class Measured:
 
 
 def chosen_grade(runtime_kind, source: Path, target: Path, prior_acceptance: float, tokenizer: Callable[[], object],
-                 vocabulary: Callable[[], tuple], calibration: Callable[[], list[int]] | None = None,
-                 threads: int | None = None) -> DraftGrade:
+                 vocabulary: Callable[[], tuple], threads: int | None = None) -> DraftGrade:
     """The recipe ``runtime_kind`` makes the draft model ``source``'s copy by, for the target ``target``: kept for the
     pair, else measured (:func:`measured`) and chosen (:func:`best`). ``prior_acceptance``: what the pair's drafts are
-    expected to be accepted at as stored; ``tokenizer()``: the draft model's; ``vocabulary()`` and ``calibration()``:
-    its draft vocabulary and calibration tokens, where a copy is made (``RuntimeKind.draft_from_file``)."""
+    expected to be accepted at as stored; ``tokenizer()``: the draft model's; ``vocabulary()``: its draft vocabulary,
+    where a copy is made."""
     key = CACHE.key(f"{_identity(source)} for {_identity(target)} at {prior_acceptance:g}")
     kept = CACHE.get(key)
     if kept is not None:
@@ -78,7 +76,7 @@ def chosen_grade(runtime_kind, source: Path, target: Path, prior_acceptance: flo
         detail(f"the draft-grade copy of {source.name}: {grade.label} (measured before, {CACHE.path()})")
         return grade
     found = measured(runtime_kind, source, read_gguf(target).streamed_bytes(), prior_acceptance, tokenizer(),
-                     vocabulary, calibration, threads)
+                     vocabulary, threads)
     chosen = best(found)
     detail(f"the draft-grade copy of {source.name}: {chosen.grade.label}, of "
            + "; ".join(m.line for m in found))
@@ -94,15 +92,14 @@ def best(found: list[Measured]) -> Measured:
 
 
 def measured(runtime_kind, source: Path, target_bytes: int, prior_acceptance: float, tokenizer,
-             vocabulary: Callable[[], tuple], calibration: Callable[[], list[int]] | None,
-             threads: int | None) -> list[Measured]:
+             vocabulary: Callable[[], tuple], threads: int | None) -> list[Measured]:
     """Each recipe's copy of ``source`` (made where it is not kept), fed the same held-out text as the model as
     stored: its agreement with the model's greedy choices, and its bytes a step over ``target_bytes``."""
     tokens = heldout_tokens(tokenizer)
     reference = _choices(runtime_kind.from_file(source, threads, None), tokens)
     found = []
     for grade in RECIPES:
-        copy = runtime_kind.draft_from_file(source, grade, vocabulary, calibration)
+        copy = runtime_kind.draft_from_file(source, grade, vocabulary)
         agreement = float(np.mean(_choices(copy, tokens) == reference))
         cost = copy.weight_bytes / target_bytes
         found.append(Measured(grade, agreement, cost, expected_gain(prior_acceptance * agreement, cost)))
@@ -111,20 +108,10 @@ def measured(runtime_kind, source: Path, target_bytes: int, prior_acceptance: fl
 
 def heldout_tokens(tokenizer, count: int = SAMPLE_TOKENS) -> list[int]:
     """The first ``count`` tokens of the shipped corpus's held-out conversations (its last HELDOUT_SHARE, which no
-    draft vocabulary is ranked on and no copy fitted on), each turn encoded alone as the model writes it."""
+    draft vocabulary is ranked on), each turn encoded alone as the model writes it."""
     conversations = corpus_conversations()
-    return _tokens(conversations[int(len(conversations) * (1 - HELDOUT_SHARE)) :], tokenizer, count)
-
-
-def calibration_tokens(tokenizer, count: int = CALIBRATION_TOKENS) -> list[int]:
-    """The first ``count`` tokens of the shipped corpus (of the conversations draft vocabularies are ranked on),
-    which a copy's 3-bit matrices are fitted on: each input weighed by how strongly this text drives it."""
-    return _tokens(corpus_conversations(), tokenizer, count)
-
-
-def _tokens(conversations: list[list[str]], tokenizer, count: int) -> list[int]:
     tokens: list[int] = []
-    for turns in conversations:
+    for turns in conversations[int(len(conversations) * (1 - HELDOUT_SHARE)) :]:
         for turn in turns:
             tokens += list(tokenizer.encode(turn, add_special_tokens=False))
             if len(tokens) >= count:

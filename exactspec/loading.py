@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from exactspec.backends import DEFAULT, CausalLM, DraftGrade, gguf_tokenizer, kind, kinds, runtime_of, target_backend
 from exactspec.backends.gguf_file import read_gguf
 from exactspec.choices import DRAFT_GRADES
-from exactspec.draft_grades import RECIPES, calibration_tokens, chosen_grade, expected_gain
+from exactspec.draft_grades import RECIPES, chosen_grade, expected_gain
 from exactspec.errors import UsageError
 from exactspec.logs import detail, notice
 from exactspec.models import (
@@ -111,8 +111,7 @@ def load_draft(draft_model: str | os.PathLike, target_path, target_backend: str,
     if grade is MEASURED:
         grade = _measured_grade(kind(resolved), model_path(draft_model), model_path(target_path), same, threads)
     return load_model(draft_model, dtype=dtype, device=device, backend=resolved, threads=threads, draft_grade=grade,
-                      vocabulary=draft_vocabulary, calibration=calibration_tokens,
-                      tokenizer=target_tokenizer if same else None)
+                      vocabulary=draft_vocabulary, tokenizer=target_tokenizer if same else None)
 
 
 # --draft-grade auto: the recipe chosen for the pair by measurement (draft_grades.py)
@@ -133,9 +132,8 @@ def _measured_grade(runtime_kind, source, target, same: bool, threads: int | Non
     the first recipe (which it then makes none of)."""
     if runtime_kind.draft_from_file is None or runtime_kind.from_file is None or source.suffix.lower() != ".gguf":
         return RECIPES[0]
-    tokenizer = lambda: gguf_tokenizer(source)  # noqa: E731
-    return chosen_grade(runtime_kind, source, target, PRIOR_ACCEPTANCE[same], tokenizer,
-                        lambda: draft_vocabulary(tokenizer()), lambda: calibration_tokens(tokenizer()), threads)
+    return chosen_grade(runtime_kind, source, target, PRIOR_ACCEPTANCE[same], lambda: gguf_tokenizer(source),
+                        lambda: draft_vocabulary(gguf_tokenizer(source)), threads)
 
 
 def draft_vocabulary(tokenizer) -> tuple:

@@ -129,8 +129,7 @@ def check_backend(backend: str, path: str | os.PathLike | None, dtype: str, devi
 
 def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str = "auto", backend: str = DEFAULT,
                threads: int | None = None, draft_grade: DraftGrade | None = None,
-               vocabulary: Callable[[object], tuple] | None = None, tokenizer: object | None = None,
-               calibration: Callable[[object], list[int]] | None = None) -> LoadedModel:
+               vocabulary: Callable[[object], tuple] | None = None, tokenizer: object | None = None) -> LoadedModel:
     """Load a causal LM and its tokenizer from a local directory or GGUF file; None means the default model.
 
     ``backend`` (a runtime's name, as ``runtime_choice.resolve_backend`` settles and checks it): a GGUF file that
@@ -138,15 +137,14 @@ def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str 
     with the file's own vocabulary, and no transformers model is made; else the transformers model is loaded (a
     GGUF converted once) for the runtime to be built over. ``threads`` are llama.cpp's. ``draft_grade``: a draft
     model's, its draft-grade copy where the runtime makes one (``RuntimeKind.draft_from_file``), whose draft
-    vocabulary ``vocabulary(tokenizer)`` chooses (token ids, coverage) as the copy is made, and whose fewest-bit
-    matrices are fitted on ``calibration(tokenizer)``'s tokens (None: unweighted). ``tokenizer``: for a
+    vocabulary ``vocabulary(tokenizer)`` chooses (token ids, coverage) as the copy is made. ``tokenizer``: for a
     GGUF read alone, ``BORROWED`` where the caller gives it one that reads the file's vocabulary as its own would
     (a target's, for a draft of the same vocabulary: a second tokenizer of 150k tokens costs a second of start),
     else the file's own is read."""
     chosen = check_backend(backend, path, dtype, device)
     source = model_path(path)
     if chosen.from_file is not None and source.suffix.lower() == ".gguf":
-        runtime = _draft_grade_runtime(chosen, source, draft_grade, vocabulary, calibration) or \
+        runtime = _draft_grade_runtime(chosen, source, draft_grade, vocabulary) or \
             chosen.from_file(source, threads, None)
         if runtime is not None:
             if chosen.tokenizer_of is not None:
@@ -174,13 +172,11 @@ def load_model(path: str | os.PathLike | None, dtype: str = "auto", device: str 
 
 
 def _draft_grade_runtime(chosen: RuntimeKind, source: Path, grade: DraftGrade | None,
-                         vocabulary: Callable[[object], tuple] | None,
-                         calibration: Callable[[object], list[int]] | None) -> object | None:
+                         vocabulary: Callable[[object], tuple] | None) -> object | None:
     """A draft model's draft-grade runtime, where one is asked for and the runtime makes one of this file."""
     if grade is None or chosen.draft_from_file is None:
         return None
-    return chosen.draft_from_file(source, grade, lambda: vocabulary(gguf_tokenizer(source)),
-                                  None if calibration is None else lambda: calibration(gguf_tokenizer(source)))
+    return chosen.draft_from_file(source, grade, lambda: vocabulary(gguf_tokenizer(source)))
 
 
 def load_gguf(path: Path, threads: int | None = None) -> LoadedModel:

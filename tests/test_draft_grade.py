@@ -13,13 +13,7 @@ import torch
 from tiny_gguf import write_tiny_gguf
 
 from exactspec.backends.fused import FusedRuntime, packed_file
-from exactspec.backends.fused.draft_grade import (
-    DraftGradeRuntime,
-    copy_path,
-    four_bits,
-    input_importance,
-    three_bits_values,
-)
+from exactspec.backends.fused.draft_grade import DraftGradeRuntime, copy_path, four_bits, three_bits_values
 from exactspec.backends.fused.stored import packed_q8
 from exactspec.backends.gguf_file import read_gguf
 from exactspec.backends.native import unavailable
@@ -274,32 +268,3 @@ def test_auto_measures_each_recipe_for_the_pair_once_and_keeps_the_choice(draft,
     monkeypatch.setattr(draft_grades, "measured", lambda *a: pytest.fail("measured again"))
     assert draft_grades.chosen_grade(kind("fused"), draft, target, 0.8, lambda: gguf_tokenizer(draft),
                                      lambda: (KEPT, 0.9)) == chosen
-
-
-def test_a_three_bit_fit_weighed_by_its_inputs_importance_errs_less_where_they_matter():
-    """Weighing each input's squares by its importance (the mean square of the activations that drive it), a 3-bit
-    fit's error on those outputs is smaller than the unweighed fit's: here the error each fit leaves, weighed by an
-    importance spanning 1,000x, is at least 10% less (26% measured) with the weights."""
-    generator = np.random.default_rng(2)
-    values = generator.normal(size=(64, 256)).astype(np.float32)
-    importance = np.exp(generator.uniform(0, np.log(1000), size=256)).astype(np.float32)
-
-    def weighed_error(importance_given):
-        q, sc, mn, d, dmin = three_bits_values(values, importance_given)
-        found = q.reshape(64, 8, 32) * (d[:, None] * sc)[..., None] - (dmin[:, None] * mn)[..., None]
-        return float((importance * np.square(found.reshape(64, 256) - values)).sum())
-
-    assert weighed_error(importance) < 0.9 * weighed_error(None)
-
-
-def test_the_inputs_importance_is_measured_for_every_matrix_and_a_calibrated_copy_is_kept_apart(draft):
-    """input_importance: one positive array per fused matrix (a layer's four, then the head), its inputs wide; a copy
-    whose 3-bit matrices were fitted on calibration text is another copy than an unweighed one."""
-    importance = input_importance(draft, IDS)
-    widths = [SHAPE["hidden"], SHAPE["hidden"], SHAPE["hidden"], SHAPE["ffn"]] * SHAPE["layers"] + [SHAPE["hidden"]]
-    assert [len(a) for a in importance] == widths and all(bool((a > 0).all()) for a in importance)
-    three = DraftGrade(bits=3)
-    plain = DraftGradeRuntime.of_file(read_gguf(draft), three, lambda: (KEPT, 0.9))
-    calibrated = DraftGradeRuntime.of_file(read_gguf(draft), three, lambda: (KEPT, 0.9), lambda: IDS)
-    assert copy_path(draft, three, calibrated=True).exists() and copy_path(draft, three).exists()
-    assert not torch.equal(plain.extend(IDS, 4), calibrated.extend(IDS, 4))

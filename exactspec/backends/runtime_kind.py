@@ -80,10 +80,9 @@ class RuntimeKind:
     measured_by_auto: bool = True  # --backend auto times it against the others where it can run the target
     auto_precision: Callable[[], str | None] = _never  # the precision --backend auto times it in (None: as loaded)
     measures_drafts: bool = False  # a draft model beside a target on it runs where --backend auto measures it fastest
-    # a draft model's draft-grade copy, made once and kept: (path, grade, vocabulary, calibration) -> the runtime over
-    # it, or None where it makes none of this file; vocabulary() chooses the draft vocabulary (token ids, coverage)
-    # as it is made, calibration() (or None) gives tokens of text its fewest-bit matrices are fitted on
-    draft_from_file: Callable[..., CausalLM | None] | None = None
+    # a draft model's draft-grade copy, made once and kept: (path, grade, vocabulary) -> the runtime over it, or None
+    # where it makes none of this file; vocabulary() chooses the draft vocabulary (token ids, coverage) as it is made
+    draft_from_file: Callable[[Path, DraftGrade, Callable[[], tuple]], CausalLM | None] | None = None
 
     @property
     def gguf_only(self) -> bool:

@@ -22,7 +22,7 @@ from exactspec.backends import DraftGrade, kind
 from exactspec.backends.fused import FusedRuntime
 from exactspec.bench.roofline import bandwidth_probe
 from exactspec.cores import set_torch_threads
-from exactspec.draft_grades import RECIPES, calibration_tokens
+from exactspec.draft_grades import RECIPES
 from exactspec.loading import draft_vocabulary
 from exactspec.models import gguf_tokenizer, model_path
 
@@ -60,8 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                 FusedRuntime.from_gguf(draft_path)}
     for grade in (DraftGrade(bits=None), *RECIPES):
         runtimes[f"draft-grade ({grade.label})"] = made(draft_path, grade,
-                                                        lambda: draft_vocabulary(gguf_tokenizer(draft_path)),
-                                                        lambda: calibration_tokens(gguf_tokenizer(draft_path)))
+                                                        lambda: draft_vocabulary(gguf_tokenizer(draft_path)))
     context = [(37 * i) % 5000 + 100 for i in range(args.context)]
     for runtime in runtimes.values():
         runtime.extend(context, 1)

@@ -43,7 +43,7 @@ def from_file(path: Path, threads: int | None = None, max_length: int | None = N
     return None
 
 
-def draft_from_file(path: Path, grade: DraftGrade, vocabulary, calibration=None) -> FusedRuntime | None:
+def draft_from_file(path: Path, grade: DraftGrade, vocabulary) -> FusedRuntime | None:
     """A draft model's draft-grade copy (``draft_grade.py``), where the fused runtime reads its GGUF alone; else None
     (it then drafts as loaded)."""
     from exactspec.backends.fused.draft_grade import DraftGradeRuntime
@@ -51,7 +51,7 @@ def draft_from_file(path: Path, grade: DraftGrade, vocabulary, calibration=None)
     source = read_gguf(path)
     if gguf_unavailable(source) is not None:
         return None
-    return DraftGradeRuntime.of_file(source, grade, vocabulary, calibration)
+    return DraftGradeRuntime.of_file(source, grade, vocabulary)
 
 
 def _over_model(model, gguf: Path | None, precision: str | None) -> FusedRuntime:

@@ -68,22 +68,19 @@ class DraftCopy:
     coverage: float  # the share of the corpus's held-out tokens the vocabulary covers (1.0: the whole vocabulary)
 
 
-def copy_path(source: Path, grade: DraftGrade, calibrated: bool = False) -> Path:
-    """Where ``source``'s draft-grade copy is kept: beside the packed copies, keyed by the source file's identity,
-    the recipe, and whether its 3-bit matrices were fitted on calibration text."""
+def copy_path(source: Path, grade: DraftGrade) -> Path:
+    """Where ``source``'s draft-grade copy is kept: beside the packed copies, keyed by the source file's identity
+    and the recipe."""
     packed = packed_file.packed_path(source)
-    key = f"{packed.name}|{grade.key()}" + (" calibrated" if calibrated else "")
-    return packed.with_name(f"{source.stem}-draft-{zlib.crc32(key.encode()):08x}.sdpack")
+    return packed.with_name(f"{source.stem}-draft-{zlib.crc32(f'{packed.name}|{grade.key()}'.encode()):08x}.sdpack")
 
 
-def draft_copy(source: GGUFFile, spec, grade: DraftGrade, vocabulary: Callable[[], tuple[np.ndarray, float]],
-               calibration: Callable[[], list[int]] | None = None) -> DraftCopy:
+def draft_copy(source: GGUFFile, spec, grade: DraftGrade, vocabulary: Callable[[], tuple[np.ndarray, float]]
+               ) -> DraftCopy:
     """The draft-grade copy of ``source`` (whose ``spec`` is ``family.spec_of_gguf``'s): read from exactspec's cache,
     else made and kept there (one line while it is made). ``vocabulary()`` chooses the draft vocabulary (ids
-    ascending, coverage), asked only when the copy is made; ``calibration()``: tokens of text such as the model
-    writes, which its 3-bit matrices are fitted on (:func:`input_importance`), or None."""
-    calibration = calibration if 3 in (grade.bits, grade.feed_forward) else None
-    path = copy_path(source.path, grade, calibrated=calibration is not None)
+    ascending, coverage), asked only when the copy is made."""
+    path = copy_path(source.path, grade)
     kept = packed_file.read(path)
     if kept is not None and _complete(kept, spec):
         return _copy_of(kept)
@@ -94,8 +91,7 @@ def draft_copy(source: GGUFFile, spec, grade: DraftGrade, vocabulary: Callable[[
     ids, coverage = vocabulary() if grade.vocabulary else (np.arange(spec.embed.shape[0], dtype=np.int32), 1.0)
     ids = np.unique(np.asarray(ids, dtype=np.int32))
     embeddings = _embeddings(spec, ids)
-    importance = None if calibration is None else input_importance(source.path, calibration())
-    matrices = _matrices(source, spec, grade, ids, importance)
+    matrices = _matrices(source, spec, grade, ids)
     packed_file.write(path, source.path, matrices, arrays={"vocabulary": torch.from_numpy(ids),
                                                             "embeddings": embeddings},
                       notes={"grade": grade.key(), "coverage": coverage})
@@ -103,7 +99,7 @@ def draft_copy(source: GGUFFile, spec, grade: DraftGrade, vocabulary: Callable[[
           file=sys.stderr)
     kept = packed_file.read(path)
     if kept is None:  # the cache could not be written: the copy as made, held in memory
-        return DraftCopy(list(_matrices(source, spec, grade, ids, importance)), ids, embeddings, coverage)
+        return DraftCopy(list(_matrices(source, spec, grade, ids)), ids, embeddings, coverage)
     return _copy_of(kept)
 
 
@@ -125,87 +121,48 @@ def _embeddings(spec, ids: np.ndarray) -> torch.Tensor:  # [N, hidden] float32
     return (rows if scale == 1.0 else rows * torch.tensor(scale, dtype=rows.dtype)).contiguous()
 
 
-def _matrices(source: GGUFFile, spec, grade: DraftGrade, ids: np.ndarray,
-              importance: list[np.ndarray] | None = None) -> list[StoredMatrix]:
+def _matrices(source: GGUFFile, spec, grade: DraftGrade, ids: np.ndarray) -> list[StoredMatrix]:
     """Each fused matrix of the copy: a layer's four (attention's two, then the feed-forward's two, in
-    ``grade.feed_forward`` bits), then the head's rows of the vocabulary; the 3-bit ones fitted weighing each input
-    by its ``importance`` (per matrix, in this order), where given."""
+    ``grade.feed_forward`` bits), then the head's rows of the vocabulary."""
     matrices = []
     rows = list(matrix_rows(source, spec.layers, spec.heads, spec.kv_heads))
     for index, (_, tensors, orders) in enumerate(rows):
         bits = grade.feed_forward if index < len(rows) - 1 and index % 4 >= 2 else grade.bits
         if index == len(rows) - 1:  # the LM head: its rows of the vocabulary
             orders = [orders[0][ids]]
-        matrices.append(_draft_matrix(tensors, orders, bits, None if importance is None else importance[index]))
+        matrices.append(_draft_matrix(tensors, orders, bits))
         source.release()
     return matrices
 
 
-def input_importance(path: Path, tokens: list[int]) -> list[np.ndarray] | None:
-    """Per fused matrix (each layer's four, then the head), the mean square of each of its inputs over ``tokens``, as
-    transformers' float32 module of the file runs them (``backends/reference.py``): how far an error in a column moves
-    the matrix's outputs, which a 3-bit fit weighs its squares by (its output error fell 10-35% on Qwen2.5-0.5B's
-    matrices against an unweighted fit's). None where that module cannot be made of the file."""
-    from exactspec.backends.reference import reference_module
-
-    try:
-        module = reference_module(str(path)).eval()
-    except (KeyError, ValueError, AttributeError, ImportError):
-        return None
-    inputs = []
-    for layer in module.model.layers:
-        attention, feed_forward = layer.self_attn, layer.mlp
-        inputs += [getattr(attention, "q_proj", None) or attention.qkv_proj, attention.o_proj,
-                   getattr(feed_forward, "gate_proj", None) or feed_forward.gate_up_proj, feed_forward.down_proj]
-    inputs.append(module.lm_head)
-    squares: dict[int, torch.Tensor] = {}
-
-    def kept(index: int):
-        def hook(_, args):
-            x = args[0].reshape(-1, args[0].shape[-1]).float()
-            squares[index] = squares.get(index, 0) + (x * x).mean(0)
-        return hook
-
-    hooks = [linear.register_forward_pre_hook(kept(i)) for i, linear in enumerate(inputs)]
-    with torch.no_grad():
-        module(torch.tensor([tokens]))
-    for hook in hooks:
-        hook.remove()
-    return [squares[i].numpy() + 1e-12 for i in range(len(inputs))]
-
-
-def _draft_matrix(tensors: list[Tensor], orders: list[np.ndarray], bits: int | None,
-                  importance: np.ndarray | None = None) -> StoredMatrix:
+def _draft_matrix(tensors: list[Tensor], orders: list[np.ndarray], bits: int | None) -> StoredMatrix:
     """The tensors' rows in ``orders``: as stored where ``bits`` is None or all are kept as stored; else a part per
     tensor, each kept as stored or re-quantised to ``bits`` (all re-quantised where a part would end inside a block
-    of 8 rows). Only 4 bits keeps a stored format (KEPT_AS_STORED): 3 bits re-quantises all, each input weighed by its
-    ``importance`` where given."""
+    of 8 rows). Only 4 bits keeps a stored format (KEPT_AS_STORED): 3 bits re-quantises all."""
     kept = [bits is None or (bits == 4 and NARROW.get(t.type_name) in KEPT_AS_STORED) for t in tensors]
     if all(kept):
         return packed_grid(tensors, orders, narrow=True)
     if any(kept) and all(len(order) % 8 == 0 for order in orders[:-1]):
-        parts = [packed_grid([t], [o], narrow=True) if keep else _requantized([t], [o], bits, importance)
+        parts = [packed_grid([t], [o], narrow=True) if keep else _requantized([t], [o], bits)
                  for t, o, keep in zip(tensors, orders, kept)]
         for part, following in zip(parts, parts[1:]):
             part.rest = following
         return parts[0]
-    return _requantized(tensors, orders, bits, importance)
+    return _requantized(tensors, orders, bits)
 
 
-def _requantized(tensors: list[Tensor], orders: list[np.ndarray], bits: int,
-                 importance: np.ndarray | None = None) -> StoredMatrix:
-    """The tensors' rows in ``orders`` re-quantised to ``bits`` (4: int4; 3: int3_r, each input weighed by its
-    ``importance`` where given) a weight, a chunk of rows at a time."""
+def _requantized(tensors: list[Tensor], orders: list[np.ndarray], bits: int) -> StoredMatrix:
+    """The tensors' rows in ``orders`` re-quantised to ``bits`` (4: int4; 3: int3_r) a weight, a chunk of rows at a
+    time."""
     if bits == 3:
-        return packed_chunks(tensors, orders, "int3_r",
-                             lambda chunk, _: three_bits(dequantized(chunk), importance))
+        return packed_chunks(tensors, orders, "int3_r", lambda chunk, _: three_bits(dequantized(chunk)))
     return packed_chunks(tensors, orders, "int4", lambda chunk, _: four_bits(dequantized(chunk)))
 
 
-def three_bits(values: np.ndarray, importance: np.ndarray | None = None) -> torch.Tensor:  # packed uint8
+def three_bits(values: np.ndarray) -> torch.Tensor:  # [out, in] float32 -> packed uint8
     """Weights [out, in] as :func:`three_bits_values` puts them on 8 levels, packed as the kernels' int3_r tiles read
     them."""
-    return packed_rows(*(torch.from_numpy(part) for part in three_bits_values(values, importance)))
+    return packed_rows(*(torch.from_numpy(part) for part in three_bits_values(values)))
 
 
 def four_bits(values: np.ndarray) -> torch.Tensor:  # [out, in] float32 -> packed uint8
@@ -219,16 +176,14 @@ def four_bits(values: np.ndarray) -> torch.Tensor:  # [out, in] float32 -> packe
                      bits=4)
 
 
-def three_bits_values(values: np.ndarray, importance: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+def three_bits_values(values: np.ndarray) -> tuple[np.ndarray, ...]:
     """Weights [out, in] on 8 levels per 32 inputs under integer scales: w = (d sc) q - (dmin mn), q in 0..7, sc and
     mn in 0..255 per 32 inputs, d and dmin float32 per row. Each group's scale and offset as :func:`_fitted` finds
-    them (its offset at most 0: mn is a min; each square weighed by its input's ``importance`` [in], where given),
-    then rounded to its row's integer steps and its levels chosen again. Returns q [out, in] (uint8), sc and mn
-    [out, in / 32] (uint8), d and dmin [out] (float32)."""
+    them (its offset at most 0: mn is a min), then rounded to its row's integer steps and its levels chosen again.
+    Returns q [out, in] (uint8), sc and mn [out, in / 32] (uint8), d and dmin [out] (float32)."""
     out, inputs = values.shape
     groups = values.reshape(out, inputs // GROUP, GROUP).astype(np.float32)
-    weights = None if importance is None else importance.reshape(1, inputs // GROUP, GROUP).astype(np.float32)
-    _, scale, offset = _fitted(groups, 7, lambda scale, offset: (scale, np.minimum(offset, 0)), weights)
+    _, scale, offset = _fitted(groups, 7, lambda scale, offset: (scale, np.minimum(offset, 0)))
     mins = -offset
     d, dmin = scale.max(-1) / 255, mins.max(-1) / 255
     sc = np.rint(scale / np.where(d > 0, d, 1)[:, None]).clip(0, 255)
@@ -238,22 +193,19 @@ def three_bits_values(values: np.ndarray, importance: np.ndarray | None = None) 
         dmin.astype(np.float32)
 
 
-def _fitted(groups: np.ndarray, levels: int, rounded: Callable, weights: np.ndarray | None = None
-            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _fitted(groups: np.ndarray, levels: int, rounded: Callable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each group's levels q (0..levels), scale d and offset m, w = d q + m: of two starting ranges (its least to its
     greatest, and the middle nine tenths of that), each refitted to its levels by least squares (REFITS times) and
-    made storable (``rounded(d, m)``), the one with the smaller squared error. ``weights`` (broadcast against
-    ``groups``): each weight's share in the squares (an input's importance), else all alike."""
-    weights = np.ones((1,) * groups.ndim, dtype=np.float32) if weights is None else weights
+    made storable (``rounded(d, m)``), the one with the smaller squared error."""
     low, high = groups.min(-1), groups.max(-1)
     best_q = best_scale = best_offset = best_error = None
     for share in RANGE_SHARES:
         scale, offset = (high - low) * share / levels, low + (high - low) * (1 - share) / 2
         for _ in range(REFITS):
-            scale, offset = _refitted(groups, _levels(groups, scale, offset, levels), scale, offset, weights)
+            scale, offset = _refitted(groups, _levels(groups, scale, offset, levels), scale, offset)
         scale, offset = rounded(scale, offset)
         q = _levels(groups, scale, offset, levels)
-        error = (weights * np.square(q * scale[..., None] + offset[..., None] - groups)).sum(-1)
+        error = np.square(q * scale[..., None] + offset[..., None] - groups).sum(-1)
         if best_error is None:
             best_q, best_scale, best_offset, best_error = q, scale, offset, error
         else:
@@ -276,17 +228,17 @@ def _levels(groups: np.ndarray, scale: np.ndarray, offset: np.ndarray, levels: i
     return np.where((scale > 0)[..., None], q, 0).astype(np.uint8)
 
 
-def _refitted(groups: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, weights: np.ndarray
+def _refitted(groups: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray
               ) -> tuple[np.ndarray, np.ndarray]:
-    """The d and m that fit each group's weights best (least squares, each square times its weight) on its levels q;
-    as they were where the levels are all one."""
+    """The d and m that fit each group's weights best (least squares) on its levels q; as they were where the levels
+    are all one."""
     q = q.astype(np.float32)
-    n, sum_q, sum_qq = (weights * np.ones_like(q)).sum(-1), (weights * q).sum(-1), (weights * np.square(q)).sum(-1)
-    sum_w, sum_qw = (weights * groups).sum(-1), (weights * q * groups).sum(-1)
+    n, sum_q, sum_qq = GROUP, q.sum(-1), np.square(q).sum(-1)
+    sum_w, sum_qw = groups.sum(-1), (q * groups).sum(-1)
     det = n * sum_qq - sum_q * sum_q
     fits = det > 0
     fitted = np.where(fits, (n * sum_qw - sum_q * sum_w) / np.where(fits, det, 1), scale)
-    return fitted, np.where(fits, (sum_w - fitted * sum_q) / np.where(n > 0, n, 1), offset)
+    return fitted, np.where(fits, (sum_w - fitted * sum_q) / n, offset)
 
 
 class DraftGradeRuntime(FusedRuntime):
@@ -294,15 +246,15 @@ class DraftGradeRuntime(FusedRuntime):
     over the draft vocabulary and -inf elsewhere (q = 0 there)."""
 
     @classmethod
-    def of_file(cls, source: GGUFFile, grade: DraftGrade, vocabulary: Callable[[], tuple[np.ndarray, float]],
-                calibration: Callable[[], list[int]] | None = None) -> DraftGradeRuntime:
+    def of_file(cls, source: GGUFFile, grade: DraftGrade, vocabulary: Callable[[], tuple[np.ndarray, float]]
+                ) -> DraftGradeRuntime:
         """The draft-grade runtime of a GGUF file the fused runtime reads alone (:func:`gguf_unavailable` first);
         ``vocabulary()`` chooses the draft vocabulary where the copy is made."""
         reason = gguf_unavailable(source)
         if reason is not None:
             raise FusedUnavailable(f"the fused runtime cannot read {source.path.name} directly: {reason}")
         spec = spec_of_gguf(source)
-        copy = draft_copy(source, spec, grade, vocabulary, calibration)
+        copy = draft_copy(source, spec, grade, vocabulary)
         runtime = cls.__new__(cls)
         runtime._start(weights_of(source, spec, copy.matrices), "stored", "integer")
         runtime.grade, runtime.coverage = grade, copy.coverage
