@@ -10,9 +10,15 @@ more of its guesses. So each recipe of :data:`RECIPES` is made (once: a copy is 
 - its **cost**: the bytes a step of the copy reads over the bytes a step of the target reads.
 
 The recipe :func:`expected_gain` rates highest (the pair's prior acceptance times the agreement, the cost) is chosen
-among those that keep :data:`AGREEMENT_FLOOR` of the model's guesses (the issue's bar for a draft-grade copy's
-acceptance against the full draft's: 0.95), and kept in ``draft_grades.json`` for the pair; none keeping it, the one
-that agrees most. ``--verbose`` says what was measured and which was chosen.
+among those that keep :data:`AGREEMENT_FLOOR` of the 4-bit copy's agreement (the issue's bar for a draft-grade
+copy's acceptance against the full draft's is 0.95), and kept in ``draft_grades.json`` for the pair. ``--verbose``
+says what was measured and which was chosen.
+
+Measured (Qwen2.5-Coder-0.5B for the 1.5B, on a 2-core Zen 3): agreement 89.5%, 83.6% and 79.3% on the corpus's
+held-out text for 4 bits, 3 in the feed-forward matrices and 3 in all; their acceptance of the target's own tokens
+(12 prompts of 6 kinds, 64 tokens each) 0.984, 0.947-0.951 and 0.937 of the full draft's. The 3-bit recipes keep
+0.93 and 0.89 of the 4-bit copy's agreement, so 4 bits is chosen for that pair (the held-out text is people's
+writing, where a draft is less sure than on its target's own tokens, so agreement there falls faster than acceptance).
 """
 
 from __future__ import annotations
@@ -85,10 +91,10 @@ def chosen_grade(runtime_kind, source: Path, target: Path, prior_acceptance: flo
 
 
 def best(found: list[Measured]) -> Measured:
-    """The recipe of the highest gain among those keeping AGREEMENT_FLOOR of the model's guesses; none keeping it,
-    the one that agrees most."""
-    keeping = [m for m in found if m.agreement >= AGREEMENT_FLOOR]
-    return max(keeping, key=lambda m: m.gain) if keeping else max(found, key=lambda m: m.agreement)
+    """The recipe of the highest gain among those keeping AGREEMENT_FLOOR of the first's agreement (4 bits: the
+    copy nearest the model)."""
+    floor = AGREEMENT_FLOOR * found[0].agreement
+    return max((m for m in found if m.agreement >= floor), key=lambda m: m.gain)
 
 
 def measured(runtime_kind, source: Path, target_bytes: int, prior_acceptance: float, tokenizer,
