@@ -84,8 +84,8 @@ def chosen_grade(runtime_kind, source: Path, target: Path, prior_acceptance: flo
     found = measured(runtime_kind, source, read_gguf(target).streamed_bytes(), prior_acceptance, tokenizer(),
                      vocabulary, threads)
     chosen = best(found)
-    detail(f"the draft-grade copy of {source.name}: {chosen.grade.label}, of "
-           + "; ".join(m.line for m in found))
+    detail(f"the draft-grade copy of {source.name}: {chosen.grade.label} (measured: "
+           + "; ".join(m.line for m in found) + ")")
     CACHE.put(key, {"grade": asdict(chosen.grade), "measured": [m.line for m in found]})
     return chosen.grade
 
