@@ -185,3 +185,33 @@ def test_a_tensor_whose_shape_the_metadata_contradicts_is_one_line_naming_it(fil
                                          r"file's metadata makes it \[96, 64\]"):
         gguf_unavailable(GGUFFile(bad))
     assert main(["generate", "--model", str(bad), "hi", "--max-new-tokens", "2"]) == 2
+
+
+def test_two_threads_reading_one_file_at_once_parse_its_header_once():
+    """read_gguf: a draft model's loading reads its target's header on a thread of its own while the target loads;
+    both get the one parse (the default model's header: 49,152 tokens and their merges)."""
+    import threading
+
+    from exactspec.backends import gguf_file
+    from exactspec.models import default_model_path
+
+    path = default_model_path()
+    gguf_file._read_once.cache_clear()
+    parsed, found, start = [], [], threading.Barrier(2)
+    original = gguf_file.GGUFFile.__init__
+
+    def counted(self, *args, **kwargs):
+        parsed.append(True)
+        original(self, *args, **kwargs)
+
+    gguf_file.GGUFFile.__init__ = counted
+    try:
+        threads = [threading.Thread(target=lambda: (start.wait(), found.append(gguf_file.read_gguf(path))))
+                   for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        gguf_file.GGUFFile.__init__ = original
+    assert len(parsed) == 1 and found[0] is found[1]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import mmap
 import struct
+import threading
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -135,14 +136,22 @@ def _read_once(path: Path, size: int, modified_ns: int) -> GGUFFile:
     return GGUFFile(path)
 
 
+_PARSING: dict[Path, threading.Lock] = {}  # a lock per file: two threads asking for one file parse it once
+_PARSING_GUARD = threading.Lock()
+
+
 def read_gguf(path: str | Path) -> GGUFFile:
     """The GGUF file at ``path``, its header parsed once per process while the file is unchanged (``--backend
-    auto``'s check and the load read the same file; a vocabulary of 150k strings takes 0.2-0.5 s)."""
+    auto``'s check and the load read the same file; a vocabulary of 150k strings takes 0.2-0.5 s), once too where
+    two threads ask at once (a draft model's loading reads its target's header beside the target's own)."""
     path = Path(path).resolve()
     if not path.is_file():
         return GGUFFile(path)  # its one line: not found
     stat = path.stat()
-    return _read_once(path, stat.st_size, stat.st_mtime_ns)
+    with _PARSING_GUARD:
+        lock = _PARSING.setdefault(path, threading.Lock())
+    with lock:
+        return _read_once(path, stat.st_size, stat.st_mtime_ns)
 
 
 class Strings(Sequence):
