@@ -14,6 +14,7 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import select
 import statistics
 import threading
 import time
@@ -35,6 +36,7 @@ KINDS = {  # kind -> (share of requests, the statuses it must get)
 }
 CLOSED = -1  # the connection closed before an answer: as a refusal only past --max-body-bytes, where the server may
 # close on a body it will not read (a 413 that a client still sending never reads)
+BODY_CHUNK = 64 << 10  # bytes of a request's body sent at a time
 LEVEL_FRACTION = 0.1  # levelled: the last quarter grew by less than this fraction of the first quarter's growth
 
 
@@ -89,10 +91,19 @@ def body_for(kind: str, prompt: str, max_tokens: int) -> tuple[str, bytes]:
 
 
 def send(port: int, kind: str, path: str, body: bytes) -> int:
-    """One request; a stream of kind ``left_stream`` is left after its first chunks, its connection closed."""
+    """One request; a stream of kind ``left_stream`` is left after its first chunks, its connection closed. The body
+    goes in chunks, and an answer that comes before it has all gone ends the sending: a server refusing a body it
+    will not read (413) answers and closes, and a client still sending would meet a reset, not the answer."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     try:
-        connection.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        connection.putrequest("POST", path)
+        connection.putheader("Content-Type", "application/json")
+        connection.putheader("Content-Length", str(len(body)))
+        connection.endheaders()
+        for start in range(0, len(body), BODY_CHUNK):
+            if select.select([connection.sock], [], [], 0)[0]:  # answered already
+                break
+            connection.send(body[start : start + BODY_CHUNK])
         response = connection.getresponse()
         if kind == "left_stream":
             response.read(64)
