@@ -83,6 +83,8 @@ def chosen_grade(runtime_kind, source: Path, target: Path, prior_acceptance: flo
         return grade
     found = measured(runtime_kind, source, read_gguf(target).streamed_bytes(), prior_acceptance, tokenizer(),
                      vocabulary, threads)
+    if not found:  # the runtime makes no copy of this file: the model drafts as loaded
+        return RECIPES[0]
     chosen = best(found)
     detail(f"the draft-grade copy of {source.name}: {chosen.grade.label} (measured: "
            + "; ".join(m.line for m in found) + ")")
@@ -100,12 +102,18 @@ def best(found: list[Measured]) -> Measured:
 def measured(runtime_kind, source: Path, target_bytes: int, prior_acceptance: float, tokenizer,
              vocabulary: Callable[[], tuple], threads: int | None) -> list[Measured]:
     """Each recipe's copy of ``source`` (made where it is not kept), fed the same held-out text as the model as
-    stored: its agreement with the model's greedy choices, and its bytes a step over ``target_bytes``."""
+    stored: its agreement with the model's greedy choices, and its bytes a step over ``target_bytes``; none where the
+    runtime reads the file or makes its copies otherwise."""
     tokens = heldout_tokens(tokenizer)
-    reference = _choices(runtime_kind.from_file(source, threads, None), tokens)
+    full = runtime_kind.from_file(source, threads, None)
+    if full is None:
+        return []
+    reference = _choices(full, tokens)
     found = []
     for grade in RECIPES:
         copy = runtime_kind.draft_from_file(source, grade, vocabulary)
+        if copy is None:
+            return []
         agreement = float(np.mean(_choices(copy, tokens) == reference))
         cost = copy.weight_bytes / target_bytes
         found.append(Measured(grade, agreement, cost, expected_gain(prior_acceptance * agreement, cost)))

@@ -127,7 +127,7 @@ def _matrices(source: GGUFFile, spec, grade: DraftGrade, ids: np.ndarray) -> lis
     matrices = []
     rows = list(matrix_rows(source, spec.layers, spec.heads, spec.kv_heads))
     for index, (_, tensors, orders) in enumerate(rows):
-        bits = grade.feed_forward if index < len(rows) - 1 and index % 4 >= 2 else grade.bits
+        bits = grade.feed_forward if tensors[0].name.split(".")[-2].startswith("ffn_") else grade.bits
         if index == len(rows) - 1:  # the LM head: its rows of the vocabulary
             orders = [orders[0][ids]]
         matrices.append(_draft_matrix(tensors, orders, bits))
