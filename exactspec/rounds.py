@@ -71,7 +71,6 @@ class Sequence:
         self.finished: str | None = None
         self.counts: torch.Tensor | None = None  # [vocab]: how often each token was generated (for penalties)
         self.lagging = True  # the drafter has not seen the last round (none has run yet)
-        self.drafted_at = 0  # the context's length when the drafter last drafted (0: never)
 
     @property
     def remaining(self) -> int:
@@ -87,12 +86,12 @@ class Sequence:
 
     @property
     def backlog(self) -> int:
-        """The tokens a drafter that keeps state would first catch up on before drafting: the prompt, or those of
-        the rounds since it last drafted; 0 where it drafted the last round (a round's correction is part of its
-        drafting) or keeps no state."""
+        """The tokens a drafter that keeps state would first catch up on before drafting (the prompt, or those of
+        the rounds since it last drafted, as far as it reads them: ``CatchesUp.backlog``); 0 where it drafted the
+        last round (a round's correction is part of its drafting) or keeps no state."""
         if not self.lagging or not declares(self.proposer, CatchesUp):
             return 0
-        return max(len(self.context) - 1 - self.drafted_at, 0)  # the last token is fed by the proposal itself
+        return self.proposer.backlog(self.context)
 
     def catch_up(self, k: int) -> int:
         """Before a round that drafts ``k`` tokens: a drafter that keeps state takes in the rounds it missed (the
@@ -102,8 +101,6 @@ class Sequence:
         if backlog:
             self.proposer.catch_up(self.context)
         self.lagging = k == 0
-        if k:
-            self.drafted_at = len(self.context)
         return backlog
 
     def draft(self, k: int, widths: list[int] | None = None, features: torch.Tensor | None = None) -> Draft:

@@ -141,11 +141,15 @@ def test_after_the_first_catch_up_only_new_tokens_are_fed(paths, one_call):
     if not one_call:
         proposer._chains_in_one_call = lambda params: False
     fed = counting(draft)
+    assert proposer.backlog(PROMPT) == HEAD + W - 1  # what it says it would feed (the prompt is 150 tokens)
     proposer.catch_up(PROMPT)
     assert sum(fed) == HEAD + W - 1
     draw, context, cut, k = random.Random(0), list(PROMPT), len(PROMPT) - W, 4
     for _ in range(40):
         fed.clear()
+        backlog = proposer.backlog(context)
+        proposer.catch_up(context)
+        assert sum(fed) == backlog  # told before it is fed: the planner weighs a catch-up by it
         tokens = proposer.propose(context, k, SamplingParams(), None).tokens
         moved = len(context) - cut > 2 * W
         if moved:
@@ -218,6 +222,7 @@ def test_a_windowed_draft_across_tokenizers_emits_plain_decodings_tokens(vocabul
             proposer = draft_models.make(loaded.runtime, source.on(source.model), None, window=W, head=HEAD)
             assert isinstance(proposer, ForeignDraftProposer)
             proposer.clear_cache()
+            assert proposer.backlog(prompt) == HEAD + W - 1  # its own tokens' view, not the target's prompt
             fed, lengths = counting_cache(proposer.model)
             engine = Engine(loaded.runtime, proposer, loaded.stop_ids)
             result = engine.generate(prompt, replace(config, num_draft_tokens=k))

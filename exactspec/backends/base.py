@@ -399,6 +399,11 @@ def sync(model: CausalLM, context: list[int], num_logits: int) -> torch.Tensor: 
     return model.extend(context[shared:], num_logits)
 
 
+def unfed(model: CausalLM, context: list[int]) -> int:
+    """The tokens ``sync(model, context, 0)`` would feed: those of ``context`` past what the cache shares with it."""
+    return len(context) - common_prefix_length(model.tokens, context)
+
+
 def prefill(model: CausalLM, prompt: list[int]) -> int:
     """Make the model's cache hold exactly ``prompt``, prefilled: as a prefill of the prompt alone writes it, bit for
     bit, where the model runs prompts through their own kernel (``PromptPasses``). A cached prefix is kept only

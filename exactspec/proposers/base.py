@@ -87,6 +87,11 @@ class CatchesUp(Protocol):
         times this apart: after rounds that drafted nothing it is a backlog of tokens, not the cost of drafting."""
         ...
 
+    def backlog(self, context: list[int]) -> int:
+        """The tokens ``catch_up(context)`` would feed the model: those past its cache's agreement with what it reads
+        of ``context`` (a draft that reads a window of a long context feeds that window, not the whole)."""
+        ...
+
 
 class PlansRounds(Protocol):
     """A proposer that chooses each round's draft length itself (a combined drafter: which source drafts, and how

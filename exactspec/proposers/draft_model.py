@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from exactspec.backends.base import CausalLM, DraftsChains, declares, sync
+from exactspec.backends.base import CausalLM, DraftsChains, declares, sync, unfed
 from exactspec.choices import CROSS_VOCABULARY_METHODS
 from exactspec.errors import UsageError
 from exactspec.proposers.base import (
@@ -92,13 +92,23 @@ class ContextWindow:
         """The ids the draft reads of ``ids``: all of them, or the head and the ids from the cut on."""
         if self.width is None:
             return ids
+        cut = self._cut(ids)
+        self._before = ids[:cut]
+        return ids[: self.head] + ids[cut:] if cut else ids
+
+    def peek(self, ids: list[int]) -> list[int]:
+        """What ``view`` would give for ``ids``, the cut left where it is."""
+        cut = 0 if self.width is None else self._cut(ids)
+        return ids[: self.head] + ids[cut:] if cut else ids
+
+    def _cut(self, ids: list[int]) -> int:
+        """Where the view of ``ids`` is cut (0: it is not)."""
         cut = len(self._before)
         if cut and ids[:cut] != self._before:
             cut = 0  # another sequence
         if len(ids) - (cut or self.head) > (2 if cut else 1) * self.width:
             cut = len(ids) - self.width
-        self._before = ids[:cut]
-        return ids[: self.head] + ids[cut:] if cut else ids
+        return cut
 
     def unview(self, cached: list[int]) -> list[int]:
         """The ids a draft cache of this window's view stands for (``cached``: a view and the tokens drafted after
@@ -203,6 +213,10 @@ class DraftModelProposer(_ChainsInOneCall, TreeProposer, CatchesUp, DraftsUnderG
         seen = self.window.view(context)
         if self._embeds(seen):
             sync(self.model, seen[:-1], num_logits=0)
+
+    def backlog(self, context: list[int]) -> int:
+        seen = self.window.peek(context)
+        return unfed(self.model, seen[:-1]) if self._embeds(seen) else 0
 
     def _embeds(self, ids: list[int]) -> bool:
         """Whether the draft model can embed every one of ``ids`` (a wider target's may lie past its own)."""
@@ -320,6 +334,10 @@ class ForeignDraftProposer(_ChainsInOneCall, TreeProposer, CatchesUp, DraftsUnde
         ids, _ = self._draft_context(context)
         if len(ids) > 1:
             sync(self.model, ids[:-1], num_logits=0)
+
+    def backlog(self, context: list[int]) -> int:
+        ids, _ = self.bridge.draft_context(context, self.window.unview(self.model.tokens))
+        return unfed(self.model, self.window.peek(ids)[:-1])
 
     def clear_cache(self) -> None:
         self.model.rollback(0)

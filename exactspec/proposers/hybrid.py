@@ -114,10 +114,17 @@ class HybridProposer(TreeProposer, PlansRounds, Combines, SharesPlan, DraftsUnde
 
     def _choose(self, context: list[int], lengths: dict[str, int], k: int) -> tuple[str | None, int, int]:
         """The plan's choice (key, draft length) given what each source offers, and the chosen model's backlog (the
-        tokens since it last drafted, which it catches up on first)."""
-        backlogs = {model.name: len(context) - self._drafted_at.get(model.name, 0) for model in self.models}
+        tokens since it last drafted, which it catches up on first, as far as it reads them)."""
+        backlogs = {model.name: self._backlog(model, context) for model in self.models}
         key, length = self.plan.choose(lengths, k, self._local, backlogs)
         return key, length, backlogs.get(key, 0)
+
+    def _backlog(self, model: Proposer, context: list[int]) -> int:
+        """The tokens ``model`` would take in before drafting after ``context``: its own count where it keeps state,
+        else those since it last drafted."""
+        if declares(model, CatchesUp):
+            return model.backlog(context)
+        return len(context) - self._drafted_at.get(model.name, 0)
 
     def _copies_offers(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
                        ) -> tuple[dict[str, Draft], dict[str, int]]:
