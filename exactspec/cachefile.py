@@ -10,6 +10,12 @@ import platform
 from pathlib import Path
 
 
+def file_identity(path: Path) -> str:
+    """What a measurement of a file depends on of it: its place, size and time of change (a folder: its place)."""
+    stat = path.stat() if path.is_file() else None
+    return f"{path.resolve()} {stat.st_size} {int(stat.st_mtime)}" if stat else str(path.resolve())
+
+
 def cache_root() -> Path:
     """Where exactspec keeps what it measured and converted: ``EXACTSPEC_CACHE``, else ``~/.cache/exactspec``."""
     return Path(os.environ.get("EXACTSPEC_CACHE") or Path.home() / ".cache" / "exactspec")

@@ -31,7 +31,7 @@ import numpy as np
 
 from exactspec.backends import DraftGrade
 from exactspec.backends.gguf_file import read_gguf
-from exactspec.cachefile import MeasurementCache
+from exactspec.cachefile import MeasurementCache, file_identity
 from exactspec.draft_vocabulary import HELDOUT_SHARE, corpus_conversations
 from exactspec.logs import detail
 
@@ -75,7 +75,7 @@ def chosen_grade(runtime_kind, source: Path, target: Path, prior_acceptance: flo
     pair, else measured (:func:`measured`) and chosen (:func:`best`). ``prior_acceptance``: what the pair's drafts are
     expected to be accepted at as stored; ``tokenizer()``: the draft model's; ``vocabulary()``: its draft vocabulary,
     where a copy is made."""
-    key = CACHE.key(f"{_identity(source)} for {_identity(target)} at {prior_acceptance:g}")
+    key = CACHE.key(f"{file_identity(source)} for {file_identity(target)} at {prior_acceptance:g}")
     kept = CACHE.get(key)
     if kept is not None:
         grade = DraftGrade(**kept["grade"])
@@ -139,8 +139,3 @@ def _choices(runtime, tokens: list[int]) -> np.ndarray:
     logits = runtime.extend(tokens, len(tokens))
     runtime.rollback(0)
     return logits.argmax(-1).numpy()
-
-
-def _identity(path: Path) -> str:
-    stat = path.stat()
-    return f"{path.resolve()} {stat.st_size} {int(stat.st_mtime)}"

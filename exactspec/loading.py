@@ -87,7 +87,7 @@ def load_target(model: str | os.PathLike | None = None, *, dtype: str = "auto", 
     return loaded
 
 
-def _draft_for(target_path, backend: str, draft_model, finding: bool, grade: DraftGrade | None, dtype: str,
+def _draft_for(target_path, backend: str, draft_model, finding: bool, grade: DraftGrade | Measured | None, dtype: str,
                device: str, threads: int | None) -> tuple[LoadedModel | None, bool]:
     """The draft model given, or the one found (``finding``: :func:`found_draft_model`), loaded for a target at
     ``target_path`` on ``backend``; and whether it was found. Its tokenizer is ``BORROWED`` where it is the target's."""
@@ -99,7 +99,8 @@ def _draft_for(target_path, backend: str, draft_model, finding: bool, grade: Dra
     return load_draft(draft_model, target_path, backend, grade, dtype=dtype, device=device, threads=threads), found
 
 
-def load_draft(draft_model: str | os.PathLike, target_path, target_backend: str, grade: DraftGrade | None, *,
+def load_draft(draft_model: str | os.PathLike, target_path, target_backend: str,
+               grade: DraftGrade | Measured | None, *,
                dtype: str = "auto", device: str = "auto", threads: int | None = None,
                target_tokenizer: object = BORROWED) -> LoadedModel:
     """A draft model for the target at ``target_path`` (on ``target_backend``), on the backend :func:`draft_backend`
@@ -108,17 +109,24 @@ def load_draft(draft_model: str | os.PathLike, target_path, target_backend: str,
     loaded)."""
     resolved = resolve_backend(draft_backend(target_backend, draft_model), draft_model, dtype, device, threads)
     same = draft_prospect(target_path, draft_model)[0]
-    if grade is MEASURED:
+    if isinstance(grade, Measured):
         grade = _measured_grade(kind(resolved), model_path(draft_model), model_path(target_path), same, threads)
     return load_model(draft_model, dtype=dtype, device=device, backend=resolved, threads=threads, draft_grade=grade,
                       vocabulary=draft_vocabulary, tokenizer=target_tokenizer if same else None)
 
 
-# --draft-grade auto: the recipe chosen for the pair by measurement (draft_grades.py)
-MEASURED = DraftGrade(bits=4, vocabulary=True, feed_forward_bits=None)
+class Measured:
+    """--draft-grade auto: the recipe :func:`draft_grades.chosen_grade` measures best for the pair, resolved to a
+    :class:`DraftGrade` where the draft is loaded (``load_draft``): no runtime is handed it unresolved."""
+
+    def __repr__(self) -> str:
+        return "MEASURED"
 
 
-def draft_grade_of(name: str) -> DraftGrade | None:
+MEASURED = Measured()
+
+
+def draft_grade_of(name: str) -> DraftGrade | Measured | None:
     """--draft-grade ``name`` as the recipe a runtime makes a draft model's copy by (None: the model as loaded;
     ``MEASURED``: the one measured best for the pair, :func:`draft_grades.chosen_grade`); one line for a name there
     is none of."""

@@ -27,7 +27,7 @@ import torch
 
 from exactspec.backends import DEFAULT, RuntimeKind, kind, kinds, over_model
 from exactspec.backends.base import median_pass_seconds
-from exactspec.cachefile import MeasurementCache
+from exactspec.cachefile import MeasurementCache, file_identity
 from exactspec.choices import canonical_backend
 from exactspec.logs import PROCESS_WIDE, notice, verbose
 from exactspec.models import load_model, model_path
@@ -188,6 +188,4 @@ def _quiet_unless_verbose():
 
 
 def _cache_key(source: Path, names: list[str], threads: int | None) -> str:
-    stat = source.stat() if source.is_file() else None
-    fingerprint = f"{source.resolve()} {stat.st_size} {int(stat.st_mtime)}" if stat else str(source.resolve())
-    return CACHE.key(f"{fingerprint} | {'/'.join(names)}", threads)
+    return CACHE.key(f"{file_identity(source)} | {'/'.join(names)}", threads)
