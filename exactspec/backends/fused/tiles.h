@@ -157,7 +157,11 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256i top_bits(__m256i 
  * and its sums start from 128 sum(xq) (OFFSET). The sums are exact integers, so both give the same bits. */
 /* Independent sums a row's set is split among (quads g and g + 1 in chain g / 2 % CHAINS), enough across the R rows
  * that a sum's latency does not stall the next (vpdpbusd: 4 or 5 cycles, 2 a cycle). */
-#define CHAINS(R, SETS) ((R) <= 3 ? 4 / (SETS) : 2)
+#ifndef AVX2_CHAINS
+#define AVX2_CHAINS(R, SETS) ((R) <= 3 ? 4 / (SETS) : 2)
+#endif
+#define CHAINS_AVX2(R, SETS) AVX2_CHAINS(R, SETS)
+#define CHAINS_VNNI(R, SETS) ((R) <= 3 ? 4 / (SETS) : 2)
 #define TILE_QUAD(NAME, TARGET, ISA, BLOCK, SETS, BITS, SCALE, R)                                                    \
     __attribute__((target(TARGET))) static void NAME##_##R(const void *w, const Quantised *x, int r0,              \
                                                            float out[GROUP512][8]) {                               \
@@ -171,21 +175,21 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256i top_bits(__m256i 
             _Pragma("GCC unroll 2") for (int t = 0; t < SETS; t++) {                                               \
                 const __m256 d = SCALES_##SCALE(b, s, IN_SUPER(block), t);                                         \
                 __attribute__((unused)) const __m256 m = OFFSETS_##SCALE(b, s, IN_SUPER(block), t); /* K6: none */\
-                __m256i sum[R][CHAINS(R, SETS)];                                                                   \
+                __m256i sum[R][CHAINS_##ISA(R, SETS)];                                                                   \
                 for (int r = 0; r < R; r++) {                                                                      \
-                    for (int c = 0; c < CHAINS(R, SETS); c++) sum[r][c] = _mm256_setzero_si256();                  \
+                    for (int c = 0; c < CHAINS_##ISA(R, SETS); c++) sum[r][c] = _mm256_setzero_si256();                  \
                     if (OFFSET_##ISA##_##BITS)                                                                     \
                         sum[r][0] = _mm256_set1_epi32(x->start[block_of(x, r0 + r, block) * SETS + t]);            \
                 }                                                                                                  \
                 _Pragma("GCC unroll 4") for (int g = t * 8 / SETS; g < (t + 1) * 8 / SETS; g += 2) {               \
                     __m256i quad = QUAD_##BITS(b, g), next = QUAD_##BITS(b, g + 1);                                \
                     for (int r = 0; r < R; r++) {                                                                  \
-                        __m256i *chain = &sum[r][g / 2 % CHAINS(R, SETS)];                                         \
+                        __m256i *chain = &sum[r][g / 2 % CHAINS_##ISA(R, SETS)];                                         \
                         *chain = DOT2_##ISA##_##BITS(*chain, quad, next, xq + 32 * r + 4 * g);                     \
                     }                                                                                              \
                 }                                                                                                  \
                 for (int r = 0; r < R; r++) {                                                                      \
-                    for (int c = 1; c < CHAINS(R, SETS); c++) sum[r][0] = _mm256_add_epi32(sum[r][0], sum[r][c]);  \
+                    for (int c = 1; c < CHAINS_##ISA(R, SETS); c++) sum[r][0] = _mm256_add_epi32(sum[r][0], sum[r][c]);  \
                     acc[r] = SET_##SCALE(acc[r], sum[r][0], d, m, x, r0 + r, block, SETS, t);                       \
                 }                                                                                                  \
             }                                                                                                      \
