@@ -338,8 +338,9 @@ def _add_serve_parser(commands) -> None:
 def _add_bench_parser(commands) -> None:
     bench = commands.add_parser("bench", help="compare drafters side by side on prompt files")
     bench.add_argument("--prompts", required=True, action="append", metavar="FILE[,FILE...]",
-                       help="MT-bench / Spec-Bench or HumanEval JSONL (.gz too); repeatable or comma-separated, "
-                            "all in one run")
+                       help="MT-bench / Spec-Bench or HumanEval JSONL (.gz too), or code-edits (edits of "
+                            "exactspec's own functions, answers that copy their input); repeatable or "
+                            "comma-separated, all in one run")
     bench.add_argument("--category", default=None, metavar="CAT[,CAT...]",
                        help="only these categories (comma-separated; HumanEval's is humaneval)")
     bench.add_argument("--per-category", type=int, default=None, metavar="N",

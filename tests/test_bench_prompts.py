@@ -94,3 +94,31 @@ def test_an_id_an_earlier_file_holds_is_named_by_its_file(tmp_path):
 def test_a_selection_that_cannot_be_made_is_refused(files, kwargs, message):
     with pytest.raises(UsageError, match=message):
         select_prompts([DATA / name for name in files], **kwargs)
+
+
+def test_the_code_edit_workload_asks_for_edits_of_exactspecs_own_functions():
+    """``--prompts code-edits``: one chat prompt per function of 12-40 lines that exactspec ships, each asking to
+    rename a variable the function uses (and shows) or to remove its comments, with the function's source; beside a
+    prompt file in one run, and the same prompts on every call."""
+    import ast
+    import re
+
+    from exactspec.bench.edits import CODE_EDITS
+
+    prompts = select_prompts([CODE_EDITS])
+    assert len(prompts) >= 50 and len({p.id for p in prompts}) == len(prompts)
+    assert all(p.category == "edit" and p.chat for p in prompts)
+    for prompt in prompts:
+        source = prompt.text.split("```python\n", 1)[1].rsplit("\n```", 1)[0]
+        function = ast.parse(source).body[0]  # the function itself, moved to the left margin: it parses
+        assert isinstance(function, ast.FunctionDef) and prompt.id.endswith(f":{function.name}")
+        assert 12 <= len(source.splitlines()) <= 40
+        renamed = re.search(r"rename the variable `(\w+)` to `(\w+)`", prompt.text)
+        if renamed:
+            uses = [node for node in ast.walk(function) if isinstance(node, ast.Name) and node.id == renamed[1]]
+            assert len(uses) >= 3 and renamed[2] == f"{renamed[1]}_value"
+        else:
+            assert "remove every comment" in prompt.text and "#" in source
+    assert select_prompts([CODE_EDITS]) == prompts
+    both = select_prompts([DATA / "mt_bench_question.jsonl", CODE_EDITS], per_category=1)
+    assert [p.category for p in both][-1] == "edit" and len({p.category for p in both}) > 2

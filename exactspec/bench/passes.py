@@ -3,7 +3,7 @@ each runtime's roofline (its weights' bytes over the bandwidth this machine stre
 arithmetic peak and the floor the two set together; then each runtime's prompt rate (prefill tokens a second).
 
     python -m exactspec.bench.passes [--model FILE.gguf] [--threads 2] [--context 200] [--repeats 7] [--lean]
-                                   [--prompts 128,512,2048]
+                                   [--prompts 128,512,2048,8192]
 
 The runtimes: llama.cpp over the GGUF as stored, and exactspec's fused runtime over the file's matrices as stored
 (``FusedRuntime.from_gguf``), with integer products and with float products. Where the fused runtime cannot read
@@ -33,7 +33,7 @@ from exactspec.bench.roofline import bandwidth_probe
 from exactspec.cores import set_torch_threads
 
 POSITIONS = (1, 2, 3, 4, 5, 8, 16, 17, 32, 64)
-PROMPTS = (128, 512, 2048)
+PROMPTS = (128, 512, 2048, 8192)
 
 
 def runtimes(model_name, threads: int, lean: bool = False, max_length: int | None = None) -> dict[str, object]:
@@ -93,9 +93,10 @@ def prompt_seconds(runtime, tokens: list[int]) -> float:
     return elapsed
 
 
-def prompt_table(found: dict[str, object], lengths: list[int], repeats: int) -> str:
-    """Each runtime's prompt rate at each length (the best of ``repeats``, runtime after runtime), and each against
-    the first's (llama.cpp's)."""
+def prompt_table(found: dict[str, object], lengths: list[int], repeats: int, peak=None) -> str:
+    """Each runtime's prompt rate at each length (the best of ``repeats``, runtime after runtime), each against the
+    first's (llama.cpp's), and where ``peak`` (the integer peak) is given, the fused runtimes' share of it: their
+    matrices' multiply-adds a second over it."""
     lengths = [n for n in lengths if all(n < runtime.max_length for runtime in found.values())]
     best = {name: {n: float("inf") for n in lengths} for name in found}
     for n in lengths:
@@ -105,8 +106,12 @@ def prompt_table(found: dict[str, object], lengths: list[int], repeats: int) -> 
                 best[name][n] = min(best[name][n], prompt_seconds(runtime, tokens))
     baseline = next(iter(found))
     lines = ["| runtime | " + " | ".join(f"{n} tokens" for n in lengths) + " |", "|---|" + "---:|" * len(lengths)]
-    for name in found:
-        cells = [f"{n / best[name][n]:.0f}/s ({best[baseline][n] / best[name][n]:.2f}x)" for n in lengths]
+    from exactspec.backends.fused import FusedRuntime
+
+    for name, runtime in found.items():
+        cells = [f"{n / best[name][n]:.0f}/s ({best[baseline][n] / best[name][n]:.2f}x"
+                 + (f", {n * runtime.multiply_adds / best[name][n] / peak.per_second:.0%} of the peak)"
+                    if peak is not None and isinstance(runtime, FusedRuntime) else ")") for n in lengths]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -132,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     peak = native.integer_peak(torch.get_num_threads()) if native.unavailable() is None else None
     print(table(found, median_pass_seconds(found, POSITIONS, args.repeats), bandwidth, peak))
     if lengths:
-        print("\nprompt rate: prefill tokens a second (and against the first runtime)\n")
-        print(prompt_table(found, lengths, args.prompt_repeats))
+        print("\nprompt rate: prefill tokens a second (against the first runtime; the fused runtime's share of the "
+              "integer peak)\n")
+        print(prompt_table(found, lengths, args.prompt_repeats, peak))
     return 0
 
 

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from exactspec.bench.edits import CATEGORY as EDIT
+from exactspec.bench.edits import CODE_EDITS, code_edits
 from exactspec.errors import UsageError
 
 
@@ -78,8 +80,11 @@ def select_prompts(paths: list[str | Path], categories: list[str] | None = None,
 
 
 def _records(path: str | Path) -> Iterator[BenchPrompt]:
-    """The prompts of a JSONL file (gzipped where it ends in .gz), in order; one line naming the fault of a broken
-    one."""
+    """The prompts of a JSONL file (gzipped where it ends in .gz), in order, or the code-edit workload's
+    (``CODE_EDITS``: bench/edits.py); one line naming the fault of a broken one."""
+    if str(path) == CODE_EDITS:
+        yield from (BenchPrompt(id=id, category=EDIT, text=text, chat=True) for id, text in code_edits())
+        return
     path = _existing(path)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as f:
@@ -94,9 +99,10 @@ def _records(path: str | Path) -> Iterator[BenchPrompt]:
 
 
 def _existing(path: str | Path) -> Path:
-    """The path of a prompt file that is there; else one line saying it is not."""
+    """The path of a prompt file that is there (or ``CODE_EDITS``, the workload made here); else one line saying it
+    is not."""
     path = Path(path)
-    if not path.is_file():
+    if not path.is_file() and str(path) != CODE_EDITS:
         raise UsageError(f"prompt file not found: {path}")
     return path
 
