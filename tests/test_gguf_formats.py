@@ -114,7 +114,8 @@ def test_speculation_keeps_plain_decodings_output_on_a_k_quant_file(files, arch)
 def test_the_packed_copy_gives_the_sources_logits_and_follows_the_source(files, tmp_path, monkeypatch, capsys):
     """The first start packs the file (one line) and keeps the packed matrices in exactspec's cache; the next reads
     them memory-mapped, with the same logits bit for bit; a changed source file is packed anew, and its old copy
-    deleted; a corrupt or truncated packed copy is said to be so in one line, and packed anew."""
+    deleted; a copy of another layout version is deleted (one line) and packed anew; a corrupt or truncated packed
+    copy is said to be so in one line, and packed anew."""
     import os
 
     from exactspec.backends.fused import packed_file
@@ -137,6 +138,14 @@ def test_the_packed_copy_gives_the_sources_logits_and_follows_the_source(files, 
     assert "packing model.gguf" in start()[1]
     assert not old.exists(), "the changed source's old copy is deleted when the new one is written"
     kept = packed_file.packed_path(source)
+    monkeypatch.setattr(packed_file, "LAYOUT_VERSION", packed_file.LAYOUT_VERSION + 1)  # the kernels' layout changed
+    newer, said = start()
+    assert not kept.exists(), "the older layout's copy is deleted"
+    assert "packed in layout version" in said and "packing model.gguf" in said and torch.equal(newer, packed)
+    monkeypatch.undo()
+    monkeypatch.setenv("EXACTSPEC_CACHE", str(tmp_path))
+    assert "packing model.gguf" in start()[1]  # and the other way: the newer layout's copy goes
+    assert len(list((tmp_path / "packed").glob("*.sdpack"))) == 1
     for damage in (lambda data: data[:-5000], lambda data: data[:-200] + bytes(200)):
         kept.write_bytes(damage(kept.read_bytes()))
         logits, said = start()

@@ -10,8 +10,9 @@ per named array kept beside the matrices: a draft-grade copy's vocabulary and em
 at every start (the 1.5B's 1.2 GB in about 0.5 s, pages a first pass reads anyway: a checksum of sampled stretches,
 1.7% of its bytes, let damage elsewhere give other tokens unsaid). A packed file that is truncated, whose header does
 not parse, names a format the kernels do not know or whose checksums do not match is stale or corrupt: it is said so
-in one line, deleted and written anew. Each write deletes the kept copies of source files that are gone or changed,
-and each start the partial files of packings that were killed (their process gone).
+in one line, deleted and written anew. Before a copy is packed, and as it is written, the kept copies of source files
+that are gone or changed are deleted, and those of another layout version (one line: its model is packed again);
+each start deletes the partial files of packings that were killed (their process gone).
 """
 
 from __future__ import annotations
@@ -102,12 +103,18 @@ def write(path: Path, source: Path, matrices: Iterable[StoredMatrix], arrays: di
 
 
 def prune(folder: Path) -> None:
-    """Delete the packed copies in ``folder`` whose source file is gone or changed since (and unreadable ones)."""
+    """Delete the packed copies in ``folder`` whose source file is gone or changed since, those of another layout
+    (one line each: their model is packed again in this one), and unreadable ones."""
     for kept in folder.glob("*.sdpack"):
         try:
             with kept.open("rb") as f:
-                source = _header(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))["source"]
+                layout = _checked_header(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+            source = layout["source"]
             stale = not Path(source["path"]).is_file() or _identity(Path(source["path"])) != source
+            if not stale and layout["version"] != LAYOUT_VERSION:
+                print(f"exactspec: deleted {kept.name}, packed in layout version {layout['version']} (this "
+                      f"exactspec's is {LAYOUT_VERSION}): its model is packed again", file=sys.stderr)
+                stale = True
         except (OSError, ValueError, KeyError, TypeError):
             stale = True
         if stale:
@@ -139,6 +146,8 @@ def read(path: Path) -> Packed | None:
     if path.parent.is_dir():
         remove_killed_partials(path.parent)
     if not path.is_file():
+        if path.parent.is_dir():
+            prune(path.parent)  # before a copy is packed: another layout's of the same model goes first
         return None
     try:
         return _read(path)
@@ -153,17 +162,24 @@ TRAILER = len(MAGIC) + 12  # the magic, the header's length (8 bytes) and its CR
 
 
 def _header(mapped: mmap.mmap) -> dict:
-    """A packed file's header, its trailer and checksum checked; ``end``: where the matrices' bytes end."""
+    """A packed file's header, its trailer and checksum checked, of this layout; ``end``: where the matrices' bytes
+    end."""
+    layout = _checked_header(mapped)
+    if layout["version"] != LAYOUT_VERSION:
+        raise ValueError(f"layout version {layout['version']}, not {LAYOUT_VERSION}")
+    return layout
+
+
+def _checked_header(mapped: mmap.mmap) -> dict:
+    """A packed file's header, of any layout, its trailer and checksum checked; ``end``: where the matrices' bytes
+    end."""
     if len(mapped) < TRAILER or mapped[-TRAILER : -TRAILER + len(MAGIC)] != MAGIC:
         raise ValueError("not a packed file, or truncated")
     length = int.from_bytes(mapped[-12:-4], "little")
     header = mapped[len(mapped) - TRAILER - length : len(mapped) - TRAILER]
     if len(header) != length or zlib.crc32(header) != int.from_bytes(mapped[-4:], "little"):
         raise ValueError("its header's checksum does not match")
-    layout = json.loads(header)
-    if layout["version"] != LAYOUT_VERSION:
-        raise ValueError(f"layout version {layout['version']}, not {LAYOUT_VERSION}")
-    return layout | {"end": len(mapped) - TRAILER - length}
+    return json.loads(header) | {"end": len(mapped) - TRAILER - length}
 
 
 def _read(path: Path) -> Packed:
