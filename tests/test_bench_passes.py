@@ -26,6 +26,7 @@ def test_the_passes_bench_prints_costs_the_floor_the_peak_and_its_share(tmp_path
     assert any(name.startswith("floor: max(weights / bandwidth") for name in rows)
     peak = re.search(r"integer peak (\d+) G multiply-adds/s \((.+), 1 threads at once\)", out)
     assert peak and int(peak[1]) > 0 and ("maddubs" in peak[2] or "vpdpbusd" in peak[2])
+    assert f"many rows' products: {native.tiles()}" in out
     # prompt rates at 16 and 64 tokens; the two fused runtimes' with their share of the integer peak
     shares = re.findall(r"(\d+)/s \([\d.]+x, (\d+)% of the peak\)", out)
     assert len(shares) == 4 and all(int(rate) > 0 and int(share) > 0 for rate, share in shares)

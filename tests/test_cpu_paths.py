@@ -21,10 +21,12 @@ from exactspec.backends import native
 TESTS = Path(__file__).parent
 AVX2_TILES = {"EXACTSPEC_FUSED_AVX2": "1"}
 AVX2_LIBRARIES = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+TILE_MODEL = {"EXACTSPEC_TILES": "model"}  # AMX's GEMM on the C model of its tiles, from 2 rows on (tiles_amx.c)
 PATHS = {
     "this CPU's own": {},
     "AVX2 tiles (an AVX2-only EPYC's)": AVX2_TILES,
     "AVX2 tiles and libraries held to AVX2": {**AVX2_TILES, **AVX2_LIBRARIES},
+    "AMX's GEMM through the tile model": TILE_MODEL,
 }
 # every test that asserts a row's bits are the same whatever shares its pass, on the lean and the fused runtime
 INVARIANCE_TESTS = [
@@ -158,15 +160,39 @@ def test_row_kernels_compute_each_row_alone():
     assert run.returncode == 0 and run.stdout.split()[1:] == ["True"] * 3, run.stdout + run.stderr[-2000:]
 
 
-def test_the_avx2_tiles_give_the_avx512_tiles_bits():
+def test_the_avx2_tiles_the_avx512_tiles_and_amxs_tile_model_give_the_same_bits():
     """A machine with AVX-512 and one with AVX2 only compute the same bits: the AVX-512 tiles do, lane for lane, the
-    AVX2 tiles' FMAs (on an AVX2-only machine both runs take the AVX2 tiles)."""
+    AVX2 tiles' FMAs (on an AVX2-only machine both runs take the AVX2 tiles). AMX's GEMM, run on the C model of its
+    tile registers and TDPBUSD on any CPU, gives them too, in every format and pass width from 2 rows (with the
+    AVX2 tiles beside it, and with this CPU's own)."""
     if native.unavailable():
         pytest.skip(native.unavailable())
-    runs = [run_here(["-c", KERNEL_DIGEST], env, 120) for env in ({}, AVX2_TILES)]
+    envs = ({}, AVX2_TILES, TILE_MODEL, {**TILE_MODEL, **AVX2_TILES})
+    runs = [run_here(["-c", KERNEL_DIGEST], env, 300) for env in envs]
     assert all(run.returncode == 0 for run in runs), [run.stderr[-2000:] for run in runs]
-    (wide, *wide_checks), (avx2, *avx2_checks) = (run.stdout.split() for run in runs)
-    assert wide == avx2 and wide_checks == avx2_checks == ["True"] * 3
+    digests = [run.stdout.split() for run in runs]
+    assert all(digest == digests[0] for digest in digests) and digests[0][1:] == ["True"] * 3, digests
+
+
+def test_the_tiles_taken_are_said_and_amx_is_taken_only_where_it_may_run():
+    """``native.tiles()`` says which tiles many rows' integer products take, or why not AMX's: the tile model where
+    EXACTSPEC_TILES=model asks for it, none where =off or (AMX's GEMM unmeasured on AMX hardware) where nothing asks;
+    with =amx, AMX where CPUID, XCR0, the kernel and a probe allow, else why not; on a CPU without AMX, that."""
+    if native.unavailable():
+        pytest.skip(native.unavailable())
+    said = {name: run_here(["-c", "from exactspec.backends import native; print(native.tiles())"], env, 60)
+            for name, env in (("model", TILE_MODEL), ("off", {"EXACTSPEC_TILES": "off"}), ("own", {}),
+                              ("amx", {"EXACTSPEC_TILES": "amx"}))}
+    assert all(run.returncode == 0 for run in said.values()), [run.stderr[-1000:] for run in said.values()]
+    assert said["model"].stdout.strip() == "AMX through the tile model (EXACTSPEC_TILES=model)"
+    assert said["off"].stdout.strip() == "AMX not used: EXACTSPEC_TILES=off"
+    with open("/proc/cpuinfo") as cpuinfo:
+        has_amx = "amx_int8" in cpuinfo.read()
+    own, asked = said["own"].stdout.strip(), said["amx"].stdout.strip()
+    assert own.startswith("AMX not used") and len(own.splitlines()) == 1
+    assert asked == "AMX (amx_int8, EXACTSPEC_TILES=amx)" or asked.startswith("AMX not used: ")
+    if not has_amx:
+        assert own == asked == "AMX not used: this CPU has no AMX-INT8"
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from exactspec.cores import usable_cores
+from exactspec.logs import detail
 
 NEEDED_FLAGS = ("avx2", "fma", "f16c")
 
@@ -240,10 +241,20 @@ def integer_peak(threads: int, seconds: float = 0.3) -> IntegerPeak:
     return IntegerPeak(sum(done) / elapsed, threads, "vpdpbusd (AVX512-VNNI)" if vnni.value else "maddubs (AVX2)")
 
 
+@functools.cache
+def tiles() -> str:
+    """Which tiles the integer products of many rows take here, or why not AMX's (a line: the CPU has none, the
+    kernel refused its tile data, a probe faulted, EXACTSPEC_TILES); said once in --verbose."""
+    line = library().sd_tiles().decode()
+    detail(f"integer products: {line}")
+    return line
+
+
 def use_threads(threads: int | None = None) -> int:
     """Size the kernels' thread team (by default PyTorch's threads, at most the cores this process may run on at
     once: ``cores.usable_cores``); the size it has."""
     global _team_size
+    tiles()
     if threads is None or threads != _team_size:
         _team_size = library().sd_set_threads(min(torch.get_num_threads(), usable_cores()) if threads is None
                                               else threads)
@@ -330,6 +341,8 @@ def _declare(loaded: ctypes.CDLL) -> None:
     loaded.sd_integer_peak.restype = ctypes.c_double
     loaded.sd_integer_peak.argtypes = [ctypes.c_long, ctypes.POINTER(ctypes.c_int)]
     loaded.sd_set_threads.argtypes = [ctypes.c_int]
+    loaded.sd_tiles.restype = ctypes.c_char_p
+    loaded.sd_tiles.argtypes = []
     loaded.sd_use_openmp.argtypes = [_p, _p, _p]
     openmp = _torch_openmp()
     if openmp is not None:

@@ -79,7 +79,7 @@ def table(found: dict[str, object], medians: dict[str, dict[int, float]], bandwi
                      f"integer peak) | {fused.weight_bytes / 1e6:.0f} MB | | {floors[1] * 1e3:.2f} ms | 1.00 | "
                      + " | ".join(f"{floors[n] / floors[1]:.2f}x" for n in POSITIONS[1:]) + " |")
         lines += ["", f"integer peak {peak.per_second / 1e9:.0f} G multiply-adds/s ({peak.instruction}, "
-                      f"{peak.threads} threads at once)"]
+                      f"{peak.threads} threads at once); many rows' products: {native.tiles()}"]
     return "\n".join(lines)
 
 

@@ -32,6 +32,8 @@
  * - tiles.h: the macros the tile files build their tiles from (prefetch, the blocks' walk, the integer tiles);
  * - tiles_avx2.c, tiles_avx512.c, tiles_vnni.c: the tiles of one instruction set each (VNNI's GEMM tiles too),
  *   static, reached through their tables of function pointers;
+ * - tiles_amx.c: AMX's GEMM, written against a tile API with two back ends: the instructions, and a C model of the
+ *   tile registers that every CPU can run (EXACTSPEC_TILES=model);
  * - product.c: a matrix's product over its blocks, by the tiles this CPU takes, shared among the team;
  * - attention.c: each row's attention over its own keys;
  * - pass.c: a pass's layers, the norms, RoPE, the cache writes and the activation around the products;
@@ -313,6 +315,14 @@ typedef void (*IntegerFn)(const void *, const Quantised *, int, float[GROUP512][
 INTERNAL extern const IntegerFn INTEGER_WIDE[][GROUP + 1], INTEGER_VNNI[][GROUP512 + 1];
 typedef void (*GemmFn)(const void *, int64_t, const Quantised *, int, float[GEMM_ROWS][16]);
 INTERNAL extern const GemmFn INTEGER_GEMM[][GEMM_ROWS + 1];
+/* AMX's GEMM (tiles_amx.c): up to AMX_ROWS rows by 16 outputs, through the instructions or the tile model
+ * (amx_tiles, read once with the team's features by read_amx). */
+#define AMX_ROWS 16
+enum { AMX_NONE, AMX_HARDWARE, AMX_MODEL };
+INTERNAL extern int amx_tiles;
+INTERNAL void read_amx(void);
+INTERNAL void amx_gemm_tile(int format, const void *w, int64_t next, const Quantised *x, int r0, int rows,
+                            float out[AMX_ROWS][16]);
 
 /* ---------------------------------------------------------------- helpers several files inline */
 
@@ -358,6 +368,7 @@ typedef void (*JobFn)(void *arg, int thread, int threads);
 #define MAX_THREADS 64 /* the most members a team has */
 
 INTERNAL extern int team_size;           /* the members that take a share of a job */
+INTERNAL void read_features(void);       /* which tiles this CPU takes: has_avx512, has_vnni, amx_tiles */
 INTERNAL extern int has_avx512, has_vnni; /* which tiles this CPU takes (read with the team) */
 INTERNAL extern atomic_int barrier_count, barrier_sense, barrier_sleepers; /* team_barrier's */
 

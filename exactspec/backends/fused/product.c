@@ -101,6 +101,26 @@ static int integer_gemm(const Matrix *m, const Quantised *xq, int n, int o0, int
     return o;
 }
 
+/* The fewest rows AMX's GEMM takes: through the tile model (a test's path), every pass of two rows or more, so that
+ * the tests' passes reach it; through the instructions, a prompt's passes (unmeasured: no developer machine has AMX,
+ * and each set's sums go through a store to memory before their epilogue). */
+#define AMX_FROM (amx_tiles == AMX_MODEL ? 2 : 32)
+
+/* product_of's pairs of weight blocks (16 outputs) from o0 through AMX's GEMM, AMX_ROWS rows at a time, for an
+ * integer format; the first output it leaves (a last block without its pair) to the row tiles. */
+static int amx_gemm(const Matrix *m, const Quantised *xq, int n, int o0, int o1, float *y, int64_t ldy, int mode) {
+    int format = m->format, in = m->in, o = o0;
+    int64_t next = group_bytes(format, in);
+    float out[AMX_ROWS][16];
+    for (o = o0; o + 8 < o1; o += 16)
+        for (int r0 = 0, rows; r0 < n; r0 += rows) {
+            rows = n - r0 < AMX_ROWS ? n - r0 : AMX_ROWS;
+            amx_gemm_tile(format, block_at(format, m->weight, o, in), next, xq, r0, rows, out);
+            put_tile(&out[0][0], 16, r0, rows, o, o1 - o < 16 ? o1 - o : 16, m->bias, y, ldy, mode);
+        }
+    return o;
+}
+
 /* y[r, o] = x[r] . W[o] (+ bias) for every row r < n and o in [o0, o1) (o0 a multiple of 8): x [n, ldx], or for an
  * integer format xq, inputs_for's rows of x; y [n, ldy]. A block of weight rows is read from memory once, and
  * stays in L1 while every group of rows reads it. */
@@ -110,7 +130,10 @@ static void product_of(const Matrix *m, const float *x, const Quantised *xq, int
     const void *w = m->weight;
     float out[GROUP512][8];
     if (INTEGER(format) && !xq) return; /* its rows could not be quantised: the pass fails */
-    if (xq && has_vnni && n >= GEMM_FROM[format]) o0 = integer_gemm(m, xq, n, o0, o1, y, ldy, mode);
+    if (xq && amx_tiles != AMX_NONE && n >= AMX_FROM)
+        o0 = amx_gemm(m, xq, n, o0, o1, y, ldy, mode);
+    else if (xq && has_vnni && n >= GEMM_FROM[format])
+        o0 = integer_gemm(m, xq, n, o0, o1, y, ldy, mode);
     int group = (INTEGER(format) ? has_vnni : has_avx512) ? GROUP512 : GROUP;
     for (int o = o0; o < o1; o += 8) {
         int count = o1 - o < 8 ? o1 - o : 8; /* a block past the matrix's last row is zero padding */

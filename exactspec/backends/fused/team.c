@@ -88,11 +88,13 @@ static void *team_member(void *index_ptr) {
 }
 
 /* Which tiles this CPU takes (EXACTSPEC_FUSED_AVX2 holds any CPU to the AVX2 tiles); read once. */
-static void read_features(void) {
+void read_features(void) {
     if (has_avx512 < 0) has_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") && !getenv("EXACTSPEC_FUSED_AVX2");
     if (has_vnni < 0)
         has_vnni = has_avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                    __builtin_cpu_supports("avx512vnni");
+    static pthread_once_t amx_read = PTHREAD_ONCE_INIT;
+    pthread_once(&amx_read, read_amx);
 }
 
 int sd_set_threads(int threads) {

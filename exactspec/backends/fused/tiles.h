@@ -118,6 +118,9 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 add_set(__m256 acc
 #define NEXT_KM NEXT_SUPER
 #define NEXT_K6 NEXT_SUPER
 
+/* p, `next` bytes further: the same place in the next block of 8 weight rows (the GEMM tiles' second block). */
+#define AT_NEXT(p, next) ((__typeof__(p))((const char *)(p) + (next)))
+
 /* Quad g of a block_q8x8 or block_q8x16 (block_q4x8, block_q6x8): the 8 rows' 4 weights, a byte each. */
 #define QUAD_Q8(b, g) _mm256_loadu_si256((const __m256i *)(b)->q[g])
 #define QUAD_Q4(b, g)                                                                                              \

@@ -52,8 +52,6 @@ INTEGER_TILES(TILES_QUAD_VNNI)
     _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(LOAD_PAIR(b, next, q[(g) % 2]), 6), _mm512_set1_epi8(0x03)),  \
                     _mm512_and_si512(_mm512_srli_epi16(LOAD_PAIR(b, next, q[2]), ((g) - 2) & 7), _mm512_set1_epi8(0x04)))
 #define QUAD16_Q3(b, next, g) ((g) < 6 ? Q3_PAIRED16(b, next, g) : Q3_SPLIT16(b, next, g))
-/* p, `next` bytes further: the same place in the next block of 8 weight rows. */
-#define AT_NEXT(p, next) ((__typeof__(p))((const char *)(p) + (next)))
 /* A set's scales (offsets) for 16 outputs: each block's SCALES_* (OFFSETS_*), side by side. */
 #define SCALES16(SCALE, b, s, k, next, t)                                                                          \
     HALVES_F(SCALES_##SCALE(b, s, k, t), SCALES_##SCALE(AT_NEXT(b, next), AT_NEXT(s, next), k, t))
