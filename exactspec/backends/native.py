@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+import os
 from typing import NamedTuple
 
 import numpy as np
@@ -157,10 +158,11 @@ def library() -> ctypes.CDLL | str:
     if lacking:
         return f"this CPU lacks {', '.join(lacking)}"
     spec = importlib.util.find_spec("exactspec.backends._fused")
-    if spec is None or not spec.origin:
+    origin = os.environ.get("EXACTSPEC_FUSED_LIBRARY") or (spec.origin if spec is not None else None)
+    if not origin:
         return "its C extension was not built at install (reinstall with a C compiler: pip install -e . prints why)"
     try:
-        loaded = ctypes.CDLL(spec.origin)
+        loaded = ctypes.CDLL(origin)
     except OSError as error:
         return f"its C extension does not load ({error})"
     try:

@@ -118,7 +118,14 @@ typedef struct {
 
 /* The instruction sets the integer tiles are compiled for. */
 #define AVX2_TARGET "avx2,fma,f16c"
+#ifndef EXACTSPEC_EMULATED
+#define AVX512_TARGET "avx512f,avx512dq,avx2,fma,f16c"
 #define VNNI_TARGET "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c"
+#else /* a build whose AVX-512 intrinsics an emulation supplies, for a CPU without it to run those tiles' code (a
+       * check, never installed): every tile compiled for AVX2 */
+#define AVX512_TARGET AVX2_TARGET
+#define VNNI_TARGET AVX2_TARGET
+#endif
 
 /* ---------------------------------------------------------------- the weight formats */
 

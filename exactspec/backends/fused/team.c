@@ -89,6 +89,9 @@ static void *team_member(void *index_ptr) {
 
 /* Which tiles this CPU takes (EXACTSPEC_FUSED_AVX2 holds any CPU to the AVX2 tiles); read once. */
 void read_features(void) {
+#ifdef EXACTSPEC_EMULATED
+    if (has_avx512 < 0) has_avx512 = has_vnni = !getenv("EXACTSPEC_FUSED_AVX2"); /* the emulation's */
+#endif
     if (has_avx512 < 0) has_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") && !getenv("EXACTSPEC_FUSED_AVX2");
     if (has_vnni < 0)
         has_vnni = has_avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
@@ -169,7 +172,9 @@ __attribute__((target(VNNI_TARGET))) static double vnni_peak(long rounds) {
     for (int i = 0; i < 12; i++) sum[i] = _mm512_setzero_si512();
     for (long k = 0; k < rounds; k++) {
         for (int i = 0; i < 12; i++) sum[i] = _mm512_dpbusd_epi32(sum[i], w, x);
+#ifndef EXACTSPEC_EMULATED /* the emulation's registers are memory */
         __asm__ volatile("" : "+v"(w), "+v"(x));
+#endif
     }
     int32_t total = 0;
     for (int i = 0; i < 12; i++) total += _mm512_reduce_add_epi32(sum[i]);

@@ -5,7 +5,7 @@
 #include "tiles.h"
 
 /* A pair's two sums: the low 8 lanes (one output), then the high 8 (the next), each as sum8 adds them. */
-__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) static inline void sum8_pair(__m512 v, float *out) {
+__attribute__((target(AVX512_TARGET))) static inline void sum8_pair(__m512 v, float *out) {
     out[0] = sum8(_mm512_castps512_ps256(v));
     out[1] = sum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
@@ -19,7 +19,7 @@ __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) static inline void sum
  * and the 8 inputs twice, so each 16-lane FMA is the two 8-lane FMAs the tiles above do for o and o+1, lane for
  * lane: the same bits, half the instructions. */
 #define TILE512(NAME, T, LOAD16, R)                                                                                \
-    __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) static void NAME##z_##R(                  \
+    __attribute__((target(AVX512_TARGET))) static void NAME##z_##R(                  \
         const void *weights, const float *x, int64_t ldx, int in, float out[GROUP512][8]) {                        \
         const T *w = (const T *)weights;                                                                           \
         __m512 acc[R][4];                                                                                          \
@@ -46,7 +46,7 @@ TILES512(bf16, uint16_t, LOAD16_BF16)
 /* On AVX-512, two pairs of rows (4 outputs) from row j: each zmm the pair's 8 weights of one row, then the other's,
  * dequantised by the pair's d and m in the matching halves; the same bits as the tiles above. */
 #define TILE_Q8_512(NAME, BLOCK, SETS, R)                                                                          \
-    __attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) static void NAME##z_##R(                            \
+    __attribute__((target(AVX512_TARGET))) static void NAME##z_##R(                            \
         const void *w, int j, const float *x, int64_t ldx, int in, float out[GROUP512][8]) {                       \
         const BLOCK *b = (const BLOCK *)w;                                                                         \
         __m512 acc[R][2];                                                                                          \

@@ -5,10 +5,16 @@
 
 /* sum + the products of w's bytes (u8) and the 4 bytes at x (s8), broadcast to every lane by the instruction's own
  * memory operand (vpdpbusd m32bcst: compilers broadcast in a register first, an instruction more per quad and row). */
-__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c"))) static inline __m256i
+__attribute__((target(VNNI_TARGET))) static inline __m256i
 dpbusd_broadcast(__m256i sum, __m256i w, const int8_t *x) {
+#ifndef EXACTSPEC_EMULATED
     __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(sum) : "v"(w), "m"(*(const int32_t *)x));
     return sum;
+#else
+    int32_t four;
+    memcpy(&four, x, 4);
+    return _mm256_dpbusd_epi32(sum, w, _mm256_set1_epi32(four));
+#endif
 }
 
 #define DOT2_VNNI_Q4(sum, w0, w1, x) dpbusd_broadcast(dpbusd_broadcast(sum, w0, x), w1, (x) + 4)
@@ -66,8 +72,14 @@ __attribute__((target(VNNI_TARGET))) static inline __m512i top_bits16(__m512i hi
 
 /* sum + the products of w's bytes (u8) and the 4 bytes at x (s8) in every lane (dpbusd_broadcast's, 16 lanes). */
 __attribute__((target(VNNI_TARGET))) static inline __m512i dpbusd16(__m512i sum, __m512i w, const int8_t *x) {
+#ifndef EXACTSPEC_EMULATED
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(sum) : "v"(w), "m"(*(const int32_t *)x));
     return sum;
+#else
+    int32_t four;
+    memcpy(&four, x, 4);
+    return _mm512_dpbusd_epi32(sum, w, _mm512_set1_epi32(four));
+#endif
 }
 
 /* add_set (add_scaled) on 16 lanes: the same operations, lane for lane; e: the row's block scale, offset: its
