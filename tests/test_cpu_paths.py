@@ -22,11 +22,21 @@ TESTS = Path(__file__).parent
 AVX2_TILES = {"EXACTSPEC_FUSED_AVX2": "1"}
 AVX2_LIBRARIES = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 TILE_MODEL = {"EXACTSPEC_TILES": "model"}  # AMX's GEMM on the C model of its tiles, from 2 rows on (tiles_amx.c)
+TILE_HARDWARE = {"EXACTSPEC_TILES": "amx"}  # on the instructions, where the CPU has them (and they may run)
+
+
+def cpu_flags() -> list[str]:
+    with open("/proc/cpuinfo") as cpuinfo:
+        return next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+
+
+HAS_AMX = "amx_int8" in cpu_flags() and "amx_tile" in cpu_flags()
 PATHS = {
     "this CPU's own": {},
     "AVX2 tiles (an AVX2-only EPYC's)": AVX2_TILES,
     "AVX2 tiles and libraries held to AVX2": {**AVX2_TILES, **AVX2_LIBRARIES},
     "AMX's GEMM through the tile model": TILE_MODEL,
+    **({"AMX's GEMM on the instructions": TILE_HARDWARE} if HAS_AMX else {}),
 }
 # every test that asserts a row's bits are the same whatever shares its pass, on the lean and the fused runtime
 INVARIANCE_TESTS = [
@@ -164,10 +174,10 @@ def test_the_avx2_tiles_the_avx512_tiles_and_amxs_tile_model_give_the_same_bits(
     """A machine with AVX-512 and one with AVX2 only compute the same bits: the AVX-512 tiles do, lane for lane, the
     AVX2 tiles' FMAs (on an AVX2-only machine both runs take the AVX2 tiles). AMX's GEMM, run on the C model of its
     tile registers and TDPBUSD on any CPU, gives them too, in every format and pass width from 2 rows (with the
-    AVX2 tiles beside it, and with this CPU's own)."""
+    AVX2 tiles beside it, and with this CPU's own), and so does it on the instructions where the CPU has them."""
     if native.unavailable():
         pytest.skip(native.unavailable())
-    envs = ({}, AVX2_TILES, TILE_MODEL, {**TILE_MODEL, **AVX2_TILES})
+    envs = ({}, AVX2_TILES, TILE_MODEL, {**TILE_MODEL, **AVX2_TILES}) + ((TILE_HARDWARE,) if HAS_AMX else ())
     runs = [run_here(["-c", KERNEL_DIGEST], env, 300) for env in envs]
     assert all(run.returncode == 0 for run in runs), [run.stderr[-2000:] for run in runs]
     digests = [run.stdout.split() for run in runs]
@@ -186,12 +196,10 @@ def test_the_tiles_taken_are_said_and_amx_is_taken_only_where_it_may_run():
     assert all(run.returncode == 0 for run in said.values()), [run.stderr[-1000:] for run in said.values()]
     assert said["model"].stdout.strip() == "AMX through the tile model (EXACTSPEC_TILES=model)"
     assert said["off"].stdout.strip() == "AMX not used: EXACTSPEC_TILES=off"
-    with open("/proc/cpuinfo") as cpuinfo:
-        has_amx = "amx_int8" in cpuinfo.read()
     own, asked = said["own"].stdout.strip(), said["amx"].stdout.strip()
     assert own.startswith("AMX not used") and len(own.splitlines()) == 1
     assert asked == "AMX (amx_int8, EXACTSPEC_TILES=amx)" or asked.startswith("AMX not used: ")
-    if not has_amx:
+    if not HAS_AMX:
         assert own == asked == "AMX not used: this CPU has no AMX-INT8"
 
 
