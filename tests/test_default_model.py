@@ -30,8 +30,9 @@ from exactspec.proposers import DraftModelProposer, NoProposer, PromptLookupProp
 pytestmark = pytest.mark.slow
 
 MT_BENCH = Path(__file__).resolve().parents[1] / "data" / "mt_bench_question.jsonl"
-NUM_PROMPTS = 10
+NUM_PROMPTS = 6
 NEW_TOKENS = 64
+SERVED_TOKENS = 48
 DRAFTER_SHARE = 3  # the greedy-identity test runs each drafter on every third prompt
 NEAR_TIE = 1e-4
 
@@ -48,6 +49,15 @@ def prompts(decoder) -> list[list[int]]:
     return [decoder.encode(q["turns"][0]) for q in questions]
 
 
+@pytest.fixture(scope="module")
+def plain_float32(decoder, prompts) -> list[list[int]]:
+    """Each prompt's plain greedy output in float32 (the lean runtime), NEW_TOKENS long: decoded once for the tests
+    that compare against it (a greedy output's first n tokens are the n-token output)."""
+    plain = Engine(make_backend(decoder.target.model), NoProposer())
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, num_draft_tokens=4, stop_at_eos=False)
+    return [plain.generate(prompt, config).token_ids for prompt in prompts]
+
+
 def bfloat16_draft(model):
     """A draft model sharing the target's vocabulary: the target in bfloat16. It agrees with the fp32 target
     most of the time but not always, so that long accepted runs, bonus tokens and rejections all occur (the tiny
@@ -62,7 +72,7 @@ def top_two_gap(model, ids: list[int]) -> float:
     return float(top[0] - top[1])
 
 
-def test_speculative_greedy_is_plain_greedy_on_mt_bench(decoder, prompts):
+def test_speculative_greedy_is_plain_greedy_on_mt_bench(decoder, prompts, plain_float32):
     model = decoder.target.model
     target = make_backend(model)  # the lean llama runtime, as users get it
     engines = {
@@ -73,15 +83,13 @@ def test_speculative_greedy_is_plain_greedy_on_mt_bench(decoder, prompts):
         label = "trained draft-model" if name == "draft-model" else name
         engines[label] = Engine(target, make_proposer(name, target, draft_source(name, decoder.target, target, None,
                                                                                    None)))
-    plain = Engine(target, NoProposer())
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, num_draft_tokens=4, stop_at_eos=False)
     runs = {name: (engine, config) for name, engine in engines.items()}
     # a token tree: a tree pass, then the accepted branch moved into place (the other drafters' trees: test_train)
     runs["eagle tree 3/2"] = (engines["eagle"], replace(config, num_draft_tokens=2, tree=(3, 2)))
     accepted = {name: 0 for name in runs}
-    for i, prompt in enumerate(prompts):
-        expected = plain.generate(prompt, config).token_ids
-        # each drafter on a third of the prompts (3 or 4 of 10, ~200 tokens), to keep the suite's time
+    for i, (prompt, expected) in enumerate(zip(prompts, plain_float32)):
+        # each drafter on a third of the prompts (2 of 6, 128 tokens), to keep the suite's time
         for name, (engine, run_config) in list(runs.items())[i % DRAFTER_SHARE :: DRAFTER_SHARE]:
             result = engine.generate(prompt, run_config)
             assert result.stats.draft_tokens > 0 or name == "prompt-lookup"
@@ -108,8 +116,9 @@ def test_speculation_changes_no_token_in_any_precision_and_the_precision_only_at
 
 
 @pytest.mark.parametrize("precision", ["float32", "float16"])
-def test_served_in_a_batch_with_speculation_is_each_request_decoded_alone(decoder, prompts, precision):
-    """Ten MT-bench requests decoded together through the server's scheduler, every draft scored, give each the
+def test_served_in_a_batch_with_speculation_is_each_request_decoded_alone(decoder, prompts, plain_float32,
+                                                                          precision):
+    """Six MT-bench requests decoded together through the server's scheduler, every draft scored, give each the
     tokens it gets decoded alone without speculation, bit for bit: a row's logits do not depend on the rows or
     requests beside it, nor on whether its pass is a decode, scoring or bulk pass."""
     from exactspec.backends import LeanRuntime
@@ -121,24 +130,28 @@ def test_served_in_a_batch_with_speculation_is_each_request_decoded_alone(decode
     scheduler = build_scheduler(runtime, BatchSettings(speculation="always", max_batch_size=16, max_model_len=512),
                                 set())
     scheduler.start()
-    handles = [scheduler.submit(GenerationRequest(prompt, max_tokens=48, stop_at_eos=False)) for prompt in prompts]
+    handles = [scheduler.submit(GenerationRequest(prompt, max_tokens=SERVED_TOKENS, stop_at_eos=False))
+               for prompt in prompts]
     served = []
     for handle in handles:
         served.append(handle.collect(timeout=600)[0])
     scheduler.shutdown(timeout=5)
     assert scheduler.metrics.accepted_tokens > 0 and len(scheduler.metrics.positions.drafted) > 1
-    alone = Engine(LeanRuntime(model, precision), NoProposer())
-    for prompt, tokens in zip(prompts, served):
-        assert tokens == alone.generate(prompt, GenerationConfig(max_new_tokens=48, stop_at_eos=False)).token_ids
+    if precision == "float32":  # make_backend's runtime on the float32 model: its plain outputs are decoded once
+        alone = [tokens[:SERVED_TOKENS] for tokens in plain_float32]
+    else:
+        engine = Engine(LeanRuntime(model, precision), NoProposer())
+        config = GenerationConfig(max_new_tokens=SERVED_TOKENS, stop_at_eos=False)
+        alone = [engine.generate(prompt, config).token_ids for prompt in prompts]
+    assert served == alone
 
 
-def test_plain_decoding_matches_transformers_generate(decoder, prompts):
+def test_plain_decoding_matches_transformers_generate(decoder, prompts, plain_float32):
     """exactspec's plain path (the lean runtime) is the reference it claims to be: transformers' own greedy
     generate, through transformers' own modules."""
     model = decoder.target.model
-    engine = Engine(make_backend(model), NoProposer())
-    for prompt in prompts[:3]:
-        ours = engine.generate(prompt, GenerationConfig(max_new_tokens=32, stop_at_eos=False)).token_ids
+    for prompt, plain in zip(prompts[:3], plain_float32):
+        ours = plain[:32]
         with torch.inference_mode():
             theirs = model.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
                                     attention_mask=torch.ones(1, len(prompt), dtype=torch.long))

@@ -298,7 +298,13 @@ def test_prompt_longer_than_the_model_is_refused():
 # exact sampling, end to end ---------------------------------------------------------------------------------
 
 E2E_SAMPLING = {"temperature": 0.9, "top_p": 0.95}
-E2E_SAMPLES = 20_000
+# Samples per arm. Each chi-square test below runs at alpha = 0.001 over the outcomes expected at least 5 times
+# (about 90 bins for E2E_PROMPT, 200 for REPEATING_PROMPT, plus one for the rest): with 8,000 samples it catches,
+# with probability 0.99, any sampler whose binned distribution lies at a chi-square distance sum((q-p)^2/p) of
+# 0.013 (E2E_PROMPT) or 0.018 (REPEATING_PROMPT) from the exact one, so any that moves a total variation of 0.06
+# (0.07) of the mass; a sampler that takes the draft's distribution lies at 0.4 here. (20,000 samples caught 0.006,
+# at two and a half times the time.)
+E2E_SAMPLES = 8_000
 
 
 def exact_joint_of_first_three(sampling: SamplingParams, prompt: list[int] = E2E_PROMPT, target=None
@@ -332,7 +338,8 @@ def test_speculative_sampling_matches_plain_sampling_end_to_end(method):
     """The first three tokens of speculative sampling (draft model, k=2, temperature 0.9, top-p 0.95) have the
     joint distribution of plain sampling, under each sampling method.
 
-    20,000 samples per arm. Bins: every 3-token outcome expected at least 5 times, plus one bin for the rest.
+    8,000 samples per arm (E2E_SAMPLES says what they detect). Bins: every 3-token outcome expected at least 5
+    times, plus one bin for the rest.
     Standard: three chi-square tests at alpha = 0.001 each (speculative vs exact, plain vs exact, speculative vs
     plain): a correct engine fails one with probability under 0.3%. Invariant: plain sampling gives the very tokens
     speculation gives for each seed (checked on 500 seeds), so one test, speculative vs exact, at alpha = 0.001.
@@ -342,7 +349,7 @@ def test_speculative_sampling_matches_plain_sampling_end_to_end(method):
     exact = exact_joint_of_first_three(sampling)
     bins = [outcome for outcome, p in exact.items() if p * E2E_SAMPLES >= 5]
     expected = np.array([exact[b] for b in bins] + [1 - sum(exact[b] for b in bins)]) * E2E_SAMPLES
-    assert len(bins) > 100 and expected[-1] < 0.2 * E2E_SAMPLES  # the bins hold most of the mass
+    assert len(bins) > 80 and expected[-1] < 0.05 * E2E_SAMPLES  # the bins hold most of the mass
 
     half = E2E_SAMPLES // 2
     arms = {"draft-model": [(0, half), (half, half)]}
@@ -368,8 +375,9 @@ REPEATING_PROMPT = [3, 4, 5, 3, 4, 5, 3, 4]
 @pytest.mark.slow  # over 10 s on 2 cores
 def test_retrieval_with_an_adaptive_draft_length_samples_exactly():
     """The first three tokens under retrieval drafting (point-mass drafts) with ``--num-draft-tokens auto`` have the
-    joint distribution of plain sampling: 20,000 samples against the exact joint, one chi-square test at
-    alpha = 0.001 (a correct engine fails it with probability 0.1%; the seeds are fixed)."""
+    joint distribution of plain sampling: 8,000 samples against the exact joint, one chi-square test at
+    alpha = 0.001 (a correct engine fails it with probability 0.1%; the seeds are fixed; E2E_SAMPLES says what
+    it detects)."""
     sampling = SamplingParams(**E2E_SAMPLING)
     exact = exact_joint_of_first_three(sampling, REPEATING_PROMPT)
     bins = [outcome for outcome, p in exact.items() if p * E2E_SAMPLES >= 5]
@@ -380,7 +388,7 @@ def test_retrieval_with_an_adaptive_draft_length_samples_exactly():
         results = pool.starmap(e2e_samples, [("retrieval", E2E_SAMPLING, n, seed, tuple(REPEATING_PROMPT), "auto")
                                              for seed, n in jobs])
     observed = bin_counts(results[0] + results[1], bins)
-    assert len(bins) > 50 and expected[-1] < 0.3 * E2E_SAMPLES
+    assert len(bins) > 150 and expected[-1] < 0.2 * E2E_SAMPLES
     assert chisquare(observed, expected).pvalue > 1e-3
     # and retrieval really drafted, with both outcomes: the exactness above covers accepted and rejected drafts
     # (its copies are accepted a few percent of the time on this random model: 400 seeds find some)

@@ -5,6 +5,7 @@ without, greedy and seeded, and every token is a draw from the masked, renormali
 from __future__ import annotations
 
 import json
+import multiprocessing
 from collections import Counter
 
 import jsonschema
@@ -255,15 +256,33 @@ CHI_SAMPLING = SamplingParams(temperature=1.0, top_k=8, method="standard")
 SAMPLES = 3000
 
 
-@pytest.mark.slow  # about 40 s on 2 cores
+def constrained_samples(model: str, draft: str, seeds: range) -> tuple[list[tuple[int, ...]], int, int]:
+    """The first two tokens of a seeded run under the regex for each seed, and the draft tokens accepted and
+    rejected in all (a spawned worker loads its own decoder, on one thread)."""
+    torch.set_num_threads(1)
+    decoder = SpecDecoder.load(model, draft_model=draft, drafter="draft-model", backend="fused", threads=1)
+    grammar = decoder.grammar(GrammarSpec("regex", "[a-z ]{2,6}"))
+    prompt = decoder.encode("the cat sat on the", chat=False)
+    samples, accepted, rejected = [], 0, 0
+    for seed in seeds:
+        grammar.reset()
+        result = decoder.engine.generate(prompt, GenerationConfig(max_new_tokens=2, num_draft_tokens=3,
+                                                                  sampling=CHI_SAMPLING, seed=seed), grammar=grammar)
+        samples.append(tuple(result.token_ids))
+        accepted += result.stats.accepted_tokens
+        rejected += result.stats.draft_tokens - result.stats.accepted_tokens
+    return samples, accepted, rejected
+
+
+@pytest.mark.slow  # about 40 s on 2 cores in one process; the samples are drawn in two
 def test_constrained_standard_sampling_draws_the_masked_renormalised_distribution(model, draft):
     """--sampling standard under a regex, with a draft model (the target in 4 bits) drafting under the regex's mask
     (its q a proper distribution over the tokens the regex allows, not the target's: drafts are accepted and
     rejected) at k = 3, top-k 8 after the mask: the first two tokens of 3,000 seeded runs against their exact
-    joint under the masked, renormalised distributions (one token where it completes the text). Bins: every outcome
-    expected at least 5 times, and one for the rest (joined to the last where expected under 5 times); one
-    chi-square test at alpha = 0.001, so a correct engine fails it with probability 0.1% (the seeds are fixed: the
-    outcome repeats)."""
+    joint under the masked, renormalised distributions (one token where it completes the text; two processes
+    draw half the seeds each). Bins: every outcome expected at least 5 times, and one for the rest (joined to the
+    last where expected under 5 times); one chi-square test at alpha = 0.001, so a correct engine fails it with
+    probability 0.1% (the seeds are fixed: the outcome repeats)."""
     decoder = SpecDecoder.load(model, draft_model=draft, drafter="draft-model", backend="fused")
     grammar = decoder.grammar(GrammarSpec("regex", "[a-z ]{2,6}"))
     prompt = decoder.encode("the cat sat on the", chat=False)
@@ -285,14 +304,11 @@ def test_constrained_standard_sampling_draws_the_masked_renormalised_distributio
     runtime.rollback(0)
     bins = [outcome for outcome, p in exact.items() if p * SAMPLES >= 5]
     assert len(bins) > 20
-    samples, accepted, rejected = [], 0, 0
-    for seed in range(SAMPLES):
-        grammar.reset()
-        result = decoder.engine.generate(prompt, GenerationConfig(max_new_tokens=2, num_draft_tokens=3,
-                                                                  sampling=CHI_SAMPLING, seed=seed), grammar=grammar)
-        samples.append(tuple(result.token_ids))
-        accepted += result.stats.accepted_tokens
-        rejected += result.stats.draft_tokens - result.stats.accepted_tokens
+    with multiprocessing.get_context("spawn").Pool(2) as pool:  # half the seeds each
+        halves = pool.starmap(constrained_samples, [(model, draft, range(0, SAMPLES // 2)),
+                                                    (model, draft, range(SAMPLES // 2, SAMPLES))])
+    samples = halves[0][0] + halves[1][0]
+    accepted, rejected = halves[0][1] + halves[1][1], halves[0][2] + halves[1][2]
     counts = Counter(samples)
     observed = [counts.get(b, 0) for b in bins] + [SAMPLES - sum(counts.get(b, 0) for b in bins)]
     expected = [exact[b] * SAMPLES for b in bins] + [SAMPLES * (1 - sum(exact[b] for b in bins))]

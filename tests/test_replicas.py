@@ -22,7 +22,7 @@ from exactspec.server.replicas import APP_NAME, proxy_options, serve_app  # noqa
 from exactspec.server.serving import ServerOptions  # noqa: E402
 
 pytestmark = pytest.mark.slow
-REQUEST_TIMEOUT = 20.0  # seconds Ray's proxy lets a request go unanswered; the client waits three times that
+REQUEST_TIMEOUT = 10.0  # seconds Ray's proxy lets a request go unanswered; the client waits three times that
 
 
 def free_port() -> int:
