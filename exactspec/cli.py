@@ -26,9 +26,8 @@ from exactspec.choices import (
     canonical_backend,
 )
 from exactspec.cores import set_torch_threads
-from exactspec.errors import ExactspecError, UsageError
+from exactspec.errors import EXIT_USAGE, ExactspecError, UsageError
 
-EXIT_USAGE = 2
 MT_BENCH = str(Path(__file__).resolve().parents[1] / "data" / "mt_bench_question.jsonl")  # the default prompts
 K_HELP = (f"draft tokens per round: 1..{MAX_DRAFT_TOKENS}; auto: the length that maximises expected tokens per "
           "second, from acceptance and costs measured as it runs (0, plain decoding, when speculation does not pay); "

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from exactspec.backends import LeanRuntime, PassPrecisions, sync
 from exactspec.cores import set_torch_threads
 from exactspec.engine import Engine, GenerationConfig
+from exactspec.errors import run_script
 from exactspec.proposers import NoProposer, PromptLookupProposer
 
 # The largest logit difference from float32 each precision is held to: float32's own differs between a pass over
@@ -137,4 +138,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main))

@@ -19,6 +19,7 @@ import time
 
 from exactspec.cores import set_torch_threads
 from exactspec.engine import GenerationConfig
+from exactspec.errors import run_script
 
 PROMPT = "Write a short story about a lighthouse keeper."
 BUSY_LOOP = """
@@ -82,4 +83,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_script(main))

@@ -23,6 +23,7 @@ from exactspec.backends.fused import FusedRuntime
 from exactspec.bench.roofline import bandwidth_probe
 from exactspec.cores import set_torch_threads
 from exactspec.draft_grades import RECIPES
+from exactspec.errors import run_script
 from exactspec.loading import draft_vocabulary
 from exactspec.models import gguf_tokenizer, model_path
 
@@ -91,4 +92,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     torch.set_grad_enabled(False)
-    raise SystemExit(main())
+    raise SystemExit(run_script(main))

@@ -23,6 +23,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from exactspec.errors import run_script
+
 PLAIN = "none"
 
 
@@ -213,4 +215,4 @@ def chains(loaded, source, windows, prompts, new_tokens: int, k: int) -> dict[st
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main))

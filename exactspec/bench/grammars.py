@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from exactspec.bench.report import print_json
+from exactspec.errors import run_script
 from exactspec.grammars import Grammar, GrammarSpec, llg_tokenizer, unpacked
 from exactspec.models import load_tokenizer
 from exactspec.vocabularies import TokenText
@@ -258,4 +259,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_script(main))

@@ -24,6 +24,7 @@ from exactspec.backends.base import median_pass_seconds
 from exactspec.backends.family import project_qkv
 from exactspec.backends.lean import LeanRuntime
 from exactspec.cores import set_torch_threads
+from exactspec.errors import run_script
 
 PASS_SIZES = (2, 5, 8)
 OFFSETS = (3, 17, 30)
@@ -151,4 +152,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_script(main))

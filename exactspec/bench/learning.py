@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from exactspec.bench.prompts import read_prompts
 from exactspec.bench.report import print_json
+from exactspec.errors import run_script
 from exactspec.loading import encode_prompt, load_target
 from exactspec.sampling import SamplingParams
 from exactspec.server import BatchSettings, build_scheduler
@@ -99,4 +100,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_script(main))

@@ -22,6 +22,7 @@ import torch
 from exactspec.backends.reference import reference_module
 from exactspec.bench.prompts import prompt_script_parser, read_prompts
 from exactspec.cores import set_torch_threads
+from exactspec.errors import run_script
 
 
 def runtime_greedy(runtime, prompt: list[int], steps: int) -> list[int]:
@@ -91,4 +92,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_script(main))

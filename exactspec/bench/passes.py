@@ -31,6 +31,7 @@ from exactspec.backends import native
 from exactspec.backends.base import median_pass_seconds
 from exactspec.bench.roofline import bandwidth_probe
 from exactspec.cores import set_torch_threads
+from exactspec.errors import run_script
 
 POSITIONS = (1, 2, 3, 4, 5, 8, 16, 17, 32, 64)
 PROMPTS = (128, 512, 2048, 8192)
@@ -144,4 +145,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_script(main))

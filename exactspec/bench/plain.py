@@ -23,6 +23,7 @@ import torch
 from exactspec.bench.prompts import prompt_script_parser, read_prompts
 from exactspec.cores import set_torch_threads
 from exactspec.engine import GenerationConfig
+from exactspec.errors import run_script
 
 TRANSFORMERS = "transformers generate"
 
@@ -109,4 +110,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main))

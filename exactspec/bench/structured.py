@@ -30,6 +30,7 @@ from exactspec.backends.base import prefill
 from exactspec.bench.prompts import read_prompts
 from exactspec.bench.report import print_json
 from exactspec.engine import Engine, GenerationConfig
+from exactspec.errors import run_script
 from exactspec.grammars import GrammarSpec, grammar_for
 from exactspec.loading import draft_source, encode_prompt, load_target
 from exactspec.proposers import make_proposer
@@ -220,4 +221,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_script(main))

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from exactspec.draft_vocabulary import TARGET_COVERAGE, CorpusCounts, DraftVocabulary, token_counts
+from exactspec.errors import run_script
 from exactspec.models import load_tokenizer
 from exactspec.vocabularies import control_ids
 
@@ -84,4 +85,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_script(main))
