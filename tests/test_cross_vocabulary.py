@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import multiprocessing
 from collections import Counter
 
 import numpy as np
@@ -19,6 +18,7 @@ import torch
 from scipy.stats import chisquare
 from tiny_gguf import write_tiny_gguf
 from tiny_vocabularies import sentencepiece_fields, sub_vocabulary
+from two_processes import in_two_processes
 
 from exactspec.api import SpecDecoder
 from exactspec.engine import GenerationConfig
@@ -234,10 +234,8 @@ def test_standard_sampling_across_vocabularies_draws_the_targets_distribution(pa
     bins = [outcome for outcome, p in exact.items() if p * SAMPLES >= 5]
     expected = np.array([exact[b] for b in bins] + [1 - sum(exact[b] for b in bins)]) * SAMPLES
     assert len(bins) > 150
-    with multiprocessing.get_context("spawn").Pool(2) as pool:
-        halves = pool.starmap(standard_samples, [(paths, method, range(0, SAMPLES // 2)),
-                                                 (paths, method, range(SAMPLES // 2, SAMPLES))])
-    samples, accepted = halves[0][0] + halves[1][0], halves[0][1] + halves[1][1]
+    (first, accepted_first), (second, accepted_second) = in_two_processes(standard_samples, (paths, method), SAMPLES)
+    samples, accepted = first + second, accepted_first + accepted_second
     counts = Counter(samples)
     observed = np.array([counts.get(b, 0) for b in bins] + [SAMPLES - sum(counts.get(b, 0) for b in bins)])
     assert chisquare(observed, expected).pvalue > 1e-3

@@ -5,7 +5,6 @@ without, greedy and seeded, and every token is a draw from the masked, renormali
 from __future__ import annotations
 
 import json
-import multiprocessing
 from collections import Counter
 
 import jsonschema
@@ -14,6 +13,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 from tiny_gguf import write_tiny_gguf
+from two_processes import in_two_processes
 
 from exactspec.api import SpecDecoder
 from exactspec.engine import GenerationConfig
@@ -304,11 +304,8 @@ def test_constrained_standard_sampling_draws_the_masked_renormalised_distributio
     runtime.rollback(0)
     bins = [outcome for outcome, p in exact.items() if p * SAMPLES >= 5]
     assert len(bins) > 20
-    with multiprocessing.get_context("spawn").Pool(2) as pool:  # half the seeds each
-        halves = pool.starmap(constrained_samples, [(model, draft, range(0, SAMPLES // 2)),
-                                                    (model, draft, range(SAMPLES // 2, SAMPLES))])
-    samples = halves[0][0] + halves[1][0]
-    accepted, rejected = halves[0][1] + halves[1][1], halves[0][2] + halves[1][2]
+    first, second = in_two_processes(constrained_samples, (model, draft), SAMPLES)
+    samples, accepted, rejected = first[0] + second[0], first[1] + second[1], first[2] + second[2]
     counts = Counter(samples)
     observed = [counts.get(b, 0) for b in bins] + [SAMPLES - sum(counts.get(b, 0) for b in bins)]
     expected = [exact[b] * SAMPLES for b in bins] + [SAMPLES * (1 - sum(exact[b] for b in bins))]

@@ -5,7 +5,6 @@ drafter, exact sampling by chi-square, and every refusal."""
 from __future__ import annotations
 
 import json
-import multiprocessing
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 from tiny_gguf import write_tiny_gguf
+from two_processes import in_two_processes
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -190,12 +190,9 @@ def first_tokens_of_seeds(tiny, tiny_draft, sampling: SamplingParams, count: int
 
 
 def first_tokens(tiny, tiny_draft, sampling: SamplingParams, count: int, samples: int) -> list[tuple[int, ...]]:
-    """The first ``count`` tokens for seeds 0 to samples - 1, drawn in two spawned processes (half the seeds
-    each, one thread each: the suite's two cores)."""
-    halves = [range(0, samples // 2), range(samples // 2, samples)]
-    with multiprocessing.get_context("spawn").Pool(2) as pool:
-        drawn = pool.starmap(first_tokens_of_seeds, [(tiny, tiny_draft, sampling, count, seeds) for seeds in halves])
-    return drawn[0] + drawn[1]
+    """The first ``count`` tokens for seeds 0 to samples - 1, drawn in two spawned processes."""
+    first, second = in_two_processes(first_tokens_of_seeds, (tiny, tiny_draft, sampling, count), samples)
+    return first + second
 
 
 def exact_first_two(lm: LlamaCppLM, sampling: SamplingParams) -> dict[tuple[int, int], float]:
