@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 from tiny_gguf import write_tiny_gguf
@@ -41,9 +43,6 @@ def test_the_passes_bench_prints_costs_the_floor_the_peak_and_its_share(tmp_path
 def test_a_bench_scripts_bad_input_is_one_line_and_exit_2(tmp_path, script, arguments):
     """Bad input to a ``python -m`` bench script (a model or prompt file that is not there) ends it as the CLI ends
     a command: one line naming the script and the fault, exit 2, no traceback."""
-    import subprocess
-    import sys
-
     write_tiny_gguf(tmp_path / "tiny.gguf", seed=1, tensor_type="Q4_0", layers=1, hidden=64, heads=4, kv_heads=2,
                     ffn=128, context=512)
     run = subprocess.run([sys.executable, "-m", script, *arguments], capture_output=True, text=True, cwd=tmp_path,

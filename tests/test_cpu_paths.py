@@ -34,7 +34,11 @@ def cpu_flags() -> list[str] | None:
         return None
 
 
-HAS_AMX = "amx_int8" in (cpu_flags() or []) and "amx_tile" in (cpu_flags() or [])
+FLAGS = cpu_flags()
+HAS_AMX = FLAGS is not None and {"amx_int8", "amx_tile"} <= set(FLAGS)
+# without AVX-512 this CPU's own paths are the AVX2 tiles and the libraries' AVX2 kernels already, and the switches
+# change nothing (where its flags are unknown, every path runs)
+HAS_AVX512 = FLAGS is None or any(flag.startswith("avx512") for flag in FLAGS)
 # the paths other than this CPU's own (the suite runs the invariance tests on that one itself)
 PATHS = {
     "AVX2 tiles (an AVX2-only EPYC's)": AVX2_TILES,
@@ -155,14 +159,6 @@ print(digest.hexdigest(), alone_everywhere, narrow_as_bytes, parts_alone)
 """
 
 
-def has_avx512() -> bool:
-    """Whether this CPU reports any AVX-512 instructions. Where it has none, its own paths are the AVX2 tiles and the
-    libraries' AVX2 kernels already, and the switches above change nothing; where its flags are unknown, run every
-    path."""
-    flags = cpu_flags()
-    return flags is None or any(flag.startswith("avx512") for flag in flags)
-
-
 def run_here(arguments: list[str], extra_env: dict[str, str], timeout: int) -> subprocess.CompletedProcess:
     env = {**os.environ, **extra_env}
     return subprocess.run([sys.executable, *arguments], capture_output=True, text=True, timeout=timeout, env=env,
@@ -228,7 +224,7 @@ def test_the_invariance_tests_pass_on_every_cpu_path(path):
     own: the suite's run of the tests is theirs."""
     if native.unavailable():
         pytest.skip(native.unavailable())
-    if path in AVX2_PATHS and not has_avx512():
+    if path in AVX2_PATHS and not HAS_AVX512:
         pytest.skip("no AVX-512 on this CPU: the AVX2 paths are its own, on which the suite runs these tests itself")
     run = run_here(["-m", "pytest", "-q", "-p", "no:cacheprovider", *INVARIANCE_TESTS], PATHS[path], 600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]

@@ -485,8 +485,8 @@ def test_a_draft_models_backlog_is_taken_in_apart_from_what_drafting_costs(targe
     # round), and what each catch-up cost, apart from drafting
     assert policy.backlogs[:2] == [len(PROMPTS[0]) - 1, 0]
     # all since it drafted but the last token, less the draft tokens it fed itself that were accepted (it feeds
-    # each of its k = 2 tokens but the last to draft the next)
-    fed_and_accepted = min(rounds[0].accepted, 1)
+    # each of its drafted tokens but the last to draft the next)
+    fed_and_accepted = min(rounds[0].accepted, rounds[0].draft_tokens - 1)
     assert policy.backlogs[4] == after_plain - 1 - len(PROMPTS[0]) - fed_and_accepted
     assert [tokens for tokens, _ in policy.caught_up] == [policy.backlogs[0], policy.backlogs[4]]
     assert min(seconds for _, seconds in policy.caught_up) >= 0.3
