@@ -137,15 +137,33 @@ def _mask_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
 
 
 def _mask_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches top_p (at least one token)."""
+    """Keep the smallest set of most likely tokens whose probability reaches top_p (at least one token; ties at the
+    threshold are kept, as top-k keeps them): each row's threshold from its own values alone (``_top_p_threshold``)."""
     if top_p >= 1.0:
         return logits
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [..., vocab]
-    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-    # drop a token when the tokens ranked above it already reach top_p
-    drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
-    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+    rows = logits.reshape(-1, logits.shape[-1])
+    thresholds = torch.stack([_top_p_threshold(row, top_p) for row in rows]).reshape(*logits.shape[:-1], 1)
+    return logits.masked_fill(logits < thresholds, float("-inf"))
+
+
+TOP_P_FIRST = 64  # the most likely tokens top-p's threshold is first looked for among (4x more each time it is not)
+
+
+def _top_p_threshold(row: torch.Tensor, top_p: float) -> torch.Tensor:  # row [vocab] -> its dtype, a scalar
+    """The smallest logit top-p keeps in ``row``: the tokens ranked by logit, a token is dropped once those ranked
+    above it reach ``top_p`` of the probability (in float64). Looked for among the row's top 64, 256, ... tokens, not
+    by sorting the whole vocabulary: a row's probability is nearly always in a few dozen tokens, and a sort of
+    Qwen's 151,936 logits cost more than the model's step."""
+    top = row.max()
+    total = torch.exp((row - top).double()).sum()
+    count = min(TOP_P_FIRST, row.shape[-1])
+    while True:
+        values = torch.topk(row, count).values  # descending
+        probs = torch.exp((values - top).double()) / total
+        kept = int(((torch.cumsum(probs, 0) - probs) < top_p).sum())  # a prefix: the mass above each rank grows
+        if kept < count or count == row.shape[-1]:
+            return values[kept - 1]
+        count = min(4 * count, row.shape[-1])
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -159,14 +177,28 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 def gumbel_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:  # [vocab] float64
     """Standard Gumbel noise for the token at absolute ``position`` of a sequence seeded with ``seed``: a function of
     the two alone, the same on every machine and device (Philox keyed by the 128-bit pair, on the CPU)."""
+    return _gumbel(_uniforms(seed, position, vocab_size))
+
+
+def _uniforms(seed: int, position: int, count: int) -> np.ndarray:  # [count] float64 in [0, 1), 53 bits
+    """The first ``count`` uniforms of the stream keyed by (seed, position): token i's noise comes from the i-th."""
     key = (seed % (1 << 64)) | (position << 64)
-    uniforms = np.random.Generator(np.random.Philox(key=key)).random(vocab_size)  # [0, 1), 53 bits
+    return np.random.Generator(np.random.Philox(key=key)).random(count)
+
+
+def _gumbel(uniforms: np.ndarray) -> torch.Tensor:  # float64, elementwise: a value's bits do not depend on the rest
     return -torch.from_numpy(uniforms).log_().neg_().log_()  # -log(-log u); u = 0 gives -inf: never chosen
 
 
 def gumbel_choice(scaled: torch.Tensor, seed: int, position: int) -> int:  # scaled [vocab]
-    """argmax(scaled + Gumbel noise at ``position``): an exact draw from softmax(scaled), the noise added in float64."""
-    return int((scaled.double() + gumbel_noise(seed, position, scaled.shape[-1]).to(scaled.device)).argmax())
+    """argmax(scaled + Gumbel noise at ``position``): an exact draw from softmax(scaled), the noise added in float64.
+    Where top-k, top-p or a grammar left -inf, the noise is made for the tokens left alone (the same values)."""
+    support = torch.nonzero(scaled != float("-inf")).flatten()
+    if len(support) > scaled.shape[-1] // 2:
+        return int((scaled.double() + gumbel_noise(seed, position, scaled.shape[-1]).to(scaled.device)).argmax())
+    ids = support.cpu().numpy()
+    noise = _gumbel(_uniforms(seed, position, int(ids[-1]) + 1)[ids]).to(scaled.device)
+    return int(support[(scaled[support].double() + noise).argmax()])
 
 
 def invariant_choice(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:  # [vocab]

@@ -14,6 +14,7 @@ from exactspec.sampling import (
     LogitsAdjustment,
     SamplingParams,
     TargetChoices,
+    gumbel_choice,
     gumbel_noise,
     invariant_choice,
     logits_to_probs,
@@ -55,6 +56,48 @@ def test_top_k_and_top_p_counts():
     # softmax of these is about [.64, .24, .09, .03, .01]: 0.8 needs the top two, 0.9 the top three
     assert (logits_to_probs(logits, SamplingParams(1.0, top_p=0.8)) > 0).sum() == 2
     assert (logits_to_probs(logits, SamplingParams(1.0, top_p=0.9)) > 0).sum() == 3
+
+
+def full_sort_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:  # [vocab] -> bool [vocab]: kept
+    """Top-p by its definition, over the whole row sorted: a token is dropped once the tokens ranked above it reach
+    top_p of the probability (float64); tokens tied with the last one kept are kept too."""
+    values, order = torch.sort(logits.double(), descending=True)
+    probs = torch.softmax(values, -1)
+    kept_sorted = (torch.cumsum(probs, 0) - probs) < top_p
+    return logits.double() >= values[kept_sorted][-1]
+
+
+@pytest.mark.parametrize("scale", [0.3, 2.0, 12.0], ids=["flat", "spread", "peaked"])
+def test_top_p_keeps_what_a_sort_of_the_whole_row_keeps(scale):
+    """Top-p looks for its threshold among a row's top 64 tokens, then 256, 1,024, ... : on rows of 20,000 logits,
+    flat (thousands kept: the search grows to the whole row), spread and peaked (a few kept), each row of a batch
+    alone, it keeps the tokens the definition keeps over the whole row sorted."""
+    generator = torch.Generator().manual_seed(11)
+    logits = torch.randn(4, 20_000, generator=generator) * scale
+    logits[3, 5:9] = logits[3].max() + 1  # four tokens tied at the top
+    for top_p in (0.05, 0.5, 0.9, 0.999):
+        scaled = scaled_logits(logits, SamplingParams(temperature=1.0, top_p=top_p))
+        for row in range(logits.shape[0]):
+            expected = full_sort_top_p(logits[row], top_p)
+            assert torch.equal(torch.isfinite(scaled[row]), expected), (top_p, row)
+            alone = scaled_logits(logits[row], SamplingParams(temperature=1.0, top_p=top_p))
+            assert torch.equal(alone, scaled[row])
+
+
+def test_a_choice_over_a_cut_vocabulary_is_the_whole_noises_choice():
+    """Where top-k, top-p or a grammar leave -inf, the invariant sampler makes noise only for the tokens left: its
+    choices equal argmax(scaled + the whole vocabulary's noise), token for token, over supports of 1 to 4,000 of
+    50,000 tokens, spread up to the last id."""
+    generator = torch.Generator().manual_seed(5)
+    vocab = 50_000
+    for size in (1, 3, 40, 4000):
+        for seed in range(25):
+            support = torch.randperm(vocab, generator=generator)[:size]
+            support[0] = vocab - 1 if seed % 2 else support[0]
+            scaled = torch.full((vocab,), float("-inf"))
+            scaled[support] = torch.randn(size, generator=generator)
+            expected = int((scaled.double() + gumbel_noise(seed, 9 + size, vocab)).argmax())
+            assert gumbel_choice(scaled, seed, 9 + size) == expected
 
 
 def test_greedy_is_a_point_mass_on_the_argmax():
