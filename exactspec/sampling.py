@@ -124,46 +124,35 @@ def scaled_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     # underflows the dtype: not 0/0): the others then go to -inf at worst, never NaN
     shifted = logits - logits.amax(-1, keepdim=True)
     scaled = torch.where(shifted == 0, shifted, shifted / params.temperature)
-    scaled = _mask_top_k(scaled, params.top_k)
-    return _mask_top_p(scaled, params.top_p)
+    top_k = params.top_k if params.top_k < logits.shape[-1] else 0
+    if not top_k and params.top_p >= 1.0:
+        return scaled
+    rows = scaled.reshape(-1, scaled.shape[-1])
+    least = torch.stack([_least_kept(row, top_k, params.top_p) for row in rows]).reshape(*scaled.shape[:-1], 1)
+    return scaled.masked_fill(scaled < least, float("-inf"))
 
 
-def _mask_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Keep the top_k largest logits of each row (ties at the threshold are kept); 0 keeps all."""
-    if top_k == 0 or top_k >= logits.shape[-1]:
-        return logits
-    threshold = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [..., 1]
-    return logits.masked_fill(logits < threshold, float("-inf"))
+TOP_P_FIRST = 64  # the most likely tokens top-p's cut is first looked for among (4x more each time it is not)
 
 
-def _mask_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches top_p (at least one token; ties at the
-    threshold are kept, as top-k keeps them): each row's threshold from its own values alone (``_top_p_threshold``)."""
+def _least_kept(row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:  # row [vocab] -> a scalar of its dtype
+    """The smallest logit that top-k (0: none), then top-p (1: none), keep in ``row``; tokens tied with it are kept
+    too. Top-k keeps the k largest. Top-p, over what top-k kept, ranks them by logit and drops a token once those
+    ranked above it reach ``top_p`` of the probability (in float64). Its cut is looked for among the row's top k, or
+    without top-k its top 64, 256, ... tokens, not by sorting the whole vocabulary: a row's probability is nearly
+    always in a few dozen tokens, and a sort of Qwen's 151,936 logits cost more than the model's step."""
+    vocab = row.shape[-1]
+    values = torch.topk(row, top_k or min(TOP_P_FIRST, vocab)).values  # descending
     if top_p >= 1.0:
-        return logits
-    rows = logits.reshape(-1, logits.shape[-1])
-    thresholds = torch.stack([_top_p_threshold(row, top_p) for row in rows]).reshape(*logits.shape[:-1], 1)
-    return logits.masked_fill(logits < thresholds, float("-inf"))
-
-
-TOP_P_FIRST = 64  # the most likely tokens top-p's threshold is first looked for among (4x more each time it is not)
-
-
-def _top_p_threshold(row: torch.Tensor, top_p: float) -> torch.Tensor:  # row [vocab] -> its dtype, a scalar
-    """The smallest logit top-p keeps in ``row``: the tokens ranked by logit, a token is dropped once those ranked
-    above it reach ``top_p`` of the probability (in float64). Looked for among the row's top 64, 256, ... tokens, not
-    by sorting the whole vocabulary: a row's probability is nearly always in a few dozen tokens, and a sort of
-    Qwen's 151,936 logits cost more than the model's step."""
-    top = row.max()
-    total = torch.exp((row - top).double()).sum()
-    count = min(TOP_P_FIRST, row.shape[-1])
+        return values[-1]
+    candidates = row[row >= values[-1]] if top_k else row  # top-k's ties are kept, and weigh in top-p's sum
+    total = torch.exp((candidates - values[0]).double()).sum()
     while True:
-        values = torch.topk(row, count).values  # descending
-        probs = torch.exp((values - top).double()) / total
+        probs = torch.exp((values - values[0]).double()) / total
         kept = int(((torch.cumsum(probs, 0) - probs) < top_p).sum())  # a prefix: the mass above each rank grows
-        if kept < count or count == row.shape[-1]:
+        if kept < len(values) or top_k or len(values) == vocab:
             return values[kept - 1]
-        count = min(4 * count, row.shape[-1])
+        values = torch.topk(row, min(4 * len(values), vocab)).values
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:

@@ -58,30 +58,35 @@ def test_top_k_and_top_p_counts():
     assert (logits_to_probs(logits, SamplingParams(1.0, top_p=0.9)) > 0).sum() == 3
 
 
-def full_sort_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:  # [vocab] -> bool [vocab]: kept
-    """Top-p by its definition, over the whole row sorted: a token is dropped once the tokens ranked above it reach
-    top_p of the probability (float64); tokens tied with the last one kept are kept too."""
-    values, order = torch.sort(logits.double(), descending=True)
+def full_sort_cut(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:  # [vocab] -> bool [vocab]: kept
+    """Top-k, then top-p, by their definitions over the whole row sorted: top-k keeps the k largest logits and the
+    tokens tied with the k-th; top-p, over those, drops a token once the tokens ranked above it reach top_p of their
+    probability (float64); tokens tied with the last one kept are kept too."""
+    values, _ = torch.sort(logits.double(), descending=True)
+    if top_k:
+        values = values[values >= values[top_k - 1]]
     probs = torch.softmax(values, -1)
     kept_sorted = (torch.cumsum(probs, 0) - probs) < top_p
     return logits.double() >= values[kept_sorted][-1]
 
 
 @pytest.mark.parametrize("scale", [0.3, 2.0, 12.0], ids=["flat", "spread", "peaked"])
-def test_top_p_keeps_what_a_sort_of_the_whole_row_keeps(scale):
-    """Top-p looks for its threshold among a row's top 64 tokens, then 256, 1,024, ... : on rows of 20,000 logits,
-    flat (thousands kept: the search grows to the whole row), spread and peaked (a few kept), each row of a batch
-    alone, it keeps the tokens the definition keeps over the whole row sorted."""
+def test_top_k_and_top_p_keep_what_a_sort_of_the_whole_row_keeps(scale):
+    """Top-p looks for its cut among a row's top k, or its top 64 tokens, then 256, 1,024, ... : on rows of 20,000
+    logits, flat (thousands kept: the search grows to the whole row), spread and peaked (a few kept), four tied at
+    the top of one row and at top-k's cut in another, each row of a batch alone, top-k and top-p keep the tokens
+    their definitions keep over the whole row sorted."""
     generator = torch.Generator().manual_seed(11)
     logits = torch.randn(4, 20_000, generator=generator) * scale
-    logits[3, 5:9] = logits[3].max() + 1  # four tokens tied at the top
-    for top_p in (0.05, 0.5, 0.9, 0.999):
-        scaled = scaled_logits(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    logits[2, 5:9] = logits[2].max() + 1  # four tokens tied at the top
+    logits[3, 5:9] = torch.sort(logits[3], descending=True).values[28]  # tied at the 30th's place
+    for top_k, top_p in ((0, 0.05), (0, 0.5), (0, 0.9), (0, 0.999), (30, 1.0), (30, 0.5), (30, 0.999)):
+        params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
+        scaled = scaled_logits(logits, params)
         for row in range(logits.shape[0]):
-            expected = full_sort_top_p(logits[row], top_p)
-            assert torch.equal(torch.isfinite(scaled[row]), expected), (top_p, row)
-            alone = scaled_logits(logits[row], SamplingParams(temperature=1.0, top_p=top_p))
-            assert torch.equal(alone, scaled[row])
+            expected = full_sort_cut(logits[row], top_k, top_p)
+            assert torch.equal(torch.isfinite(scaled[row]), expected), (top_k, top_p, row)
+            assert torch.equal(scaled_logits(logits[row], params), scaled[row])
 
 
 def test_a_choice_over_a_cut_vocabulary_is_the_whole_noises_choice():
