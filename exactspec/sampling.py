@@ -18,6 +18,7 @@ Two ways to sample (``SamplingParams.method``):
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -181,13 +182,30 @@ def _gumbel(uniforms: np.ndarray) -> torch.Tensor:  # float64, elementwise: a va
 
 def gumbel_choice(scaled: torch.Tensor, seed: int, position: int) -> int:  # scaled [vocab]
     """argmax(scaled + Gumbel noise at ``position``): an exact draw from softmax(scaled), the noise added in float64.
-    Where top-k, top-p or a grammar left -inf, the noise is made for the tokens left alone (the same values)."""
-    support = torch.nonzero(scaled != float("-inf")).flatten()
-    if len(support) > scaled.shape[-1] // 2:
-        return int((scaled.double() + gumbel_noise(seed, position, scaled.shape[-1]).to(scaled.device)).argmax())
-    ids = support.cpu().numpy()
-    noise = _gumbel(_uniforms(seed, position, int(ids[-1]) + 1)[ids]).to(scaled.device)
-    return int(support[(scaled[support].double() + noise).argmax()])
+    The noise's logarithms are taken for the tokens that can win alone (``_contenders``): the same choice."""
+    scaled = scaled.cpu()
+    uniforms = _uniforms(seed, position, scaled.shape[-1])
+    ids = _contenders(scaled, uniforms)
+    return int(ids[(scaled[ids].double() + _gumbel(uniforms[ids.numpy()])).argmax()])
+
+
+CONTENDERS_FIRST = 64  # the tokens of largest logit whose noise is always made
+
+
+def _contenders(scaled: torch.Tensor, uniforms: np.ndarray) -> torch.Tensor:  # ascending ids
+    """The tokens that can hold argmax(scaled + G), G = -log(-log u) of each token's uniform: the 64 of largest
+    logit, and each other whose uniform could lift it above the best of those. Another's logit is at most the
+    64th's, s, so it wins only where its G > best - s, that is u > exp(-exp(-(best - s))). The bound is taken a
+    little low (1e-9 off G, 4 ulps off u), so that rounding never leaves the winner out. A few tokens pass it where
+    the 64 hold most of the probability; most of them where the distribution is flat."""
+    top = torch.topk(scaled, min(CONTENDERS_FIRST, scaled.shape[-1]))
+    floor = float(top.values[-1])
+    if floor == float("-inf"):  # fewer tokens left by top-k, top-p or a grammar: the others can never win
+        return torch.sort(top.indices).values
+    gap = float((top.values.double() + _gumbel(uniforms[top.indices.numpy()])).max()) - floor
+    bound = math.exp(-math.exp(-(gap - 1e-9))) - 4e-16 if gap > -3.0 else 0.0
+    others = torch.from_numpy(np.flatnonzero(uniforms > bound))
+    return torch.unique(torch.cat([top.indices, others]))  # sorted: a tie goes to the lowest id, as argmax's does
 
 
 def invariant_choice(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:  # [vocab]

@@ -3,6 +3,8 @@ noise and choices, against the exact distribution."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -89,20 +91,36 @@ def test_top_k_and_top_p_keep_what_a_sort_of_the_whole_row_keeps(scale):
             assert torch.equal(scaled_logits(logits[row], params), scaled[row])
 
 
-def test_a_choice_over_a_cut_vocabulary_is_the_whole_noises_choice():
-    """Where top-k, top-p or a grammar leave -inf, the invariant sampler makes noise only for the tokens left: its
-    choices equal argmax(scaled + the whole vocabulary's noise), token for token, over supports of 1 to 4,000 of
-    50,000 tokens, spread up to the last id."""
-    generator = torch.Generator().manual_seed(5)
+def logits_of_kind(kind: str, count: int, generator: torch.Generator) -> torch.Tensor:
+    """``count`` logits: flat, spread or peaked draws; or two levels, 32 at 0 and the rest where a token among them
+    wins about half the time, often by a hair over the bound (the top 64 hold 32 of them)."""
+    if kind == "two-level":
+        logits = torch.full((count,), -math.log(max(count / 32, 1.0)))
+        logits[torch.randperm(count, generator=generator)[:32]] = 0.0
+        return logits
+    return torch.randn(count, generator=generator) * {"flat": 0.1, "spread": 1.0, "peaked": 10.0}[kind]
+
+
+@pytest.mark.parametrize("support", [1, 3, 40, 4000, 50_000])
+@pytest.mark.parametrize("kind", ["flat", "spread", "peaked", "two-level"])
+def test_a_choice_is_the_whole_noises_choice(support, kind):
+    """The invariant sampler takes the noise's logarithms only for the tokens that can win: the top 64 by logit and
+    those whose uniforms could lift them above the best of those. Its choices equal argmax(scaled + the whole
+    vocabulary's noise), token for token, 40 seeds each: over 50,000 tokens, flat (many contenders), spread, peaked
+    (a few) and two-level (winners just over the bound), where top-k, top-p or a grammar left 1 to 4,000 of them (up
+    to the last id), and with ties."""
+    generator = torch.Generator().manual_seed(support)
     vocab = 50_000
-    for size in (1, 3, 40, 4000):
-        for seed in range(25):
-            support = torch.randperm(vocab, generator=generator)[:size]
-            support[0] = vocab - 1 if seed % 2 else support[0]
-            scaled = torch.full((vocab,), float("-inf"))
-            scaled[support] = torch.randn(size, generator=generator)
-            expected = int((scaled.double() + gumbel_noise(seed, 9 + size, vocab)).argmax())
-            assert gumbel_choice(scaled, seed, 9 + size) == expected
+    for seed in range(40):
+        ids = torch.randperm(vocab, generator=generator)[:support]
+        ids[0] = vocab - 1 if seed % 2 else ids[0]
+        scaled = torch.full((vocab,), float("-inf"))
+        scaled[ids] = logits_of_kind(kind, support, generator)
+        if seed % 3 == 0 and kind != "two-level":
+            scaled[ids[: support // 2]] = float(scaled[ids[0]])  # half of them tied
+        scaled -= scaled.max()
+        expected = int((scaled.double() + gumbel_noise(seed, 9 + support, vocab)).argmax())
+        assert gumbel_choice(scaled, seed, 9 + support) == expected
 
 
 def test_greedy_is_a_point_mass_on_the_argmax():
