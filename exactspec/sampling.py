@@ -196,14 +196,16 @@ def _contenders(scaled: torch.Tensor, uniforms: np.ndarray) -> torch.Tensor:  # 
     """The tokens that can hold argmax(scaled + G), G = -log(-log u) of each token's uniform: the 64 of largest
     logit, and each other whose uniform could lift it above the best of those. Another's logit is at most the
     64th's, s, so it wins only where its G > best - s, that is u > exp(-exp(-(best - s))). The bound is taken a
-    little low (1e-9 off G, 4 ulps off u), so that rounding never leaves the winner out. A few tokens pass it where
-    the 64 hold most of the probability; most of them where the distribution is flat."""
+    little low (by 1e-9 of the logits' scale in G, 4e-16 in u: far beyond the sums' rounding), so that rounding never
+    leaves the winner out. A few tokens pass it where the 64 hold most of the probability; most, where the
+    distribution is flat."""
     top = torch.topk(scaled, min(CONTENDERS_FIRST, scaled.shape[-1]))
     floor = float(top.values[-1])
     if floor == float("-inf"):  # fewer tokens left by top-k, top-p or a grammar: the others can never win
         return torch.sort(top.indices).values
     gap = float((top.values.double() + _gumbel(uniforms[top.indices.numpy()])).max()) - floor
-    bound = math.exp(-math.exp(-(gap - 1e-9))) - 4e-16 if gap > -3.0 else 0.0
+    gap -= 1e-9 * (1.0 + abs(floor))
+    bound = math.exp(-math.exp(-gap)) - 4e-16 if gap > -700.0 else 0.0  # (exp(700) is near float64's largest)
     others = torch.from_numpy(np.flatnonzero(uniforms > bound))
     return torch.unique(torch.cat([top.indices, others]))  # sorted: a tie goes to the lowest id, as argmax's does
 
