@@ -207,7 +207,6 @@ def exact_first_two(decoder: SpecDecoder, prompt: list[int]) -> dict[tuple[int, 
 def standard_samples(paths: dict[str, str], method: str, seeds: range) -> tuple[list[tuple[int, ...]], int]:
     """The first two tokens of a seeded run for each seed, and the draft tokens accepted in all (a spawned worker
     loads its own decoder, on one thread)."""
-    torch.set_num_threads(1)
     decoder = SpecDecoder.load(paths["spm"], draft_model=paths["sub"], backend="fused", cross_vocabulary=method,
                                threads=1)
     prompt = decoder.encode("to be", chat=False)

@@ -259,7 +259,6 @@ SAMPLES = 3000
 def constrained_samples(model: str, draft: str, seeds: range) -> tuple[list[tuple[int, ...]], int, int]:
     """The first two tokens of a seeded run under the regex for each seed, and the draft tokens accepted and
     rejected in all (a spawned worker loads its own decoder, on one thread)."""
-    torch.set_num_threads(1)
     decoder = SpecDecoder.load(model, draft_model=draft, drafter="draft-model", backend="fused", threads=1)
     grammar = decoder.grammar(GrammarSpec("regex", "[a-z ]{2,6}"))
     prompt = decoder.encode("the cat sat on the", chat=False)
