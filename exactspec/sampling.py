@@ -170,6 +170,12 @@ def gumbel_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:  # 
     return _gumbel(_uniforms(seed, position, vocab_size))
 
 
+def gumbel_noise_at(seed: int, position: int, ids: torch.Tensor) -> torch.Tensor:  # [len(ids)] float64
+    """``gumbel_noise(seed, position, vocab)[ids]``, the logarithms taken for those ids alone (the same values)."""
+    ids = ids.long().cpu().numpy()
+    return _gumbel(_uniforms(seed, position, int(ids.max()) + 1)[ids])
+
+
 def _uniforms(seed: int, position: int, count: int) -> np.ndarray:  # [count] float64 in [0, 1), 53 bits
     """The first ``count`` uniforms of the stream keyed by (seed, position): token i's noise comes from the i-th."""
     key = (seed % (1 << 64)) | (position << 64)

@@ -37,7 +37,7 @@ from exactspec.proposers.base import (
     draft_of,
     spine_tree,
 )
-from exactspec.sampling import SamplingParams, draft_token, gumbel_noise, noise_seed, ranked
+from exactspec.sampling import SamplingParams, draft_token, gumbel_noise_at, noise_seed, ranked
 from exactspec.vocabularies import LOW_OVERLAP, ContextBridge, SharedTokens
 
 # What a draft model reads of a long context (ContextWindow): its first DRAFT_WINDOW_HEAD tokens, where the system
@@ -240,12 +240,8 @@ def chains_in_one_call(model: CausalLM, params: SamplingParams) -> bool:
 
 
 def chain_noise(ids: torch.Tensor, seed: int, positions: range) -> torch.Tensor:  # [len(positions), len(ids)] float64
-    """The invariant sampler's noise at each position over a head's ``ids`` (ascending): the target's noise at those
-    ids, which is the first ids[-1] + 1 values of its stream at that position (``gumbel_noise`` of any width
-    begins with them), gathered where the head skips some ids."""
-    width = int(ids[-1]) + 1
-    rows = [gumbel_noise(seed, position, width) for position in positions]
-    return torch.stack(rows if width == len(ids) else [row[ids.long()] for row in rows])
+    """The invariant sampler's noise at each position over a head's ``ids``: the target's noise at those ids."""
+    return torch.stack([gumbel_noise_at(seed, position, ids) for position in positions])
 
 
 @dataclass(frozen=True)
@@ -423,9 +419,7 @@ class ForeignDraftProposer(_ChainsInOneCall, TreeProposer, CatchesUp, DraftsUnde
         k = len(widths)
         noise = None
         if not params.greedy:
-            seed, width = noise_seed(generator), self.target_vocab_size
-            noise = torch.stack([gumbel_noise(seed, position, width)[targets.clamp(min=0)]
-                                 for position in range(len(context), len(context) + k)])
+            noise = chain_noise(targets.clamp(min=0), noise_seed(generator), range(len(context), len(context) + k))
         drafted, ranked_rows = self.model.draft_chain(ids[-1], k, max(widths), noise, params.temperature or 1.0,
                                                       targets >= 0)
         tokens = [self.shared.target_of[token] for token in drafted]
