@@ -47,8 +47,13 @@ PATHS = {
     **({"AMX's GEMM on the instructions": TILE_HARDWARE} if HAS_AMX else {}),
 }
 AVX2_PATHS = {name for name, env in PATHS.items() if "EXACTSPEC_FUSED_AVX2" in env}
-# every test that asserts a row's bits are the same whatever shares its pass, on the lean and the fused runtime
+# every test that asserts a row's bits are the same whatever shares its pass, on the lean and the fused runtime, and
+# that the invariant sampler's noise at some ids is the whole vocabulary's there (its logarithms, elementwise on every
+# kernel the libraries dispatch to)
 INVARIANCE_TESTS = [
+    "test_sampling.py::test_gumbel_noise_is_a_function_of_the_seed_and_the_position_alone",
+    "test_sampling.py::test_a_choice_is_the_whole_noises_choice",
+    "test_draft_chain.py::test_chain_noise_is_the_targets_noise_at_the_heads_ids",
     "test_batch_runtime.py::test_a_rows_logits_are_the_same_bit_for_bit_whatever_shares_its_pass",
     "test_llama_runtime.py::test_a_tree_node_computes_what_its_branch_computes_as_a_chain",
     "test_llama_runtime.py::test_logits_match_transformers_for_each_weight_precision",
