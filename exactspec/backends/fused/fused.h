@@ -305,8 +305,9 @@ static inline int64_t block_of(const Quantised *x, int row, int block) { return 
  *
  * Each family of tiles is made (static) in its instruction set's file and reached from product.c through these
  * tables of function pointers, by format and row count: no call crosses a file but through them. */
-#define GROUP 4    /* rows a tile computes at most: AVX2 has 16 registers */
-#define GROUP512 6 /* and AVX-512 32: 6 rows x 4 pairs of outputs accumulate in 24 */
+#define GROUP 4    /* rows a float tile computes at most on AVX2, whose 16 registers hold its accumulators */
+#define GROUP512 6 /* on AVX-512, with 32: 6 rows x 4 pairs of outputs accumulate in 24; and an integer row tile's
+                    * on either (on AVX2 one tile's shared unpacking outweighs its spills: see product_of) */
 #define GEMM_ROWS 12 /* rows a GEMM tile computes at most: 12 sums and 12 accumulators of 16 lanes in 24 of 32
                      * registers (GEMM_MOST: fewer for formats with two sets a block, whose tiles spill past 8) */
 
@@ -319,7 +320,7 @@ typedef void (*Q8Fn)(const void *, int, const float *, int64_t, int, float[GROUP
 INTERNAL extern const Q8Fn Q8_WIDE[][GROUP + 1], Q8_512[][GROUP512 + 1];
 /* The integer formats' row tiles (tiles_avx2.c, tiles_vnni.c) and GEMM tiles (tiles_vnni.c). */
 typedef void (*IntegerFn)(const void *, const Quantised *, int, float[GROUP512][8]);
-INTERNAL extern const IntegerFn INTEGER_WIDE[][GROUP + 1], INTEGER_VNNI[][GROUP512 + 1];
+INTERNAL extern const IntegerFn INTEGER_WIDE[][GROUP512 + 1], INTEGER_VNNI[][GROUP512 + 1];
 typedef void (*GemmFn)(const void *, int64_t, const Quantised *, int, float[GEMM_ROWS][16]);
 INTERNAL extern const GemmFn INTEGER_GEMM[][GEMM_ROWS + 1];
 /* AMX's GEMM (tiles_amx.c): up to AMX_ROWS rows by 16 outputs, through the instructions or the tile model

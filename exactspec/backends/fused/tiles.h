@@ -160,10 +160,7 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256i top_bits(__m256i 
  * and its sums start from 128 sum(xq) (OFFSET). The sums are exact integers, so both give the same bits. */
 /* Independent sums a row's set is split among (quads g and g + 1 in chain g / 2 % CHAINS), enough across the R rows
  * that a sum's latency does not stall the next (vpdpbusd: 4 or 5 cycles, 2 a cycle). */
-#ifndef AVX2_CHAINS
-#define AVX2_CHAINS(R, SETS) ((R) <= 3 ? 4 / (SETS) : 2)
-#endif
-#define CHAINS_AVX2(R, SETS) AVX2_CHAINS(R, SETS)
+#define CHAINS_AVX2(R, SETS) ((R) <= 3 ? 4 / (SETS) : (R) <= 4 ? 2 : 1) /* 5 and 6 rows: their own rows' sums */
 #define CHAINS_VNNI(R, SETS) ((R) <= 3 ? 4 / (SETS) : 2)
 #define TILE_QUAD(NAME, TARGET, ISA, BLOCK, SETS, BITS, SCALE, R)                                                    \
     __attribute__((target(TARGET))) static void NAME##_##R(const void *w, const Quantised *x, int r0,              \
