@@ -181,9 +181,9 @@ def own_digest() -> subprocess.CompletedProcess:
 def test_row_kernels_compute_each_row_alone(own_digest):
     """Every weight format's product and the attention give each row the same bits alone and in passes of 2 to 70
     (the row tiles' groups of up to 6 rows, as even as they come, the GEMM tiles' of up to 12 rows by 16 outputs, 64
-    rows at a time, and the remainders), and on a team of one thread or two (each output is reduced by one thread); the attention
-    scores a kv head's queries of a sequence's rows together, each as it is alone (with a window and a soft cap,
-    listed key columns, and keys too many for scratch to hold more than one query's scores); 3-, 4- and 5-bit
+    rows at a time, and the remainders), and on a team of one thread or two (each output is reduced by one thread);
+    the attention scores a kv head's queries of a sequence's rows together, each as it is alone (with a window and a
+    soft cap, listed key columns, and keys too many for scratch to hold more than one query's scores); 3-, 4- and 5-bit
     weights give the bits their bytes give, and 6-bit weights their values; a matrix of two formats gives each part's
     rows the bits the part gives alone."""
     run = own_digest
