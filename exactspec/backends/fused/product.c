@@ -141,13 +141,13 @@ static void product_of(const Matrix *m, const float *x, const Quantised *xq, int
     else if (xq && has_vnni && n >= GEMM_FROM[format])
         o0 = integer_gemm(m, xq, n, o0, o1, y, ldy, mode);
     int group = INTEGER(format) || has_avx512 ? GROUP512 : GROUP; /* the most rows a tile takes */
-    /* an integer format's rows in groups as even as that allows: 5 rows in one tile, where 4 and 1 unpacked each
-     * weight block twice (a pass of 5 of the 1.5B cost 1.88x one on AVX2, 1.68x in one tile: medians of 4 runs
-     * alternated) */
+    /* the rows in groups as even as that allows: 5 rows of an integer format in one tile, where 4 and 1 unpacked
+     * each weight block twice (a pass of 5 of the 1.5B cost 1.88x one on AVX2, 1.68x in one tile: medians of 4 runs
+     * alternated); a row's bits are the same in a tile of any size */
     for (int o = o0; o < o1; o += 8) {
         int count = o1 - o < 8 ? o1 - o : 8; /* a block past the matrix's last row is zero padding */
         for (int r0 = 0, rows; r0 < n; r0 += rows) {
-            rows = xq ? even_group(n - r0, group) : n - r0 < group ? n - r0 : group;
+            rows = even_group(n - r0, group);
             if (xq)
                 (has_vnni ? INTEGER_VNNI[format] : INTEGER_WIDE[format])[rows](block_at(format, w, o, in), xq, r0, out);
             else
