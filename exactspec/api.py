@@ -107,7 +107,8 @@ class SpecDecoder:
         check_datastore_drafter(drafter, datastore is not None)
         loaded = load_target(model, dtype=dtype, device=device, backend=backend, threads=threads, datastore=datastore,
                              draft_model=draft_model if takes_draft_model(drafter) else None,
-                             drafters=(drafter,), draft_grade=draft_grade)
+                             drafters=(drafter,), draft_grade=draft_grade,
+                             trained=(drafter,) if drafter_path is not None else ())
         return cls(loaded.target, drafter=drafter, draft=loaded.draft, precision=loaded.precision,
                    datastore=loaded.datastore, drafter_path=drafter_path, cross_vocabulary=cross_vocabulary,
                    draft_found=loaded.draft_found)

@@ -97,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--drafter", choices=list(DRAFTERS), default=None,
                      help="how to draft (default: hybrid, which drafts each round from the source the cost model "
                      "expects to pay most: prompt lookup, the suffix index, and a draft model: --draft-model, or the "
-                     "installed model expected to pay most, as its draft-grade copy); draft-model, mtp and eagle "
-                     "without a path use the drafter trained for the default model")
+                     "installed model expected to pay most, as its draft-grade copy); draft-model without "
+                     "--draft-model drafts with that installed model, else with the drafter trained for the target; "
+                     "mtp and eagle without a path use the drafter trained for the default model")
     gen.add_argument("--drafter-path", default=None, metavar="DIR",
                      help="a trained drafter (exactspec train), or a published EAGLE / Medusa checkpoint; with "
                      "--drafter hybrid, an eagle or mtp drafter that drafts beside its other sources")

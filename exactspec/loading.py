@@ -58,20 +58,21 @@ class Loaded:
 def load_target(model: str | os.PathLike | None = None, *, dtype: str = "auto", device: str = "auto",
                 backend: str = "auto", threads: int | None = None, datastore: str | os.PathLike | None = None,
                 draft_model: str | os.PathLike | None = None, drafters: tuple[str, ...] = (),
-                draft_grade: str = "auto") -> Loaded:
+                draft_grade: str = "auto", trained: tuple[str, ...] = ()) -> Loaded:
     """Check what can be checked first (the datastore, that the backend serves ``drafters``), then load the target
     and the draft model (its draft-grade copy as ``draft_grade`` says: ``choices.DRAFT_GRADES``), and check the
-    datastore's vocabulary against the target's. Where no draft model is given and one of ``drafters`` takes one
-    (the hybrid), the default model drafts where it may pay (:func:`found_draft_model`)."""
+    datastore's vocabulary against the target's. Where no draft model is given and one of ``drafters`` drafts with
+    one (the hybrid; draft-model, unless ``trained`` names it: given its trained drafter's directory), the installed
+    model expected to pay most drafts (:func:`found_draft_model`)."""
     from exactspec import datastore as datastores
-    from exactspec.proposers import role
+    from exactspec.proposers import finds_draft_model
 
     grade = draft_grade_of(draft_grade)
     store = None if datastore is None else datastores.load(datastore)
     resolved = resolve_backend(backend, model, dtype, device, threads)
     for drafter in drafters:
         check_backend_serves(drafter, resolved)
-    finding = draft_model is None and any(role(drafter).takes_draft_model for drafter in drafters)
+    finding = draft_model is None and any(finds_draft_model(drafter, drafter in trained) for drafter in drafters)
     with ThreadPoolExecutor(max_workers=1) as beside:  # the draft model loads beside the target: reading and checking
         # their files is work for a core each (the target's tokenizer, checksums), so the draft adds next to no start
         drafting = beside.submit(_draft_for, model_path(model), resolved, draft_model, finding, grade, dtype, device,
@@ -165,25 +166,25 @@ DRAFT_HEAD_ROWS = 65536  # about the rows its head keeps (draft_vocabulary.py ch
 
 
 def found_draft_model(target_path) -> os.PathLike | None:
-    """A hybrid's draft model where none is given: of the models exactspec finds without being told (the default
-    model, SmolLM2-135M, which ships with it; the larger models whose parts are installed, ``model_parts.py``), the
-    one :func:`expected_gain` rates highest for ``target``, where that reaches ``MIN_EXPECTED_GAIN``; else None.
-    --verbose says which, and why. Its vocabulary is checked once loaded (:func:`draft_source`)."""
+    """The draft model where none is given (the hybrid's; draft-model's without a trained drafter): of the models
+    exactspec finds without being told (the default model, SmolLM2-135M, which ships with it; the larger models whose
+    parts are installed, ``model_parts.py``), the one :func:`expected_gain` rates highest for ``target``, where that
+    reaches ``MIN_EXPECTED_GAIN``; else None. --verbose says which, and why. Its vocabulary is checked once loaded
+    (:func:`draft_source`)."""
     rated = []
     for path in draft_candidates(target_path):
         same, cost = draft_prospect(target_path, path)
         rated.append((expected_gain(PRIOR_ACCEPTANCE[same], cost), path, same, cost))
     if not rated:
-        detail("the hybrid drafts without a draft model: none is installed beside the target")
+        detail("no draft model found: none is installed beside the target")
         return None
     gain, path, same, cost = max(rated, key=lambda entry: entry[0])
     why = (f"{'its' if same else 'another'} tokenizer, a draft token {cost:.2f} of a target step as a draft-grade "
            f"copy: {gain:.2f}x plain decoding expected")
     if gain < MIN_EXPECTED_GAIN:
-        detail(f"the hybrid drafts without a draft model: the best found, {path.name} ({why}), is under "
-               f"{MIN_EXPECTED_GAIN:g}x")
+        detail(f"no draft model found: the best installed, {path.name} ({why}), is under {MIN_EXPECTED_GAIN:g}x")
         return None
-    detail(f"the hybrid drafts with {path.name} beside its copies ({why})")
+    detail(f"the draft model found: {path.name} ({why})")
     return path
 
 

@@ -267,12 +267,44 @@ def test_the_default_model_drafts_for_a_target_several_times_its_size_and_not_fo
         alone = SpecDecoder.load(str(large), backend="lean", dtype="float32")
     assert found.engine.proposer.source_names == ("prompt-lookup", "retrieval", "draft-model")
     assert alone.engine.proposer.source_names == ("prompt-lookup", "retrieval")
-    assert "under 1000x" in caplog.text and "the hybrid drafts with small.gguf beside its copies (its tokenizer" \
+    assert "under 1000x" in caplog.text and "the draft model found: small.gguf (its tokenizer" \
         in caplog.text
     prompt = "one two three one two three one two"
     greedy = [SpecDecoder.load(str(large), drafter="none", backend="lean", dtype="float32"), found]
     outputs = [decoder.generate(prompt, max_new_tokens=16).token_ids for decoder in greedy]
     assert outputs[0] == outputs[1]
+
+
+def test_the_draft_model_drafter_given_no_draft_model_drafts_with_the_one_found(tmp_path, monkeypatch, caplog):
+    """--drafter draft-model with no --draft-model drafts with the model the hybrid would find (a tiny GGUF stands
+    for the default model beside a target 3x its size), and gives plain decoding's tokens; given a trained drafter's
+    directory instead, nothing is looked for. Before, it went for a trained drafter and, with none shipped for the
+    target, failed after converting the target to transformers (13 s for the 1.5B)."""
+    from tiny_gguf import write_tiny_gguf
+
+    from exactspec import SpecDecoder, loading
+    from exactspec.errors import UsageError
+
+    small = write_tiny_gguf(tmp_path / "small.gguf", hidden=32, layers=1, tensor_type="F32")
+    large = write_tiny_gguf(tmp_path / "large.gguf", hidden=96, layers=2, tensor_type="F32")
+    monkeypatch.setattr(loading, "default_model_path", lambda: small)
+    with caplog.at_level(logging.INFO, logger="exactspec.detail"):
+        drafting = SpecDecoder.load(str(large), drafter="draft-model", backend="lean", dtype="float32")
+    assert "the draft model found: small.gguf" in caplog.text
+    assert drafting.engine.proposer.model.vocab_size == drafting.engine.target.vocab_size
+    prompt = "one two three one two three one two"
+    plain = SpecDecoder.load(str(large), drafter="none", backend="lean", dtype="float32")
+    drafted = drafting.generate(prompt, max_new_tokens=16, num_draft_tokens=3)
+    assert drafted.stats.draft_tokens > 0
+    assert drafted.token_ids == plain.generate(prompt, max_new_tokens=16).token_ids
+
+    def not_looked_for(target_path):
+        raise AssertionError("a draft model was looked for beside a trained drafter's directory")
+
+    monkeypatch.setattr(loading, "found_draft_model", not_looked_for)
+    with pytest.raises(UsageError, match="drafter directory not found"):  # read, not a found model
+        SpecDecoder.load(str(large), drafter="draft-model", drafter_path=str(tmp_path / "none"), backend="lean",
+                         dtype="float32")
 
 
 def test_the_gain_expected_of_a_draft_model_rises_with_its_acceptance_and_falls_with_its_cost():

@@ -167,7 +167,8 @@ def run_bench(args) -> int:
 
     loaded = load_target(args.model, dtype=args.dtype, device=args.device, backend=args.backend,
                          threads=args.threads, datastore=args.datastore, draft_model=args.draft_model,
-                         drafters=exactspec_drafters(names), draft_grade=args.draft_grade)
+                         drafters=exactspec_drafters(names), draft_grade=args.draft_grade,
+                         trained=tuple(drafter_paths))
     target = loaded.target
     contenders, backend = build_contenders(names, loaded, k, drafter_paths)
     prompts = [(p.id, p.category, encode_prompt(target.tokenizer, p.text, None if p.chat else False))

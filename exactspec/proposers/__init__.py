@@ -60,6 +60,15 @@ def takes_draft_model(name: str) -> bool:
     return declared.needs_draft_model or declared.takes_draft_model
 
 
+def finds_draft_model(name: str, trained_given: bool = False) -> bool:
+    """Whether --drafter ``name``, given no draft model, drafts with the one found for it
+    (``loading.found_draft_model``): one that drafts with a draft model beside other sources (the hybrid), or one
+    that needs a draft model and was given no trained drafter's directory (draft-model without --drafter-path,
+    which drafts as a trained one where none is found)."""
+    declared = role(name)
+    return declared.takes_draft_model or declared.needs_draft_model and not trained_given
+
+
 def check_drafter_path(name: str, given: bool) -> None:
     """Refuse, in one line, a trained drafter's path given for a drafter that neither is trained nor takes trained
     heads beside its other sources."""

@@ -70,7 +70,8 @@ def load_server(options: ServerOptions, listen: bool = True, sock: socket.socket
         loaded = load_target(options.model, dtype=options.dtype, device=options.device, backend=options.backend,
                              threads=options.threads, datastore=options.datastore, drafters=(drafter,),
                              draft_model=options.draft_model if takes_draft_model(drafter) else None,
-                             draft_grade=options.draft_grade)
+                             draft_grade=options.draft_grade,
+                             trained=(drafter,) if options.drafter_path is not None else ())
         draft = draft_source(drafter, loaded.target, loaded.runtime, loaded.draft, loaded.precision,
                              options.drafter_path, options.cross_vocabulary, loaded.draft_found) \
             if takes_draft_model(drafter) or declared.trained else None
