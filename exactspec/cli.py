@@ -275,7 +275,8 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--tree", default=None, metavar="W1,W2,...|auto",
                        help=TREE_HELP + "; trees serve one request at a time")
     serve.add_argument("--draft-model", default=None, metavar="PATH",
-                       help="draft-model: a draft model (any tokenizer), a sequence of its own per request")
+                       help="draft-model: a draft model (any tokenizer), a sequence of its own per request "
+                       "(default: the installed model the hybrid would find, else the one trained for the target)")
     serve.add_argument("--cross-vocabulary", choices=CROSS_VOCABULARY_METHODS, default="auto", help=CROSS_HELP)
     serve.add_argument("--draft-grade", choices=DRAFT_GRADES, default="auto", help=GRADE_HELP)
     serve.add_argument("--datastore", default=None, metavar="DIR",
