@@ -197,6 +197,10 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256i top_bits(__m256i 
         }                                                                                                          \
         for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r], acc[r]);                                              \
     }
+/* An integer format's row tiles for 1 to GROUP512 rows (NAME_R), as INTEGER_WIDE and INTEGER_VNNI list them. */
+#define ROW_TILES(NAME) {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6}
+static_assert(GROUP512 == 6, "ROW_TILES lists 6 row tiles a format");
+
 /* The integer formats' tiles, each format once: its tiles' name, block, sets of scales a block, bits and scales
  * (row tiles NAME_R and NAMEv_R; GEMM tiles NAMEg_R). */
 #define INTEGER_TILES(TILES)                                                                                       \

@@ -102,11 +102,7 @@ const TileFn WIDE[][GROUP + 1] = {[F16] = {0, f16_1x8, f16_2x4, f16_3x2, f16_4x2
 const int WIDTH[GROUP + 1] = {0, 8, 4, 2, 2};
 const Q8Fn Q8_WIDE[][GROUP + 1] = {[Q8] = {0, q8_1x8, q8_2x4, q8_3x2, q8_4x2},
                                    [Q8H] = {0, q8h_1x8, q8h_2x4, q8h_3x2, q8h_4x2}};
-const IntegerFn INTEGER_WIDE[][GROUP512 + 1] = {[Q8I] = {0, q8i_1, q8i_2, q8i_3, q8i_4, q8i_5, q8i_6},
-                                                [Q8HI] = {0, q8hi_1, q8hi_2, q8hi_3, q8hi_4, q8hi_5, q8hi_6},
-                                                [Q4I] = {0, q4i_1, q4i_2, q4i_3, q4i_4, q4i_5, q4i_6},
-                                                [Q6I] = {0, q6i_1, q6i_2, q6i_3, q6i_4, q6i_5, q6i_6},
-                                                [Q4KI] = {0, q4ki_1, q4ki_2, q4ki_3, q4ki_4, q4ki_5, q4ki_6},
-                                                [Q5I] = {0, q5i_1, q5i_2, q5i_3, q5i_4, q5i_5, q5i_6},
-                                                [Q5KI] = {0, q5ki_1, q5ki_2, q5ki_3, q5ki_4, q5ki_5, q5ki_6},
-                                                [Q3RI] = {0, q3ri_1, q3ri_2, q3ri_3, q3ri_4, q3ri_5, q3ri_6}};
+const IntegerFn INTEGER_WIDE[][GROUP512 + 1] = {[Q8I] = ROW_TILES(q8i), [Q8HI] = ROW_TILES(q8hi),
+                                                [Q4I] = ROW_TILES(q4i), [Q6I] = ROW_TILES(q6i),
+                                                [Q4KI] = ROW_TILES(q4ki), [Q5I] = ROW_TILES(q5i),
+                                                [Q5KI] = ROW_TILES(q5ki), [Q3RI] = ROW_TILES(q3ri)};

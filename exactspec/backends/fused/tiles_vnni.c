@@ -144,14 +144,10 @@ __attribute__((target(VNNI_TARGET))) static inline __m512 add_scaled16(__m512 ac
 INTEGER_TILES(TILES_GEMM)
 #define GEMM_TILES(NAME) {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, NAME##_7, NAME##_8, NAME##_9, NAME##_10, NAME##_11, NAME##_12}
 
-const IntegerFn INTEGER_VNNI[][GROUP512 + 1] = {[Q8I] = {0, q8iv_1, q8iv_2, q8iv_3, q8iv_4, q8iv_5, q8iv_6},
-                                                [Q8HI] = {0, q8hiv_1, q8hiv_2, q8hiv_3, q8hiv_4, q8hiv_5, q8hiv_6},
-                                                [Q4I] = {0, q4iv_1, q4iv_2, q4iv_3, q4iv_4, q4iv_5, q4iv_6},
-                                                [Q6I] = {0, q6iv_1, q6iv_2, q6iv_3, q6iv_4, q6iv_5, q6iv_6},
-                                                [Q4KI] = {0, q4kiv_1, q4kiv_2, q4kiv_3, q4kiv_4, q4kiv_5, q4kiv_6},
-                                                [Q5I] = {0, q5iv_1, q5iv_2, q5iv_3, q5iv_4, q5iv_5, q5iv_6},
-                                                [Q5KI] = {0, q5kiv_1, q5kiv_2, q5kiv_3, q5kiv_4, q5kiv_5, q5kiv_6},
-                                                [Q3RI] = {0, q3riv_1, q3riv_2, q3riv_3, q3riv_4, q3riv_5, q3riv_6}};
+const IntegerFn INTEGER_VNNI[][GROUP512 + 1] = {[Q8I] = ROW_TILES(q8iv), [Q8HI] = ROW_TILES(q8hiv),
+                                                [Q4I] = ROW_TILES(q4iv), [Q6I] = ROW_TILES(q6iv),
+                                                [Q4KI] = ROW_TILES(q4kiv), [Q5I] = ROW_TILES(q5iv),
+                                                [Q5KI] = ROW_TILES(q5kiv), [Q3RI] = ROW_TILES(q3riv)};
 
 const GemmFn INTEGER_GEMM[][GEMM_ROWS + 1] = {[Q8I] = GEMM_TILES(q8ig), [Q8HI] = GEMM_TILES(q8hig),
                                              [Q4I] = GEMM_TILES(q4ig), [Q6I] = GEMM_TILES(q6ig),
