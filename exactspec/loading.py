@@ -176,7 +176,7 @@ def found_draft_model(target_path) -> os.PathLike | None:
         same, cost = draft_prospect(target_path, path)
         rated.append((expected_gain(PRIOR_ACCEPTANCE[same], cost), path, same, cost))
     if not rated:
-        detail("no draft model found: none is installed beside the target")
+        detail("no draft model found: none smaller than the target is installed")
         return None
     gain, path, same, cost = max(rated, key=lambda entry: entry[0])
     why = (f"{'its' if same else 'another'} tokenizer, a draft token {cost:.2f} of a target step as a draft-grade "
