@@ -20,7 +20,7 @@ import torch
 from tiny_gguf import write_tiny_gguf
 
 from exactspec.backends import native
-from exactspec.backends.base import DraftsChains, declares
+from exactspec.backends.base import CHAIN_LEAD, DraftsChains, declares
 from exactspec.backends.fused import FusedRuntime
 from exactspec.backends.fused import runtime as runtime_module
 from exactspec.backends.fused.runtime import CHAIN_TABLE_BYTES, ChainVocabulary
@@ -65,17 +65,19 @@ def same_cache(a: FusedRuntime, b: FusedRuntime) -> bool:
 
 
 def rounds(seed: int):
-    """Rounds of each draft length 1..8 in an order drawn from ``seed``, each with tree widths (1..3 a depth) and an
-    accepted prefix drawn from it too."""
+    """Rounds of each draft length 1..8 in an order drawn from ``seed``, each with tree widths (1..3 a depth), an
+    accepted prefix and a count of tokens another source drafted after it (none to more than a lead), drawn from it
+    too."""
     draw = random.Random(seed)
     for k in draw.sample(range(1, 9), 8):
-        yield [draw.randint(1, 3) for _ in range(k)], draw.randint(0, k)
+        yield [draw.randint(1, 3) for _ in range(k)], draw.randint(0, k), draw.choice([0, 0, 1, 3, CHAIN_LEAD + 3])
 
 
 def run_both(path: Path, params: SamplingParams, seed: int, keep_hidden: bool = False) -> int:
     """Rounds of drafting by the one-call chain and the Python chain on two runtimes of one file, from a prompt on:
-    each round's tokens and alternatives, then the caches, are the same; the context then takes the accepted prefix
-    and one token of its own (what the target would add), so the next round's sync rolls rejected tokens back. The
+    each round's tokens and alternatives, then the caches, are the same; the context then takes the accepted prefix,
+    one token of its own (what the target would add) and some a copy would have drafted, so the next round's chain
+    rolls rejected tokens back and leads with 1 to CHAIN_LEAD tokens (after feeding a longer backlog first). The
     one-call rounds drafted."""
     one, two = FusedRuntime.from_gguf(path), FusedRuntime.from_gguf(path)
     if keep_hidden:
@@ -83,13 +85,13 @@ def run_both(path: Path, params: SamplingParams, seed: int, keep_hidden: bool = 
     fast, slow = DraftModelProposer(one, one.vocab_size), python_chain(DraftModelProposer(two, two.vocab_size))
     generator = torch.Generator().manual_seed(seed)
     context, drafted = list(PROMPT), 0
-    for widths, accepted in rounds(seed):
+    for widths, accepted, copied in rounds(seed):
         assert fast._chains_in_one_call(params)
         mine, theirs = fast._chain(context, widths, params, generator), slow._chain(context, widths, params, generator)
         assert mine == theirs, (widths, context[-3:])
         assert same_cache(one, two)
         tokens = mine[0]
-        context += tokens[:accepted] + [(tokens[-1] * 7 + seed) % 5000]
+        context += tokens[:accepted] + [(tokens[-1] * 7 + seed + i) % 5000 for i in range(1 + copied)]
         drafted += 1
     return drafted
 
@@ -167,7 +169,7 @@ def test_the_choice_ties_where_pythons_does_at_every_row(path, temperature):
         logits = reference.extend([fed], 1)[0]
         noise.append(-scaled(logits, temperature))
         fed = 0  # row 0's token, which the chain must choose
-    tokens, _ = runtime.draft_chain(PROMPT[-1], 3, 1, torch.stack(noise), temperature)
+    tokens, _ = runtime.draft_chain([PROMPT[-1]], 3, 1, torch.stack(noise), temperature)
     assert tokens == [0, 0, 0]
     assert same_cache(runtime, reference)
 
@@ -228,7 +230,7 @@ def test_a_head_cut_to_some_rows_drafts_among_their_ids_only(path, temperature):
         runtime.extend(prompt[:-1], 0), reference.extend(prompt[:-1], 0)
         noise = None if params.greedy else torch.stack(
             [gumbel_noise(seed, len(prompt) + i, runtime.vocab_size)[ids] for i in range(k)])
-        tokens, alternatives = runtime.draft_chain(prompt[-1], k, 3, noise, temperature or 1.0)
+        tokens, alternatives = runtime.draft_chain([prompt[-1]], k, 3, noise, temperature or 1.0)
         expected, fed = [], prompt[-1]
         for depth in range(k):
             logits = reference.extend([fed], 1)[0]  # [300 * 8]: the cut head's rows
@@ -267,9 +269,9 @@ def test_the_chain_refuses_what_it_cannot_take_in_one_line(path):
     for bad in ({"width": 17}, {"width": 0}, {"noise": torch.zeros(2, 5, dtype=torch.float64)},
                 {"noise": torch.zeros(3, runtime.vocab_size, dtype=torch.float64), "temperature": 0.0}):
         with pytest.raises(UsageError):
-            runtime.draft_chain(PROMPT[-1], 3, **bad)
+            runtime.draft_chain([PROMPT[-1]], 3, **bad)
     assert runtime.tokens == PROMPT[:-1]  # nothing fed
-    assert runtime.draft_chain(PROMPT[-1], 0) == ([], [])
+    assert runtime.draft_chain([PROMPT[-1]], 0) == ([], [])
 
 
 CHAIN_DIGEST = """
@@ -280,7 +282,7 @@ runtime = FusedRuntime.from_gguf(sys.argv[1])
 runtime.extend(list(range(7, 37)), 0)
 ids = runtime.chain_ids.long()
 noise = torch.stack([gumbel_noise(4, 31 + i, runtime.vocab_size)[ids] for i in range(8)])
-drafted = [runtime.draft_chain(36, 8, 3), runtime.draft_chain(5, 8, 3, noise, 0.9)]
+drafted = [runtime.draft_chain([36], 8, 3), runtime.draft_chain([5], 8, 3, noise, 0.9)]
 digest = hashlib.sha256(repr(drafted).encode())
 for tensor in runtime._keys + runtime._values:
     digest.update(tensor[:, : len(runtime.tokens)].contiguous().numpy().tobytes())

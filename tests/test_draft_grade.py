@@ -167,7 +167,7 @@ def test_a_copys_one_call_chain_is_its_python_chain(draft, bits):
     one, python = graded(draft, bits=bits), graded(draft, bits=bits)
     for runtime in (one, python):
         runtime.extend(IDS[:-1], 1)
-    drafted, _ = one.draft_chain(IDS[-1], 6)
+    drafted, _ = one.draft_chain([IDS[-1]], 6)
     logits, chain = python.extend([IDS[-1]], 1)[0], []
     for _ in range(6):
         chain.append(int(logits.argmax()))

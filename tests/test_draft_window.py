@@ -20,6 +20,7 @@ from tiny_gguf import write_tiny_gguf
 from tiny_vocabularies import sentencepiece_fields, sub_vocabulary
 
 from exactspec.backends import native
+from exactspec.backends.base import CHAIN_LEAD
 from exactspec.backends.fused import FusedRuntime
 from exactspec.costs import AUTO_MAX_K
 from exactspec.engine import Engine, GenerationConfig
@@ -121,31 +122,31 @@ def paths(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def counting(runtime: FusedRuntime) -> list[int]:
-    """The tokens each pass over ``runtime`` feeds it (an extend's ids; a one-call chain's fed token and the k - 1
-    drafted tokens it feeds back), recorded as they come."""
+    """The tokens each pass over ``runtime`` feeds it (an extend's ids; a one-call chain's lead and the k - 1 drafted
+    tokens it feeds back), recorded as they come."""
     fed: list[int] = []
     extend, chain = runtime.extend, runtime.draft_chain
     runtime.extend = lambda ids, num_logits: fed.append(len(ids)) or extend(ids, num_logits)
-    runtime.draft_chain = lambda token, k, *rest: fed.append(k) or chain(token, k, *rest)
+    runtime.draft_chain = lambda lead, k, *rest: fed.append(len(lead) + k - 1) or chain(lead, k, *rest)
     return fed
 
 
 @pytest.mark.parametrize("one_call", [True, False])
 def test_after_the_first_catch_up_only_new_tokens_are_fed(paths, one_call):
     """Rounds of drafting k = 4 from a 150-token prompt, each accepting a drawn prefix and adding one token of its
-    own: the catch-up feeds the head and the window (less the last token, which the draft feeds), not the prompt;
-    each round then feeds the tokens the cache lacks (one or two) and the chain's k, k + 1 at most, except where the
-    cut moved: W more."""
+    own: the catch-up feeds the head and the window (less the last CHAIN_LEAD tokens, which the draft's first pass
+    feeds), not the prompt; each round then feeds the tokens the cache lacks (one or two) and the chain's k - 1,
+    k + 1 at most, except the first (the prompt's last CHAIN_LEAD) and where the cut moved: W more."""
     draft = FusedRuntime.from_gguf(paths[0])
     proposer = DraftModelProposer(draft, draft.vocab_size, window=W, head=HEAD)
     if not one_call:
         proposer._chains_in_one_call = lambda params: False
     fed = counting(draft)
-    assert proposer.backlog(PROMPT) == HEAD + W - 1  # what it says it would feed (the prompt is 150 tokens)
+    assert proposer.backlog(PROMPT) == HEAD + W - CHAIN_LEAD  # what it says it would feed (the prompt: 150 tokens)
     proposer.catch_up(PROMPT)
-    assert sum(fed) == HEAD + W - 1
+    assert sum(fed) == HEAD + W - CHAIN_LEAD
     draw, context, cut, k = random.Random(0), list(PROMPT), len(PROMPT) - W, 4
-    for _ in range(40):
+    for round_ in range(40):
         fed.clear()
         backlog = proposer.backlog(context)
         proposer.catch_up(context)
@@ -154,7 +155,8 @@ def test_after_the_first_catch_up_only_new_tokens_are_fed(paths, one_call):
         moved = len(context) - cut > 2 * W
         if moved:
             cut = len(context) - W
-        assert len(tokens) == k and sum(fed) <= (W + k if moved else k + 1), (moved, fed)
+        most = W + k if moved else CHAIN_LEAD + k - 1 if round_ == 0 else k + 1
+        assert len(tokens) == k and sum(fed) <= most, (moved, fed)
         view = context[:HEAD] + context[cut:]
         assert draft.tokens == view + tokens[:-1]  # the view, and the tokens drafted after it
         context += tokens[: draw.randint(0, k)] + [draw.randrange(1000)]
@@ -222,7 +224,7 @@ def test_a_windowed_draft_across_tokenizers_emits_plain_decodings_tokens(vocabul
             proposer = draft_models.make(loaded.runtime, source.on(source.model), None, window=W, head=HEAD)
             assert isinstance(proposer, ForeignDraftProposer)
             proposer.clear_cache()
-            assert proposer.backlog(prompt) == HEAD + W - 1  # its own tokens' view, not the target's prompt
+            assert proposer.backlog(prompt) == HEAD + W - CHAIN_LEAD  # its own tokens' view, not the target's prompt
             fed, lengths = counting_cache(proposer.model)
             engine = Engine(loaded.runtime, proposer, loaded.stop_ids)
             result = engine.generate(prompt, replace(config, num_draft_tokens=k))
@@ -234,17 +236,24 @@ def test_a_windowed_draft_across_tokenizers_emits_plain_decodings_tokens(vocabul
 
 
 def counting_cache(runtime) -> tuple[list[int], list[int]]:
-    """The tokens each extend feeds ``runtime``, and the length of its cache after each, recorded as they come."""
+    """The tokens each pass feeds ``runtime`` (an extend's ids; a one-call chain's lead and the k - 1 drafted tokens
+    it feeds back), and the length of its cache after each, recorded as they come."""
     fed: list[int] = []
     lengths: list[int] = []
-    extend = runtime.extend
+    extend, chain = runtime.extend, runtime.draft_chain
 
     def counted(ids, num_logits):
         fed.append(len(ids))
         logits = extend(ids, num_logits)
         lengths.append(len(runtime.tokens))
         return logits
-    runtime.extend = counted
+
+    def counted_chain(lead, k, *rest):
+        fed.append(len(lead) + k - 1)
+        drafted = chain(lead, k, *rest)
+        lengths.append(len(runtime.tokens))
+        return drafted
+    runtime.extend, runtime.draft_chain = counted, counted_chain
     return fed, lengths
 
 

@@ -14,7 +14,7 @@ from scipy.stats import chi2_contingency, chisquare
 from tiny import E2E_PROMPT, e2e_models, e2e_samples, perturbed_copy, tiny_llama
 
 from exactspec.backends import HFCausalLM, LeanRuntime
-from exactspec.backends.base import sync
+from exactspec.backends.base import CHAIN_LEAD, sync
 from exactspec.engine import Engine, GenerationConfig
 from exactspec.errors import UsageError
 from exactspec.policy import Policy
@@ -462,7 +462,8 @@ class _Scripted(Policy):
 
 def test_a_draft_models_backlog_is_taken_in_apart_from_what_drafting_costs(target_and_draft):
     """The prompt, and the tokens of rounds that drafted nothing, reach the draft model before the timed proposal
-    (catch_up): the policy learns the cost of drafting k tokens, not of a backlog; the tokens stay plain greedy's."""
+    (catch_up), all but the last CHAIN_LEAD, which the draft's first pass feeds: the policy learns the cost of
+    drafting k tokens, not of a backlog; the tokens stay plain greedy's."""
     target, draft = target_and_draft
     caught_up: list[int] = []
 
@@ -472,21 +473,22 @@ def test_a_draft_models_backlog_is_taken_in_apart_from_what_drafting_costs(targe
             time.sleep(0.3)  # a backlog far dearer than any proposal of these tiny models
             super().catch_up(context)
 
+    prompt, plain = PROMPTS[2] * 2, CHAIN_LEAD + 2  # a backlog of more than a lead: the prompt, the plain rounds
     engine = Engine(LeanRuntime(target), Slow(LeanRuntime(draft), target.config.vocab_size))
-    policy = _Scripted([2, 0, 0, 0, 2, 2])
-    config = GenerationConfig(max_new_tokens=16, stop_at_eos=False)
-    rounds = list(engine.rounds(PROMPTS[0], config, policy))
+    policy = _Scripted([2] + [0] * plain + [2, 2])
+    config = GenerationConfig(max_new_tokens=24, stop_at_eos=False)
+    rounds = list(engine.rounds(prompt, config, policy))
     tokens = [t for round_ in rounds for t in round_.tokens]
-    assert tokens == reference_greedy(target, PROMPTS[0], 16)
-    after_plain = len(PROMPTS[0]) + sum(len(r.tokens) for r in rounds[:4])
-    assert caught_up == [len(PROMPTS[0]), after_plain]  # the first round's and the one after the plain ones
+    assert tokens == reference_greedy(target, prompt, 24)
+    after_plain = len(prompt) + sum(len(r.tokens) for r in rounds[: plain + 1])
+    assert caught_up == [len(prompt), after_plain]  # the first round's and the one after the plain ones
     assert max(policy.draft_seconds) < 0.3
-    # the policy is told each backlog before choosing (the prompt but its last token; none after a drafting
-    # round), and what each catch-up cost, apart from drafting
-    assert policy.backlogs[:2] == [len(PROMPTS[0]) - 1, 0]
-    # all since it drafted but the last token, less the draft tokens it fed itself that were accepted (it feeds
-    # each of its drafted tokens but the last to draft the next)
+    # the policy is told each backlog before choosing (the prompt but its lead; none after a drafting round), and
+    # what each catch-up cost, apart from drafting
+    assert policy.backlogs[:2] == [len(prompt) - CHAIN_LEAD, 0]
+    # all since it drafted but the lead, less the draft tokens it fed itself that were accepted (it feeds each of
+    # its drafted tokens but the last to draft the next)
     fed_and_accepted = min(rounds[0].accepted, rounds[0].draft_tokens - 1)
-    assert policy.backlogs[4] == after_plain - 1 - len(PROMPTS[0]) - fed_and_accepted
-    assert [tokens for tokens, _ in policy.caught_up] == [policy.backlogs[0], policy.backlogs[4]]
+    assert policy.backlogs[plain + 1] == after_plain - CHAIN_LEAD - len(prompt) - fed_and_accepted
+    assert [tokens for tokens, _ in policy.caught_up] == [policy.backlogs[0], policy.backlogs[plain + 1]]
     assert min(seconds for _, seconds in policy.caught_up) >= 0.3

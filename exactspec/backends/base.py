@@ -262,11 +262,11 @@ class DraftsChains(Protocol):
     # model's kept ids for a cut one), or None where this runtime cannot chain in one call (then it is not asked)
     chain_ids: torch.Tensor | None
 
-    def draft_chain(self, last: int, k: int, width: int = 1, noise: torch.Tensor | None = None,
+    def draft_chain(self, lead: list[int], k: int, width: int = 1, noise: torch.Tensor | None = None,
                     temperature: float = 1.0, allowed: torch.Tensor | None = None
                     ) -> tuple[list[int], list[list[int]]]:
-        """Feed ``last`` (the context's last token: the cache holds every one before it) and the first k - 1 of the
-        k tokens drafted after it; the k tokens, and per depth the ``width - 1`` ids its head ranks highest after
+        """Feed ``lead`` (the context's last tokens, 1 to CHAIN_LEAD: the cache holds every one before them; see
+        ``lead_of``) in one pass, then the first k - 1 of the k tokens drafted after it; the k tokens, and per depth the ``width - 1`` ids its head ranks highest after
         the chosen one (``sampling.ranked``'s: a tree's alternatives). ``noise`` [k, rows] float64, the invariant
         sampler's Gumbel noise at each depth's position over ``chain_ids``, makes each choice its Gumbel-max at
         ``temperature``; None, the argmax. ``allowed`` [rows] bool: the rows it may choose and rank, as if the
@@ -402,6 +402,34 @@ def sync(model: CausalLM, context: list[int], num_logits: int) -> torch.Tensor: 
 def unfed(model: CausalLM, context: list[int]) -> int:
     """The tokens ``sync(model, context, 0)`` would feed: those of ``context`` past what the cache shares with it."""
     return len(context) - common_prefix_length(model.tokens, context)
+
+
+# The most tokens a draft's first pass feeds before it drafts (``lead_of``): a round's accepted tokens and the
+# target's own, which a pass of their own would cost about a draft step more (a pass over a few rows costs what one
+# does); a longer backlog (a prompt, rounds the draft did not draft) is fed before, its cost measured apart.
+CHAIN_LEAD = 8
+
+
+def before_lead(model: CausalLM, context: list[int]) -> int:
+    """The tokens ``feed_before_lead`` would feed: the unfed ones of ``context`` but its last CHAIN_LEAD."""
+    return max(unfed(model, context) - CHAIN_LEAD, 0)
+
+
+def feed_before_lead(model: CausalLM, context: list[int]) -> None:
+    """Make the cache hold all of ``context`` but at most its last CHAIN_LEAD tokens, feeding none it holds already
+    (a drafter's catching up on a backlog: the rest is its draft's lead)."""
+    if before_lead(model, context):
+        sync(model, context[:-CHAIN_LEAD], num_logits=0)
+
+
+def lead_of(model: CausalLM, context: list[int]) -> list[int]:
+    """The tokens a chain after ``context`` feeds first (``DraftsChains.draft_chain``'s lead): those past the longest
+    prefix the cache shares with ``context``, its last token at least, at most CHAIN_LEAD (any before them are fed
+    now); the cache rolled back to that prefix (a rejected draft's tokens forgotten)."""
+    feed_before_lead(model, context)
+    shared = min(common_prefix_length(model.tokens, context), len(context) - 1)
+    model.rollback(shared)
+    return context[shared:]
 
 
 def prefill(model: CausalLM, prompt: list[int]) -> int:

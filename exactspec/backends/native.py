@@ -328,8 +328,8 @@ def _declare(loaded: ctypes.CDLL) -> None:
     loaded.sd_final_norm.restype = None
     loaded.sd_final_norm.argtypes = [_p, _p, ctypes.c_int, _p]
     loaded.sd_draft_chain.restype = ctypes.c_int
-    loaded.sd_draft_chain.argtypes = [_p, _p, _p, ctypes.c_int, ctypes.c_int, _p, _p, ctypes.c_int, _p,
-                                      ctypes.c_float, _p, ctypes.c_int, _p, _p, _p]
+    loaded.sd_draft_chain.argtypes = [_p, _p, _p, ctypes.c_int, ctypes.c_int, ctypes.c_int, _p, _p, ctypes.c_int,
+                                      _p, ctypes.c_float, _p, ctypes.c_int, _p, _p, _p]
     loaded.sd_product.restype = ctypes.c_int
     loaded.sd_product.argtypes = [ctypes.POINTER(Matrix), _p, ctypes.c_int, _p]
     loaded.sd_attention.restype = ctypes.c_int

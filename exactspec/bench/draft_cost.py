@@ -40,7 +40,7 @@ def chain_seconds(runtime, context: list[int], k: int) -> float:
     """A chain of k tokens drafted in one call after ``context``, per token."""
     runtime.rollback(len(context) - 1)
     started = time.perf_counter()
-    runtime.draft_chain(context[-1], k)
+    runtime.draft_chain([context[-1]], k)
     return (time.perf_counter() - started) / k
 
 

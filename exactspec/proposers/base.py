@@ -83,7 +83,8 @@ class CatchesUp(Protocol):
     """A proposer that keeps state per context (a draft model's KV cache), brought up to date before it drafts."""
 
     def catch_up(self, context: list[int]) -> None:
-        """Bring the state up to ``context`` but its last token, which the proposal itself then feeds. The engine
+        """Bring the state up to ``context`` but its last tokens, which the proposal itself then feeds (at least the
+        last; a draft model's first pass takes up to ``CHAIN_LEAD``, a round's accepted tokens among them). The engine
         times this apart: after rounds that drafted nothing it is a backlog of tokens, not the cost of drafting."""
         ...
 

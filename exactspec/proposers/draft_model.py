@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from exactspec.backends.base import CausalLM, DraftsChains, declares, sync, unfed
+from exactspec.backends.base import CausalLM, DraftsChains, before_lead, declares, feed_before_lead, lead_of, sync
 from exactspec.choices import CROSS_VOCABULARY_METHODS
 from exactspec.errors import UsageError
 from exactspec.proposers.base import (
@@ -199,24 +199,24 @@ class DraftModelProposer(_ChainsInOneCall, TreeProposer, CatchesUp, DraftsUnderG
 
     def _one_call_chain(self, seen: list[int], position: int, widths: list[int], params: SamplingParams,
                         generator: torch.Generator | None) -> tuple[list[int], list, list[list[int]]]:
-        """_chain's tokens and alternatives in one call: the cache synced to all of the draft's view ``seen`` but
-        its last token, which the call feeds; under the invariant sampler, each depth's noise over the head's ids
-        at its position in the context (the first at ``position``), as the target will draw it."""
-        sync(self.model, seen[:-1], num_logits=0)
+        """_chain's tokens and alternatives in one call: the cache synced to the draft's view ``seen`` but its lead
+        (``lead_of``), which the call feeds; under the invariant sampler, each depth's noise over the head's ids at
+        its position in the context (the first at ``position``), as the target will draw it."""
         k = len(widths)
         noise = None if params.greedy else \
             chain_noise(self.model.chain_ids, noise_seed(generator), range(position, position + k))
-        tokens, alternatives = self.model.draft_chain(seen[-1], k, max(widths), noise, params.temperature or 1.0)
+        tokens, alternatives = self.model.draft_chain(lead_of(self.model, seen), k, max(widths), noise,
+                                                      params.temperature or 1.0)
         return tokens, [None] * k, [others[: width - 1] for others, width in zip(alternatives, widths)]
 
     def catch_up(self, context: list[int]) -> None:
         seen = self.window.view(context)
         if self._embeds(seen):
-            sync(self.model, seen[:-1], num_logits=0)
+            feed_before_lead(self.model, seen)
 
     def backlog(self, context: list[int]) -> int:
         seen = self.window.peek(context)
-        return unfed(self.model, seen[:-1]) if self._embeds(seen) else 0
+        return before_lead(self.model, seen) if self._embeds(seen) else 0
 
     def _embeds(self, ids: list[int]) -> bool:
         """Whether the draft model can embed every one of ``ids`` (a wider target's may lie past its own)."""
@@ -328,12 +328,12 @@ class ForeignDraftProposer(_ChainsInOneCall, TreeProposer, CatchesUp, DraftsUnde
 
     def catch_up(self, context: list[int]) -> None:
         ids, _ = self._draft_context(context)
-        if len(ids) > 1:
-            sync(self.model, ids[:-1], num_logits=0)
+        if ids:
+            feed_before_lead(self.model, ids)
 
     def backlog(self, context: list[int]) -> int:
         ids, _ = self.bridge.draft_context(context, self.window.unview(self.model.tokens))
-        return unfed(self.model, self.window.peek(ids)[:-1])
+        return before_lead(self.model, self.window.peek(ids)) if ids else 0
 
     def clear_cache(self) -> None:
         self.model.rollback(0)
@@ -414,13 +414,13 @@ class ForeignDraftProposer(_ChainsInOneCall, TreeProposer, CatchesUp, DraftsUnde
         """_shared_chain's tokens and alternatives in one call over the draft's context ``ids``: its head's rows
         allowed where their tokens are shared, each chosen row's token the target's of the same text; under the
         invariant sampler, each depth's noise at the target's ids and positions, as the target will draw it."""
-        sync(self.model, ids[:-1], num_logits=0)
+        lead = lead_of(self.model, ids)
         targets = self._row_targets()  # [rows]: the target's id of each head row's token, -1 where not shared
         k = len(widths)
         noise = None
         if not params.greedy:
             noise = chain_noise(targets.clamp(min=0), noise_seed(generator), range(len(context), len(context) + k))
-        drafted, ranked_rows = self.model.draft_chain(ids[-1], k, max(widths), noise, params.temperature or 1.0,
+        drafted, ranked_rows = self.model.draft_chain(lead, k, max(widths), noise, params.temperature or 1.0,
                                                       targets >= 0)
         tokens = [self.shared.target_of[token] for token in drafted]
         alternatives = [[t for t in dict.fromkeys(self.shared.target_of[o] for o in others) if t != token][: w - 1]

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from exactspec.backends import native
-from exactspec.backends.base import DraftsChains, Pooled
+from exactspec.backends.base import CHAIN_LEAD, DraftsChains, Pooled
 from exactspec.backends.family import (
     FAMILIES,
     LlamaSpec,
@@ -76,6 +76,8 @@ PASS_ROWS = 64  # the most rows one C call takes (its scratch grows with them); 
 # model's: 545 MB), made only where it is this small; a model whose float32 embedding is held unscaled lends it.
 CHAIN_TABLE_BYTES = 64 << 20
 CHAIN_RANKED = 16  # the chosen and its alternatives chain.c ranks at a depth at most (its MOST_RANKED)
+CHAIN_MOST_LEAD = 64  # the most tokens chain.c's first pass feeds (its MOST_LEAD)
+assert CHAIN_LEAD <= CHAIN_MOST_LEAD, "a chain's lead must fit chain.c's first pass"
 assert MAX_TREE_WIDTH <= CHAIN_RANKED, "a tree's widest depth must fit the chain's ranking"
 
 
@@ -441,18 +443,20 @@ class FusedRuntime(LlamaSequence, Pooled, DraftsChains):
         return vocabulary
 
     @torch.inference_mode()
-    def draft_chain(self, last: int, k: int, width: int = 1, noise: torch.Tensor | None = None,
+    def draft_chain(self, lead: list[int], k: int, width: int = 1, noise: torch.Tensor | None = None,
                     temperature: float = 1.0, allowed: torch.Tensor | None = None
                     ) -> tuple[list[int], list[list[int]]]:
-        """DraftsChains's chain in one C call (``chain.c``): the sequence then stands as after ``extend([last], 1)``
+        """DraftsChains's chain in one C call (``chain.c``): the sequence then stands as after ``extend(lead, 1)``
         and ``extend([token], 1)`` for the first k - 1 tokens (its tokens, cache, kept hidden states; no positions a
         shallow run left; ``prefilled`` as it was)."""
         vocabulary = self._chain_vocabulary()
         if vocabulary is None:
             raise UsageError("this runtime drafts its chains in Python (its chain_ids is None)")
         rows = len(vocabulary.ids)
-        if not 1 <= width <= CHAIN_RANKED or k < 0 or not 0 <= last < self.vocab_size:
-            raise UsageError(f"a chain takes a width of 1 to {CHAIN_RANKED}, k >= 0 and a token in the vocabulary")
+        if not 1 <= width <= CHAIN_RANKED or k < 0:
+            raise UsageError(f"a chain takes a width of 1 to {CHAIN_RANKED} and k >= 0")
+        if not 1 <= len(lead) <= CHAIN_LEAD or not all(0 <= token < self.vocab_size for token in lead):
+            raise UsageError(f"a chain's lead is 1 to {CHAIN_LEAD} tokens in the vocabulary")
         if noise is not None and (tuple(noise.shape) != (k, rows) or not temperature > 0):
             raise UsageError(f"a chain's noise is [k, {rows}] (one row per depth), at a temperature above 0")
         if allowed is not None and (tuple(allowed.shape) != (rows,) or not bool(allowed.any())):
@@ -460,19 +464,20 @@ class FusedRuntime(LlamaSequence, Pooled, DraftsChains):
         allowed = None if allowed is None else allowed.to(torch.uint8).contiguous()
         if k == 0:
             return [], []
-        start = len(self.tokens)
+        start, fed = len(self.tokens), len(lead) + k - 1  # the columns it writes: start..start+fed-1
         self.rollback(start)  # positions a shallow run left after the cache go, as a pass drops them
-        self._make_room(start + k)
-        if start + k > self._capacity:
-            raise UsageError(f"a chain of {k} after {start} tokens passes the model's {self.max_length} positions")
-        first = self._embedded([last]).to(torch.float32).contiguous()  # [1, hidden]
+        self._make_room(start + fed)
+        if start + fed > self._capacity:
+            raise UsageError(f"a chain of {k} after {start + len(lead)} tokens passes the model's {self.max_length} "
+                             "positions")
+        first = self._embedded(lead).to(torch.float32).contiguous()  # [lead, hidden]
         noise = None if noise is None else noise.to(torch.float64).contiguous()
-        hidden = None if self._hidden is None else self._hidden[start : start + k]  # [k, hidden]: written there
+        hidden = None if self._hidden is None else self._hidden[start : start + fed]  # [fed, hidden]: written there
         drafted, ranked = np.empty(k, dtype=np.int32), np.empty((k, width - 1), dtype=np.int32)
-        native.use_threads(self.team.best())  # one row a pass: the size plain decoding measured fastest
+        native.use_threads(self.team.best())  # a few rows a pass: the size plain decoding measured fastest
         address = lambda tensor: None if tensor is None else tensor.data_ptr()  # noqa: E731
         code = self._library.sd_draft_chain(
-            ctypes.byref(self._model), ctypes.byref(self._cache().struct), first.data_ptr(), start, k,
+            ctypes.byref(self._model), ctypes.byref(self._cache().struct), first.data_ptr(), len(lead), start, k,
             vocabulary.ids.data_ptr(), vocabulary.embed.data_ptr(), rows, address(noise), temperature,
             address(allowed), width - 1,
             drafted.ctypes.data, ranked.ctypes.data, address(hidden))
@@ -480,7 +485,7 @@ class FusedRuntime(LlamaSequence, Pooled, DraftsChains):
             raise MemoryError("the chain could not allocate its scratch") if code == -1 else \
                 ValueError(f"sd_draft_chain refused its arguments ({code})")
         tokens = drafted.tolist()
-        self.tokens += [last] + tokens[:-1]
+        self.tokens += list(lead) + tokens[:-1]
         return tokens, [[token for token in row if token >= 0] for row in ranked.tolist()]
 
     def pool(self, max_slots: int, max_length: int):
