@@ -266,8 +266,9 @@ class DraftsChains(Protocol):
                     temperature: float = 1.0, allowed: torch.Tensor | None = None
                     ) -> tuple[list[int], list[list[int]]]:
         """Feed ``lead`` (the context's last tokens, 1 to CHAIN_LEAD: the cache holds every one before them; see
-        ``lead_of``) in one pass, then the first k - 1 of the k tokens drafted after it; the k tokens, and per depth the ``width - 1`` ids its head ranks highest after
-        the chosen one (``sampling.ranked``'s: a tree's alternatives). ``noise`` [k, rows] float64, the invariant
+        ``lead_of``) in one pass, then the first k - 1 of the k tokens drafted after it; the k tokens, and per depth
+        the ``width - 1`` ids its head ranks highest after the chosen one (``sampling.ranked``'s: a tree's
+        alternatives). ``noise`` [k, rows] float64, the invariant
         sampler's Gumbel noise at each depth's position over ``chain_ids``, makes each choice its Gumbel-max at
         ``temperature``; None, the argmax. ``allowed`` [rows] bool: the rows it may choose and rank, as if the
         others' logits were -inf (a draft among the tokens another tokenizer holds); None, all."""
