@@ -268,10 +268,10 @@ class DraftsChains(Protocol):
         """Feed ``lead`` (the context's last tokens, 1 to CHAIN_LEAD: the cache holds every one before them; see
         ``lead_of``) in one pass, then the first k - 1 of the k tokens drafted after it; the k tokens, and per depth
         the ``width - 1`` ids its head ranks highest after the chosen one (``sampling.ranked``'s: a tree's
-        alternatives). ``noise`` [k, rows] float64, the invariant
-        sampler's Gumbel noise at each depth's position over ``chain_ids``, makes each choice its Gumbel-max at
-        ``temperature``; None, the argmax. ``allowed`` [rows] bool: the rows it may choose and rank, as if the
-        others' logits were -inf (a draft among the tokens another tokenizer holds); None, all."""
+        alternatives). ``noise`` [k, rows] float64, the invariant sampler's Gumbel noise at each depth's position
+        over ``chain_ids``, makes each choice its Gumbel-max at ``temperature``; None, the argmax. ``allowed`` [rows]
+        bool: the rows it may choose and rank, as if the others' logits were -inf (a draft among the tokens another
+        tokenizer holds); None, all."""
         ...
 
 
@@ -427,8 +427,10 @@ def lead_of(model: CausalLM, context: list[int]) -> list[int]:
     """The tokens a chain after ``context`` feeds first (``DraftsChains.draft_chain``'s lead): those past the longest
     prefix the cache shares with ``context``, its last token at least, at most CHAIN_LEAD (any before them are fed
     now); the cache rolled back to that prefix (a rejected draft's tokens forgotten)."""
-    feed_before_lead(model, context)
     shared = min(common_prefix_length(model.tokens, context), len(context) - 1)
+    if len(context) - shared > CHAIN_LEAD:  # a backlog the caller did not catch up on
+        feed_before_lead(model, context)
+        shared = len(context) - CHAIN_LEAD
     model.rollback(shared)
     return context[shared:]
 

@@ -69,15 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     for runtime in runtimes.values():
         runtime.extend(context, 1)
     copies = {name: runtime for name, runtime in runtimes.items() if name.startswith("draft-grade")}
-    chained = {(f"{name}, one call", 1): runtime for name, runtime in copies.items()}
-    chained |= {(f"{name}, one call after a round accepted whole", 2): runtime for name, runtime in copies.items()}
-    times: dict[str, list[float]] = {name: [] for name in [*runtimes, *(name for name, _ in chained)]}
+    chained = {f"{name}, one call": (runtime, 1) for name, runtime in copies.items()}  # (runtime, lead)
+    chained |= {f"{name}, one call after a round accepted whole": (runtime, 2) for name, runtime in copies.items()}
+    times: dict[str, list[float]] = {name: [] for name in [*runtimes, *chained]}
     for repeat in range(args.repeats + 1):
         for name, runtime in runtimes.items():
             seconds = step_seconds(runtime, context, 1000 + repeat)
             if repeat:
                 times[name].append(seconds)
-        for (name, lead), runtime in chained.items():
+        for name, (runtime, lead) in chained.items():
             seconds = chain_seconds(runtime, context, args.k, lead)
             if repeat:
                 times[name].append(seconds)
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---:|---:|---:|")
     target_floor = runtimes["target"].weight_bytes / bandwidth
     for name, seconds in times.items():
-        runtime = runtimes.get(name) or next(runtime for (chain, _), runtime in chained.items() if chain == name)
+        runtime = runtimes.get(name) or chained[name][0]
         floor = runtime.weight_bytes / bandwidth / target_floor
         print(f"| {name} | {runtime.weight_bytes / 1e6:,.1f} MB | {1000 * statistics.median(seconds):.2f} | "
               f"{statistics.median(seconds) / step:.3f}x | {floor:.3f}x |")

@@ -4,9 +4,10 @@
  * each drafted token then is one row through the layers (pass.c's pass_layers, the code sd_pass runs), the
  * final norm, the LM head's product over all its rows (product.c's, as sd_product computes it), and the choice among
  * those rows: the greedy argmax, or the invariant sampler's Gumbel-max over noise the caller made; the chosen row's
- * token embedding is the next row's input, one cache column on. So every key, value and logit is the bits a pass over
- * the lead and then one-row passes write and read (each row is computed as it is alone), and the token each depth chooses is the one
- * Python's choice over those logits gives (exactspec.sampling: argmax; invariant_choice for top-k 0 and top-p 1).
+ * token embedding is the next row's input, one cache column on. So every key, value and logit is the bits a pass
+ * over the lead and then one-row passes write and read (each row is computed as it is alone), and the token each
+ * depth chooses is the one Python's choice over those logits gives (exactspec.sampling: argmax; invariant_choice
+ * for top-k 0 and top-p 1).
  *
  * The head's rows are a draft vocabulary: row r stands for token ids[r] (ascending) and embed[r] is that token's
  * embedding as the runtime embeds it (a full vocabulary: every id; a draft-grade model's head: the ids it kept). What
